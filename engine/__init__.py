@@ -1,0 +1,5 @@
+"""Pagoda's inference engine: paged KV cache, prefix caching, continuous batching."""
+from engine.llm_engine import LLM, LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]

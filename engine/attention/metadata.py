@@ -1,0 +1,37 @@
+"""Per-step attention inputs shared by every attention backend."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one batch of flattened query tokens and where their KV lives.
+
+    Sequence ``i`` owns query tokens ``query_start_loc[i]:query_start_loc[i+1]``. Those are the
+    *last* tokens of its KV history: its query token ``j`` sits at position
+    ``seq_lens[i] - query_len_i + j`` and attends causally to KV positions ``0..that position``.
+    KV position ``p`` of sequence ``i`` lives in cache slot
+    ``block_tables[i, p // block_size] * block_size + p % block_size``.
+
+    Prefill, prefill over a cached prefix, chunked prefill and decode are all this one shape.
+    A sequence with ``seq_lens[i] == 0`` is padding (CUDA-graph rows): its output is zeros.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; cache slot of each new token, -1 = write nothing
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]; cumulative query lengths
+    seq_lens: torch.Tensor  # int32 [num_seqs]; KV length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]; unused entries are -1
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so backends that loop on the host never synchronise with the device.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,457 @@
+"""Paged attention and KV-cache writes as Triton kernels.
+
+Computes exactly what ``engine.attention.torch_backend`` computes (that module is the reference and
+the tests compare against it); see ``AttentionMetadata`` for the contract. In short:
+
+* The KV cache is ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous. Cache *slot*
+  ``s`` is row ``s`` of the cache viewed as ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+* ``query`` is ``[num_tokens, num_heads, head_dim]``: the new tokens of all sequences, flattened.
+  Sequence ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i+1]``, which are the *last*
+  ``query_len`` positions of its ``seq_lens[i]`` KV positions, so query ``j`` sits at position
+  ``seq_lens[i] - query_len + j`` and attends to KV positions ``0..that position``.
+* KV position ``p`` of sequence ``i`` lives in slot
+  ``block_tables[i, p // block_size] * block_size + p % block_size``.
+* ``seq_lens[i] == 0`` marks a padding row (CUDA-graph batches): its output is zeros.
+
+Kernels:
+
+``_store_kvcache_kernel``
+    One program per new token; scatters its K and V rows to ``slot_mapping[t]``, or does nothing
+    when the slot is negative (a padded token).
+
+``_paged_attention_kernel``
+    Flash attention over paged KV. Grid ``(num_seqs, num_kv_heads, cdiv(max_query_len, BLOCK_M))``.
+    One program takes ``BLOCK_M`` query tokens of one sequence and *all* ``GROUP`` query heads that
+    share one KV head (GQA), flattened into ``BLOCK_M * GROUP_PAD`` rows of one tile. Sharing the
+    KV head means each K/V tile is loaded once for the whole group, and flattening the heads into
+    rows keeps ``tl.dot``'s M dimension >= 16 even for decode (one token). It walks the sequence's
+    KV positions in tiles of ``BLOCK_N`` keys with an online softmax, looking up the page of every
+    key through the block table (so ``BLOCK_N`` need not match ``block_size``), and stops at the
+    last position any of its queries may see (causal skipping).
+
+``_paged_attention_kernel`` with ``SPLIT_KV`` + ``_merge_splits_kernel`` (flash-decoding)
+    For decode-only batches with few ``(sequence, kv head)`` pairs (batch 1 has only
+    ``num_kv_heads`` of them: far fewer programs than the GPU has SMs), the KV range of each
+    sequence is also split ``num_splits`` ways across the grid's third axis; each split writes a
+    normalised partial output and its log-sum-exp, and a second kernel merges them.
+
+Nothing here reads device data on the host: grids and tile sizes come from shapes and
+``meta.max_query_len`` (host ints), so the decode call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention.metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# KV-cache writes
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_offset(row, row_stride):
+    """Element offset of cache row ``row``. Computed in int64: a cache can hold more than 2**31
+    elements, and ``slot * row_stride`` would silently wrap in int32."""
+    return row.to(tl.int64) * row_stride
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    cache_row_stride,  # elements per slot: num_kv_heads * head_dim (cache is contiguous)
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # padded token: write nothing
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    # key/value may be strided views (e.g. slices of a fused qkv projection); head_dim is unit-stride.
+    tok = token.to(tl.int64)
+    k = tl.load(key_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    dst = _row_offset(slot, cache_row_stride) + h[:, None] * HEAD_DIM + d[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = padded token
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV cache must be contiguous"
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
+    assert value.shape == key.shape and slot_mapping.shape == (num_tokens,)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        num_kv_heads * head_dim,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Paged attention
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot_operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """``x`` as a tl.dot operand: rounded to the query dtype (the reference casts the cache to
+    the query dtype), then widened to fp32 when ``UPCAST`` (exact, so results do not change)."""
+    x = x.to(IN_DTYPE)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,  # SPLIT_KV: fp32 [num_seqs, num_heads, NUM_SPLITS, BLOCK_D]; else like q
+    lse_ptr,  # SPLIT_KV: fp32 [num_seqs, num_heads, NUM_SPLITS]; else unused
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2 (exp2 is the native op)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,  # cache strides: block, position in block, kv head (head_dim is unit-stride)
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of 2
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of 2 (>= 16 for tl.dot)
+    PAGE_SIZE: tl.constexpr,  # KV-cache block_size
+    BLOCK_M: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per KV tile
+    SPLIT_KV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # feed tl.dot fp32 (interpreter only: its bf16 dot is broken)
+):
+    ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
+    IN_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLIT_KV:
+        q_block = 0
+        split = tl.program_id(2)
+    else:
+        q_block = tl.program_id(2)
+        split = 0
+    if q_block * BLOCK_M >= q_len:  # this sequence has fewer query tokens than the grid allows
+        return
+
+    # Row r of the tile is query token q_block*BLOCK_M + r // GROUP_PAD, head g = r % GROUP_PAD of
+    # this kv head's group. Rows past the sequence's tokens or the group's heads are padding.
+    r = tl.arange(0, ROWS)
+    q_idx = q_block * BLOCK_M + r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_valid = (q_idx < q_len) & (g < GROUP)
+    head = kv_head * GROUP + g
+    token = (q_start + q_idx).to(tl.int64)
+    pos = seq_len - q_len + q_idx  # KV position of each row's query; it sees keys 0..pos
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    q = _dot_operand(q, IN_DTYPE, UPCAST_DOT)
+
+    # KV range of this program: causal limit of its last query (never past seq_len; 0 for a
+    # padding row), and for split-KV the split's share of it, rounded to whole tiles.
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_M)
+    kv_start = 0
+    if SPLIT_KV:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = split * per_split
+        kv_end = tl.minimum(kv_end, kv_start + per_split)
+
+    # Online softmax state. m starts finite so that fully masked rows give exp2(-inf - m) = 0
+    # rather than NaN (-inf - -inf); such rows keep l == 0 and are written as zeros.
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch
+
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = n < kv_end
+        # Gather: each key's page comes from the block table (int64 before scaling by the
+        # block stride: the cache can exceed 2**31 elements).
+        page = tl.load(table + n // PAGE_SIZE, mask=n_valid, other=0)
+        kv_off = _row_offset(page, stride_cb) + (n % PAGE_SIZE) * stride_cs + head_off
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # The reference casts the cache to the query dtype before attending; so do we.
+        k = _dot_operand(k, IN_DTYPE, UPCAST_DOT)
+        v = _dot_operand(v, IN_DTYPE, UPCAST_DOT)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where((n[None, :] <= pos[:, None]) & n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # P enters the second matmul in the input dtype (usual flash-attention practice).
+        p = _dot_operand(p, IN_DTYPE, UPCAST_DOT)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SPLIT_KV:
+        # Partial result for the merge kernel: normalised output and base-2 log-sum-exp
+        # (-inf for a split that saw no keys, so it gets zero weight).
+        part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=row_valid)
+        tl.store(out_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=row_valid[:, None])
+    else:
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,  # fp32 [num_seqs, num_heads, NUM_SPLITS, BLOCK_D]
+    part_lse_ptr,  # fp32 [num_seqs, num_heads, NUM_SPLITS]
+    out_ptr,
+    query_start_loc_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # no query token: nothing was computed
+        return
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    base = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    o = tl.load(part_out_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
+    # Floor the max so an all-empty row (seq_len 0) gives weights exp2(-inf) = 0, not NaN.
+    m = tl.maximum(tl.max(lse, 0), -1.0e30)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # interpreter / CPU: parallelism buys nothing, so never split by default
+
+
+def _default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many ways to split each decode sequence's KV range. Depends on shapes and the device
+    only (never on sequence lengths, which change between replays of a captured CUDA graph):
+    enough programs to cover the SMs about twice. The split length adapts to each sequence's
+    length inside the kernel, so short sequences just leave trailing splits empty."""
+    programs = num_seqs * num_kv_heads
+    target = 2 * _num_sms(device)
+    if programs >= target:
+        return 1
+    return min(16, triton.next_power_of_2(triton.cdiv(target, programs)))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    return paged_attention_impl(query, k_cache, v_cache, meta, scale)
+
+
+def paged_attention_impl(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+    block_rows: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` with its tuning knobs exposed (for tests and benchmarks).
+
+    num_splits: KV splits for decode-only batches (None: by SM count; 1: no split).
+    block_rows: query rows (tokens x group heads) per program; block_n: keys per KV tile.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV cache must be contiguous"
+    assert v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    num_seqs = meta.num_seqs
+    # Tokens no sequence owns (possible in padded batches) stay zero like the reference's; when
+    # every token is owned the kernels write each output row, so skip the memset.
+    out = torch.empty_like(query) if sum(meta.query_lens_cpu) == num_tokens else torch.zeros_like(query)
+    if num_tokens == 0 or num_seqs == 0 or meta.max_query_len == 0:
+        return out.zero_()
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    block_tables = meta.block_tables
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    is_fp32 = query.dtype == torch.float32
+    # fp32 tl.dot would round its inputs to tf32 by default; the reference is exact fp32.
+    precision = "ieee" if is_fp32 else "tf32"
+    decode = meta.max_query_len == 1
+
+    # A program's tile has BLOCK_M query tokens x GROUP_PAD head rows, at least 16 rows in all
+    # (tl.dot's minimum M). Prefill wants tall tiles (each K/V tile is reused by more rows), capped
+    # so fp32 / wide-head tiles stay in registers. Decode has one token per sequence, so its tile
+    # is the group's heads alone, padded with masked head rows (g >= GROUP) up to 16.
+    if decode:
+        block_m, group_rows = 1, max(16, group_pad)
+    else:
+        if block_rows is None:
+            cap = 64 if (is_fp32 or block_d > 128) else 128
+            block_rows = min(cap, triton.next_power_of_2(meta.max_query_len) * group_pad)
+        block_rows = triton.next_power_of_2(max(block_rows, group_pad, 16))
+        block_m, group_rows = block_rows // group_pad, group_pad
+    rows = block_m * group_rows
+    if block_n is None:
+        block_n = 32 if (is_fp32 or block_d > 128) else 64
+    num_warps = 8 if rows * block_d >= 128 * 128 else 4
+
+    if decode and num_splits is None:
+        num_splits = _default_num_splits(num_seqs, num_kv_heads, query.device)
+    split = decode and num_splits is not None and num_splits > 1
+
+    common = dict(
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        GROUP_PAD=group_rows,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=precision,
+        UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    args = (
+        meta.query_start_loc,
+        meta.seq_lens,
+        block_tables,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+    )
+    if not split:
+        grid = (num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, block_m))
+        _paged_attention_kernel[grid](
+            query, k_cache, v_cache, out, out, *args, SPLIT_KV=False, NUM_SPLITS=1, **common
+        )
+        return out
+
+    part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
+    part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    _paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, part_out, part_lse, *args, SPLIT_KV=True, NUM_SPLITS=num_splits, **common
+    )
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        meta.query_start_loc,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        num_warps=4,
+    )
+    return out

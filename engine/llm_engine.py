@@ -1,0 +1,255 @@
+"""The engine: requests in, one scheduled step at a time, text out.
+
+Offline: `LLM(model).generate(prompts, params)`. Online: `add_request`, `step`, `abort_request`,
+with `stats()` and `kv_blocks()` for dashboards. Not thread-safe: one thread drives it.
+"""
+import logging
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
+from engine.loader import checkpoint_dtype, pick_device, pick_dtype, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("engine")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    token_ids: list[int] = field(default_factory=list)  # all output tokens so far
+
+
+class LLMEngine:
+    def __init__(self, model: str, **settings):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config = EngineConfig.from_kwargs(str(model), **settings)
+        path = resolve_model_path(config.model)
+        hf_config = AutoConfig.from_pretrained(path)
+        from engine.models import model_class
+
+        model_class(hf_config)  # fail on an unsupported architecture before loading anything
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        if config.dtype == "auto":
+            log.info("dtype auto: using %s on %s (checkpoint stores %s)", self.dtype, self.device, checkpoint_dtype(hf_config))
+        self.model_runner = ModelRunner(config, hf_config, path, self.device, self.dtype)
+        capacity = self.model_runner.num_blocks * config.kvcache_block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache, which holds {capacity} tokens; "
+                             "lower max_model_len or give the cache more memory")
+        self.max_model_len = config.max_model_len or min(hf_config.max_position_embeddings, capacity)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        default_tokens = 2048 if self.device.type == "cpu" else 16384
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens or default_tokens)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = self._eos_token_ids(path, hf_config)
+        self.requests: dict[str, Sequence] = {}
+        self._request_ids = count()
+        self.num_generated_tokens = 0
+
+    def _eos_token_ids(self, path, hf_config) -> set[int]:
+        from transformers import GenerationConfig
+
+        ids = set()
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:
+            eos = getattr(hf_config, "eos_token_id", None)
+        for value in (eos, self.tokenizer.eos_token_id):
+            ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.model_runner.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.model_runner.vocab_size - 1})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+                             "and at least one new token must fit; shorten the prompt or raise max_model_len")
+        return token_ids
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request and return its id. Invalid requests raise and change nothing."""
+        sampling_params = sampling_params or SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        seq = Sequence(self.encode_prompt(prompt), sampling_params, request_id or f"req-{next(self._request_ids)}")
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if sampling_params.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks. False if it is unknown or already finished."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = iter(self.model_runner.run(batch))
+        outputs = []
+        for item in batch:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(seq)
+            if not item.samples:
+                continue
+            token = next(sampled)
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            outputs.append(self._advance(seq, token))
+        return outputs
+
+    def _advance(self, seq: Sequence, token: int) -> RequestOutput:
+        params = seq.sampling_params
+        reason = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        self.detokenizer.update(seq, final=reason is not None)
+        if params.stop_list:
+            reason = self._apply_stop_strings(seq) or reason
+        if reason is not None:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            self.scheduler.remove(seq)
+            self.requests.pop(seq.request_id, None)
+        # Hold back text that may turn out to be the start of a stop string.
+        hold = 0 if reason else max((len(s) - 1 for s in params.stop_list), default=0)
+        upto = max(seq.num_emitted_chars, len(seq.output_text) - hold)
+        new_text = seq.output_text[seq.num_emitted_chars : upto]
+        seq.num_emitted_chars = upto
+        return RequestOutput(seq.request_id, new_text, [token], reason is not None, reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.output_token_ids)
+
+    @staticmethod
+    def _apply_stop_strings(seq: Sequence) -> str | None:
+        """Trim the output at the first stop string, if one has appeared."""
+        text = seq.output_text
+        # Only the new text and what precedes it by a stop string's length can hold a new match.
+        window = max(len(s) for s in seq.sampling_params.stop_list) + 16
+        start = max(0, seq.num_emitted_chars - window)
+        hits = [i for i in (text.find(s, start) for s in seq.sampling_params.stop_list) if i >= 0]
+        if not hits:
+            return None
+        seq.output_text = text[: min(hits)]
+        return "stop"
+
+    # ---- introspection --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm, sched = self.block_manager, self.scheduler
+        return {
+            "num_blocks": bm.num_blocks,
+            "free_blocks": bm.num_free_blocks,
+            "cached_blocks": bm.num_cached_free_blocks,
+            "used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "block_size": bm.block_size,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_preemptions": sched.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "max_model_len": self.max_model_len,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.model_runner.backend.name,
+        }
+
+    def kv_blocks(self) -> list[dict]:
+        """One entry per KV block: id, ref_count, cached (hash registered), filled tokens, owners."""
+        bs = self.block_manager.block_size
+        owners: dict[int, list[str]] = {}
+        filled: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for i, block_id in enumerate(seq.block_table):
+                owners.setdefault(block_id, []).append(seq.request_id)
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
+        return [
+            {
+                "id": b.block_id,
+                "ref_count": b.ref_count,
+                "cached": b.hash is not None,
+                "filled": bs if b.hash is not None else filled.get(b.block_id, 0),
+                "owners": owners.get(b.block_id, []),
+            }
+            for b in self.block_manager.blocks
+        ]
+
+    # ---- offline API ----------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Complete every prompt; one dict per prompt, in order, with text, token_ids and finish_reason."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        encoded = [self.encode_prompt(p) for p in prompts]  # validate everything before queuing anything
+        seqs = [self.requests[self.add_request(e, p)] for e, p in zip(encoded, params)]
+        bar = None
+        if use_tqdm and len(seqs) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(seqs), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while any(not s.is_finished for s in seqs):
+                finished = sum(out.finished for out in self.step())
+                if bar and finished:
+                    bar.update(finished)
+        except BaseException:
+            for s in seqs:  # leave the engine clean for the next call
+                self.abort_request(s.request_id)
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return [{"text": s.output_text, "token_ids": s.output_token_ids, "finish_reason": s.finish_reason,
+                 "num_prompt_tokens": s.num_prompt_tokens, "num_cached_tokens": s.num_cached_tokens} for s in seqs]
+
+
+class LLM(LLMEngine):
+    """vLLM's offline entry point: `LLM(model, **settings).generate(prompts, sampling_params)`."""

@@ -1,0 +1,53 @@
+"""Per-request state: tokens, KV blocks, progress and output text."""
+from enum import Enum, auto
+from itertools import count
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request. Its KV history is `token_ids[:num_computed_tokens]`."""
+
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many the prefix cache served at admission
+        self.num_registered_blocks = 0  # leading full blocks whose hash is registered
+        self.finish_reason: str | None = None
+        self.output_text = ""
+        self.generator = None  # a torch.Generator when sampling_params.seed is set
+        self.prefix_offset = self.read_offset = 0  # detokenizer window over the output tokens
+        self.num_emitted_chars = 0  # how much of output_text the caller has been given
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
