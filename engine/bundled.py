@@ -12,12 +12,14 @@ transformers and saves that folder under Pagoda's data directory::
 
 The folder is built in a temporary sibling and renamed into place with a
 completion marker inside, so an interrupted build never looks complete, and
-later calls only check the marker (no torch or transformers import).
+later calls only read the marker (this module imports neither torch nor
+transformers until a build is needed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -67,7 +69,12 @@ def bundled_model_path(progress: Callable[[str], None] | None = print) -> pathli
     _require("torch", "transformers", "safetensors", "gguf", "accelerate")
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(dest.parent / f".{MODEL_NAME}.lock") as locked:
+
+    def on_wait() -> None:
+        if progress is not None:
+            progress(f"Waiting for another process to finish preparing the bundled model {MODEL_NAME}…")
+
+    with _build_lock(dest.parent / f".{MODEL_NAME}.lock", on_wait) as locked:
         # Another process may have finished the build while we waited for the lock.
         if _is_complete(dest):
             return dest
@@ -81,10 +88,12 @@ def bundled_model_path(progress: Callable[[str], None] | None = print) -> pathli
             )
         started = time.monotonic()
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=dest.parent))
+        # mkdtemp makes the folder private (0700); the model is ordinary readable data.
+        tmp.chmod(0o755)
         try:
             with _quiet_third_party(progress is None):
                 _convert(gguf_path, tmp)
-            _fsync_tree(tmp)
+            _settle_files(tmp)
             _write_marker(tmp, gguf_path)
             _move_into_place(tmp, dest)
         finally:
@@ -154,11 +163,12 @@ def _require(*modules: str) -> None:
 
 
 @contextlib.contextmanager
-def _build_lock(lock_path: pathlib.Path) -> Iterator[bool]:
+def _build_lock(lock_path: pathlib.Path, on_wait: Callable[[], None]) -> Iterator[bool]:
     """Hold an exclusive lock for the build; yields whether a real lock is held.
 
-    Without fcntl (Windows) there is no lock; concurrent builders then race
-    and the loser discards its copy in _move_into_place.
+    ``on_wait`` is called once if another process holds the lock. Without fcntl
+    (Windows) there is no lock; concurrent builders then race and the loser
+    discards its copy in _move_into_place.
     """
     try:
         import fcntl
@@ -166,7 +176,11 @@ def _build_lock(lock_path: pathlib.Path) -> Iterator[bool]:
         yield False
         return
     with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield True
         finally:
@@ -183,7 +197,7 @@ def _remove_stale_temps(dest: pathlib.Path) -> None:
 
 @contextlib.contextmanager
 def _quiet_third_party(quiet: bool) -> Iterator[None]:
-    """Hide transformers' and tqdm's progress bars while converting, if asked."""
+    """Hide transformers' warnings and progress bars while converting, if asked."""
     if not quiet:
         yield
         return
@@ -191,28 +205,43 @@ def _quiet_third_party(quiet: bool) -> Iterator[None]:
 
     bars_were_on = hf_logging.is_progress_bar_enabled()
     verbosity = hf_logging.get_verbosity()
-    # The GGUF dequantiser uses tqdm directly, which only an environment variable silences.
-    tqdm_disable = os.environ.get("TQDM_DISABLE")
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    os.environ["TQDM_DISABLE"] = "1"
+    # The GGUF dequantiser calls tqdm directly (TQDM_DISABLE is only read when
+    # tqdm is imported), so its module-level name is swapped for a silent one.
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
     try:
         yield
     finally:
-        if tqdm_disable is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = tqdm_disable
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
         hf_logging.set_verbosity(verbosity)
         if bars_were_on:
             hf_logging.enable_progress_bar()
 
 
 def _gguf_metadata(gguf_path: pathlib.Path, keys: tuple[str, ...]) -> dict[str, Any]:
-    from gguf import GGUFReader
+    """Read scalar and string metadata values (not arrays) from the GGUF header."""
+    from gguf import GGUFReader, GGUFValueType
 
     fields = GGUFReader(gguf_path).fields
-    return {key: fields[key].contents() for key in keys if key in fields}
+    values: dict[str, Any] = {}
+    for key in keys:
+        field = fields.get(key)
+        if field is None or not field.data:
+            continue
+        if hasattr(field, "contents"):
+            values[key] = field.contents()
+        else:  # older gguf releases have no ReaderField.contents()
+            raw = field.parts[field.data[0]]
+            values[key] = bytes(raw).decode("utf-8") if field.types[0] == GGUFValueType.STRING else raw[0].item()
+    return values
 
 
 def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
@@ -270,10 +299,21 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
         cfg.bos_token_id = tokenizer.bos_token_id
         cfg.pad_token_id = tokenizer.pad_token_id
 
+    model.config.name_or_path = MODEL_NAME
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    _embed_chat_template(out, tokenizer.chat_template)
     del model
     _check_folder(out)
+
+
+def _embed_chat_template(out: pathlib.Path, template: str) -> None:
+    # Recent transformers saves the template only as chat_template.jinja; readers
+    # that look in tokenizer_config.json (older transformers, other engines) need it there.
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _use_smollm_pretokenizer(tokenizer: Any) -> None:
@@ -327,10 +367,15 @@ def _check_folder(out: pathlib.Path) -> None:
         raise RuntimeError("Converted chat template is not ChatML.")
 
 
-def _fsync_tree(folder: pathlib.Path) -> None:
-    # The rename publishes the folder; its file contents must be on disk first.
+def _settle_files(folder: pathlib.Path) -> None:
+    """Make the files readable like the folder and flush them to disk.
+
+    safetensors writes its file 0600; the rename publishes the folder, so its
+    contents must be on disk before it.
+    """
     for path in folder.rglob("*"):
         if path.is_file():
+            path.chmod(0o644)
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
 

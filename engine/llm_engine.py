@@ -32,7 +32,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    token_ids: list[int] = field(default_factory=list)  # all output tokens so far
+    token_ids: list[int] = field(default_factory=list)  # all output tokens, once finished
 
 
 class LLMEngine:
@@ -51,11 +51,7 @@ class LLMEngine:
         if config.dtype == "auto":
             log.info("dtype auto: using %s on %s (checkpoint stores %s)", self.dtype, self.device, checkpoint_dtype(hf_config))
         self.model_runner = ModelRunner(config, hf_config, path, self.device, self.dtype)
-        capacity = self.model_runner.num_blocks * config.kvcache_block_size
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache, which holds {capacity} tokens; "
-                             "lower max_model_len or give the cache more memory")
-        self.max_model_len = config.max_model_len or min(hf_config.max_position_embeddings, capacity)
+        self.max_model_len = self.model_runner.max_model_len
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         default_tokens = 2048 if self.device.type == "cpu" else 16384
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens or default_tokens)
@@ -147,7 +143,10 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
-        self.detokenizer.update(seq, final=reason is not None)
+        if seq.stream_text or params.stop_list:
+            self.detokenizer.update(seq, final=reason is not None)
+        elif reason is not None:  # nobody reads text before the end: decode once, not per token
+            seq.output_text = self.detokenizer.decode(seq.output_token_ids)
         if params.stop_list:
             reason = self._apply_stop_strings(seq) or reason
         if reason is not None:
@@ -159,8 +158,8 @@ class LLMEngine:
         upto = max(seq.num_emitted_chars, len(seq.output_text) - hold)
         new_text = seq.output_text[seq.num_emitted_chars : upto]
         seq.num_emitted_chars = upto
-        return RequestOutput(seq.request_id, new_text, [token], reason is not None, reason,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.output_token_ids)
+        return RequestOutput(seq.request_id, new_text, [token], reason is not None, reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, seq.output_token_ids if reason else [])
 
     @staticmethod
     def _apply_stop_strings(seq: Sequence) -> str | None:
@@ -222,6 +221,8 @@ class LLMEngine:
         """Complete every prompt; one dict per prompt, in order, with text, token_ids and finish_reason."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
@@ -230,6 +231,8 @@ class LLMEngine:
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         encoded = [self.encode_prompt(p) for p in prompts]  # validate everything before queuing anything
         seqs = [self.requests[self.add_request(e, p)] for e, p in zip(encoded, params)]
+        for s in seqs:
+            s.stream_text = False
         bar = None
         if use_tqdm and len(seqs) > 1:
             from tqdm.auto import tqdm

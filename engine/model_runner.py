@@ -1,11 +1,17 @@
 """Runs the model for one scheduled batch: builds its inputs, owns the KV cache, samples."""
 import logging
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, select_backend
 from engine.config import EngineConfig
+from engine.cuda_graph import DecodeGraphs
+from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
+from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
+from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from engine.layers.sampler import Sampler, SamplingBatch
 from engine.loader import load_weights
 from engine.models import model_class
@@ -14,6 +20,7 @@ from engine.scheduler import ScheduledSeq
 log = logging.getLogger("engine")
 
 CPU_KV_CACHE_BYTES = 1 << 30
+_COMPILED: dict = {}  # shared by every engine in the process, so each op compiles once
 
 
 class ModelRunner:
@@ -37,7 +44,49 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
         self.num_blocks = self._allocate_kv_cache()
+        self.max_model_len = self._max_model_len(hf_config)
+        self.graphs = None
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self.model, hf_config.hidden_size, dtype, device, config.max_num_seqs,
+                                       -(-self.max_model_len // self.block_size), self.max_model_len)
+            with self._compiled_small_ops():
+                self.graphs.capture()
+
+    def _max_model_len(self, hf_config) -> int:
+        capacity = self.num_blocks * self.block_size
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > capacity:
+            raise ValueError(f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens "
+                             f"({self.num_blocks} blocks); lower max_model_len or give the cache more memory")
+        return wanted or min(hf_config.max_position_embeddings, capacity)
+
+    @contextmanager
+    def _compiled_small_ops(self):
+        """Swap in torch.compile'd versions of the elementwise ops between the GEMMs, for graph capture.
+
+        Each op is one plain function compiled once with dynamic shapes and shared by every layer.
+        Inside a graph they cost nothing on the host; called eagerly, each compiled call spends
+        ~0.25 ms checking guards, more than it saves, so eager steps keep the plain functions."""
+        if not _COMPILED:
+            _COMPILED.update({fn: torch.compile(fn, dynamic=True) for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)})
+        swaps = []
+        for m in self.model.modules():
+            if isinstance(m, RMSNorm):
+                swaps += [(m, "norm_fn", rms_norm), (m, "add_norm_fn", add_rms_norm)]
+            elif isinstance(m, SiluAndMul):
+                swaps.append((m, "fn", silu_and_mul))
+            elif isinstance(m, RotaryEmbedding):
+                swaps.append((m, "fn", apply_rotary))
+        for module, name, fn in swaps:
+            setattr(module, name, _COMPILED[fn])
+        try:
+            yield
+        finally:
+            for module, name, _ in swaps:
+                delattr(module, name)  # back to the class's plain function
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -62,41 +111,98 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, self.block_size, self.kv_cache.nbytes / 2**20)
         return num_blocks
 
+    @torch.inference_mode()
     def _gpu_kv_budget(self) -> int:
-        raise NotImplementedError  # filled in by the GPU path
+        """Bytes for the KV cache: what gpu_memory_utilization leaves after weights, peak activations
+        and graphs, and never more than is physically free (other processes' memory is not ours)."""
+        weights = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup()
+        activations = torch.cuda.max_memory_allocated(self.device) - weights
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        graphs = min(1 << 30, total // 64) if self.use_graphs else 0
+        by_share = total * self.config.gpu_memory_utilization - weights - activations - graphs
+        by_free = free - activations - graphs - (256 << 20)
+        budget = int(min(by_share, by_free))
+        gib = 2**30
+        if budget < self.kv_bytes_per_block():
+            raise RuntimeError(
+                f"the model does not fit: weights {weights / gib:.2f} GiB + activations {activations / gib:.2f} GiB "
+                f"+ graphs {graphs / gib:.2f} GiB leave {max(budget, 0) / gib:.2f} GiB for the KV cache on a "
+                f"{total / gib:.1f} GiB GPU with {free / gib:.1f} GiB free at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}; use a smaller model, a lower max_num_batched_tokens, "
+                "or raise gpu_memory_utilization")
+        return budget
+
+    def _warmup(self) -> None:
+        """Run the largest step the scheduler may build, so its activation memory gets measured.
+
+        Every token is a one-token sequence over a scratch cache of one block: the matmuls see the
+        full token budget, and attention reads one block and writes nothing."""
+        num_tokens = self.config.max_num_batched_tokens or 16384
+        a = self.attention_layers[0]
+        scratch = torch.zeros((1, self.block_size, a.num_kv_heads, a.head_dim), dtype=self.dtype, device=self.device)
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = scratch
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((num_tokens, 1), dtype=torch.int32, device=dev),
+            max_query_len=1, max_seq_len=1, query_lens_cpu=[1] * num_tokens, seq_lens_cpu=[1] * num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, ids, meta)
+        rows = min(num_tokens, self.config.max_num_seqs)
+        self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        torch.cuda.synchronize(dev)
 
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """input_ids, positions, attention metadata, and the rows whose logits get sampled."""
+        """input_ids, positions, attention metadata, and the rows whose logits get sampled.
+
+        Built with numpy on the host (a few microseconds per array, where small torch ops cost
+        tens), then copied to the device once per array."""
         bs = self.block_size
-        starts = [s.seq.num_computed_tokens for s in batch]
-        query_lens = [s.num_new_tokens for s in batch]
-        seq_lens = [a + n for a, n in zip(starts, query_lens)]
-        token_ids: list[int] = []
-        for s, start, n in zip(batch, starts, query_lens):
-            token_ids += s.seq.token_ids[start : start + n]
+        num_seqs = len(batch)
+        starts = np.fromiter((s.seq.num_computed_tokens for s in batch), np.int64, num_seqs)
+        query_lens = np.fromiter((s.num_new_tokens for s in batch), np.int64, num_seqs)
+        seq_lens = starts + query_lens
+        query_start_loc = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
         max_blocks = max(len(s.seq.block_table) for s in batch)
-        tables = torch.tensor([s.seq.block_table + [-1] * (max_blocks - len(s.seq.block_table)) for s in batch], dtype=torch.int32)
-        query_lens_t = torch.tensor(query_lens)
-        query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)
-        positions = torch.tensor(starts)[seq_index] + torch.arange(len(token_ids)) - query_start_loc[:-1].long()[seq_index]
-        slot_mapping = tables[seq_index, positions // bs].long() * bs + positions % bs
+        tables = np.full((num_seqs, max_blocks), -1, np.int64)
+        for i, s in enumerate(batch):
+            tables[i, : len(s.seq.block_table)] = s.seq.block_table
+        if int(query_lens.max()) == 1:  # decode: one token per sequence
+            token_ids = [s.seq.token_ids[-1] for s in batch]
+            positions, seq_index = starts, np.arange(num_seqs)
+        else:
+            token_ids = []
+            for s, start, n in zip(batch, starts.tolist(), query_lens.tolist()):
+                token_ids += s.seq.token_ids[start : start + n]
+            seq_index = np.repeat(np.arange(num_seqs), query_lens)
+            positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[seq_index]
+        slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
         sample_rows = [i for i, s in enumerate(batch) if s.samples]
-        logits_index = query_start_loc[1:].long()[sample_rows] - 1
-        dev = self.device
+        logits_index = query_start_loc[1:][sample_rows] - 1
+
+        def dev(a, dtype=torch.int64):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=False)
+
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_tables=tables.to(dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+            slot_mapping=dev(slot_mapping),
+            query_start_loc=dev(query_start_loc, torch.int32),
+            seq_lens=dev(seq_lens, torch.int32),
+            block_tables=dev(tables, torch.int32),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
         )
-        return torch.tensor(token_ids).to(dev), positions.to(dev), meta, logits_index.to(dev)
+        return dev(np.asarray(token_ids, np.int64)), dev(positions), meta, dev(logits_index)
 
     def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
         params = [s.seq.sampling_params for s in batch]
@@ -136,4 +242,6 @@ class ModelRunner:
         return self.sampler(logits, sampling).tolist()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta)

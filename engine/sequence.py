@@ -32,6 +32,7 @@ class Sequence:
         self.generator = None  # a torch.Generator when sampling_params.seed is set
         self.prefix_offset = self.read_offset = 0  # detokenizer window over the output tokens
         self.num_emitted_chars = 0  # how much of output_text the caller has been given
+        self.stream_text = True  # detokenize every step; off when only the final text is wanted
 
     def __len__(self) -> int:
         return len(self.token_ids)

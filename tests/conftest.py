@@ -72,3 +72,51 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+# ---- helpers shared by the engine tests --------------------------------------------------------
+NUM_SPECIAL = 3  # <|endoftext|>, <|im_start|>, <|im_end|> (= eos, id 2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_models) -> Path:
+    return tiny_models["qwen2"]
+
+
+@pytest.fixture
+def make_llm():
+    """`make_llm(path, **settings)`: an LLM in float32 with a small explicit KV cache unless told otherwise."""
+
+    def make(path, **settings):
+        from engine import LLM
+
+        return LLM(str(path), **{"dtype": "float32", "num_kvcache_blocks": 64, **settings})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def random_prompt():
+    """`random_prompt(length, seed)`: reproducible token ids that avoid the special tokens."""
+
+    def make(length: int, seed: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(NUM_SPECIAL, VOCAB, (length,), generator=g).tolist()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """`hf_model(path)`: the transformers reference model in float32, loaded once per session."""
+    cache = {}
+
+    def load(path):
+        from transformers import AutoModelForCausalLM
+
+        key = str(path)
+        if key not in cache:
+            cache[key] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[key]
+
+    return load

@@ -59,16 +59,18 @@ def paged_attention(
 
 
 def _decode(query, k_cache, v_cache, meta, scale, rows, out) -> None:
+    # Under a CUDA graph the host lengths are upper bounds; the device tensors hold the truth.
     block_size = k_cache.shape[1]
     rows_t = torch.tensor(rows, device=query.device)
     seq_lens = meta.seq_lens[rows_t].long()
-    max_len = max(meta.seq_lens_cpu[i] for i in rows)
-    num_blocks = -(-max_len // block_size)
+    num_blocks = min(-(-max(meta.seq_lens_cpu[i] for i in rows) // block_size), meta.block_tables.shape[1])
+    max_len = num_blocks * block_size
     tables = meta.block_tables[rows_t, :num_blocks].clamp(min=0).long()
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).to(query.dtype)
-    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
+    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+    valid[:, 0] = True  # padding rows (seq_len 0) attend to something finite, then get zeroed
     token_idx = meta.query_start_loc[rows_t].long()
     q = query[token_idx].unsqueeze(2)  # [S, H, 1, D]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-    out[token_idx] = o.squeeze(2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    out[token_idx] = torch.where((seq_lens > 0)[:, None, None], o.squeeze(2), 0.0)

@@ -35,11 +35,17 @@ Kernels:
     sequence is also split ``num_splits`` ways across the grid's third axis; each split writes a
     normalised partial output and its log-sum-exp, and a second kernel merges them.
 
+Matmul inputs: fp32 queries use ``input_precision="ieee"`` (Triton's default would round them to
+tf32, far from the fp32 reference); bf16/fp16 feed the tensor cores directly and accumulate in
+fp32. Triton's CPU interpreter computes bf16 ``tl.dot`` wrongly (it multiplies the raw bits), so
+there, and only there, bf16 operands are widened to fp32 first (exact; see ``UPCAST_DOT``).
+
 Nothing here reads device data on the host: grids and tile sizes come from shapes and
 ``meta.max_query_len`` (host ints), so the decode call can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -308,9 +314,11 @@ def _merge_splits_kernel(
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether kernels run in Triton's CPU interpreter (TRITON_INTERPRET, as Triton parses it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -321,12 +329,16 @@ def _default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) 
     """How many ways to split each decode sequence's KV range. Depends on shapes and the device
     only (never on sequence lengths, which change between replays of a captured CUDA graph):
     enough programs to cover the SMs about twice. The split length adapts to each sequence's
-    length inside the kernel, so short sequences just leave trailing splits empty."""
+    length inside the kernel, so short sequences just leave trailing splits empty.
+
+    Measured on an H200 (CUDA-graph replay, bf16, 8 kv heads, head_dim 128): batch 1 with 2000
+    tokens 48 us unsplit -> 8 us with 16-64 splits; batch 1 with 32000 tokens 73.7 us with 16
+    splits -> 40 us with 64; batch 64 (512 programs) is fastest unsplit, at about 4.2 TB/s."""
     programs = num_seqs * num_kv_heads
     target = 2 * _num_sms(device)
     if programs >= target:
         return 1
-    return min(16, triton.next_power_of_2(triton.cdiv(target, programs)))
+    return min(64, triton.next_power_of_2(triton.cdiv(target, programs)))
 
 
 def paged_attention(
@@ -380,15 +392,15 @@ def paged_attention_impl(
     decode = meta.max_query_len == 1
 
     # A program's tile has BLOCK_M query tokens x GROUP_PAD head rows, at least 16 rows in all
-    # (tl.dot's minimum M). Prefill wants tall tiles (each K/V tile is reused by more rows), capped
-    # so fp32 / wide-head tiles stay in registers. Decode has one token per sequence, so its tile
-    # is the group's heads alone, padded with masked head rows (g >= GROUP) up to 16.
+    # (tl.dot's minimum M). Prefill wants tall tiles (each K/V tile is reused by more rows), but
+    # on an H200 (bf16, head_dim 128, 4096-token causal prefill) 64 rows x 64 keys beat 128 rows
+    # (278 vs 248 TFLOP/s). Decode has one token per sequence, so its tile is the group's heads
+    # alone, padded with masked head rows (g >= GROUP) up to 16.
     if decode:
         block_m, group_rows = 1, max(16, group_pad)
     else:
         if block_rows is None:
-            cap = 64 if (is_fp32 or block_d > 128) else 128
-            block_rows = min(cap, triton.next_power_of_2(meta.max_query_len) * group_pad)
+            block_rows = min(64, triton.next_power_of_2(meta.max_query_len) * group_pad)
         block_rows = triton.next_power_of_2(max(block_rows, group_pad, 16))
         block_m, group_rows = block_rows // group_pad, group_pad
     rows = block_m * group_rows

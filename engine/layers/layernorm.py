@@ -3,22 +3,31 @@ import torch
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as transformers, so float32 logits match it to the last bits we can.
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
 class RMSNorm(nn.Module):
+    # Plain functions, so one torch.compile of each serves every layer (see ModelRunner).
+    norm_fn = staticmethod(rms_norm)
+    add_norm_fn = staticmethod(add_rms_norm)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers, so float32 logits match it to the last bits we can.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return self.norm_fn(x, self.weight, self.eps)
+        return self.add_norm_fn(x, residual, self.weight, self.eps)

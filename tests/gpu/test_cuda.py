@@ -1,0 +1,120 @@
+"""GPU checks, run by bench/device_check.sh on a CUDA machine; skipped elsewhere.
+
+Every CUDA backend is checked against the torch reference backend and against transformers."""
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata, torch_backend
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = [[random.Random(i).randrange(3, 300) for _ in range(n)] for i, n in enumerate((5, 16, 33, 70))]
+
+
+def hf_greedy(path, prompts, n, dtype=torch.float32):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    outs = []
+    for p in prompts:
+        ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_equals_transformers_on_every_backend(tiny_models, family):
+    expected = hf_greedy(tiny_models[family], PROMPTS, 48)
+    for backend in ("torch", "triton"):
+        for eager in (True, False):
+            llm = LLM(str(tiny_models[family]), device="cuda", dtype="float32", attention_backend=backend,
+                      enforce_eager=eager, num_kvcache_blocks=128, max_num_seqs=8)
+            outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+            got = [o["token_ids"] for o in outs]
+            assert got == expected, f"{family} backend={backend} enforce_eager={eager}"
+            del llm
+
+
+def test_prefix_cache_and_chunked_prefill_on_triton(tiny_llama):
+    system = list(range(10, 60))
+    prompts = [system + [100 + i, 101 + i, 7] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(str(tiny_llama), device="cuda", dtype="float32", num_kvcache_blocks=64, max_num_seqs=4,
+                  max_num_batched_tokens=23, enable_prefix_caching=caching)
+        outs[caching] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if caching:  # requests admitted after the first one registered its 3 full system-prompt blocks hit them
+            assert llm.stats()["prefix_cache_hits"] >= 48
+    assert outs[True] == outs[False]
+
+
+def random_case(num_seqs, q_lens, kv_lens, heads, kv_heads, dim, block_size, dtype):
+    num_blocks = sum(-(-k // block_size) for k in kv_lens) + 7
+    order = torch.randperm(num_blocks).tolist()
+    tables, slots = [], []
+    for q, k in zip(q_lens, kv_lens):
+        n = -(-k // block_size)
+        table = [order.pop() for _ in range(n)]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(k - q, k)]
+    width = max(len(t) for t in tables)
+    dev = "cuda"
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=dev), query_start_loc=qsl.to(dev),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+        max_query_len=max(q_lens), max_seq_len=max(kv_lens), query_lens_cpu=q_lens, seq_lens_cpu=kv_lens)
+    t = sum(q_lens)
+    q = torch.randn(t, heads, dim, device=dev, dtype=dtype)
+    k = torch.randn(t, kv_heads, dim, device=dev, dtype=dtype)
+    v = torch.randn(t, kv_heads, dim, device=dev, dtype=dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, device=dev, dtype=dtype)
+    return q, k, v, cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 8, 128), (9, 3, 64), (4, 4, 64)])
+def test_triton_kernels_match_reference_on_gpu(dtype, shape):
+    from engine.attention import triton_kernels
+
+    heads, kv_heads, dim = shape
+    for q_lens, kv_lens in [([1] * 7, [1, 17, 300, 2048, 16, 33, 900]), ([37, 1, 200, 5], [37, 50, 1000, 5]), ([64, 1], [64, 2])]:
+        q, k, v, cache, meta = random_case(len(q_lens), q_lens, kv_lens, heads, kv_heads, dim, 16, dtype)
+        ref_cache, tri_cache = cache.clone(), cache.clone()
+        torch_backend.store_kvcache(k, v, ref_cache[0], ref_cache[1], meta.slot_mapping)
+        triton_kernels.store_kvcache(k, v, tri_cache[0], tri_cache[1], meta.slot_mapping)
+        assert torch.equal(ref_cache, tri_cache)
+        ref = torch_backend.paged_attention(q, ref_cache[0], ref_cache[1], meta, dim**-0.5).float()
+        out = triton_kernels.paged_attention(q, tri_cache[0], tri_cache[1], meta, dim**-0.5).float()
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < (1e-4 if dtype == torch.float32 else 1e-2), (q_lens, kv_lens, err)
+
+
+def test_bf16_logits_close_to_transformers_on_qwen3_06b_shape(tmp_path_factory):
+    import tempfile
+    from pathlib import Path
+
+    import transformers
+
+    from bench.common import qwen3_06b_config, save_random_model
+
+    folder = save_random_model(qwen3_06b_config(), Path(tempfile.gettempdir()) / "pagoda-qwen3-0.6b", torch.bfloat16, "cuda")
+    prompt = [random.Random(0).randrange(100, 100000) for _ in range(100)]
+    llm = LLM(str(folder), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
+    captured = []
+    original = llm.model_runner.model.compute_logits
+    llm.model_runner.model.compute_logits = lambda h: captured.append(original(h).float()) or captured[-1]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+    ours = captured[0][0]
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=0).item()
+    print(f"bf16 0.6B-shape logits: relative error {rel:.4f}, cosine {cos:.5f}")
+    assert rel < 0.05 and cos > 0.995

@@ -1,0 +1,288 @@
+"""BlockManager and Sequence under random operation sequences, plus a few targeted unit tests.
+
+The state machine drives the block manager the way the scheduler and engine do (admit on the
+cached prefix, allocate a chunk, compute it, register full blocks, sample, preempt, free) and
+keeps a shadow copy of what each KV slot holds: the token prefix it was computed from. Besides
+the bookkeeping invariants, that catches the bug that matters most: a sequence attending over
+KV that was computed for different tokens.
+"""
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import engine.block_manager as block_manager_module
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BS = 4
+NUM_BLOCKS = 8
+# A few shared prefixes over a tiny alphabet, so prompts share blocks often and partially.
+PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 9, 0, 0], [2, 2, 2, 2, 2, 2, 2, 2, 2]]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    enable_prefix_caching = True
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BS, self.enable_prefix_caching)
+        self.running: list[Sequence] = []
+        self.pending: dict[int, int] = {}  # seq_id -> tokens allocated but not computed yet
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, slot) -> the token prefix its KV encodes
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _snapshot(self):
+        bm = self.bm
+        return ([(b.ref_count, b.hash) for b in bm.blocks], list(bm.empty_block_ids), list(bm.cached_free_block_ids),
+                dict(bm.hash_to_block_id))
+
+    def _try_admit(self, seq: Sequence, chunk: int) -> None:
+        bm = self.bm
+        cached = bm.find_cached_prefix(seq)
+        assert len(cached) <= (len(seq) - 1) // BS  # the last token is always computed
+        for i, block_id in enumerate(cached):  # a hit serves exactly this sequence's KV
+            for slot in range(BS):
+                assert self.kv[(block_id, slot)] == tuple(seq.token_ids[: i * BS + slot + 1])
+        n = min(len(seq) - len(cached) * BS, chunk)
+        before = self._snapshot()
+        hits_before = bm.prefix_cache_hits
+        if not bm.can_admit(seq, cached, n):
+            assert self._snapshot() == before
+            return
+        bm.admit(seq, cached)
+        bm.allocate(seq, n)
+        assert bm.prefix_cache_hits - hits_before == len(cached) * BS == seq.num_cached_tokens
+        self.running.append(seq)
+        self.pending[seq.seq_id] = n
+
+    def _free(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        self.running.remove(seq)
+        del self.pending[seq.seq_id]
+
+    # ---- rules -------------------------------------------------------------------------------------
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), min_size=1, max_size=7), chunk=st.integers(1, 24))
+    def add(self, prefix, tail, chunk):
+        self._try_admit(Sequence(prefix + tail, SamplingParams()), chunk)
+
+    @precondition(lambda self: any(self.pending[s.seq_id] for s in self.running))
+    @rule(pick=st.integers(0, 100), token=st.integers(0, 3))
+    def compute(self, pick, token):
+        """Run the model on a sequence's scheduled chunk: write its KV, register, maybe sample."""
+        seqs = [s for s in self.running if self.pending[s.seq_id]]
+        seq = seqs[pick % len(seqs)]
+        n = self.pending[seq.seq_id]
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            block = self.bm.blocks[seq.block_table[pos // BS]]
+            # A sequence only ever writes into its own unshared, unregistered blocks.
+            assert block.ref_count == 1 and block.hash is None, (block, pos)
+            self.kv[(block.block_id, pos % BS)] = tuple(seq.token_ids[: pos + 1])
+        seq.num_computed_tokens += n
+        self.pending[seq.seq_id] = 0
+        self.bm.register_full_blocks(seq)
+        if seq.num_computed_tokens == len(seq):
+            seq.token_ids.append(token)
+
+    @precondition(lambda self: any(not self.pending[s.seq_id] for s in self.running))
+    @rule(pick=st.integers(0, 100), chunk=st.integers(1, 24))
+    def schedule(self, pick, chunk):
+        seqs = [s for s in self.running if not self.pending[s.seq_id]]
+        seq = seqs[pick % len(seqs)]
+        n = min(seq.num_uncomputed_tokens, chunk)
+        if self.bm.can_allocate(seq, n):
+            self.bm.allocate(seq, n)
+            self.pending[seq.seq_id] = n
+        else:
+            before = self._snapshot()
+            with pytest.raises(RuntimeError):
+                self.bm.allocate(seq, n)
+            assert self._snapshot() == before
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(0, 100))
+    def finish(self, pick):
+        self._free(self.running[pick % len(self.running)])
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(0, 100), chunk=st.integers(1, 24))
+    def preempt(self, pick, chunk):
+        """Free a sequence mid-flight and re-admit it with its output so far, as the scheduler does."""
+        seq = self.running[pick % len(self.running)]
+        self._free(seq)
+        self._try_admit(seq, chunk)
+
+    # ---- invariants --------------------------------------------------------------------------------
+    @invariant()
+    def free_and_used_blocks_are_disjoint_and_complete(self):
+        bm = self.bm
+        empty, cached_free = list(bm.empty_block_ids), list(bm.cached_free_block_ids)
+        free = set(empty) | set(cached_free)
+        assert len(empty) + len(cached_free) == len(free), "a block is listed twice in the free pools"
+        assert free == {b.block_id for b in bm.blocks if b.ref_count == 0}
+        assert bm.num_free_blocks == len(free)
+        assert all(bm.blocks[b].hash is None for b in empty)
+        assert all(bm.blocks[b].hash is not None for b in cached_free)
+
+    @invariant()
+    def ref_counts_equal_references(self):
+        counts = [0] * NUM_BLOCKS
+        for seq in self.running:
+            for block_id in seq.block_table:
+                counts[block_id] += 1
+        assert [b.ref_count for b in self.bm.blocks] == counts  # so never negative, never leaked
+
+    @invariant()
+    def hash_table_is_consistent(self):
+        bm = self.bm
+        registered = {b.block_id for b in bm.blocks if b.hash is not None}
+        assert set(bm.hash_to_block_id.values()) == registered
+        for h, block_id in bm.hash_to_block_id.items():
+            block = bm.blocks[block_id]
+            assert block.hash == h
+            assert len(block.token_ids) == BS
+            assert tuple(self.kv[(block_id, slot)][-1] for slot in range(BS)) == block.token_ids
+        if not self.enable_prefix_caching:
+            assert not registered
+
+    @invariant()
+    def sequences_see_their_own_kv(self):
+        for seq in self.running:
+            pending = self.pending[seq.seq_id]
+            assert len(seq.block_table) == -(-(seq.num_computed_tokens + pending) // BS)
+            assert seq.num_registered_blocks <= seq.num_computed_tokens // BS
+            for pos in range(seq.num_computed_tokens):
+                assert self.kv[(seq.block_table[pos // BS], pos % BS)] == tuple(seq.token_ids[: pos + 1])
+
+    @invariant()
+    def counters(self):
+        bm = self.bm
+        assert 0 <= bm.prefix_cache_hits <= bm.prefix_cache_queries
+        assert bm.prefix_cache_hits % BS == 0
+
+    def teardown(self):
+        for seq in list(self.running):
+            self._free(seq)
+        bm = self.bm
+        assert bm.num_free_blocks == NUM_BLOCKS
+        assert all(b.ref_count == 0 for b in bm.blocks)
+        self.free_and_used_blocks_are_disjoint_and_complete()
+
+
+class BlockManagerWithoutCachingMachine(BlockManagerMachine):
+    enable_prefix_caching = False
+
+
+_settings = settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestBlockManagerStateful = BlockManagerMachine.TestCase
+TestBlockManagerStateful.settings = _settings
+TestBlockManagerWithoutCachingStateful = BlockManagerWithoutCachingMachine.TestCase
+TestBlockManagerWithoutCachingStateful.settings = settings(_settings, max_examples=40)
+
+
+# ---- unit tests ----------------------------------------------------------------------------------
+def run_to_completion(bm: BlockManager, token_ids: list[int]) -> Sequence:
+    """Admit, allocate and compute a whole prompt, registering its full blocks."""
+    seq = Sequence(token_ids, SamplingParams())
+    cached = bm.find_cached_prefix(seq)
+    bm.admit(seq, cached)
+    n = len(seq) - seq.num_computed_tokens
+    bm.allocate(seq, n)
+    seq.num_computed_tokens += n
+    bm.register_full_blocks(seq)
+    return seq
+
+
+def test_cached_free_blocks_are_evicted_least_recently_freed_first():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = run_to_completion(bm, [1, 2, 3, 4])  # blocks 0, 1, both registered
+    b = run_to_completion(bm, [5, 6, 7, 8])  # blocks 2, 3
+    assert (a.block_table, b.block_table) == ([0, 1], [2, 3])
+    bm.free(b)
+    bm.free(a)
+    # Tail blocks go first within a sequence (they are the least shareable); b was freed before a.
+    assert list(bm.cached_free_block_ids) == [3, 2, 1, 0]
+    assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 4
+
+    # Reusing a's first block refreshes it: it leaves the pool and comes back last.
+    c = run_to_completion(bm, [1, 2, 9])
+    assert c.block_table[0] == 0 and c.num_cached_tokens == 2
+    assert c.block_table[1] == 3  # the oldest cached free block was evicted for the new tail
+    assert bm.blocks[3].hash is None and bm.blocks[3].token_ids == ()
+    assert (7, 8) not in [blk.token_ids for blk in bm.blocks]
+    bm.free(c)
+    assert list(bm.cached_free_block_ids) == [2, 1, 0]
+    assert list(bm.empty_block_ids) == [3]
+
+    # The evicted block's prefix is gone; the others still hit.
+    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 1], SamplingParams())) == [2]
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 1], SamplingParams())) == [0, 1]
+
+
+def test_empty_blocks_are_used_before_cached_ones_are_evicted():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = run_to_completion(bm, [1, 2, 3])  # block 0 registered, block 1 partial
+    bm.free(a)
+    assert list(bm.cached_free_block_ids) == [0] and sorted(bm.empty_block_ids) == [1, 2, 3]
+    b = run_to_completion(bm, [7, 7, 7, 7, 7])
+    assert 0 not in b.block_table and len(b.block_table) == 3
+    assert bm.find_cached_prefix(Sequence([1, 2, 3], SamplingParams())) == [0]
+
+
+def test_hash_collision_never_serves_another_prompts_blocks(monkeypatch):
+    monkeypatch.setattr(block_manager_module, "chain_hash", lambda parent, tokens: 42)
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = run_to_completion(bm, [1, 2, 3, 4, 5])
+    first_block = a.block_table[0]
+    assert bm.hash_to_block_id == {42: first_block}
+    bm.free(a)
+    other = Sequence([9, 9, 9, 9, 5], SamplingParams())
+    assert bm.find_cached_prefix(other) == []  # same hash, different tokens: a miss
+    bm.admit(other, [])
+    assert other.num_cached_tokens == 0 and bm.prefix_cache_hits == 0
+    same = Sequence([1, 2, 3, 4, 6], SamplingParams())
+    assert bm.find_cached_prefix(same) == [first_block]
+
+
+def test_prefix_caching_off_never_hits_or_registers():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    a = run_to_completion(bm, [1, 2, 3, 4, 5])
+    assert bm.hash_to_block_id == {} and all(b.hash is None for b in bm.blocks)
+    bm.free(a)
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5], SamplingParams())) == []
+    assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 4
+
+
+def test_can_admit_counts_matched_blocks_that_leave_the_free_pool():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    a = run_to_completion(bm, [1, 2, 3, 4, 5])  # 3 blocks, the first two registered
+    registered = a.block_table[:2]
+    bm.free(a)
+    seq = Sequence([1, 2, 3, 4, 6, 7, 8], SamplingParams())
+    cached = bm.find_cached_prefix(seq)
+    assert cached == registered
+    # 3 tokens to compute need 2 more blocks, but taking the 2 cached ones leaves only 1 free.
+    assert not bm.can_admit(seq, cached, 3)
+    assert bm.can_admit(seq, cached, 2)
+
+
+def test_misuse_raises_instead_of_corrupting_the_pools():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    seq = Sequence([1, 2, 3], SamplingParams())
+    bm.admit(seq, [])
+    with pytest.raises(RuntimeError, match="need 3 KV blocks but only 2 are free"):
+        bm.allocate(seq, 5)
+    assert bm.num_free_blocks == 2 and seq.block_table == []
+    bm.allocate(seq, 3)
+    with pytest.raises(RuntimeError, match="already holds KV blocks"):
+        bm.admit(seq, [])
+    stale_table = list(seq.block_table)
+    bm.free(seq)
+    assert bm.num_free_blocks == 2
+    seq.block_table = stale_table  # a second free of the same blocks
+    with pytest.raises(RuntimeError, match="freed more often"):
+        bm.free(seq)
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks=0, block_size=16)

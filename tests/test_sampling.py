@@ -1,0 +1,274 @@
+"""Sampling: the Sampler on crafted logits, per-request seeds, penalties, and stop conditions."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.layers.sampler import Sampler, SamplingBatch, apply_repetition_penalty
+
+V = 24
+DRAWS = 20000
+
+
+def make_batch(rows, temperature=1.0, top_k=None, top_p=None, min_p=None, penalty=None, seen=None, generators=None):
+    def col(value, dtype):
+        return None if value is None else torch.full((rows,), value, dtype=dtype)
+
+    temps = torch.full((rows,), float(temperature))
+    return SamplingBatch(temperatures=temps, top_k=col(top_k, torch.int64), top_p=col(top_p, torch.float32),
+                         min_p=col(min_p, torch.float32), repetition_penalties=col(penalty, torch.float32), seen_tokens=seen,
+                         generators=generators or [None] * rows, all_greedy=bool((temps == 0).all()))
+
+
+@pytest.fixture
+def logits():
+    g = torch.Generator().manual_seed(0)
+    # Distinct values with a moderate spread: every token has a real chance before filtering.
+    return torch.randn(V, generator=g) * 1.5
+
+
+def allowed_and_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
+    """The reference: which tokens may be drawn, and with what probability (vLLM's definitions)."""
+    probs = (logits / temperature).softmax(-1)
+    keep = torch.ones(V, dtype=torch.bool)
+    if top_k is not None:
+        keep &= logits >= logits.topk(top_k).values[-1]
+    if top_p is not None:
+        p = torch.where(keep, probs, 0.0)
+        p = p / p.sum()
+        order = p.argsort(descending=True)
+        before = torch.cumsum(p[order], 0) - p[order]  # mass of the strictly more likely tokens
+        keep_sorted = before < top_p
+        keep &= torch.zeros(V, dtype=torch.bool).scatter(0, order, keep_sorted)
+    p = torch.where(keep, probs, 0.0)
+    p = p / p.sum()
+    if min_p is not None:
+        keep &= p >= min_p * p.max()
+        p = torch.where(keep, p, 0.0)
+        p = p / p.sum()
+    return keep, p
+
+
+@pytest.mark.parametrize("case", [
+    dict(top_k=1), dict(top_k=5), dict(top_k=5, temperature=0.5), dict(top_p=0.5), dict(top_p=0.9, temperature=2.0),
+    dict(min_p=0.2), dict(min_p=0.05, temperature=0.7), dict(top_k=8, top_p=0.6), dict(top_k=10, top_p=0.8, min_p=0.1),
+    dict(), dict(temperature=3.0),
+])
+def test_samples_stay_in_the_allowed_set_with_the_right_frequencies(case, logits):
+    torch.manual_seed(1)
+    keep, expected = allowed_and_probs(logits, **case)
+    assert 1 <= int(keep.sum()) < V or case in ({}, {"temperature": 3.0})
+    tokens = Sampler()(logits.expand(DRAWS, V).clone(), make_batch(DRAWS, **case))
+    assert tokens.shape == (DRAWS,)
+    outside = set(tokens.tolist()) - set(keep.nonzero().flatten().tolist())
+    assert not outside, f"sampled disallowed tokens {sorted(outside)}"
+    freq = torch.bincount(tokens, minlength=V).float() / DRAWS
+    # Binomial standard error is at most 0.0036 for 20000 draws: 0.015 is over 4 of them.
+    assert (freq - expected).abs().max() < 0.015, (freq, expected)
+    assert set(tokens.tolist()) == set(keep.nonzero().flatten().tolist()) or expected[keep].min() < 1e-3
+
+
+def test_greedy_rows_and_top_k_1_take_the_argmax_in_a_mixed_batch(logits):
+    rows = torch.stack([logits, logits.flip(0), logits * -1, logits])
+    batch = make_batch(4, temperature=1.0)
+    batch.temperatures = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    batch.top_k = torch.tensor([V, V, 1, 1])
+    batch.all_greedy = False
+    for _ in range(20):
+        assert Sampler()(rows.clone(), batch).tolist() == rows.argmax(-1).tolist()
+    assert Sampler()(rows.clone(), make_batch(4, temperature=0.0)).tolist() == rows.argmax(-1).tolist()
+
+
+def test_per_row_generators_make_draws_reproducible_and_independent_of_the_batch(logits):
+    def draw(seed, rows, row):
+        gens = [None] * rows
+        gens[row] = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(30):
+            out.append(Sampler()(logits.expand(rows, V).clone(), make_batch(rows, generators=gens))[row].item())
+        return out
+
+    alone = draw(7, 1, 0)
+    assert draw(7, 5, 3) == alone
+    assert draw(7, 2, 1) == alone
+    assert draw(8, 1, 0) != alone
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, 50, generator=g) * 3
+    scores[0, 5] = 0.0  # exactly zero stays zero
+    input_ids = torch.randint(0, 50, (4, 12), generator=g)
+    input_ids[0, 0] = 5
+    seen = torch.zeros(4, 50, dtype=torch.bool).scatter(1, input_ids, True)
+    for penalty in (1.3, 0.7, 2.0):
+        ours = apply_repetition_penalty(scores.clone(), seen, torch.full((4,), penalty))
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(input_ids, scores.clone())
+        torch.testing.assert_close(ours, theirs)
+        assert not torch.equal(ours, scores)
+    # Per-row penalties: a row with 1.0 is untouched.
+    ours = apply_repetition_penalty(scores.clone(), seen, torch.tensor([1.0, 1.5, 1.0, 1.5]))
+    torch.testing.assert_close(ours[0], scores[0])
+    torch.testing.assert_close(ours[1], RepetitionPenaltyLogitsProcessor(1.5)(input_ids[1:2], scores[1:2].clone())[0])
+
+
+def test_repetition_penalty_end_to_end_matches_transformers_generate(tiny_qwen2, make_llm, hf_model, random_prompt):
+    prompt = random_prompt(12, 40)
+    llm = make_llm(tiny_qwen2)
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[0]
+    penalized = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.5),
+                             use_tqdm=False)[0]
+    assert penalized["token_ids"] != plain["token_ids"]
+    model = hf_model(tiny_qwen2)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+                             max_new_tokens=32, eos_token_id=[], pad_token_id=0, repetition_penalty=1.5)
+    assert penalized["token_ids"] == out[0, len(prompt):].tolist()
+
+
+# ---- through the engine ---------------------------------------------------------------------------
+def test_seeded_requests_are_reproducible_alone_batched_and_under_preemption(tiny_qwen2, make_llm, random_prompt):
+    prompt = random_prompt(10, 50)
+    others = [random_prompt(n, 51 + n) for n in (4, 19, 33)]
+
+    def seeded(seed):
+        return SamplingParams(temperature=1.5, max_tokens=32, ignore_eos=True, seed=seed)
+
+    llm = make_llm(tiny_qwen2)
+    alone = llm.generate([prompt], seeded(7), use_tqdm=False)[0]["token_ids"]
+    assert llm.generate([prompt], seeded(7), use_tqdm=False)[0]["token_ids"] == alone
+    batched = llm.generate(others[:1] + [prompt] + others[1:] + [prompt],
+                           [seeded(1), seeded(7), SamplingParams(temperature=1.5, max_tokens=32), seeded(3), seeded(7)],
+                           use_tqdm=False)
+    assert batched[1]["token_ids"] == alone and batched[4]["token_ids"] == alone
+    assert llm.generate([prompt], seeded(8), use_tqdm=False)[0]["token_ids"] != alone
+    assert len({tuple(llm.generate([prompt], seeded(s), use_tqdm=False)[0]["token_ids"]) for s in range(4)}) == 4
+
+    # Chunked prefill and preemption change how the work is split, not what a seed draws.
+    tight = make_llm(tiny_qwen2, num_kvcache_blocks=6, max_model_len=64, max_num_batched_tokens=5)
+    results = tight.generate([prompt] + others, [seeded(7)] + [seeded(9)] * 3, use_tqdm=False)
+    assert tight.stats()["num_preemptions"] > 0
+    assert results[0]["token_ids"] == alone
+
+
+def test_unseeded_sampling_actually_samples(tiny_qwen2, make_llm, random_prompt):
+    llm = make_llm(tiny_qwen2)
+    params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True)
+    outs = {tuple(r["token_ids"]) for r in llm.generate([random_prompt(6, 60)] * 4, params, use_tqdm=False)}
+    assert len(outs) > 1
+
+
+def test_greedy_is_temperature_zero_and_ignores_filters(tiny_qwen2, make_llm, random_prompt):
+    llm = make_llm(tiny_qwen2)
+    prompt = random_prompt(9, 70)
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    filtered = llm.generate([prompt], SamplingParams(temperature=0, top_p=0.3, top_k=3, min_p=0.2, max_tokens=24, ignore_eos=True,
+                                                     seed=5), use_tqdm=False)[0]
+    top1 = llm.generate([prompt], SamplingParams(temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    assert greedy["token_ids"] == filtered["token_ids"] == top1["token_ids"]
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.1).greedy
+
+
+# ---- stop conditions ------------------------------------------------------------------------------
+def first_stop_string(tokenizer, token_ids, start=3):
+    """A printable two-character string spanning a token boundary in the greedy output, if any."""
+    pieces = [tokenizer.decode([t]) for t in token_ids]
+    for k in range(start, len(pieces) - 1):
+        a, b = pieces[k], pieces[k + 1]
+        if a and b and a[-1].isprintable() and b[0].isprintable() and "\ufffd" not in a + b:
+            return a[-1] + b[0]
+    return None
+
+
+def test_stop_string_is_trimmed_and_finishes_with_stop(tiny_qwen2, make_llm):
+    llm = make_llm(tiny_qwen2)
+    prompt = "Hello world, this is a test"
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)[0]
+    stop = first_stop_string(llm.tokenizer, full["token_ids"])
+    assert stop is not None, f"no usable stop string in {full['text']!r}"
+    cut = full["text"].index(stop)
+
+    rid = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop, "\x00never"]))
+    increments, last = [], None
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.request_id == rid
+            increments.append(out.new_text)
+            last = out
+    assert last.finished and last.finish_reason == "stop"
+    assert "".join(increments) == full["text"][:cut]
+    assert all(stop not in inc for inc in increments)
+    assert last.token_ids == full["token_ids"][: len(last.token_ids)] and len(last.token_ids) < 48
+
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=stop), use_tqdm=False)[0]
+    assert (again["text"], again["finish_reason"]) == (full["text"][:cut], "stop")
+
+
+def test_stop_token_ids_and_max_tokens(tiny_qwen2, make_llm, random_prompt):
+    llm = make_llm(tiny_qwen2)
+    prompt = random_prompt(7, 80)
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    assert full["finish_reason"] == "length" and len(full["token_ids"]) == 40
+    stop_token = full["token_ids"][5]
+    first = full["token_ids"].index(stop_token)
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]),
+                           use_tqdm=False)[0]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["token_ids"] == full["token_ids"][: first + 1]
+    short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert (short["token_ids"], short["finish_reason"]) == (full["token_ids"][:3], "length")
+    one = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert len(one["token_ids"]) == 1 and one["finish_reason"] in ("length", "stop")
+
+
+def test_eos_stops_unless_ignore_eos(tiny_qwen2, make_llm, random_prompt, tmp_path):
+    prompt = random_prompt(7, 90)
+    reference = make_llm(tiny_qwen2).generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                                              use_tqdm=False)[0]["token_ids"]
+    # A copy of the model whose generation config names a token the greedy output reaches as eos.
+    eos = reference[6]
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen2, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eos], "pad_token_id": 0}))
+    llm = make_llm(folder)
+    assert {2, eos} <= llm.eos_token_ids
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["token_ids"] == reference[: reference.index(eos) + 1]
+    ignored = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    assert (ignored["token_ids"], ignored["finish_reason"]) == (reference, "length")
+
+
+# ---- validation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=[1]), "stop"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids"),
+    (dict(seed=1.5), "seed"),
+])
+def test_sampling_params_validation(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_and_normalisation():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens, p.ignore_eos, p.seed) == \
+        (1.0, 1.0, -1, 0.0, 1.0, 64, False, None)
+    assert SamplingParams(stop="x").stop_list == ["x"]
+    assert SamplingParams(stop=["a", "b"]).stop_list == ["a", "b"]
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == []
+    assert SamplingParams(top_k=0).top_k == 0  # 0 means off, as in vLLM

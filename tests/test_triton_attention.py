@@ -1,0 +1,223 @@
+"""Triton attention kernels against the PyTorch reference, on CPU via Triton's interpreter.
+
+The interpreter is slow (every tile op is a numpy call), so shapes are small; what matters is
+that they cover the awkward cases: shuffled and holey block tables, padded slots, prefix hits,
+chunked prefill, decode (with and without split-KV), mixed batches, padding rows, GQA groups,
+odd head dims and block sizes, and fp32 / bf16 / fp16.
+"""
+import os
+
+# Must be set before triton is imported anywhere, or kernels would try to compile for a GPU.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from engine.attention import torch_backend as ref  # noqa: E402
+from engine.attention import triton_kernels as tk  # noqa: E402
+from engine.attention.metadata import AttentionMetadata  # noqa: E402
+
+
+def make_batch(
+    q_lens,
+    seq_lens,
+    *,
+    num_kv_heads=2,
+    group=2,
+    head_dim=64,
+    block_size=16,
+    dtype=torch.float32,
+    cache_dtype=None,
+    extra_tokens=0,
+    seed=0,
+):
+    """Random query, a randomly filled cache and metadata for the given per-sequence lengths.
+
+    Blocks are drawn from a shuffled pool with spare blocks (so tables have holes and are not
+    contiguous), each table has unused -1 entries past its end, and every cache slot holds random
+    data, so reading a wrong slot cannot go unnoticed. A sequence with seq_len 0 is a padding row.
+    ``extra_tokens`` appends query tokens no sequence owns (their output must be zeros).
+    """
+    g = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    num_heads = num_kv_heads * group
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_per_seq + [0]) + 2
+    block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    for i, nb in enumerate(blocks_per_seq):
+        block_tables[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)], dtype=torch.int32)
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(cache_dtype)
+    v_cache = torch.randn(shape, generator=g).to(cache_dtype)
+    num_tokens = sum(q_lens) + extra_tokens
+    query = torch.randn((num_tokens, num_heads, head_dim), generator=g).to(dtype)
+
+    slots = []
+    for i, (q, s) in enumerate(zip(q_lens, seq_lens)):
+        for p in range(s - q, s):
+            slots.append(-1 if s == 0 else int(block_tables[i, p // block_size]) * block_size + p % block_size)
+    slots += [-1] * extra_tokens
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+    return query, k_cache, v_cache, meta
+
+
+def check_attention(query, k_cache, v_cache, meta, *, atol, rtol, **knobs):
+    scale = query.shape[-1] ** -0.5
+    expected = ref.paged_attention(query, k_cache, v_cache, meta, scale)
+    got = tk.paged_attention_impl(query, k_cache, v_cache, meta, scale, **knobs)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
+    return got
+
+
+FP32_TOL = dict(atol=1e-5, rtol=1e-4)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+# (q_lens, seq_lens, kwargs): each case names what it covers.
+CASES = {
+    "prefill_no_prefix": ([7, 20], [7, 20], dict(group=1, head_dim=64)),
+    "prefix_hits_and_chunks": ([5, 17, 3, 9], [37, 17, 3, 41], dict(group=2, head_dim=128)),
+    "mixed_decode_prefill_padding": (
+        [1, 6, 1, 1, 12],
+        [29, 6, 0, 45, 30],
+        dict(group=4, head_dim=64, extra_tokens=2),
+    ),
+    "block_size_8_group_3_dim_48": ([4, 1, 13], [20, 9, 13], dict(group=3, head_dim=48, block_size=8)),
+    "block_size_32_dim_96": ([3, 11], [70, 11], dict(group=2, head_dim=96, block_size=32)),
+    "block_size_256_dim_16": ([2, 5], [40, 5], dict(group=1, head_dim=16, block_size=256, num_kv_heads=3)),
+    "dim_32_group_8": ([6, 1], [25, 14], dict(group=8, head_dim=32, num_kv_heads=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_attention_fp32(name):
+    q_lens, seq_lens, kw = CASES[name]
+    check_attention(*make_batch(q_lens, seq_lens, seed=list(CASES).index(name), **kw), **FP32_TOL)
+
+
+def test_paged_attention_small_tiles_many_programs():
+    # Force several query blocks per sequence and several KV tiles per program, so the causal
+    # tile skipping and the per-block causal limit are exercised with BLOCK_M < query_len.
+    batch = make_batch([19, 9], [40, 9], group=2, head_dim=32, block_size=8, seed=3)
+    check_attention(*batch, block_rows=16, block_n=16, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_half(dtype):
+    batch = make_batch([1, 9, 4], [33, 9, 21], group=2, head_dim=64, dtype=dtype, seed=5)
+    check_attention(*batch, **BF16_TOL)
+
+
+def test_paged_attention_fp32_query_bf16_cache():
+    # The reference casts cache rows to the query dtype before attending.
+    batch = make_batch([3, 1], [19, 26], group=2, head_dim=64, cache_dtype=torch.bfloat16, seed=6)
+    check_attention(*batch, **FP32_TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize(
+    "group,head_dim,dtype",
+    [(1, 64, torch.float32), (4, 128, torch.float32), (2, 64, torch.bfloat16)],
+)
+def test_decode(num_splits, group, head_dim, dtype):
+    # seq_len 0 rows are CUDA-graph padding; seq_len 1 leaves all splits but one empty, and 16
+    # splits outnumber the tiles of every sequence here (empty splits must get zero weight).
+    seq_lens = [1, 70, 0, 33, 5]
+    batch = make_batch([1] * len(seq_lens), seq_lens, group=group, head_dim=head_dim, dtype=dtype, seed=group)
+    out = check_attention(*batch, num_splits=num_splits, **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+    assert (out[2] == 0).all()
+
+
+def test_decode_default_path():
+    batch = make_batch([1, 1, 1], [17, 0, 40], group=2, head_dim=64, seed=9)
+    scale = 0.125
+    expected = ref.paged_attention(*batch, scale)
+    torch.testing.assert_close(tk.paged_attention(*batch, scale), expected, **FP32_TOL)
+
+
+def test_all_padding_rows_are_zero():
+    query, k_cache, v_cache, meta = make_batch([1, 1], [0, 0], seed=10)
+    out = tk.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    assert (out == 0).all()
+    out = tk.paged_attention_impl(query, k_cache, v_cache, meta, 0.125, num_splits=4)
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+def test_store_kvcache(kv_dtype, cache_dtype):
+    torch.manual_seed(11)
+    num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 13, 3, 48, 6, 4
+    # Key and value as strided slices of one fused projection, like a real qkv split.
+    kv = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim).to(kv_dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads : 2 * num_kv_heads]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[[0, 5, 12]] = -1  # padded tokens: must write nothing
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape).to(cache_dtype), torch.randn(shape).to(cache_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+
+    ref.store_kvcache(key, value, k_ref, v_ref, slots)
+    tk.store_kvcache(key, value, k_cache, v_cache, slots)
+    if kv_dtype == cache_dtype:
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    else:
+        # The interpreter truncates fp32 -> bf16 where torch (and a GPU) round to nearest even.
+        torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=2**-7)
+        torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=2**-7)
+    # Slots nobody wrote (including those the -1 tokens would have hit) are untouched.
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert torch.equal(k_cache.flatten(0, 1)[~written], k_before.flatten(0, 1)[~written])
+    assert torch.equal(v_cache.flatten(0, 1)[~written], v_before.flatten(0, 1)[~written])
+
+
+def test_store_then_attend_roundtrip():
+    # Write the new tokens' K/V with the Triton kernel, then attend: same as doing both in torch.
+    query, k_cache, v_cache, meta = make_batch([4, 1, 1], [10, 23, 0], group=2, head_dim=32, block_size=8, seed=12)
+    new_k = torch.randn(query.shape[0], k_cache.shape[2], k_cache.shape[3])
+    new_v = torch.randn_like(new_k)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref.store_kvcache(new_k, new_v, k_ref, v_ref, meta.slot_mapping)
+    tk.store_kvcache(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    check_attention(query, k_cache, v_cache, meta, **FP32_TOL)
+
+
+@triton.jit
+def _row_offset_probe(rows_ptr, out_ptr, row_stride, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, tk._row_offset(tl.load(rows_ptr + i), row_stride))
+
+
+@pytest.mark.parametrize("row_dtype", [torch.int32, torch.int64])
+def test_row_offset_is_int64(row_dtype):
+    # slot * row_stride past 2**31 must not wrap. (A real > 2**31-element cache is too big for
+    # a unit test; both kernels compute every cache offset through this helper or the same cast.)
+    rows = torch.tensor([0, 1, 2**21 + 7, 2**31 - 1], dtype=row_dtype)
+    out = torch.empty(4, dtype=torch.int64)
+    _row_offset_probe[(1,)](rows, out, 1024, N=4)
+    assert out.tolist() == [r * 1024 for r in rows.tolist()]
