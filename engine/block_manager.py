@@ -20,6 +20,8 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()  # kept with the hash, so a hash collision never serves wrong KV
+    parent: tuple[int, int] | None = None  # (block_id, serial) of the block before it when registered
+    serial: int = 0  # bumped at each registration, so a reused block id never passes for its old self
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -74,13 +76,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         num_blocks = (len(seq) - 1) // self.block_size
-        matched = []
+        matched, parent = [], None
         for i, h in enumerate(self.block_hashes(seq.token_ids, num_blocks)):
             block_id = self.hash_to_block_id.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            # A hit must hold these very tokens and follow the very block matched before it, so
+            # even a colliding hash can only miss, never serve another prefix's KV.
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block.token_ids != tokens or block.parent != parent:
                 break
             matched.append(block_id)
+            parent = (block_id, block.serial)
         return matched
 
     def can_admit(self, seq: Sequence, cached_block_ids: list[int], num_new_tokens: int) -> bool:
@@ -123,7 +131,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.parent = None, (), None
         self.blocks[block_id].ref_count = 1
         return block_id
 
@@ -155,7 +163,10 @@ class BlockManager:
             parent = chain_hash(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and parent not in self.hash_to_block_id:
+                prev = self.blocks[seq.block_table[i - 1]] if i else None
                 block.hash, block.token_ids = parent, tokens
+                block.parent = (prev.block_id, prev.serial) if prev else None
+                block.serial += 1
                 self.hash_to_block_id[parent] = block.block_id
             # else: an identical block is already registered (computed concurrently); keep that one.
         seq.num_registered_blocks = num_full

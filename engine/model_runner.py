@@ -176,8 +176,8 @@ class ModelRunner:
         tables = np.full((num_seqs, max_blocks), -1, np.int64)
         for i, s in enumerate(batch):
             tables[i, : len(s.seq.block_table)] = s.seq.block_table
-        if int(query_lens.max()) == 1:  # decode: one token per sequence
-            token_ids = [s.seq.token_ids[-1] for s in batch]
+        if int(query_lens.max()) == 1:  # one token per sequence (a decode, or a one-token prefill chunk)
+            token_ids = [s.seq.token_ids[s.seq.num_computed_tokens] for s in batch]
             positions, seq_index = starts, np.arange(num_seqs)
         else:
             token_ids = []

@@ -175,6 +175,16 @@ class BlockManagerWithoutCachingMachine(BlockManagerMachine):
     enable_prefix_caching = False
 
 
+def test_equal_tokens_after_another_prefix_are_a_miss_even_when_hashes_collide(monkeypatch):
+    """A hash that forgets the parent makes block [5, 6, 7, 8] after [1, 2, 3, 4] collide with the
+    same tokens at position 0. Its KV encodes a different prefix, so the parent check must refuse it."""
+    monkeypatch.setattr(block_manager_module, "chain_hash", lambda parent, tokens: hash(tokens))
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = run_to_completion(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams())) == []
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == a.block_table[:2]
+
+
 _settings = settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = _settings
