@@ -1,5 +1,5 @@
 """Per-step attention inputs shared by every attention backend."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class AttentionMetadata:
     # Host copies, so backends that loop on the host never synchronise with the device.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Scratch for a backend to keep what it derives once per step and reuses in every layer.
+    backend_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:

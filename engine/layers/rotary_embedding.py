@@ -40,9 +40,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(positions, q, k, cos_cache, sin_cache):
-    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
-    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+def apply_rotary(q, k, cos, sin):
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -55,7 +54,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # One instance serves every layer: look up a step's cos/sin once, not once per layer.
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        return self.fn(positions, q, k, self.cos_cache, self.sin_cache)
+        if positions is not self._positions:
+            self._positions = positions
+            self._cos_sin = (self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
+        return self.fn(q, k, *self._cos_sin)
