@@ -1,5 +1,6 @@
 """Pagoda's inference engine: paged KV cache, prefix caching, continuous batching."""
+from engine.engine_thread import EngineThread, RequestStream
 from engine.llm_engine import LLM, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "EngineThread", "RequestOutput", "RequestStream", "SamplingParams"]

@@ -1,0 +1,69 @@
+"""The engine thread: concurrent callers share one step loop; leaving a stream aborts it."""
+import threading
+import time
+
+import pytest
+
+from engine import LLM, EngineThread, SamplingParams
+
+PROMPTS = [[5 + i, 17, 33, 100 + i, 7, 9] for i in range(4)]
+
+
+@pytest.fixture
+def front(tiny_llama):
+    thread = EngineThread(LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, max_num_seqs=8))
+    yield thread
+    thread.shutdown()
+
+
+def test_concurrent_streams_are_batched_and_match_offline_generate(front, tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64).generate(PROMPTS, params, use_tqdm=False)
+    results, most_running = {}, []
+
+    def chat(i):
+        text, ids = "", []
+        for out in front.submit(PROMPTS[i], params):
+            text += out.new_text
+            ids += out.new_token_ids
+            most_running.append(front.stats()["num_running"])
+        results[i] = (text, ids)
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results[i][1] for i in range(4)] == [e["token_ids"] for e in expected]
+    assert [results[i][0] for i in range(4)] == [e["text"] for e in expected]
+    assert max(most_running) >= 2  # the four chats ran in one batch, not one after another
+
+
+def test_leaving_a_stream_early_aborts_it_and_frees_its_blocks(front):
+    stream = front.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break  # the caller goes away (e.g. the browser tab closed)
+    deadline = time.time() + 10
+    while front.stats()["num_running"] and time.time() < deadline:
+        time.sleep(0.01)
+    s = front.stats()
+    assert s["num_running"] == 0 and s["num_waiting"] == 0
+    assert s["free_blocks"] == s["num_blocks"]
+
+
+def test_cancel_ends_the_stream_with_abort(front):
+    stream = front.submit(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    outs = []
+    for out in stream:
+        outs.append(out)
+        if len(outs) == 2:
+            stream.cancel()
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+
+
+def test_bad_input_raises_in_the_callers_thread_and_the_loop_keeps_serving(front):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        front.submit([10**9], SamplingParams(max_tokens=4))
+    outs = list(front.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and len(outs) == 5
