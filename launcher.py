@@ -5,10 +5,9 @@ The first start creates `.venv` beside this file and installs Pagoda into it (a 
 PyTorch where an NVIDIA GPU is present, the CPU build otherwise) and prepares the bundled model.
 Later starts find everything in place and go straight to the app.
 
-    python launcher.py            start (see --help for --port, --listen, --share, --model)
-    python launcher.py --test     install the test extras and run the test suite
+    python launcher.py            start (see --help for --model, --port, --listen, --share, --auth)
+    python launcher.py --test     install the test extras and run the test suite (extra arguments go to pytest)
 """
-import argparse
 import hashlib
 import os
 import platform
@@ -69,32 +68,23 @@ def ensure_installed(extras: list[str]) -> None:
     stamp.touch()
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description="Start Pagoda, a local chat app with its own inference engine.")
-    ap.add_argument("--test", action="store_true", help="run the test suite (extra arguments go to pytest)")
-    ap.add_argument("--model", help="a local Hugging Face model folder or hub repo id (default: the bundled SmolLM2-135M-Instruct)")
-    ap.add_argument("--port", type=int, default=7860)
-    ap.add_argument("--listen", action="store_true", help="serve on the LAN, not only on 127.0.0.1")
-    ap.add_argument("--share", action="store_true", help="make a public Gradio link (always behind a password)")
-    ap.add_argument("--auth", help="user:password for --share (generated and printed if not given)")
-    ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
-    return ap.parse_known_args(argv)
-
-
 def main(argv: list[str]) -> int:
-    args, rest = parse_args(argv)
+    test = "--test" in argv
+    rest = [a for a in argv if a != "--test"]
+    if not test:
+        sys.path.insert(0, str(ROOT))
+        from app.server import parse_args  # argparse only: checks the options (and answers --help) before any install
+
+        parse_args(rest)
     if Path(sys.prefix).resolve() != VENV.resolve():
-        ensure_installed(["test"] if args.test else ["bundled"])
+        ensure_installed(["test"] if test else ["bundled"])
         return subprocess.run([str(venv_python()), str(Path(__file__).resolve()), *argv]).returncode
     os.chdir(ROOT)
-    if args.test:
+    if test:
         return subprocess.run([sys.executable, "-m", "pytest", *rest]).returncode
-    if rest:
-        print(f"unknown arguments: {' '.join(rest)}", file=sys.stderr)
-        return 2
-    from engine.demo import main as demo
+    from app.server import main as app_main
 
-    return demo(args.model)
+    return app_main(rest)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Pagoda's Gradio application: chats, model management and the KV cache visualizer."""

@@ -1,0 +1,5 @@
+import sys
+
+from app.server import main
+
+sys.exit(main())

@@ -1,0 +1,398 @@
+"""The model catalog (assets/catalog.json) and memory estimates made without downloading anything.
+
+Every entry carries the few config.json numbers a memory estimate needs: parameter count, layers, KV heads,
+head size and the trained context length. `estimate_memory` turns them into bytes for weights, KV cache and a
+rough runtime overhead; `fit_report` compares that with the free memory of a device and writes one sentence a
+person can act on. `entry_from_config` does the same for any hub repo the user types, from its config.json.
+
+This module imports neither gradio nor (unless a GPU is asked about) torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CatalogEntry", "MemoryEstimate", "FitReport", "DEFAULT_CATALOG", "SUPPORTED_ARCHITECTURES",
+    "load_catalog", "entry_for_repo", "entry_from_config", "estimate_memory", "available_memory", "fit_report",
+    "count_params", "dtype_bytes", "format_gib",
+]
+
+DEFAULT_CATALOG = Path(__file__).resolve().parent.parent / "assets" / "catalog.json"
+
+# config.json `architectures` the engine has a model class for (engine/models/__init__.py), and their family.
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+GiB = 1024**3
+MiB = 1024**2
+
+_DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "bfloat16": 2, "bf16": 2,
+    "float16": 2, "fp16": 2, "half": 2,
+}
+
+# Runtime overhead beyond weights and KV: the Python/torch runtime or CUDA context, activations of one prefill
+# chunk, logits and sampler buffers. A rough rule that errs on the generous side for small models.
+_OVERHEAD_FIXED = 256 * MiB
+_OVERHEAD_WEIGHT_FRACTION = 0.10
+# A report says "fits" only when the estimate leaves this share of the free memory unused.
+_HEADROOM = 0.90
+
+_REQUIRED = ("repo_id", "params", "checkpoint_dtype", "download_bytes", "num_hidden_layers", "num_key_value_heads",
+             "head_dim", "max_position_embeddings")
+
+
+@dataclass
+class CatalogEntry:
+    """One chat model. Sizes are approximate unless `size_is_approximate` is False (then they came from the hub)."""
+
+    repo_id: str
+    params: int                      # unique parameters (tied embeddings counted once)
+    checkpoint_dtype: str            # dtype of the safetensors on the hub, e.g. "bfloat16"
+    download_bytes: int              # what a download of the engine's files takes on disk
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    name: str = ""
+    family: str = ""                 # "llama", "qwen2", "qwen3" ("" when unknown)
+    architecture: str = ""           # config.json architectures[0]
+    params_label: str = ""           # "0.6B", "135M"
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    num_attention_heads: int | None = None
+    tie_word_embeddings: bool = True
+    gated: bool = False              # the repo needs its license accepted and a logged-in token
+    license: str = ""
+    bundled: bool = False            # ships with Pagoda and works offline
+    description: str = ""
+    size_is_approximate: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = self.repo_id.split("/")[-1]
+        if not self.params_label:
+            self.params_label = _params_label(self.params)
+
+    @property
+    def supported(self) -> bool:
+        """Whether Pagoda's engine has a model class for this architecture."""
+        return self.architecture in SUPPORTED_ARCHITECTURES
+
+    def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
+        """K and V for one token across all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes(dtype, self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class MemoryEstimate:
+    weights_bytes: int
+    kv_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    context_len: int = 0
+    num_seqs: int = 1
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class FitReport:
+    fits: bool
+    message: str
+    estimate: MemoryEstimate
+    free_bytes: int
+    device: str = ""                  # the device description the free bytes belong to
+    tight: bool = False               # fits, but with less than 10% of the free memory to spare
+    max_context_len: int | None = None  # the longest context that fits comfortably (None: not even a short one)
+
+
+# ---- loading --------------------------------------------------------------------------------------------------
+
+_default_cache: list[CatalogEntry] | None = None
+
+
+def load_catalog(path: str | os.PathLike | None = None) -> list[CatalogEntry]:
+    """The catalog's entries, in file order. Raises ValueError naming the entry and key when the file is malformed."""
+    global _default_cache
+    if path is None and _default_cache is not None:
+        return [dataclasses.replace(e) for e in _default_cache]
+    file = Path(path) if path is not None else DEFAULT_CATALOG
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model catalog {file} is missing") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model catalog {file} is not valid JSON ({e})") from None
+    raw = doc.get("models") if isinstance(doc, dict) else doc
+    if not isinstance(raw, list):
+        raise ValueError(f"model catalog {file} must hold a list of models under 'models'")
+    known = {f.name for f in dataclasses.fields(CatalogEntry)}
+    entries = []
+    for i, item in enumerate(raw):
+        label = item.get("repo_id", "?") if isinstance(item, dict) else repr(item)
+        where = f"model catalog {file}, entry {i} ({label})"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} is not an object")
+        missing = [k for k in _REQUIRED if item.get(k) in (None, "")]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}")
+        entry = CatalogEntry(**{k: v for k, v in item.items() if k in known})  # unknown keys: newer catalog
+        for k in ("params", "download_bytes", "num_hidden_layers", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings"):
+            if not isinstance(getattr(entry, k), int) or getattr(entry, k) <= 0:
+                raise ValueError(f"{where}: {k} must be a positive integer, got {getattr(entry, k)!r}")
+        entries.append(entry)
+    if path is None:
+        _default_cache = entries
+        return [dataclasses.replace(e) for e in entries]
+    return entries
+
+
+def entry_for_repo(repo_id: str) -> CatalogEntry | None:
+    """The catalog entry for a hub repo id (case-insensitive), or None."""
+    key = repo_id.strip().lower()
+    for entry in load_catalog():
+        if entry.repo_id.lower() == key:
+            return entry
+    return None
+
+
+# ---- arithmetic -----------------------------------------------------------------------------------------------
+
+def dtype_bytes(dtype: str, entry: CatalogEntry | None = None) -> int:
+    """Bytes per element of a dtype name ("bfloat16", "float16", "float32", "auto" = the checkpoint's dtype)."""
+    name = str(dtype).lower().removeprefix("torch.")
+    if name == "auto":
+        name = (entry.checkpoint_dtype if entry is not None else "bfloat16").lower().removeprefix("torch.")
+    try:
+        return _DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use bfloat16, float16, float32 or auto") from None
+
+
+def count_params(*, hidden_size: int, intermediate_size: int, vocab_size: int, num_hidden_layers: int,
+                 num_attention_heads: int, num_key_value_heads: int, head_dim: int,
+                 tie_word_embeddings: bool = True, family: str = "llama") -> int:
+    """Parameters of a Llama-style decoder (Qwen2 adds q/k/v biases, Qwen3 q/k norms); tied head counted once."""
+    h, kv_dim, q_dim = hidden_size, num_key_value_heads * head_dim, num_attention_heads * head_dim
+    attn = h * q_dim + 2 * h * kv_dim + q_dim * h
+    if family == "qwen2":
+        attn += q_dim + 2 * kv_dim
+    if family == "qwen3":
+        attn += 2 * head_dim
+    layer = attn + 3 * h * intermediate_size + 2 * h
+    total = vocab_size * h + num_hidden_layers * layer + h
+    if not tie_word_embeddings:
+        total += vocab_size * h
+    return total
+
+
+def estimate_memory(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", num_seqs: int = 1) -> MemoryEstimate:
+    """Memory to serve `num_seqs` sequences of `context_len` tokens at `dtype` (weights and KV cache both)."""
+    if int(context_len) <= 0:
+        raise ValueError(f"context_len must be positive, got {context_len}")
+    if int(num_seqs) <= 0:
+        raise ValueError(f"num_seqs must be at least 1, got {num_seqs}")
+    weights = entry.params * dtype_bytes(dtype, entry)
+    kv = entry.kv_bytes_per_token(dtype) * int(context_len) * int(num_seqs)
+    overhead = _OVERHEAD_FIXED + int(_OVERHEAD_WEIGHT_FRACTION * weights)
+    name = dtype.lower().removeprefix("torch.") if dtype != "auto" else entry.checkpoint_dtype
+    return MemoryEstimate(weights, kv, overhead, weights + kv + overhead, int(context_len), int(num_seqs), name)
+
+
+# ---- free memory ----------------------------------------------------------------------------------------------
+
+def available_memory(device: str = "auto") -> tuple[str, int]:
+    """(description, free bytes) of a device: "auto" (CUDA when present, else CPU), "cuda[:i]", "mps" or "cpu".
+
+    On CUDA the free bytes come from torch.cuda.mem_get_info; on CPU from psutil when installed, else
+    /proc/meminfo MemAvailable, else os.sysconf. Asking for CUDA without a usable GPU falls back to the CPU with a
+    note in the description.
+    """
+    dev = (device or "auto").strip().lower()
+    note = ""
+    if dev == "auto" or dev.startswith("cuda"):
+        torch = _torch()
+        if torch is not None and torch.cuda.is_available():
+            index = torch.device(dev).index if dev.startswith("cuda:") else torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(index)
+            return f"{torch.cuda.get_device_name(index)} ({total / GiB:.1f} GiB)", int(free)
+        if dev != "auto":
+            note = "; no CUDA GPU found"
+    if dev == "mps":
+        torch = _torch()
+        total, free = _system_memory()
+        if torch is not None and getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return f"Apple GPU (MPS, {total / GiB:.1f} GiB unified memory)", free
+        note = "; MPS is not available"
+    elif dev not in ("auto", "cpu") and not dev.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
+    total, free = _system_memory()
+    return f"CPU ({total / GiB:.1f} GiB RAM{note})", free
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _system_memory() -> tuple[int, int]:
+    """(total, available) bytes of RAM."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        vm = psutil.virtual_memory()
+        return int(vm.total), int(vm.available)
+    try:
+        info = {}
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024  # values are in kB
+        if "MemAvailable" in info:
+            return info.get("MemTotal", info["MemAvailable"]), info["MemAvailable"]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    except (ValueError, OSError, AttributeError):
+        return 0, 0
+
+
+# ---- the report -----------------------------------------------------------------------------------------------
+
+def fit_report(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", device: str = "auto", *,
+               num_seqs: int = 1, free_bytes: int | None = None, device_name: str | None = None) -> FitReport:
+    """Whether `entry` fits on `device` at this context length, as a sentence with the numbers behind it.
+
+    `free_bytes`/`device_name` override the measurement (tests, or a UI that measured already)."""
+    est = estimate_memory(entry, context_len, dtype, num_seqs)
+    if free_bytes is None or device_name is None:
+        measured_name, measured_free = available_memory(device)
+        free_bytes = measured_free if free_bytes is None else free_bytes
+        device_name = measured_name if device_name is None else device_name
+    free_bytes = int(free_bytes)
+    budget = free_bytes * _HEADROOM
+
+    per_token = entry.kv_bytes_per_token(dtype) * est.num_seqs
+    room = budget - est.weights_bytes - est.overhead_bytes
+    max_ctx = int(room // per_token) if room > 0 else 0
+    max_ctx = min(max_ctx, entry.max_position_embeddings)
+    max_ctx = (max_ctx // 256) * 256
+    max_context = max_ctx if max_ctx >= 256 else None
+
+    seqs = f" x {est.num_seqs} chats" if est.num_seqs > 1 else ""
+    head = (f"{entry.name} needs about {format_gib(est.total_bytes)} GiB (weights {format_gib(est.weights_bytes)} + "
+            f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs} + {format_gib(est.overhead_bytes)} runtime, "
+            f"{est.dtype}); {format_gib(free_bytes)} GiB free on {device_name}")
+    tight = False
+    if est.total_bytes <= budget:
+        fits, verdict = True, ": fits."
+    elif est.total_bytes <= free_bytes:
+        fits, tight = True, True
+        verdict = ": fits, but only just; close other programs or use a shorter context."
+    else:
+        fits = False
+        if max_context is not None:
+            verdict = f": does not fit. A context of about {max_context:,} tokens would fit, or pick a smaller model."
+        else:
+            verdict = ": does not fit, even with a short context. Pick a smaller model"
+            verdict += " or a 16-bit dtype." if dtype_bytes(dtype, entry) > 2 else "."
+    message = head + verdict
+    if est.context_len > entry.max_position_embeddings:
+        message += f" Note: the model was trained for at most {entry.max_position_embeddings:,} tokens."
+    return FitReport(fits, message, est, free_bytes, device_name, tight, max_context)
+
+
+def format_gib(n: int | float) -> str:
+    """Bytes as GiB for a sentence: one decimal from 1 GiB up, two below."""
+    g = n / GiB
+    return f"{g:.1f}" if g >= 1 else f"{g:.2f}"
+
+
+def _params_label(params: int) -> str:
+    if params >= 1e9:
+        return f"{params / 1e9:.1f}".rstrip("0").rstrip(".") + "B"
+    return f"{round(params / 1e6)}M"
+
+
+# ---- arbitrary repos ------------------------------------------------------------------------------------------
+
+def entry_from_config(repo_id: str, config: dict[str, Any], size_bytes: int, *, gated: bool = False,
+                      license: str = "") -> CatalogEntry:
+    """A catalog entry for any hub repo, from its config.json and the byte size of the files a download takes.
+
+    Parameters are counted from the config's dimensions when it has them (more exact than the file size, which may
+    include a stored copy of a tied output head), else taken as size / bytes per element of the checkpoint dtype.
+    `entry.supported` tells whether the engine can run the architecture. Raises ValueError when the config lacks
+    what a KV-cache estimate needs."""
+    cfg = dict(config or {})
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):  # multimodal wrappers
+        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+    archs = list(cfg.get("architectures") or [])
+    architecture = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "")
+    family = SUPPORTED_ARCHITECTURES.get(architecture, "")
+
+    def need(key: str, *alternatives: str) -> int:
+        for k in (key, *alternatives):
+            if isinstance(cfg.get(k), int) and cfg[k] > 0:
+                return cfg[k]
+        raise ValueError(f"config.json of {repo_id} has no {key}; cannot estimate its memory")
+
+    layers = need("num_hidden_layers", "n_layer", "num_layers")
+    heads = need("num_attention_heads", "n_head")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    hidden = cfg.get("hidden_size") or cfg.get("n_embd")
+    head_dim = cfg.get("head_dim") or (hidden // heads if hidden else None)
+    if not head_dim:
+        raise ValueError(f"config.json of {repo_id} gives neither head_dim nor hidden_size; cannot estimate its memory")
+    ctx = cfg.get("max_position_embeddings") or cfg.get("n_positions") or cfg.get("seq_length") or 2048
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").lower().removeprefix("torch.")
+    if dtype not in _DTYPE_BYTES:
+        dtype = "bfloat16"
+    tie = bool(cfg.get("tie_word_embeddings", True))
+
+    size_bytes = int(size_bytes or 0)
+    size_params = size_bytes // _DTYPE_BYTES[dtype] if size_bytes > 0 else 0
+    dims = dict(hidden_size=hidden, intermediate_size=cfg.get("intermediate_size"), vocab_size=cfg.get("vocab_size"),
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    counted = count_params(**dims, tie_word_embeddings=tie, family=family) if all(dims.values()) else 0
+    # A checkpoint may store a tied head twice (smaller count) or be a mixture of experts (much larger file):
+    # trust the dimension count only when it is plausible against the file size.
+    if counted and (not size_params or 0.5 * size_params <= counted <= 1.1 * size_params):
+        params = counted
+    elif size_params:
+        params = size_params
+    else:
+        raise ValueError(f"cannot tell the parameter count of {repo_id}: no file size and an incomplete config.json")
+
+    notes = []
+    if not family:
+        notes.append(f"Pagoda's engine cannot run {architecture or 'this architecture'} yet "
+                     f"(supported: Llama, Qwen2/2.5, Qwen3 dense).")
+    if cfg.get("quantization_config"):
+        notes.append("Quantized checkpoint: the estimate assumes unquantized weights.")
+    return CatalogEntry(
+        repo_id=repo_id, params=int(params), checkpoint_dtype=dtype, download_bytes=size_bytes,
+        num_hidden_layers=int(layers), num_key_value_heads=int(kv_heads), head_dim=int(head_dim),
+        max_position_embeddings=int(ctx), family=family, architecture=architecture,
+        hidden_size=hidden, intermediate_size=cfg.get("intermediate_size"), vocab_size=cfg.get("vocab_size"),
+        num_attention_heads=heads, tie_word_embeddings=tie, gated=gated, license=license,
+        description=" ".join(notes), size_is_approximate=False,
+    )

@@ -1,0 +1,104 @@
+"""One chat turn: the stored conversation becomes token ids, the reply streams back into the store."""
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engine import SamplingParams
+
+DEFAULT_SETTINGS = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "max_tokens": 512, "seed": None}
+SAVE_EVERY_S = 0.5  # how often a streaming reply is written to the store
+
+
+class ContextOverflow(Exception):
+    """The conversation plus the reply would not fit the model's context."""
+
+    def __init__(self, needed: int, limit: int):
+        self.needed, self.limit = needed, limit
+        super().__init__(f"This chat needs {needed:,} tokens (history plus room for the reply) but the model's context "
+                         f"holds {limit:,}. Drop the oldest messages, lower the reply length, or start a new chat.")
+
+
+def sampling_params(settings: dict) -> SamplingParams:
+    s = {**DEFAULT_SETTINGS, **(settings or {})}
+    seed = s["seed"]
+    return SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
+                          min_p=float(s["min_p"]), repetition_penalty=float(s["repetition_penalty"]),
+                          max_tokens=int(s["max_tokens"]), seed=None if seed in (None, "", -1) else int(seed))
+
+
+def prompt_ids(tokenizer, system_prompt: str, messages: list[dict]) -> list[int]:
+    """Token ids of the chat, through the model's own chat template.
+
+    A system prompt that is byte-identical across chats gives identical leading ids: that is
+    what lets chats share its KV blocks."""
+    chat = ([{"role": "system", "content": system_prompt}] if system_prompt.strip() else []) + messages
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    # The reply needs at least one token of room; ask for a little more so answers aren't cut at once.
+    needed = num_prompt_tokens + min(max_tokens, 64)
+    if needed > max_model_len:
+        raise ContextOverflow(needed, max_model_len)
+
+
+@dataclass
+class Turn:
+    """The reply so far and its measurements, as a chat renders them."""
+
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    tokens_per_s: float | None = None
+
+    def meta(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "text"}
+
+    def summary(self) -> str:
+        if self.ttft_s is None:
+            return ""
+        rate = f" · {self.tokens_per_s:.1f} tok/s" if self.tokens_per_s else ""
+        return (f"first token {self.ttft_s * 1000:.0f} ms{rate} · {self.output_tokens} tokens · "
+                f"{self.cached_tokens}/{self.prompt_tokens} prompt tokens from the prefix cache")
+
+
+def stream_reply(engine, store, message_id: int, ids: list[int], params: SamplingParams,
+                 on_start=None) -> Iterator[Turn]:
+    """Stream one reply into message `message_id`, yielding the turn after every increment.
+
+    The store gets the text at least every SAVE_EVERY_S and at the end. If the caller stops
+    iterating (Stop pressed, browser gone), the request is aborted and what exists is kept."""
+    turn = Turn(prompt_tokens=len(ids))
+    start = last_save = time.perf_counter()
+    first = None
+    stream = engine.submit(ids, params)
+    if on_start is not None:
+        on_start(stream.request_id)
+    try:
+        for out in stream:
+            now = time.perf_counter()
+            if first is None and out.new_token_ids:
+                first = now
+                turn.ttft_s = now - start
+            turn.text += out.new_text
+            turn.output_tokens += len(out.new_token_ids)
+            turn.cached_tokens = out.num_cached_tokens
+            if turn.output_tokens > 1 and now > first:
+                turn.tokens_per_s = (turn.output_tokens - 1) / (now - first)
+            if out.finished:
+                turn.finished, turn.finish_reason = True, out.finish_reason
+            if turn.finished or now - last_save >= SAVE_EVERY_S:
+                store.update_message(message_id, turn.text, turn.meta())
+                last_save = now
+            yield turn
+    finally:
+        if not turn.finished:
+            stream.cancel()
+            turn.finished, turn.finish_reason = True, "abort"
+            store.update_message(message_id, turn.text, turn.meta())

@@ -1,0 +1,731 @@
+"""Model downloads from the Hugging Face hub: background jobs with byte progress, cancel, and the local cache.
+
+Downloads go through `huggingface_hub.snapshot_download` with the engine's own file patterns
+(`engine.loader.HUB_PATTERNS`), into the standard HF cache unless a folder is given, so a model downloaded here is
+the same files `LLM("org/name")` would load. Each job runs in its own thread; the UI polls `jobs()`.
+
+How byte progress is obtained: `snapshot_download(tqdm_class=...)` gets a tqdm subclass made for the job.
+huggingface_hub 2.4 (checked against its source) builds two aggregate *byte* bars from that class (unit "B": bytes
+written, bytes received) and feeds every file's chunks into them; older versions build only the "Fetching N files"
+bar from it. The job counts bytes from the unit-"B" bars when there are any and otherwise measures the repo's blob folder on
+disk (including `*.incomplete` files), so progress works either way. huggingface_hub reads responses in
+DOWNLOAD_CHUNK_SIZE pieces (10 MiB) and reports once per piece; the manager lowers that to 1 MiB. The bar's
+`update()` is also where a cancelled job stops: it raises a private exception inside the download thread. Xet
+transfers report from a thread hf_xet owns and ignore that exception, so downloads use plain HTTP unless the
+manager is built with `use_xet=True` (see DownloadManager).
+
+After a cancel (or a failure) the files that finished stay in the cache and are reused by the next start; the file
+in flight is dropped (huggingface_hub 2.x writes each download to a uniquely named `*.incomplete` file and deletes it
+on failure; older versions keep `<etag>.incomplete` and resume it with a Range request). Either way the snapshot
+lacks weights: `local_models()` lists only complete snapshots (`include_partial=True` shows the rest), and
+`delete()` removes partial repos too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm as _std_tqdm
+
+from engine.loader import HUB_PATTERNS
+
+__all__ = ["DownloadManager", "DownloadJob", "LocalModel", "DiskCheck", "DownloadError", "explain_error", "HUB_PATTERNS"]
+
+GiB = 1024**3
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ACTIVE = ("queued", "running")
+# huggingface_hub reads the response in DOWNLOAD_CHUNK_SIZE pieces (10 MiB) and reports progress once per piece; the
+# progress bar is also where a cancel takes effect. 1 MiB pieces give smooth progress and a prompt cancel.
+_PROGRESS_CHUNK = 1024 * 1024
+
+
+class DownloadError(Exception):
+    """A hub operation failed; str(e) is a sentence for the user, e.__cause__ the original exception."""
+
+
+class _Cancelled(BaseException):
+    """Raised from the job's progress bar to unwind snapshot_download when the job is cancelled.
+
+    A BaseException so that no `except Exception` on the way (retries, fallbacks) swallows it."""
+
+
+@dataclass
+class DownloadJob:
+    """A snapshot of one download, safe to hand to the UI."""
+
+    id: str
+    repo_id: str
+    status: str = "queued"          # queued, running, done, cancelled, error
+    bytes_done: int = 0
+    bytes_total: int = 0            # 0 until the size is known
+    speed: float = 0.0              # bytes/s, smoothed
+    eta_s: float | None = None
+    error: str | None = None        # a sentence for the user when status == "error"
+    path: str | None = None         # the snapshot folder when status == "done"
+    started_at: float = 0.0
+    finished_at: float | None = None
+    cancel_requested: bool = False
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.bytes_done / self.bytes_total) if self.bytes_total else 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.status in _ACTIVE
+
+
+@dataclass
+class LocalModel:
+    repo_id: str
+    path: Path                      # the snapshot folder (what LLM(...) takes); the repo folder if no snapshot yet
+    size_bytes: int                 # on disk, all revisions and partial files of the repo
+    complete: bool = True           # False: an interrupted download (listed only with include_partial=True)
+    revision: str = ""              # commit hash of the snapshot
+    architectures: tuple[str, ...] = ()
+
+
+@dataclass
+class DiskCheck:
+    """What the UI shows before a download starts."""
+
+    repo_id: str
+    size_bytes: int                 # files the download takes (engine patterns only)
+    needed_bytes: int               # minus what the cache already holds
+    free_bytes: int
+    fits: bool
+    message: str
+
+
+@dataclass
+class _RepoFiles:
+    size_bytes: int
+    files: list[tuple[str, int, str]]   # (path in repo, size, blob name in the cache)
+    sha: str | None
+
+
+@dataclass
+class _JobState:
+    job: DownloadJob
+    cancel: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    thread: threading.Thread | None = None
+    storage: Path | None = None
+    cached_bytes: int = 0              # bytes of this repo's files already in the cache at start
+    disk_baseline: int = 0             # bytes in the repo's blob folder at start (fallback progress)
+    bars: dict[int, list] = field(default_factory=dict)  # bar key -> [kind, bytes counted]
+    sample_t: float = 0.0
+    sample_bytes: int = 0
+    last_progress_t: float = 0.0
+
+    def register_bar(self, bar, kwargs: dict, byte_bars: bool) -> None:
+        """Classify a new progress bar: bytes written (unit "B" with a total), network bytes, or a file count."""
+        unit = kwargs.get("unit", "it")
+        bar_format = str(kwargs.get("bar_format") or "{total}")
+        if unit != "B" or not byte_bars:
+            kind = "items"
+        elif str(kwargs.get("desc") or "").startswith("Downloading bytes") or "{total" not in bar_format:
+            kind = "transfer"      # network bytes: after dedup/compression, no trustworthy total
+        else:
+            kind = "bytes"         # bytes written: add up to the file sizes
+        with self.lock:
+            bar._pagoda_key = len(self.bars)
+            self.bars[bar._pagoda_key] = [kind, 0]
+        if kind != "items" and kwargs.get("initial"):
+            self.bar_progress(bar, int(kwargs["initial"]))
+
+    def bar_progress(self, bar, n) -> None:
+        with self.lock:
+            entry = self.bars.get(getattr(bar, "_pagoda_key", None))
+            if entry is None or entry[0] == "items":
+                return
+            entry[1] += int(n)
+            kinds = {k for k, _ in self.bars.values()}
+            want = "bytes" if "bytes" in kinds else "transfer"
+            downloaded = max((c for k, c in self.bars.values() if k == want), default=0)
+        self.set_done(self.cached_bytes + downloaded)
+
+    def set_done(self, done: int) -> None:
+        now = time.monotonic()
+        with self.lock:
+            job = self.job
+            if job.bytes_total:
+                done = min(done, job.bytes_total)
+            if done > job.bytes_done:
+                self.last_progress_t = now
+            job.bytes_done = max(job.bytes_done, done)
+            dt = now - self.sample_t
+            if dt >= 0.25:
+                rate = (job.bytes_done - self.sample_bytes) / dt
+                job.speed = rate if job.speed <= 0 else 0.3 * rate + 0.7 * job.speed
+                self.sample_t, self.sample_bytes = now, job.bytes_done
+                job.eta_s = (job.bytes_total - job.bytes_done) / job.speed if job.speed > 0 and job.bytes_total else None
+
+    def bars_seen_bytes(self) -> bool:
+        with self.lock:
+            return any(k != "items" for k, _ in self.bars.values())
+
+
+class DownloadManager:
+    """Downloads hub repos into the HF cache (or `models_dir`) in background threads, and manages that cache.
+
+    `endpoint` and `token` go to every hub call (None: HF_ENDPOINT / the logged-in token).
+
+    `use_xet=False` (the default) downloads over plain HTTP even when `hf_xet` is installed. With Xet, progress
+    arrives from a thread that hf_xet owns, which swallows the exception a cancel raises, so a cancelled file would
+    keep downloading to its end (huggingface_hub issue #4632); over HTTP the cancel lands at the next chunk. With
+    `use_xet=True`, a cancel also aborts huggingface_hub's process-wide Xet session when no other job is running.
+    Both settings, like the 1 MiB progress chunk, are huggingface_hub globals: they apply to the whole process."""
+
+    def __init__(self, models_dir: str | os.PathLike | None = None, *, endpoint: str | None = None,
+                 token: str | bool | None = None, max_workers: int = 8, use_xet: bool = False):
+        self.cache_dir = Path(models_dir).expanduser() if models_dir is not None else None
+        self.endpoint = endpoint.rstrip("/") if endpoint else None
+        self.token = token
+        self.max_workers = max_workers
+        self.use_xet = use_xet
+        self._jobs: dict[str, _JobState] = {}
+        self._lock = threading.Lock()
+        self._sizes: dict[str, _RepoFiles] = {}
+        self._byte_bars = True  # tests turn this off to exercise the on-disk fallback
+
+    # ---- where things are -------------------------------------------------------------------------------------
+
+    @property
+    def cache_path(self) -> Path:
+        """The hub cache folder downloads go to."""
+        if self.cache_dir is not None:
+            return self.cache_dir
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HUB_CACHE)
+
+    def storage_folder(self, repo_id: str) -> Path:
+        return self.cache_path / ("models--" + repo_id.replace("/", "--"))
+
+    def free_disk_bytes(self) -> int:
+        """Free bytes on the disk that holds the cache (its nearest existing parent while it does not exist)."""
+        path = self.cache_path.resolve()
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        return shutil.disk_usage(path).free
+
+    # ---- asking the hub ---------------------------------------------------------------------------------------
+
+    def _api(self):
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=self.endpoint, token=self.token)
+
+    def _repo_files(self, repo_id: str, refresh: bool = False) -> _RepoFiles:
+        if not refresh and repo_id in self._sizes:
+            return self._sizes[repo_id]
+        from huggingface_hub.utils import filter_repo_objects
+
+        info = self._api().model_info(repo_id, files_metadata=True)
+        siblings = list(filter_repo_objects(info.siblings or [], allow_patterns=HUB_PATTERNS, key=lambda s: s.rfilename))
+        files = []
+        for s in siblings:
+            lfs = getattr(s, "lfs", None)
+            size = s.size if s.size is not None else (lfs.size if lfs is not None else 0)
+            blob = (lfs.sha256 if lfs is not None else None) or getattr(s, "blob_id", None) or ""
+            files.append((s.rfilename, int(size or 0), blob))
+        result = _RepoFiles(sum(f[1] for f in files), files, info.sha)
+        self._sizes[repo_id] = result
+        return result
+
+    def repo_files_size(self, repo_id: str) -> int:
+        """Bytes a download of `repo_id` takes (only the files the engine uses). Raises DownloadError."""
+        _check_repo_id(repo_id)
+        try:
+            return self._repo_files(repo_id, refresh=True).size_bytes
+        except Exception as e:
+            raise DownloadError(explain_error(e, repo_id, self.endpoint)) from e
+
+    def check_disk(self, repo_id: str, size_bytes: int | None = None) -> DiskCheck:
+        """Size of the download, free disk, and whether it fits. Raises DownloadError when the hub cannot say."""
+        size = self.repo_files_size(repo_id) if size_bytes is None else int(size_bytes)
+        cached = self._cached_bytes(repo_id) if repo_id in self._sizes else 0
+        return self._disk_check(repo_id, size, max(0, size - cached))
+
+    def _disk_check(self, repo_id: str, size: int, needed: int) -> DiskCheck:
+        free = self.free_disk_bytes()
+        fits = needed <= free
+        if fits:
+            message = f"{repo_id}: {_gib(size)} to download; {_gib(free)} free on disk."
+        else:
+            message = (f"Not enough disk space for {repo_id}: it needs {_gib(needed)} but only {_gib(free)} is free "
+                       f"in {self.cache_path}. Free some space or delete a model you no longer use.")
+        return DiskCheck(repo_id, size, needed, free, fits, message)
+
+    def inspect(self, repo_id: str):
+        """A catalog entry for any hub repo (its catalog entry when it has one), from config.json and the file sizes.
+
+        Fetches only config.json, into a temporary folder. Raises DownloadError with a sentence for the user."""
+        from app.catalog import entry_for_repo, entry_from_config
+
+        _check_repo_id(repo_id)
+        known = entry_for_repo(repo_id)
+        if known is not None:
+            return known
+        try:
+            from huggingface_hub import hf_hub_download
+
+            size = self._repo_files(repo_id, refresh=True).size_bytes
+            with tempfile.TemporaryDirectory(prefix="pagoda-config-") as tmp:
+                path = hf_hub_download(repo_id, "config.json", cache_dir=tmp, endpoint=self.endpoint, token=self.token)
+                config = json.loads(Path(path).read_text(encoding="utf-8"))
+        except Exception as e:
+            raise DownloadError(explain_error(e, repo_id, self.endpoint)) from e
+        try:
+            return entry_from_config(repo_id, config, size)
+        except ValueError as e:
+            raise DownloadError(str(e)) from e
+
+    # ---- jobs -------------------------------------------------------------------------------------------------
+
+    def start(self, repo_id: str) -> str:
+        """Start downloading `repo_id` in the background and return the job id.
+
+        A job already active for the same repo is returned instead of a second one. Problems (no connection, gated
+        or missing repo, not enough disk) never raise here: the job ends with status "error" and a sentence in
+        `error`. Only a malformed repo id raises ValueError."""
+        repo_id = repo_id.strip()
+        _check_repo_id(repo_id)
+        with self._lock:
+            for state in self._jobs.values():
+                if state.job.repo_id == repo_id and state.job.active and not state.cancel.is_set():
+                    return state.job.id
+            job = DownloadJob(id=uuid.uuid4().hex[:12], repo_id=repo_id, started_at=time.time())
+            state = _JobState(job, storage=self.storage_folder(repo_id))
+            self._jobs[job.id] = state
+        state.thread = threading.Thread(target=self._run, args=(state,), name=f"download-{repo_id}", daemon=True)
+        state.thread.start()
+        return job.id
+
+    def jobs(self) -> list[DownloadJob]:
+        """Snapshots of all jobs, oldest first."""
+        with self._lock:
+            states = list(self._jobs.values())
+        return [self._snapshot(s) for s in states]
+
+    def job(self, job_id: str) -> DownloadJob:
+        return self._snapshot(self._state(job_id))
+
+    def cancel(self, job_id: str) -> bool:
+        """Ask a job to stop; True when it was still active. It reads "cancelled" once its thread has unwound
+        (at the next chunk received, so within a moment on a live connection)."""
+        state = self._state(job_id)
+        with state.lock:
+            if not state.job.active:
+                return False
+            state.cancel.set()
+            state.job.cancel_requested = True
+        if self.use_xet:
+            self._abort_xet_if_alone(state)
+        return True
+
+    def _abort_xet_if_alone(self, state: _JobState) -> None:
+        """Xet swallows exceptions from progress callbacks; its only stop is the process-wide session abort
+        (private API in huggingface_hub 2.4), so use it when no other job would be cut off with it."""
+        with self._lock:
+            others = any(s.job.active and s is not state and not s.cancel.is_set() for s in self._jobs.values())
+        if others:
+            return
+        try:
+            from huggingface_hub.utils._xet import abort_xet_session
+        except ImportError:
+            return
+        try:
+            abort_xet_session()
+        except Exception:  # noqa: BLE001 - best effort; the file then finishes and the next update stops the job
+            pass
+
+    def wait(self, job_id: str, timeout: float | None = None) -> DownloadJob:
+        """Block until the job finishes (or the timeout passes) and return its snapshot."""
+        state = self._state(job_id)
+        if state.thread is not None:
+            state.thread.join(timeout)
+        return self._snapshot(state)
+
+    def forget(self, job_id: str) -> None:
+        """Drop a finished job from `jobs()`."""
+        with self._lock:
+            state = self._jobs.get(job_id)
+            if state is not None and not state.job.active:
+                del self._jobs[job_id]
+
+    def _state(self, job_id: str) -> _JobState:
+        with self._lock:
+            try:
+                return self._jobs[job_id]
+            except KeyError:
+                raise KeyError(f"no download job {job_id!r}") from None
+
+    def _run(self, state: _JobState) -> None:
+        job = state.job
+        try:
+            files = self._repo_files(job.repo_id, refresh=True)
+            state.cached_bytes = self._cached_bytes(job.repo_id)
+            state.disk_baseline = _folder_bytes(state.storage / "blobs") if state.storage else 0
+            with state.lock:
+                job.bytes_total = files.size_bytes
+                job.bytes_done = min(state.cached_bytes, files.size_bytes)
+            check = self._disk_check(job.repo_id, files.size_bytes, max(0, files.size_bytes - state.cached_bytes))
+            if not check.fits:
+                self._finish(state, "error", error=check.message)
+                return
+            if state.cancel.is_set():
+                raise _Cancelled()
+            with state.lock:
+                job.status = "running"
+                state.sample_t = state.last_progress_t = time.monotonic()
+                state.sample_bytes = job.bytes_done
+
+            from huggingface_hub import constants, snapshot_download
+
+            if getattr(constants, "DOWNLOAD_CHUNK_SIZE", 0) > _PROGRESS_CHUNK:
+                constants.DOWNLOAD_CHUNK_SIZE = _PROGRESS_CHUNK  # process-wide, read at each chunk loop
+            if not self.use_xet:
+                constants.HF_HUB_DISABLE_XET = True  # read at each file (utils.is_xet_available)
+            path = snapshot_download(
+                job.repo_id, allow_patterns=HUB_PATTERNS, cache_dir=self.cache_dir, endpoint=self.endpoint,
+                token=self.token, max_workers=self.max_workers, tqdm_class=self._bar_class(state),
+            )
+            if state.cancel.is_set() and not _snapshot_complete(Path(path), state.storage):
+                raise _Cancelled()
+            if not _snapshot_complete(Path(path), state.storage):
+                self._finish(state, "error", error=f"The download of {job.repo_id} ended without all of its files; "
+                                                   "start it again to resume.")
+                return
+            self._finish(state, "done", path=str(path))
+        except _Cancelled:
+            self._finish(state, "cancelled")
+        except BaseException as e:  # noqa: BLE001 - every failure becomes the job's message
+            if state.cancel.is_set():
+                self._finish(state, "cancelled")
+            else:
+                self._finish(state, "error", error=explain_error(e, job.repo_id, self.endpoint))
+
+    def _finish(self, state: _JobState, status: str, *, error: str | None = None, path: str | None = None) -> None:
+        with state.lock:
+            job = state.job
+            job.status, job.error, job.path = status, error, path
+            job.finished_at = time.time()
+            job.eta_s = None
+            job.speed = 0.0
+            if status == "done":
+                job.bytes_done = job.bytes_total = max(job.bytes_total, job.bytes_done)
+                job.eta_s = 0.0
+
+    def _snapshot(self, state: _JobState) -> DownloadJob:
+        if state.job.status == "running" and not state.bars_seen_bytes():
+            self._disk_progress(state)
+        with state.lock:
+            job = dataclasses.replace(state.job)
+            if job.status == "running":
+                now = time.monotonic()
+                idle = now - state.last_progress_t
+                if idle > 2.0:  # stalled: let the shown speed decay instead of freezing
+                    job.speed = state.job.speed * 2.0 / idle
+                if job.speed > 0 and job.bytes_total:
+                    job.eta_s = max(0.0, (job.bytes_total - job.bytes_done) / job.speed)
+                else:
+                    job.eta_s = None
+        return job
+
+    # ---- progress ---------------------------------------------------------------------------------------------
+
+    def _bar_class(self, state: _JobState) -> type:
+        manager = self
+
+        class _JobTqdm(_std_tqdm):
+            """Silent tqdm that reports into one job and stops the download when the job is cancelled."""
+
+            def __init__(self, *args, **kwargs):
+                kwargs.pop("name", None)      # huggingface_hub passes it to its own tqdm subclass only
+                kwargs["disable"] = True      # never draw; a disabled tqdm still keeps n and total
+                super().__init__(*args, **kwargs)
+                if state.cancel.is_set():
+                    raise _Cancelled()
+                state.register_bar(self, kwargs, manager._byte_bars)
+
+            def update(self, n=1):
+                if state.cancel.is_set():
+                    raise _Cancelled()
+                n = n or 0
+                self.n += n                   # tqdm.update returns early when disabled
+                state.bar_progress(self, n)
+                return None
+
+        return _JobTqdm
+
+    def _disk_progress(self, state: _JobState) -> None:
+        """Fallback progress from the bytes in the repo's blob folder (huggingface_hub versions without byte bars)."""
+        if state.storage is None:
+            return
+        grown = _folder_bytes(state.storage / "blobs") - state.disk_baseline
+        state.set_done(state.cached_bytes + max(0, grown))
+
+    def _cached_bytes(self, repo_id: str) -> int:
+        files = self._sizes.get(repo_id)
+        blobs = self.storage_folder(repo_id) / "blobs"
+        if files is None or not blobs.is_dir():
+            return 0
+        return sum(size for _, size, blob in files.files if blob and (blobs / blob).is_file())
+
+    # ---- the local cache --------------------------------------------------------------------------------------
+
+    def local_models(self, include_partial: bool = False) -> list[LocalModel]:
+        """Models in the cache that have a config.json, newest snapshot per repo, sorted by repo id.
+
+        An interrupted download is listed only with `include_partial=True` (with complete=False); a repo with
+        an active job counts as partial."""
+        from huggingface_hub import CacheNotFound, scan_cache_dir
+
+        try:
+            info = scan_cache_dir(self.cache_path)
+        except (CacheNotFound, FileNotFoundError):
+            return []
+        with self._lock:
+            busy = {s.job.repo_id for s in self._jobs.values() if s.job.active}
+        models = []
+        for repo in info.repos:
+            if repo.repo_type != "model" or not repo.revisions:
+                continue
+            revision = _newest_revision(repo)
+            path = Path(revision.snapshot_path)
+            if not (path / "config.json").is_file():
+                continue
+            complete = repo.repo_id not in busy and _snapshot_complete(path, Path(repo.repo_path))
+            if not complete and not include_partial:
+                continue
+            models.append(LocalModel(repo.repo_id, path, int(repo.size_on_disk), complete, revision.commit_hash,
+                                     _architectures(path)))
+        if include_partial:  # repos cut off before their first file finished have no snapshot to scan
+            listed = {m.repo_id for m in models}
+            for folder in sorted(self.cache_path.glob("models--*--*")):
+                repo_id = folder.name[len("models--"):].replace("--", "/", 1)
+                if repo_id not in listed and not (folder / "snapshots").is_dir() and (folder / "blobs").is_dir():
+                    models.append(LocalModel(repo_id, folder, _folder_bytes(folder), False))
+        return sorted(models, key=lambda m: m.repo_id.lower())
+
+    def delete(self, repo_id: str) -> int:
+        """Remove a repo from the cache (all revisions and partial files) and return the bytes freed.
+
+        An active download of it is cancelled first. Returns 0 when nothing was there."""
+        from huggingface_hub import CacheNotFound, scan_cache_dir
+
+        with self._lock:
+            active = [s for s in self._jobs.values() if s.job.repo_id == repo_id and s.job.active]
+        for state in active:
+            self.cancel(state.job.id)
+            if state.thread is not None:
+                state.thread.join(30)
+        freed = 0
+        try:
+            info = scan_cache_dir(self.cache_path)
+        except (CacheNotFound, FileNotFoundError):
+            info = None
+        if info is not None:
+            for repo in info.repos:
+                if repo.repo_type == "model" and repo.repo_id == repo_id and repo.revisions:
+                    strategy = info.delete_revisions(*[r.commit_hash for r in repo.revisions])
+                    freed = int(strategy.expected_freed_size)
+                    strategy.execute()
+        folder = self.storage_folder(repo_id)
+        if folder.is_dir():  # partial downloads without a snapshot are invisible to scan_cache_dir
+            freed += _folder_bytes(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        self._sizes.pop(repo_id, None)
+        return freed
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+def _check_repo_id(repo_id: str) -> None:
+    if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id.strip()):
+        raise ValueError(f"{repo_id!r} is not a hub repo id; it looks like 'Qwen/Qwen3-0.6B'")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 1024**2:.0f} MiB"
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    try:
+        for root, _dirs, names in os.walk(folder):
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(root, name))
+                except OSError:
+                    continue
+                if not os.path.islink(os.path.join(root, name)):
+                    total += st.st_size
+    except OSError:
+        pass
+    return total
+
+
+def _newest_revision(repo):
+    """The revision `main` points at when there is one, else the most recently modified."""
+    for revision in repo.revisions:
+        if "main" in revision.refs:
+            return revision
+    return max(repo.revisions, key=lambda r: r.last_modified)
+
+
+def _architectures(path: Path) -> tuple[str, ...]:
+    try:
+        return tuple(json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or ())
+    except (OSError, ValueError, AttributeError):
+        return ()
+
+
+def _snapshot_complete(path: Path, storage: Path | None) -> bool:
+    """Whether a snapshot folder holds a whole model: config.json, every weight shard, and, when huggingface_hub
+    cached the commit's file listing (trees/<commit>.json, 2.x), every listed file the engine patterns select."""
+    if not (path / "config.json").is_file():
+        return False
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
+            return False
+        if not shards or not all((path / s).is_file() for s in shards):
+            return False
+    elif not any(p.is_file() for p in path.glob("*.safetensors")):
+        return False
+    tree = (storage / "trees" / f"{path.name}.json") if storage is not None else None
+    if tree is not None and tree.is_file():
+        try:
+            from huggingface_hub.utils import filter_repo_objects
+
+            listed = json.loads(tree.read_text(encoding="utf-8")).get("files") or {}
+            wanted = filter_repo_objects(list(listed), allow_patterns=HUB_PATTERNS)
+            return all((path / name).is_file() for name in wanted)
+        except (OSError, ValueError, AttributeError):
+            pass
+    return True
+
+
+# ---- errors as sentences ----------------------------------------------------------------------------------------
+
+def explain_error(exc: BaseException, repo_id: str, endpoint: str | None = None) -> str:
+    """One sentence a user can act on, for an exception from a hub call."""
+    from huggingface_hub import constants
+    from huggingface_hub import errors as hub_errors
+
+    endpoint = endpoint or constants.ENDPOINT
+    chain = _chain(exc)
+    page = f"{endpoint}/{repo_id}"
+
+    def find(*types):
+        return next((e for e in chain if isinstance(e, types)), None)
+
+    login = "log in with `huggingface-cli login` (or `hf auth login`)"
+    if find(hub_errors.GatedRepoError):
+        return (f"{repo_id} is a gated model: open {page}, accept its license, then {login} with a token of the "
+                "account that accepted it. Access is usually granted within minutes.")
+    if find(hub_errors.RepositoryNotFoundError):
+        return (f"The repo {repo_id} was not found on the Hugging Face hub. Check the spelling (for example "
+                f"Qwen/Qwen3-0.6B); if it is private, {login}.")
+    if find(hub_errors.RevisionNotFoundError):
+        return f"The requested revision of {repo_id} does not exist on the Hugging Face hub."
+    if find(hub_errors.DisabledRepoError):
+        return f"The repo {repo_id} has been disabled on the Hugging Face hub."
+    status = next((getattr(getattr(e, "response", None), "status_code", None) for e in chain
+                   if isinstance(e, hub_errors.HfHubHTTPError) and getattr(e, "response", None) is not None), None)
+    if status == 401:
+        return f"The Hugging Face hub refused access to {repo_id} (401): {login}."
+    if status == 403:
+        return (f"The Hugging Face hub refused access to {repo_id} (403). If it is gated, accept its license at "
+                f"{page}; make sure your token may read gated repos, then {login}.")
+    if status == 404:
+        return f"The repo {repo_id} or one of its files was not found on the Hugging Face hub (404)."
+    if status == 429:
+        return "The Hugging Face hub is rate-limiting this computer (429). Wait a few minutes and try again."
+    if status is not None and status >= 500:
+        return f"The Hugging Face hub answered with a server error ({status}). Try again later."
+    offline_types = tuple(t for t in (getattr(hub_errors, "OfflineModeIsEnabled", None),) if t)
+    if (offline_types and find(*offline_types)) or constants.HF_HUB_OFFLINE:
+        return ("Downloads are switched off (HF_HUB_OFFLINE is set). Unset it to download models; "
+                "the bundled model works offline.")
+    disk = next((e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC), None)
+    if disk is not None:
+        return "The disk ran out of space during the download. Free some space and start it again to resume."
+    if _is_connection_error(chain, hub_errors):
+        reason = _connection_reason(chain)
+        return (f"Could not reach the Hugging Face hub ({endpoint}: {reason}). Check your connection; "
+                "the bundled model works offline.")
+    if isinstance(exc, hub_errors.HfHubHTTPError):
+        return f"The Hugging Face hub returned an error for {repo_id}: {_first_line(exc)}"
+    return f"Downloading {repo_id} failed: {type(exc).__name__}: {_first_line(exc)}"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen, out, todo = set(), [], [exc]
+    while todo and len(out) < 20:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        todo.extend([e.__cause__, e.__context__])
+    return out
+
+
+def _http_errors() -> tuple[type, ...]:
+    types: list[type] = []
+    for module in ("httpx2", "httpx", "requests"):
+        try:
+            mod = __import__(module)
+        except ImportError:
+            continue
+        for name in ("ConnectError", "ConnectTimeout", "TimeoutException", "NetworkError", "ConnectionError",
+                     "Timeout", "ProxyError", "RemoteProtocolError"):
+            t = getattr(getattr(mod, "exceptions", mod), name, None) or getattr(mod, name, None)
+            if isinstance(t, type):
+                types.append(t)
+    return tuple(types)
+
+
+def _is_connection_error(chain: list[BaseException], hub_errors) -> bool:
+    local_entry = getattr(hub_errors, "LocalEntryNotFoundError", None)
+    incomplete = getattr(hub_errors, "IncompleteSnapshotError", None)
+    types = _http_errors() + (ConnectionError, TimeoutError, __import__("socket").gaierror)
+    types += tuple(t for t in (local_entry, incomplete) if t)
+    return any(isinstance(e, types) for e in chain)
+
+
+def _connection_reason(chain: list[BaseException]) -> str:
+    """The most specific short reason in the chain, e.g. "connection refused" or "name resolution failed"."""
+    text = " ".join(str(e) for e in chain).lower()
+    for needle, reason in (("refused", "connection refused"), ("name or service not known", "name resolution failed"),
+                           ("nodename nor servname", "name resolution failed"),
+                           ("temporary failure in name resolution", "name resolution failed"),
+                           ("getaddrinfo", "name resolution failed"), ("timed out", "timed out"),
+                           ("timeout", "timed out"), ("network is unreachable", "network unreachable"),
+                           ("ssl", "TLS/SSL error"), ("proxy", "proxy error")):
+        if needle in text:
+            return reason
+    inner = chain[-1]
+    return f"{type(inner).__name__}: {_first_line(inner)}" if str(inner) else type(inner).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

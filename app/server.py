@@ -1,0 +1,74 @@
+"""Starting the app: load the model, build the page, serve it locally, on the LAN or behind a share link."""
+import argparse
+import logging
+import secrets
+import sys
+
+log = logging.getLogger("pagoda")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pagoda", description="Pagoda: a local chat app with its own inference engine.")
+    ap.add_argument("--model", help="a local Hugging Face model folder or hub repo id (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--listen", action="store_true", help="serve on the LAN (0.0.0.0), not only on 127.0.0.1")
+    ap.add_argument("--share", action="store_true", help="make a public Gradio link, always behind a password")
+    ap.add_argument("--auth", help="user:password required to open the page (generated for --share if not given)")
+    ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    ap.add_argument("--max-chats", type=int, default=16, help="chats that can stream at once (engine sequence slots)")
+    return ap.parse_args(argv)
+
+
+def resolve_auth(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The login for the page. A share link is public, so it never goes out without one."""
+    if args.auth:
+        user, sep, password = args.auth.partition(":")
+        if not sep or not user or not password:
+            raise SystemExit("--auth takes user:password, for example --auth alice:correct-horse")
+        return user, password
+    if args.share:
+        user, password = "pagoda", secrets.token_urlsafe(12)
+        print(f"Share link login (generated; pass --auth user:pass to choose your own): {user} / {password}", flush=True)
+        return user, password
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    auth = resolve_auth(args)
+
+    from app.model_host import ModelHost
+    from app.models_tab import render_models_tab
+    from app.store import ConversationStore, default_db_path
+    from app.ui import PagodaUI, build, launch_kwargs
+
+    store = ConversationStore(default_db_path())
+    host = ModelHost()
+    if args.model:
+        host.load(args.model, max_num_seqs=args.max_chats)
+    else:
+        from engine.bundled import MODEL_NAME, bundled_model_path
+
+        host.load(str(bundled_model_path()), label=MODEL_NAME, max_num_seqs=args.max_chats)
+    ui = PagodaUI(store, host, max_concurrent_chats=args.max_chats)
+    demo = build(ui, models_tab=render_models_tab)
+    demo.queue(default_concurrency_limit=4)
+    demo.launch(server_name="0.0.0.0" if args.listen else "127.0.0.1", server_port=args.port, share=args.share,
+                auth=auth, inbrowser=not args.no_browser, prevent_thread_lock=True, show_error=True, **launch_kwargs())
+    if args.share and not getattr(demo, "share_url", None):
+        print("Could not create the share link: Gradio's tunnel helper (frpc) is missing and could not be downloaded, "
+              "or the share server is unreachable. Pagoda keeps running locally at "
+              f"http://127.0.0.1:{args.port}.", flush=True)
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        host.unload()
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,510 @@
+"""Conversations, messages and system-prompt presets, kept server-side in SQLite.
+
+One SQLite file (WAL journal, foreign keys on) holds everything. Every write is its own
+transaction, committed before the method returns, so a page reload, an app restart or a
+``kill -9`` in the middle of a streamed reply loses nothing that a method already returned
+from. WAL with ``synchronous=NORMAL`` is durable against a crash of the process; only a power
+cut can drop the last few commits (the database stays consistent either way).
+
+One connection is shared by all threads behind a lock: Gradio calls the store from many worker
+threads, and a chat app's writes are tiny. Several processes may open the same file; SQLite's
+own locking (with a busy timeout) serialises them.
+
+``updated`` orders the chat list. Every write to a conversation bumps it, except
+``update_message``, which runs once per streamed token (the ``add_message`` that started the
+reply has already bumped it). Within one database ``updated`` is strictly increasing, so the
+chat touched last is always first in ``list()``.
+"""
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ROLES",
+    "SCHEMA_VERSION",
+    "Conversation",
+    "ConversationStore",
+    "Message",
+    "NotFound",
+    "Preset",
+    "SchemaError",
+    "default_db_path",
+]
+
+ROLES = ("system", "user", "assistant")
+DB_NAME = "pagoda.db"
+EXPORT_FORMAT = "pagoda.conversation"
+
+DEFAULT_PRESETS: tuple[tuple[str, str], ...] = (
+    ("Helpful assistant", "You are a helpful assistant."),
+    ("Concise", "You are a helpful assistant. Answer briefly and directly: short sentences, no preamble, "
+                "no repetition of the question. Use a list only when it is clearer than prose."),
+    ("Coder", "You are an expert programmer. Give correct, idiomatic, runnable code in fenced code blocks "
+              "with the language named. Explain only what is not obvious from the code, and point out "
+              "edge cases and bugs you notice."),
+)
+
+
+class NotFound(KeyError, ValueError):
+    """An unknown conversation, message or preset. Both a KeyError and a ValueError."""
+
+    def __str__(self) -> str:  # KeyError would show the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class SchemaError(RuntimeError):
+    """The file is not a Pagoda database, or was written by a newer Pagoda."""
+
+
+@dataclass
+class Conversation:
+    id: int
+    title: str
+    system_prompt: str
+    settings: dict
+    created: float
+    updated: float
+
+
+@dataclass
+class Message:
+    id: int
+    conversation_id: int
+    role: str
+    content: str
+    meta: dict
+    created: float
+
+    def as_chat(self) -> dict[str, str]:
+        """The ``{"role", "content"}`` dict that chat templates and gr.Chatbot take."""
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass
+class Preset:
+    name: str
+    system_prompt: str
+
+
+def default_db_path() -> Path:
+    """``$PAGODA_HOME/pagoda.db`` if PAGODA_HOME is set, else under platformdirs' user data dir."""
+    home = os.environ.get("PAGODA_HOME")
+    if home:
+        return Path(home).expanduser() / DB_NAME
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("pagoda")) / DB_NAME
+
+
+# ---- schema ------------------------------------------------------------------------------------
+
+def _create_v1(conn: sqlite3.Connection) -> None:
+    conn.execute("""
+        CREATE TABLE conversations (
+            id            INTEGER PRIMARY KEY AUTOINCREMENT,
+            title         TEXT NOT NULL,
+            system_prompt TEXT NOT NULL DEFAULT '',
+            settings      TEXT NOT NULL DEFAULT '{}',
+            created       REAL NOT NULL,
+            updated       REAL NOT NULL
+        )""")
+    conn.execute("CREATE INDEX conversations_by_updated ON conversations(updated DESC, id DESC)")
+    conn.execute("""
+        CREATE TABLE messages (
+            id              INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content         TEXT NOT NULL,
+            meta            TEXT NOT NULL DEFAULT '{}',
+            created         REAL NOT NULL
+        )""")
+    conn.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
+    conn.execute("""
+        CREATE TABLE presets (
+            name          TEXT PRIMARY KEY,
+            system_prompt TEXT NOT NULL
+        )""")
+    conn.executemany("INSERT INTO presets(name, system_prompt) VALUES (?, ?)", DEFAULT_PRESETS)
+
+
+# MIGRATIONS[v] upgrades a database at user_version v to v + 1, inside one transaction.
+# Version 0 is a brand-new file. To change the schema, append a function and bump nothing else.
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def _contains(haystack: str | None, needle: str | None) -> bool:
+    """Case-insensitive substring test for SQL (Unicode-aware, unlike SQLite's LIKE and lower())."""
+    if haystack is None or needle is None:
+        return False
+    return needle in haystack.casefold()
+
+
+def _to_json(value: dict | None, what: str) -> str:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a dict (JSON object), got {type(value).__name__}.")
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} must hold only JSON values (str, int, float, bool, None, list, dict): {e}") from None
+
+
+def _timestamp(value: Any, what: str) -> float:
+    if value is None:
+        return time.time()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number of seconds since the epoch, got {value!r}.")
+    return float(value)
+
+
+def _clean_title(title: str) -> str:
+    if not isinstance(title, str) or not title.strip():
+        raise ValueError("A chat title cannot be empty: give it at least one visible character.")
+    return " ".join(title.split())
+
+
+class ConversationStore:
+    """Chats, their messages and shared system-prompt presets in one SQLite file. Thread-safe."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path if str(path) == ":memory:" else Path(path).expanduser()
+        if isinstance(self.path, Path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._last_stamp = 0.0
+        conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False)
+        try:
+            try:
+                conn.execute("PRAGMA busy_timeout = 30000")
+                self.journal_mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            except sqlite3.DatabaseError as e:
+                raise SchemaError(
+                    f"{self.path} is not a Pagoda database ({e}). Move it aside, or set PAGODA_HOME "
+                    f"to another folder.") from None
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.create_function("pagoda_contains", 2, _contains, deterministic=True)
+            self._conn: sqlite3.Connection | None = conn
+            self._migrate()
+        except BaseException:
+            conn.close()
+            self._conn = None
+            raise
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise RuntimeError("This ConversationStore is closed; open a new one.")
+        return self._conn
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            yield self._db()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One committed transaction. IMMEDIATE takes the write lock up front (no upgrade deadlocks)."""
+        with self._lock:
+            conn = self._db()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    def _migrate(self) -> None:
+        with self._write() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise SchemaError(
+                    f"{self.path} has schema version {version}, but this Pagoda only understands up to "
+                    f"version {SCHEMA_VERSION}: it was written by a newer Pagoda. Upgrade Pagoda, or set "
+                    f"PAGODA_HOME to another folder to start a separate history.")
+            if version == 0:
+                tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
+                if tables:
+                    raise SchemaError(
+                        f"{self.path} is an SQLite database but not a Pagoda one. Move it aside, or set "
+                        f"PAGODA_HOME to another folder.")
+            for v in range(version, SCHEMA_VERSION):
+                MIGRATIONS[v](conn)
+                conn.execute(f"PRAGMA user_version = {v + 1}")
+
+    def _stamp(self, conn: sqlite3.Connection) -> float:
+        """A timestamp later than every ``updated`` in the database (call inside a write)."""
+        latest = conn.execute("SELECT max(updated) FROM conversations").fetchone()[0] or 0.0
+        now = max(time.time(), latest + 1e-6, self._last_stamp + 1e-6)
+        self._last_stamp = now
+        return now
+
+    def _require_conversation(self, conn: sqlite3.Connection, conversation_id: int) -> None:
+        if conn.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)).fetchone() is None:
+            raise NotFound(f"No chat with id {conversation_id!r}: it may have been deleted. "
+                           f"Pick one from list(), or create() a new one.")
+
+    def _touch(self, conn: sqlite3.Connection, conversation_id: int) -> None:
+        conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._stamp(conn), conversation_id))
+
+    @staticmethod
+    def _conversation(row: tuple) -> Conversation:
+        return Conversation(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5])
+
+    @staticmethod
+    def _message(row: tuple) -> Message:
+        return Message(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
+
+    _CONV_COLS = "id, title, system_prompt, settings, created, updated"
+    _MSG_COLS = "id, conversation_id, role, content, meta, created"
+
+    # ---- conversations -------------------------------------------------------------------------
+
+    def create(self, title: str = "New chat", system_prompt: str = "", settings: dict | None = None) -> Conversation:
+        """Start a new, empty chat."""
+        title = _clean_title(title)
+        if not isinstance(system_prompt, str):
+            raise ValueError("system_prompt must be a string (use \"\" for none).")
+        settings_json = _to_json(settings, "settings")
+        with self._write() as conn:
+            now = self._stamp(conn)
+            cur = conn.execute(
+                "INSERT INTO conversations(title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?)",
+                (title, system_prompt, settings_json, now, now))
+            return Conversation(cur.lastrowid, title, system_prompt, json.loads(settings_json), now, now)
+
+    def get(self, conversation_id: int) -> Conversation:
+        """One chat; raises NotFound (a KeyError) if there is none with this id."""
+        with self._read() as conn:
+            row = conn.execute(f"SELECT {self._CONV_COLS} FROM conversations WHERE id = ?",
+                               (conversation_id,)).fetchone()
+            if row is None:
+                self._require_conversation(conn, conversation_id)
+            return self._conversation(row)
+
+    def list(self, query: str = "") -> list[Conversation]:
+        """Chats, most recently updated first; ``query`` matches titles and message text, any case."""
+        needle = (query or "").strip().casefold()
+        with self._read() as conn:
+            if not needle:
+                rows = conn.execute(
+                    f"SELECT {self._CONV_COLS} FROM conversations ORDER BY updated DESC, id DESC").fetchall()
+            else:
+                rows = conn.execute(
+                    f"""SELECT {self._CONV_COLS} FROM conversations c
+                        WHERE pagoda_contains(c.title, :q)
+                           OR EXISTS (SELECT 1 FROM messages m
+                                      WHERE m.conversation_id = c.id AND pagoda_contains(m.content, :q))
+                        ORDER BY updated DESC, id DESC""", {"q": needle}).fetchall()
+        return [self._conversation(r) for r in rows]
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        """Give a chat a new title (whitespace runs collapse to one space)."""
+        title = _clean_title(title)
+        with self._write() as conn:
+            self._require_conversation(conn, conversation_id)
+            conn.execute("UPDATE conversations SET title = ?, updated = ? WHERE id = ?",
+                         (title, self._stamp(conn), conversation_id))
+
+    def delete(self, conversation_id: int) -> None:
+        """Delete a chat and all its messages."""
+        with self._write() as conn:
+            self._require_conversation(conn, conversation_id)
+            conn.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    def update(self, conversation_id: int, *, system_prompt: str | None = None, settings: dict | None = None) -> None:
+        """Replace a chat's system prompt and/or settings (None leaves that field as it is)."""
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError("system_prompt must be a string (use \"\" for none).")
+        settings_json = None if settings is None else _to_json(settings, "settings")
+        with self._write() as conn:
+            self._require_conversation(conn, conversation_id)
+            if system_prompt is None and settings_json is None:
+                return
+            conn.execute(
+                "UPDATE conversations SET system_prompt = coalesce(?, system_prompt), "
+                "settings = coalesce(?, settings), updated = ? WHERE id = ?",
+                (system_prompt, settings_json, self._stamp(conn), conversation_id))
+
+    # ---- messages ------------------------------------------------------------------------------
+
+    def add_message(self, conversation_id: int, role: str, content: str, meta: dict | None = None) -> Message:
+        """Append a message (role: system, user or assistant) and bump the chat's ``updated``."""
+        if role not in ROLES:
+            raise ValueError(f"Unknown role {role!r}: use one of {', '.join(ROLES)}.")
+        if not isinstance(content, str):
+            raise ValueError(f"Message content must be a string, got {type(content).__name__}.")
+        meta_json = _to_json(meta, "meta")
+        with self._write() as conn:
+            self._require_conversation(conn, conversation_id)
+            now = self._stamp(conn)
+            cur = conn.execute(
+                "INSERT INTO messages(conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
+                (conversation_id, role, content, meta_json, now))
+            conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+            return Message(cur.lastrowid, conversation_id, role, content, json.loads(meta_json), now)
+
+    def update_message(self, message_id: int, content: str, meta: dict | None = None) -> None:
+        """Replace a message's content (and its meta, if given). Committed before it returns."""
+        if not isinstance(content, str):
+            raise ValueError(f"Message content must be a string, got {type(content).__name__}.")
+        meta_json = None if meta is None else _to_json(meta, "meta")
+        with self._write() as conn:
+            cur = conn.execute("UPDATE messages SET content = ?, meta = coalesce(?, meta) WHERE id = ?",
+                               (content, meta_json, message_id))
+            if cur.rowcount == 0:
+                raise NotFound(f"No message with id {message_id!r}: its chat may have been deleted. "
+                               f"Stop writing to it, or add_message() again.")
+
+    def messages(self, conversation_id: int) -> builtins.list[Message]:
+        """A chat's messages, oldest first."""
+        with self._read() as conn:
+            rows = conn.execute(f"SELECT {self._MSG_COLS} FROM messages WHERE conversation_id = ? ORDER BY id",
+                                (conversation_id,)).fetchall()
+            if not rows:
+                self._require_conversation(conn, conversation_id)
+        return [self._message(r) for r in rows]
+
+    def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
+        """Delete this message and every later one in the chat (for regenerate / edit)."""
+        with self._write() as conn:
+            self._require_conversation(conn, conversation_id)
+            row = conn.execute("SELECT conversation_id FROM messages WHERE id = ?", (message_id,)).fetchone()
+            if row is None or row[0] != conversation_id:
+                raise NotFound(f"Chat {conversation_id} has no message with id {message_id!r}. "
+                               f"Use an id from messages({conversation_id}).")
+            conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
+            self._touch(conn, conversation_id)
+
+    def delete_messages(self, conversation_id: int, message_ids: builtins.list[int]) -> None:
+        """Delete these messages of the chat (for dropping the oldest turns when the context is full)."""
+        with self._write() as conn:
+            self._require_conversation(conn, conversation_id)
+            for message_id in message_ids:
+                cur = conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id = ?", (conversation_id, message_id))
+                if cur.rowcount != 1:
+                    raise NotFound(f"Chat {conversation_id} has no message with id {message_id!r}. "
+                                   f"Use an id from messages({conversation_id}).")
+            self._touch(conn, conversation_id)
+
+    # ---- presets -------------------------------------------------------------------------------
+
+    def presets(self) -> builtins.list[Preset]:
+        """All system-prompt presets (shared by every chat), oldest first."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT name, system_prompt FROM presets ORDER BY rowid").fetchall()
+        return [Preset(*r) for r in rows]
+
+    def save_preset(self, name: str, system_prompt: str) -> None:
+        """Add a preset, or replace the prompt of the one with this name."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError("A preset needs a name: give it at least one visible character.")
+        if not isinstance(system_prompt, str):
+            raise ValueError("A preset's system_prompt must be a string.")
+        with self._write() as conn:
+            conn.execute("INSERT INTO presets(name, system_prompt) VALUES (?, ?) "
+                         "ON CONFLICT(name) DO UPDATE SET system_prompt = excluded.system_prompt",
+                         (name.strip(), system_prompt))
+
+    def delete_preset(self, name: str) -> None:
+        """Remove a preset by name."""
+        if not isinstance(name, str):
+            raise ValueError(f"A preset name is a string, got {type(name).__name__}.")
+        with self._write() as conn:
+            if conn.execute("DELETE FROM presets WHERE name = ?", (name.strip(),)).rowcount == 0:
+                raise NotFound(f"No preset named {name!r}. Pick a name from presets().")
+
+    # ---- export / import -----------------------------------------------------------------------
+
+    def _snapshot(self, conversation_id: int) -> tuple[Conversation, builtins.list[Message]]:
+        with self._read():  # one consistent view: the lock is re-entrant
+            return self.get(conversation_id), self.messages(conversation_id)
+
+    def export_markdown(self, conversation_id: int) -> str:
+        """The chat as Markdown: the title, then one ``## Role`` heading per message."""
+        conv, msgs = self._snapshot(conversation_id)
+        created = datetime.fromtimestamp(conv.created).strftime("%Y-%m-%d %H:%M")
+        parts = [f"# {conv.title}", f"*Exported from Pagoda. Chat started {created}.*"]
+        if conv.system_prompt:
+            parts.append(f"## System\n\n{conv.system_prompt}")
+        for m in msgs:
+            parts.append(f"## {m.role.capitalize()}\n\n{m.content}")
+        return "\n\n".join(parts) + "\n"
+
+    def export_json(self, conversation_id: int) -> str:
+        """The chat and its messages as JSON; ``import_json`` reads it back."""
+        conv, msgs = self._snapshot(conversation_id)
+        data = {"format": EXPORT_FORMAT, "version": 1, **asdict(conv), "messages": [asdict(m) for m in msgs]}
+        return json.dumps(data, ensure_ascii=False, indent=2)
+
+    def import_json(self, text: str) -> Conversation:
+        """Create a new chat from ``export_json`` output (new ids; timestamps kept)."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"This is not JSON ({e}); import a file made by Pagoda's JSON export.") from None
+        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
+            raise ValueError(f"This JSON is not a Pagoda chat export (no \"format\": \"{EXPORT_FORMAT}\").")
+        raw_msgs: Any = data.get("messages", [])
+        if not isinstance(raw_msgs, builtins.list) or not all(isinstance(m, dict) for m in raw_msgs):
+            raise ValueError("\"messages\" must be a list of objects with role and content.")
+        title = _clean_title(data.get("title", ""))
+        system_prompt = data.get("system_prompt", "")
+        if not isinstance(system_prompt, str):
+            raise ValueError("\"system_prompt\" must be a string.")
+        settings_json = _to_json(data.get("settings", {}), "settings")
+        rows = []
+        for i, m in enumerate(raw_msgs):
+            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"Message {i} needs a role in {ROLES} and string content.")
+            rows.append((m["role"], m["content"], _to_json(m.get("meta", {}), f"message {i} meta"),
+                         _timestamp(m.get("created"), f"message {i} created")))
+        created = _timestamp(data.get("created"), "created")
+        with self._write() as conn:
+            now = self._stamp(conn)
+            cur = conn.execute(
+                "INSERT INTO conversations(title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?)",
+                (title, system_prompt, settings_json, created, now))
+            cid = cur.lastrowid
+            conn.executemany("INSERT INTO messages(conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
+                             [(cid, *r) for r in rows])
+        return self.get(cid)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the database. Safe to call twice; later calls to other methods raise RuntimeError."""
+        with self._lock:
+            if self._conn is None:
+                return
+            try:
+                self._conn.execute("PRAGMA optimize")
+            except sqlite3.Error:
+                pass
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> ConversationStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ConversationStore({str(self.path)!r})"

@@ -1,0 +1,321 @@
+"""The Pagoda page: conversations on the left, the chat in the middle, the KV cache and models in tabs.
+
+Everything a chat shows lives in the store; the page only renders it. Replies stream from the
+one engine thread that all chats share.
+"""
+import tempfile
+import time
+from pathlib import Path
+
+import gradio as gr
+
+from app.chat import DEFAULT_SETTINGS, ContextOverflow, check_fits, prompt_ids, sampling_params, stream_reply
+from app.model_host import ModelHost
+from app.store import ConversationStore
+from app.visualizer import render_kv_cache, visualizer_css
+
+SLIDERS = [  # setting, label, minimum, maximum, step
+    ("temperature", "Temperature", 0.0, 2.0, 0.05),
+    ("top_p", "Top-p", 0.05, 1.0, 0.05),
+    ("top_k", "Top-k (-1 = off)", -1, 200, 1),
+    ("min_p", "Min-p", 0.0, 1.0, 0.01),
+    ("repetition_penalty", "Repetition penalty", 0.8, 2.0, 0.05),
+    ("max_tokens", "Max reply tokens", 16, 4096, 16),
+]
+KEYS_JS = """
+() => {
+  document.addEventListener('keydown', (e) => {
+    if (e.key === 'Escape') { document.querySelector('#stop-btn')?.click(); }
+  });
+}
+"""
+
+
+class PagodaUI:
+    """Owns the store, the model host and the labels the visualizer shows for running requests."""
+
+    def __init__(self, store: ConversationStore, host: ModelHost, max_concurrent_chats: int = 16):
+        self.store, self.host = store, host
+        self.max_concurrent_chats = max_concurrent_chats
+        self.request_labels: dict[str, str] = {}  # engine request id -> conversation title
+        self._last_rate = (time.time(), 0)
+
+    # ---- conversations --------------------------------------------------------------------------
+    def conversation_choices(self, query: str = "") -> list[tuple[str, int]]:
+        return [(c.title, c.id) for c in self.store.list(query)]
+
+    def history(self, conversation_id: int | None) -> list[dict]:
+        if conversation_id is None:
+            return []
+        rows = []
+        for m in self.store.messages(conversation_id):
+            content = m.content
+            stats = _summary(m.meta) if m.role == "assistant" else ""
+            if stats:
+                content = f"{content}\n\n<sub>{stats}</sub>"
+            rows.append({"role": m.role, "content": content})
+        return rows
+
+    def context_meter(self, conversation_id: int | None) -> str:
+        if conversation_id is None or not self.host.ready:
+            return ""
+        engine = self.host.engine.engine
+        conv = self.store.get(conversation_id)
+        messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
+        used = len(prompt_ids(engine.tokenizer, conv.system_prompt, messages))
+        return f"Context: {used:,} / {engine.max_model_len:,} tokens"
+
+    def open(self, conversation_id: int | None):
+        if conversation_id is None:
+            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", ""
+        conv = self.store.get(conversation_id)
+        settings = {**DEFAULT_SETTINGS, **conv.settings}
+        return (self.history(conversation_id), conv.system_prompt, *[settings[k] for k, *_ in SLIDERS],
+                self.context_meter(conversation_id), conv.title)
+
+    def new_chat(self, system_prompt: str, query: str):
+        conv = self.store.create(system_prompt=system_prompt or "")
+        return gr.update(choices=self.conversation_choices(query), value=conv.id)
+
+    # ---- replies --------------------------------------------------------------------------------
+    def respond(self, conversation_id, user_text: str, system_prompt: str, *slider_values):
+        """Add the user's message (when given) and stream the assistant's reply."""
+        if conversation_id is None:
+            conversation_id = self.store.create(system_prompt=system_prompt or "").id
+        if not self.host.ready:
+            raise gr.Error(self.host.state.message if self.host.state.status != "idle" else "Load a model in the Models tab first.")
+        settings = dict(zip([k for k, *_ in SLIDERS], slider_values))
+        self.store.update(conversation_id, system_prompt=system_prompt, settings=settings)
+        if user_text and user_text.strip():
+            self.store.add_message(conversation_id, "user", user_text)
+            self._title_from_first_message(conversation_id, user_text)
+        engine = self.host.engine
+        messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
+        ids = prompt_ids(engine.engine.tokenizer, system_prompt, messages)
+        params = sampling_params(settings)
+        try:
+            check_fits(len(ids), params.max_tokens, engine.engine.max_model_len)
+        except ContextOverflow as e:
+            yield self.history(conversation_id), "", gr.update(visible=True, value=f"**{e}**"), gr.update(visible=True)
+            return
+        reply = self.store.add_message(conversation_id, "assistant", "")
+        title = self.store.get(conversation_id).title
+        history = self.history(conversation_id)[:-1]
+        hidden = gr.update(visible=False)
+        try:
+            for turn in stream_reply(engine, self.store, reply.id, ids, params,
+                                     on_start=lambda rid: self.request_labels.__setitem__(rid, title)):
+                content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if turn.finished else "")
+                yield history + [{"role": "assistant", "content": content}], "", hidden, hidden
+        finally:
+            self.request_labels = {k: v for k, v in self.request_labels.items() if v != title or k in self._running_ids()}
+
+    def _running_ids(self) -> set[str]:
+        return {owner for b in self.host.engine.kv_blocks() for owner in b["owners"]} if self.host.ready else set()
+
+    def _title_from_first_message(self, conversation_id: int, text: str) -> None:
+        conv = self.store.get(conversation_id)
+        if conv.title == "New chat":
+            words = " ".join(text.split())
+            self.store.rename(conversation_id, words[:40] + ("…" if len(words) > 40 else ""))
+
+    def regenerate(self, conversation_id, system_prompt: str, *slider_values):
+        """Replace the last reply with a new one."""
+        msgs = self.store.messages(conversation_id) if conversation_id is not None else []
+        if not msgs or msgs[-1].role != "assistant":
+            raise gr.Error("There is no reply to regenerate yet.")
+        self.store.delete_messages_from(conversation_id, msgs[-1].id)
+        yield from self.respond(conversation_id, "", system_prompt, *slider_values)
+
+    def edit_last(self, conversation_id):
+        """Put the last user message back in the box and remove it (and its reply) from the chat."""
+        msgs = self.store.messages(conversation_id) if conversation_id is not None else []
+        last_user = next((m for m in reversed(msgs) if m.role == "user"), None)
+        if last_user is None:
+            raise gr.Error("There is no message to edit.")
+        self.store.delete_messages_from(conversation_id, last_user.id)
+        return self.history(conversation_id), last_user.content
+
+    def drop_oldest_turn(self, conversation_id):
+        """Delete the oldest user message and the replies up to the next one: the user's explicit choice."""
+        msgs = self.store.messages(conversation_id)
+        next_user = next((i for i, m in enumerate(msgs[1:], 1) if m.role == "user"), None)
+        if next_user is None:
+            raise gr.Error("Nothing older is left to drop; start a new chat instead.")
+        self.store.delete_messages(conversation_id, [m.id for m in msgs[:next_user]])
+        return self.history(conversation_id)
+
+    def export(self, conversation_id, kind: str) -> str:
+        if conversation_id is None:
+            raise gr.Error("Open a chat to export it.")
+        title = self.store.get(conversation_id).title
+        safe = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in title).strip() or "chat"
+        text = self.store.export_markdown(conversation_id) if kind == "md" else self.store.export_json(conversation_id)
+        path = Path(tempfile.mkdtemp(prefix="pagoda-export-")) / f"{safe}.{kind}"
+        path.write_text(text, encoding="utf-8")
+        return str(path)
+
+    # ---- live panels ----------------------------------------------------------------------------
+    def header(self) -> str:
+        if not self.host.ready:
+            return f"**Pagoda** · {self.host.state.message}"
+        return f"**Pagoda** · {self.host.label} · {self.host.device_label()}"
+
+    def kv_panel(self) -> str:
+        if not self.host.ready:
+            return "<p>No model loaded.</p>"
+        engine = self.host.engine
+        stats, blocks = engine.stats(), engine.kv_blocks()
+        now, generated = time.time(), stats["num_generated_tokens"]
+        then, before = self._last_rate
+        rate = (generated - before) / (now - then) if now > then else 0.0
+        self._last_rate = (now, generated)
+        return render_kv_cache(blocks, stats, owners=self.request_labels, tokens_per_s=rate)
+
+
+def _summary(meta: dict) -> str:
+    if not meta or meta.get("ttft_s") is None:
+        return ""
+    rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
+    stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
+    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens · "
+            f"{meta.get('cached_tokens', 0)}/{meta.get('prompt_tokens', 0)} prompt tokens from the prefix cache{stopped}")
+
+
+def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
+    """The page. `models_tab(ui)` renders the Models tab inside the Blocks, when given."""
+    presets = {p.name: p.system_prompt for p in ui.store.presets()}
+    with gr.Blocks(title="Pagoda", fill_height=True) as demo:
+        header = gr.Markdown(ui.header(), elem_id="header")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=250):
+                new_btn = gr.Button("＋ New chat", variant="primary")
+                search = gr.Textbox(placeholder="Search chats…", show_label=False, container=False)
+                conversations = gr.Radio(choices=ui.conversation_choices(), label="Chats", elem_id="chat-list")
+                # The open chat's id. Events read it rather than the Radio, whose value must be one of
+                # the choices it was built with (API clients never see the updated choices).
+                current = gr.Number(visible=False, precision=0)
+                with gr.Accordion("Rename or delete", open=False):
+                    title = gr.Textbox(label="Title")
+                    with gr.Row():
+                        rename_btn = gr.Button("Rename", size="sm")
+                        delete_btn = gr.Button("Delete", size="sm", variant="stop")
+            with gr.Column(scale=4):
+                with gr.Tabs():
+                    with gr.Tab("Chat"):
+                        chatbot = gr.Chatbot(height=480, label="Chat", elem_id="chatbot")
+                        overflow = gr.Markdown(visible=False)
+                        with gr.Row(visible=False) as overflow_row:
+                            drop_btn = gr.Button("Drop the oldest turn", size="sm")
+                            fresh_btn = gr.Button("Start a new chat", size="sm")
+                        msg = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter for a new line)", lines=2,
+                                         max_lines=10, show_label=False, elem_id="message", submit_btn=True)
+                        with gr.Row():
+                            stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
+                            regen_btn = gr.Button("Regenerate", size="sm")
+                            edit_btn = gr.Button("Edit last message", size="sm")
+                            md_btn = gr.DownloadButton("Export Markdown", size="sm")
+                            json_btn = gr.DownloadButton("Export JSON", size="sm")
+                        meter = gr.Markdown(elem_id="context-meter")
+                        with gr.Accordion("System prompt and sampling", open=False):
+                            preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
+                            system = gr.Textbox(label="System prompt", lines=3)
+                            with gr.Row():
+                                preset_name = gr.Textbox(label="Save as preset", placeholder="Preset name", scale=3)
+                                save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
+                            sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
+                                       for k, label, lo, hi, step in SLIDERS]
+                    with gr.Tab("KV cache"):
+                        kv_html = gr.HTML(ui.kv_panel(), elem_id="kv-cache")
+                    if models_tab is not None:
+                        with gr.Tab("Models"):
+                            models_tab(ui)
+
+        opened = [chatbot, system, *sliders, meter, title]
+        conversations.change(lambda cid: cid, conversations, current)
+        current.change(ui.open, current, opened)
+        search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), search, conversations)
+        new_btn.click(ui.new_chat, [system, search], conversations, api_name="new_chat")
+        rename_btn.click(lambda cid, t: (ui.store.rename(cid, t), gr.update(choices=ui.conversation_choices(), value=cid))[1],
+                         [current, title], conversations)
+
+        def delete(cid):
+            if cid is not None:
+                ui.store.delete(cid)
+            choices = ui.conversation_choices()
+            return gr.update(choices=choices, value=choices[0][1] if choices else None)
+
+        delete_btn.click(delete, current, conversations)
+        preset.change(lambda name: presets.get(name, ""), preset, system)
+
+        def save_preset(name, prompt):
+            if not name.strip():
+                raise gr.Error("Give the preset a name.")
+            ui.store.save_preset(name.strip(), prompt)
+            presets[name.strip()] = prompt
+            return gr.update(choices=list(presets), value=name.strip()), ""
+
+        save_preset_btn.click(save_preset, [preset_name, system], [preset, preset_name])
+
+        reply_outputs = [chatbot, msg, overflow, overflow_row]
+        reply_inputs = [current, msg, system, *sliders]
+        refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid)),
+                       inputs=current, outputs=[meter, conversations])
+        limit = ui.max_concurrent_chats
+        send = msg.submit(ui.respond, reply_inputs, reply_outputs, concurrency_limit=limit, concurrency_id="reply",
+                          api_name="respond")
+        send.then(**refresh)
+        regen = regen_btn.click(ui.regenerate, [current, system, *sliders], reply_outputs, concurrency_limit=limit,
+                                concurrency_id="reply", api_name="regenerate")
+        regen.then(**refresh)
+        edit_btn.click(ui.edit_last, current, [chatbot, msg])
+        stop_btn.click(None, cancels=[send, regen])
+        drop_btn.click(ui.drop_oldest_turn, current, chatbot).then(
+            lambda: (gr.update(visible=False), gr.update(visible=False)), None, [overflow, overflow_row])
+
+        def fresh(cid, system_prompt):
+            conv = ui.store.create(system_prompt=system_prompt or "")
+            return gr.update(choices=ui.conversation_choices(), value=conv.id), gr.update(visible=False), gr.update(visible=False)
+
+        fresh_btn.click(fresh, [current, system], [conversations, overflow, overflow_row])
+        md_btn.click(lambda cid: ui.export(cid, "md"), current, md_btn)
+        json_btn.click(lambda cid: ui.export(cid, "json"), current, json_btn)
+
+        timer = gr.Timer(0.5)
+        timer.tick(lambda: (ui.kv_panel(), ui.header()), None, [kv_html, header], show_progress="hidden",
+                   concurrency_limit=1, concurrency_id="panels")
+
+        def first_view():
+            choices = ui.conversation_choices()
+            if not choices:
+                ui.store.create(system_prompt=next(iter(presets.values()), ""))
+                choices = ui.conversation_choices()
+            return gr.update(choices=choices, value=choices[0][1])
+
+        demo.load(first_view, None, conversations, js=KEYS_JS)
+
+        # Read-only API for scripts and the end-to-end tests (what the page shows, as data).
+        def engine_stats() -> dict:
+            return ui.host.engine.stats() if ui.host.ready else {}
+
+        def model_status() -> dict:
+            st = ui.host.state
+            return {"status": st.status, "message": st.message, "model": st.model}
+
+        def list_conversations(query: str = "") -> list[dict]:
+            return [{"id": c.id, "title": c.title, "system_prompt": c.system_prompt} for c in ui.store.list(query)]
+
+        def list_messages(conversation_id: int) -> list[dict]:
+            return [{"id": m.id, "role": m.role, "content": m.content, "meta": m.meta} for m in ui.store.messages(int(conversation_id))]
+
+        gr.api(engine_stats, api_name="engine_stats")
+        gr.api(model_status, api_name="model_status")
+        gr.api(list_conversations, api_name="conversations")
+        gr.api(list_messages, api_name="messages")
+    return demo
+
+
+def launch_kwargs() -> dict:
+    return {"css": visualizer_css(), "theme": gr.themes.Soft()}
+
+

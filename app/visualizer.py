@@ -1,0 +1,298 @@
+"""KV cache visualizer: turns the engine's `kv_blocks()` and `stats()` into one HTML string.
+
+No Gradio here: the UI puts the string in a `gr.HTML` that a `gr.Timer` refreshes, and passes
+`visualizer_css()` once to `gr.Blocks(css=...)`.
+
+Every block is one tiny element, `<i class="u c3 f4" title="...">`, styled by classes only:
+
+  kind   (none) empty        `h` free but cached (holds a prefix hash)
+         `u` in use by one request     `s` shared (ref count > 1; the count is drawn in it)
+  colour `c0`..`c11` the owning conversation (`cx`: a request id no conversation claims);
+         `d0`..`d11` a second conversation's colour, striped into shared blocks
+  fill   `f0`..`f7` a partly written block, in eighths (a full block has no fill class)
+
+Colours come from a hash of the conversation label, so a chat keeps its colour from poll to poll;
+labels that collide in one render are moved to the next free colour, in a fixed order.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import Counter
+from html import escape
+from operator import itemgetter
+from pathlib import Path
+
+CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "visualizer.css"
+PALETTE_SIZE = 12
+FILL_LEVELS = 8
+MAX_LABELS_IN_TITLE = 6
+MAX_LEGEND_ENTRIES = 12
+MAX_REMOTE_ROWS = 40
+
+
+@functools.lru_cache(maxsize=1)
+def visualizer_css() -> str:
+    """The visualizer's stylesheet (assets/visualizer.css), for `gr.Blocks(css=...)`."""
+    try:
+        return CSS_PATH.read_text(encoding="utf-8")
+    except OSError as e:
+        raise FileNotFoundError(f"the visualizer stylesheet is missing: {CSS_PATH} ({e.strerror})") from None
+
+
+# ---- colours -------------------------------------------------------------------------------------
+def _digest(label: str) -> int:
+    return int.from_bytes(hashlib.blake2b(label.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+
+
+def colour_index(label: str) -> int:
+    """The palette slot a conversation label prefers: stable across polls, processes and machines."""
+    return _digest(label) % PALETTE_SIZE
+
+
+def assign_colours(labels) -> dict[str, int]:
+    """A palette slot per label: its preferred one, or the next free one when another label present took it.
+
+    Labels are settled in digest order, so the outcome does not depend on the order they are given in.
+    With more than PALETTE_SIZE labels, colours repeat.
+    """
+    taken: set[int] = set()
+    out: dict[str, int] = {}
+    for label in sorted(set(labels), key=lambda s: (_digest(s), s)):
+        slot = _digest(label) % PALETTE_SIZE
+        if len(taken) < PALETTE_SIZE:
+            while slot in taken:
+                slot = (slot + 1) % PALETTE_SIZE
+        taken.add(slot)
+        out[label] = slot
+    return out
+
+
+# ---- formatting ----------------------------------------------------------------------------------
+def format_hit_rate(hits, queries) -> str:
+    """Prefix cache hit rate in tokens as a percentage; an em dash before the first query."""
+    try:
+        hits, queries = float(hits or 0), float(queries or 0)
+    except (TypeError, ValueError):
+        return "—"
+    if queries <= 0:
+        return "—"
+    return f"{100.0 * hits / queries:.1f}%"
+
+
+def _fmt_num(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v != v:  # NaN
+            return "—"
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_fmt_num(x) for x in v)
+    return str(v)
+
+
+def _ascii(s: str) -> str:
+    """Non-Latin-1 text as character references: one wide character (a CJK title, an emoji) would
+    otherwise make Python store the whole multi-megabyte grid string at 2 or 4 bytes per character."""
+    return s if s.isascii() else s.encode("latin-1", "xmlcharrefreplace").decode("latin-1")
+
+
+def _int(stats: dict, key: str, default: int) -> int:
+    v = stats.get(key)
+    try:
+        return int(v) if v is not None else default
+    except (TypeError, ValueError):
+        return default
+
+
+def _chip(value: str, label: str, tip: str = "", cls: str = "") -> str:
+    t = f' title="{escape(tip)}"' if tip else ""
+    c = f" {cls}" if cls else ""
+    return f'<span class="chip{c}"{t}><b>{value}</b> {label}</span>'
+
+
+def _grid_size_class(n: int) -> str:
+    if n <= 600:
+        return "z1"
+    if n <= 2500:
+        return "z2"
+    if n <= 10000:
+        return "z3"
+    return "z4"
+
+
+# ---- the grid ------------------------------------------------------------------------------------
+def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | None = None,
+                    tokens_per_s: float | None = None) -> str:
+    """HTML for the KV cache panel: counters, a legend, and a grid with one element per block.
+
+    blocks: `LLMEngine.kv_blocks()`; stats: `LLMEngine.stats()`; owners: engine request id ->
+    conversation label (user text: escaped here); tokens_per_s: shown when given.
+    """
+    owners = owners or {}
+    stats = stats or {}
+    blocks = blocks or []
+    bs = _int(stats, "block_size", 0)
+    if bs <= 0:
+        bs = max((b["filled"] for b in blocks), default=0) or 1
+
+    # Pass 1: the distinct owner lists (few, however many blocks) and who holds how many blocks.
+    groups: Counter[tuple] = Counter(map(tuple, filter(None, map(itemgetter("owners"), blocks))))
+
+    # Each request id -> its legend entry: ("c", label) for a known conversation, ("r", id) otherwise.
+    entry: dict = {}
+    for key in groups:
+        for rid in key:
+            if rid not in entry:
+                label = owners.get(rid)
+                entry[rid] = ("c", str(label)) if label is not None else ("r", str(rid))
+    entry_blocks: dict[tuple[str, str], int] = {}
+    group_entries: dict[tuple, list] = {}
+    for key, count in groups.items():
+        ents = group_entries[key] = list(dict.fromkeys(entry[rid] for rid in key))
+        for e in ents:
+            entry_blocks[e] = entry_blocks.get(e, 0) + count
+    slots = assign_colours(name for kind, name in entry_blocks if kind == "c")
+    colour = {e: (str(slots[e[1]]) if e[0] == "c" else "x") for e in entry_blocks}
+    display = {e: _ascii(escape(e[1]) if e[0] == "c" else f"request {escape(e[1])}") for e in entry_blocks}
+
+    # Per owner list: colour classes and the escaped owner line of the tooltip, computed once.
+    group_info: dict[tuple, tuple[str, str, str]] = {}
+    for key, ents in group_entries.items():
+        first = colour[ents[0]]
+        second = next((colour[e] for e in ents[1:] if colour[e] != first), None)
+        names = [display[e] for e in ents[:MAX_LABELS_IN_TITLE]]
+        if len(ents) > MAX_LABELS_IN_TITLE:
+            names.append(f"+{len(ents) - MAX_LABELS_IN_TITLE} more")
+        label_word = "owner" if len(ents) == 1 else "owners"
+        group_info[key] = (f" c{first}", f" c{first} d{second}" if second else f" c{first}",
+                           f"&#10;{label_word}: {', '.join(names)}")
+    no_owner = (" cx", " cx", "&#10;owner: none running")
+
+    # Pass 2: the markup. This runs a few times a second over every block, so the loop only looks
+    # up a (prefix, suffix) pair per block kind and puts the block id between them. Kinds are few:
+    # (ref count, cached, filled, owner list) takes a handful of values however many blocks there are.
+    def template(rc, cached, filled, ow) -> tuple[str, str]:
+        m = f"{filled}/{bs} tokens · {'cached' if cached else 'not cached'}"
+        if rc <= 0:
+            if cached:
+                return '<i class="h" title="Block ', f' · free, cached&#10;ref count {rc} · {m}"></i>'
+            return '<i title="Block ', f' · empty&#10;ref count {rc} · {m}"></i>'
+        one, two, who = group_info[tuple(ow)] if ow else no_owner
+        if rc > 1:
+            return (f'<i class="s{two}" title="Block ',
+                    f' · shared by {rc}&#10;ref count {rc} · {m}{who}">{rc if rc < 100 else "99+"}</i>')
+        f = ""
+        if filled < bs:  # partly written: fill level in eighths, rounded up so one token shows
+            f = f" f{min(FILL_LEVELS - 1, max(0, -(-filled * FILL_LEVELS // bs)))}"
+        return f'<i class="u{one}{f}" title="Block ', f' · in use&#10;ref count {rc} · {m}{who}"></i>'
+
+    templates: dict[tuple, tuple[str, str]] = {}
+    parts: list[str] = []
+    add = parts.append
+    for b in blocks:
+        ow = b["owners"]
+        key = (b["ref_count"], b["cached"], b["filled"], tuple(ow)) if ow else (b["ref_count"], b["cached"], b["filled"])
+        t = templates.get(key)
+        if t is None:
+            t = templates[key] = template(key[0], key[1], key[2], ow)
+        add(f'{t[0]}{b["id"]}{t[1]}')
+    grid = "".join(parts)
+
+    # Counters: from stats when present, from the blocks themselves otherwise.
+    num_blocks = _int(stats, "num_blocks", len(blocks))
+    used = _int(stats, "used_blocks", -1)
+    if used < 0:
+        used = sum(1 for b in blocks if b["ref_count"] > 0)
+    cached_free = _int(stats, "cached_blocks", -1)
+    if cached_free < 0:
+        cached_free = sum(1 for b in blocks if b["ref_count"] <= 0 and b["cached"])
+    free = _int(stats, "free_blocks", num_blocks - used)
+    empty = max(0, free - cached_free)
+    hits, queries = stats.get("prefix_cache_hits", 0), stats.get("prefix_cache_queries", 0)
+    rate = format_hit_rate(hits, queries)
+
+    chips = [
+        _chip(f"{used:,}", "used", "blocks held by running requests", "cu"),
+        _chip(f"{cached_free:,}", "cached", "free blocks that still hold a prefix; reused on a hit, evicted last", "cc"),
+        _chip(f"{empty:,}", "empty", "free blocks holding nothing", "ce"),
+        _chip(f"{num_blocks:,}", f"blocks × {bs} tokens", f"{free:,} free in all"),
+        _chip(rate, "prefix hits", f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}"),
+        _chip(f"{_int(stats, 'num_preemptions', 0):,}", "preemptions"),
+        _chip(f"{_int(stats, 'num_running', 0)} / {_int(stats, 'num_waiting', 0)}", "running / waiting"),
+    ]
+    if tokens_per_s is not None:
+        try:
+            chips.append(_chip(f"{float(tokens_per_s):.1f}", "tok/s", "generated tokens per second"))
+        except (TypeError, ValueError):
+            pass
+
+    total = max(num_blocks, 1)
+    bar = (f'<div class="bar" title="used {used:,} · cached {cached_free:,} · empty {empty:,}">'
+           f'<span class="bu" style="width:{min(100.0, 100 * used / total):.2f}%"></span>'
+           f'<span class="bc" style="width:{min(100.0, 100 * cached_free / total):.2f}%"></span></div>')
+
+    legend = []
+    # The conversations holding the most blocks, listed in a steady order so polls do not reshuffle them.
+    ranked = sorted(entry_blocks.items(), key=lambda kv: (-kv[1], kv[0]))
+    for e, count in sorted(ranked[:MAX_LEGEND_ENTRIES], key=lambda kv: (kv[0][0], kv[0][1].casefold(), kv[0][1])):
+        name = display[e]
+        legend.append(f'<span class="le" title="{name} · {count:,} blocks"><i class="u c{colour[e]}"></i>'
+                      f'<span class="ln">{name}</span></span>')
+    if len(ranked) > MAX_LEGEND_ENTRIES:
+        legend.append(f'<span class="le more">+{len(ranked) - MAX_LEGEND_ENTRIES} more</span>')
+    kinds = ('<span class="le"><i class="u cx f3"></i>in use (fill = tokens written)</span>'
+             '<span class="le"><i class="s cx">2</i>shared (ref count)</span>'
+             '<span class="le"><i class="h"></i>free, cached</span>'
+             '<span class="le"><i></i>empty</span>')
+
+    body = (f'<div class="g {_grid_size_class(len(blocks))}">{grid}</div>' if blocks
+            else '<p class="none">No KV cache yet: load a model to see its blocks.</p>')
+    head = _ascii(f'<div class="pgd-kv"><div class="hd"><div class="stats">{"".join(chips)}</div>{bar}'
+                  f'<div class="lg">{"".join(legend)}</div><div class="lg kinds">{kinds}</div></div>')
+    return f"{head}{body}</div>"
+
+
+# ---- remote servers ------------------------------------------------------------------------------
+def _flatten(metrics: dict, prefix: str = "") -> list[tuple[str, object]]:
+    rows = []
+    for k, v in metrics.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            rows.extend(_flatten(v, f"{name}."))
+        else:
+            rows.append((name, v))
+    return rows
+
+
+def _find(rows, *suffixes):
+    for k, v in rows:
+        key = k.lower().removesuffix("_total")
+        if any(key.endswith(s) for s in suffixes) and isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def render_remote_notice(metrics: dict | None) -> str:
+    """What the KV panel shows for a remote OpenAI-compatible server: no blocks, only its metrics."""
+    rows = _flatten(metrics) if isinstance(metrics, dict) else []
+    parts = ['<div class="pgd-kv remote"><p class="note"><b>Remote server.</b> Block-level KV cache data is not '
+             "available from a remote OpenAI-compatible server, so there is no block grid here."]
+    if not rows:
+        parts.append(" The server reported no metrics.</p></div>")
+        return "".join(parts)
+    parts.append(" Metrics it reports:</p>")
+    hits, queries = _find(rows, "prefix_cache_hits"), _find(rows, "prefix_cache_queries")
+    if hits is not None and queries is not None:
+        parts.append(f'<div class="stats">{_chip(format_hit_rate(hits, queries), "prefix hits", "hits / queries")}</div>')
+    parts.append('<table class="mt">')
+    for k, v in rows[:MAX_REMOTE_ROWS]:
+        parts.append(f"<tr><th>{escape(str(k))}</th><td>{escape(_fmt_num(v))}</td></tr>")
+    parts.append("</table>")
+    if len(rows) > MAX_REMOTE_ROWS:
+        parts.append(f'<p class="more">+{len(rows) - MAX_REMOTE_ROWS} more</p>')
+    parts.append("</div>")
+    return "".join(parts)

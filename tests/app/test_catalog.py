@@ -1,0 +1,208 @@
+"""The model catalog: consistent numbers, memory arithmetic, fit sentences, estimates from a config.json."""
+
+import json
+import sys
+
+import pytest
+
+from app.catalog import (GiB, MiB, CatalogEntry, available_memory, count_params, entry_for_repo, entry_from_config,
+                         estimate_memory, fit_report, load_catalog)
+
+REQUESTED = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct",
+    "Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-4B",
+    "meta-llama/Llama-3.2-1B-Instruct", "meta-llama/Llama-3.2-3B-Instruct",
+}
+
+# (layers, kv heads, head_dim, max_position_embeddings) from each repo's config.json
+KNOWN = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": (30, 3, 64, 8192),
+    "Qwen/Qwen2.5-0.5B-Instruct": (24, 2, 64, 32768),
+    "Qwen/Qwen2.5-1.5B-Instruct": (28, 2, 128, 32768),
+    "Qwen/Qwen3-0.6B": (28, 8, 128, 40960),
+    "Qwen/Qwen3-4B": (36, 8, 128, 40960),
+    "meta-llama/Llama-3.2-1B-Instruct": (16, 8, 64, 131072),
+    "meta-llama/Llama-3.2-3B-Instruct": (28, 8, 128, 131072),
+}
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog()
+
+
+def test_catalog_has_the_requested_models_once(catalog):
+    ids = [e.repo_id for e in catalog]
+    assert len(ids) == len(set(ids))
+    assert set(ids) == REQUESTED
+    assert [e.repo_id for e in catalog if e.bundled] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
+def test_every_entry_is_consistent(catalog):
+    for e in catalog:
+        assert e.supported, e.repo_id
+        assert e.family == {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[e.architecture]
+        assert e.checkpoint_dtype == "bfloat16"
+        assert e.num_attention_heads % e.num_key_value_heads == 0, e.repo_id
+        assert e.head_dim * e.num_attention_heads == e.hidden_size or e.family == "qwen3", e.repo_id
+        # The parameter count follows from the architecture numbers (tied embeddings counted once).
+        counted = count_params(hidden_size=e.hidden_size, intermediate_size=e.intermediate_size, vocab_size=e.vocab_size,
+                               num_hidden_layers=e.num_hidden_layers, num_attention_heads=e.num_attention_heads,
+                               num_key_value_heads=e.num_key_value_heads, head_dim=e.head_dim,
+                               tie_word_embeddings=e.tie_word_embeddings, family=e.family)
+        assert counted == e.params, e.repo_id
+        # bf16 download: 2 bytes per stored parameter (a tied head may be stored twice) plus tokenizer files.
+        low, high = 2 * e.params, 2 * (e.params + e.vocab_size * e.hidden_size) + 30 * MiB
+        assert low <= e.download_bytes <= high, e.repo_id
+        assert e.size_is_approximate
+        assert e.gated == e.repo_id.startswith("meta-llama/"), e.repo_id
+        assert e.license and e.description and e.params_label
+        assert e.params_label[:-1].replace(".", "").isdigit() and e.params_label[-1] in "MB"
+
+
+@pytest.mark.parametrize("repo_id", sorted(KNOWN))
+def test_known_config_values(catalog, repo_id):
+    e = next(x for x in catalog if x.repo_id == repo_id)
+    assert (e.num_hidden_layers, e.num_key_value_heads, e.head_dim, e.max_position_embeddings) == KNOWN[repo_id]
+
+
+def test_licenses(catalog):
+    lic = {e.repo_id: e.license for e in catalog}
+    assert lic["meta-llama/Llama-3.2-1B-Instruct"] == "llama3.2"
+    assert lic["Qwen/Qwen2.5-3B-Instruct"] == "qwen-research"
+    assert lic["Qwen/Qwen3-0.6B"] == "apache-2.0"
+
+
+def test_entry_for_repo():
+    assert entry_for_repo("qwen/QWEN3-0.6b").repo_id == "Qwen/Qwen3-0.6B"
+    assert entry_for_repo("nobody/nothing") is None
+    entry_for_repo("Qwen/Qwen3-0.6B").params = 1  # callers get copies
+    assert entry_for_repo("Qwen/Qwen3-0.6B").params > 1
+
+
+def test_estimate_arithmetic():
+    e = entry_for_repo("Qwen/Qwen2.5-0.5B-Instruct")
+    est = estimate_memory(e, 4096)
+    assert est.weights_bytes == e.params * 2
+    assert est.kv_bytes == 2 * 24 * 2 * 64 * 2 * 4096 == 50_331_648
+    assert est.overhead_bytes == 256 * MiB + int(0.1 * est.weights_bytes)
+    assert est.total_bytes == est.weights_bytes + est.kv_bytes + est.overhead_bytes
+    four = estimate_memory(e, 4096, "float32", num_seqs=4)
+    assert four.weights_bytes == e.params * 4
+    assert four.kv_bytes == est.kv_bytes * 2 * 4
+    assert estimate_memory(e, 4096, "auto").weights_bytes == est.weights_bytes  # checkpoint dtype: bf16
+    with pytest.raises(ValueError, match="dtype"):
+        estimate_memory(e, 4096, "int3")
+    with pytest.raises(ValueError, match="context_len"):
+        estimate_memory(e, 0)
+
+
+def test_fit_report_fits():
+    e = entry_for_repo("Qwen/Qwen3-0.6B")
+    r = fit_report(e, 4096, "bfloat16", "cpu", free_bytes=16 * GiB, device_name="CPU (31.2 GiB RAM)")
+    assert r.fits and not r.tight and r.free_bytes == 16 * GiB
+    assert r.message.startswith("Qwen3 0.6B needs about 1.9 GiB (weights 1.1 + KV 0.44 at 4,096 tokens + 0.36 runtime")
+    assert r.message.endswith("16.0 GiB free on CPU (31.2 GiB RAM): fits.")
+    assert r.max_context_len == 40960  # capped at what the model was trained for
+
+
+def test_fit_report_does_not_fit_suggests_a_context():
+    e = entry_for_repo("Qwen/Qwen3-0.6B")
+    r = fit_report(e, 32768, "bfloat16", free_bytes=3 * GiB, device_name="NVIDIA Test GPU (4.0 GiB)")
+    assert not r.fits
+    assert "KV 3.5 at 32,768 tokens" in r.message and "3.0 GiB free on NVIDIA Test GPU (4.0 GiB): does not fit" in r.message
+    assert r.max_context_len is not None and 4096 <= r.max_context_len < 32768
+    assert f"about {r.max_context_len:,} tokens would fit" in r.message
+    assert fit_report(e, r.max_context_len, free_bytes=3 * GiB, device_name="x").fits  # the suggestion holds
+
+    tiny = fit_report(e, 4096, "float32", free_bytes=1 * GiB, device_name="CPU (1.0 GiB RAM)")
+    assert not tiny.fits and tiny.max_context_len is None
+    assert "even with a short context" in tiny.message and "16-bit dtype" in tiny.message
+
+
+def test_fit_report_tight_and_too_long_context():
+    e = entry_for_repo("HuggingFaceTB/SmolLM2-135M-Instruct")
+    need = estimate_memory(e, 8192).total_bytes
+    r = fit_report(e, 8192, free_bytes=int(need * 1.05), device_name="CPU (x)")
+    assert r.fits and r.tight and "only just" in r.message
+    long = fit_report(e, 16384, free_bytes=64 * GiB, device_name="CPU (x)")
+    assert "trained for at most 8,192 tokens" in long.message
+
+
+def test_available_memory_cpu_and_fallbacks(monkeypatch):
+    desc, free = available_memory("cpu")
+    assert desc.startswith("CPU (") and desc.endswith(" GiB RAM)") and free > 0
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now fails: /proc/meminfo or sysconf
+    desc2, free2 = available_memory("cpu")
+    assert desc2.startswith("CPU (") and free2 > 0
+    with pytest.raises(ValueError, match="unknown device"):
+        available_memory("tpu")
+
+
+def test_available_memory_auto_without_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert available_memory("auto")[0].startswith("CPU (")
+    assert "no CUDA GPU found" in available_memory("cuda")[0]
+
+
+def test_available_memory_cuda_reads_mem_get_info(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (6 * GiB, 8 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA GeForce RTX 4060 Laptop GPU")
+    assert available_memory("auto") == ("NVIDIA GeForce RTX 4060 Laptop GPU (8.0 GiB)", 6 * GiB)
+
+
+QWEN3_06B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072, "vocab_size": 151936,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+
+
+def test_entry_from_config_matches_the_catalog():
+    e = entry_from_config("someone/qwen3-copy", QWEN3_06B_CONFIG, 1_514_700_000)
+    ref = entry_for_repo("Qwen/Qwen3-0.6B")
+    assert e.params == ref.params  # counted from dims: the stored tied head does not inflate it
+    assert (e.num_hidden_layers, e.num_key_value_heads, e.head_dim, e.max_position_embeddings) == (28, 8, 128, 40960)
+    assert e.supported and e.family == "qwen3" and e.download_bytes == 1_514_700_000 and not e.size_is_approximate
+    assert estimate_memory(e, 4096).total_bytes == estimate_memory(ref, 4096).total_bytes
+
+
+def test_entry_from_config_fallbacks():
+    # No head_dim: hidden / heads; no kv heads: MHA; dims missing: params from size and dtype.
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 22,
+           "num_attention_heads": 32, "max_position_embeddings": 2048, "dtype": "float32"}
+    e = entry_from_config("x/llama", cfg, 4_000_000_000)
+    assert e.head_dim == 64 and e.num_key_value_heads == 32 and e.params == 1_000_000_000
+    assert e.checkpoint_dtype == "float32"
+
+    other = entry_from_config("x/mistral", {**QWEN3_06B_CONFIG, "architectures": ["MistralForCausalLM"]}, 10**9)
+    assert not other.supported and "cannot run MistralForCausalLM" in other.description
+
+    wrapped = entry_from_config("x/vl", {"architectures": ["Qwen3ForCausalLM"], "text_config": QWEN3_06B_CONFIG}, 0)
+    assert wrapped.num_hidden_layers == 28
+
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        entry_from_config("x/broken", {"hidden_size": 64}, 1000)
+
+
+def test_load_catalog_errors_name_the_entry(tmp_path):
+    bad = tmp_path / "catalog.json"
+    bad.write_text(json.dumps({"models": [{"repo_id": "a/b", "params": 10}]}))
+    with pytest.raises(ValueError, match=r"entry 0 \(a/b\) lacks checkpoint_dtype"):
+        load_catalog(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_catalog(bad)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"models": [dict(repo_id="a/b", params=10**9, checkpoint_dtype="bfloat16",
+                                                download_bytes=2 * 10**9, num_hidden_layers=2, num_key_value_heads=1,
+                                                head_dim=64, max_position_embeddings=1024, future_key=1)]}))
+    (entry,) = load_catalog(good)
+    assert isinstance(entry, CatalogEntry) and entry.name == "b" and entry.params_label == "1B"

@@ -1,0 +1,233 @@
+"""The download manager against a local fake hub: sizes, byte progress, cancel and resume, errors, the cache."""
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_hub import FakeHub  # noqa: E402
+
+from app.downloads import DownloadError, DownloadManager, explain_error  # noqa: E402
+
+REPO = "pagoda-test/tiny-chat"
+BIG = 4 * 1024 * 1024
+CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "vocab_size": 320,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+          "max_position_embeddings": 512, "torch_dtype": "bfloat16", "tie_word_embeddings": True}
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A fake hub with one small repo; huggingface_hub pointed at it, its cache under tmp_path."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    if hasattr(constants, "AGENT_HARNESSES_PATH"):  # 2.x fetches a small registry once a day: keep it out of ~
+        monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agent_harnesses.json"))
+    # 128 KiB pieces: several progress updates for a 4 MiB file (the manager lowers 10 MiB to 1 MiB, never raises).
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 128 * 1024)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)  # the manager sets it; restore it afterwards
+    fake = FakeHub(chunk_size=32 * 1024)
+    fake.add_repo(REPO, {
+        "config.json": json.dumps(CONFIG).encode(),
+        "tokenizer.json": json.dumps({"model": {"type": "BPE"}}).encode(),
+        "model.safetensors": os.urandom(BIG),
+        "README.md": b"# not downloaded: the engine patterns skip it\n",
+    })
+    with fake:
+        # HF_ENDPOINT is read at import time into these two constants; the manager also passes endpoint= itself.
+        monkeypatch.setattr(constants, "ENDPOINT", fake.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}")
+        yield fake
+
+
+@pytest.fixture
+def manager(hub, tmp_path):
+    return DownloadManager(tmp_path / "hub", endpoint=hub.url, token=False)
+
+
+def expected_size(hub) -> int:
+    files = hub.repos[REPO].files
+    return sum(len(files[n]) for n in ("config.json", "tokenizer.json", "model.safetensors"))
+
+
+def watch(manager, job_id, timeout=20.0, on_sample=None):
+    """Poll a job until it finishes; return (final snapshot, bytes_done samples while running)."""
+    samples = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = manager.job(job_id)
+        if job.status == "running":
+            samples.append(job.bytes_done)
+            if on_sample is not None:
+                on_sample(job)
+        if not job.active:
+            return job, samples
+        time.sleep(0.02)
+    pytest.fail(f"job did not finish in {timeout}s: {manager.job(job_id)}")
+
+
+def test_repo_size_counts_only_engine_files(manager, hub):
+    assert manager.repo_files_size(REPO) == expected_size(hub)
+    check = manager.check_disk(REPO)
+    assert check.fits and check.size_bytes == expected_size(hub) and check.free_bytes > 0
+    assert "to download" in check.message
+    assert manager.free_disk_bytes() > 0
+
+
+@pytest.mark.parametrize("byte_bars", [True, False], ids=["tqdm-bytes", "disk-fallback"])
+def test_download_to_completion_with_byte_progress(manager, hub, byte_bars):
+    manager._byte_bars = byte_bars
+    hub.throttle = 0.008  # 128 chunks of 32 KiB: about 1 s
+    job_id = manager.start(REPO)
+    job, samples = watch(manager, job_id)
+    assert job.status == "done", job.error
+    total = expected_size(hub)
+    assert job.bytes_total == total and job.bytes_done == total and job.error is None
+    assert samples == sorted(samples), "progress went backwards"
+    assert any(0 < s < total for s in samples), f"no intermediate byte progress seen: {samples[:5]}...{samples[-5:]}"
+    path = Path(job.path)
+    assert (path / "model.safetensors").read_bytes() == hub.repos[REPO].files["model.safetensors"]
+    assert not (path / "README.md").exists()
+
+    models = manager.local_models()
+    assert [m.repo_id for m in models] == [REPO]
+    assert models[0].complete and models[0].path == path and models[0].size_bytes >= total
+    assert models[0].architectures == ("Qwen3ForCausalLM",)
+
+    freed = manager.delete(REPO)
+    assert freed >= total
+    assert manager.local_models(include_partial=True) == []
+    assert not manager.storage_folder(REPO).exists()
+    assert manager.delete(REPO) == 0
+
+
+def test_byte_progress_comes_from_the_tqdm_class(manager, hub):
+    """On this huggingface_hub, snapshot_download builds byte bars from tqdm_class: check the job used them."""
+    hub.throttle = 0.002
+    job_id = manager.start(REPO)
+    job, _ = watch(manager, job_id)
+    assert job.status == "done", job.error
+    kinds = sorted(k for k, _ in manager._jobs[job_id].bars.values())
+    assert "bytes" in kinds or "transfer" in kinds, kinds
+    counted = max(c for k, c in manager._jobs[job_id].bars.values() if k != "items")
+    assert counted == expected_size(hub)
+
+
+def test_cancel_mid_download_then_resume(manager, hub):
+    hub.throttle = 0.05  # about 6 s for the weights: plenty of time to cancel
+    job_id = manager.start(REPO)
+    assert manager.start(REPO) == job_id, "a second start of an active repo returns the same job"
+    cancelled_at = []
+
+    def cancel_once_weights_flow(job):
+        if not cancelled_at and job.bytes_done > 300 * 1024:
+            cancelled_at.append(time.monotonic())
+            assert manager.cancel(job_id)
+
+    job, _ = watch(manager, job_id, on_sample=cancel_once_weights_flow)
+    assert cancelled_at, "the download finished before it could be cancelled"
+    assert job.status == "cancelled" and job.cancel_requested and job.path is None
+    assert time.monotonic() - cancelled_at[0] < 3.0
+    assert 0 < job.bytes_done < job.bytes_total
+    assert not manager.cancel(job_id), "cancelling a finished job is a no-op"
+
+    # The partial download is not a model: not listed, and its snapshot lacks the weights.
+    assert manager.local_models() == []
+    partial = manager.local_models(include_partial=True)
+    assert [(m.repo_id, m.complete) for m in partial] == [(REPO, False)]
+    assert not (partial[0].path / "model.safetensors").exists()
+
+    # Starting again completes, fetching only what is missing (files that finished before the cancel are reused;
+    # huggingface_hub 2.x drops the file in flight, older versions resume it with a Range request).
+    hub.throttle = 0.0
+    job2 = manager.wait(manager.start(REPO), timeout=20)
+    assert job2.status == "done", job2.error
+    gets = [r[1].rsplit("/", 1)[-1] for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]]
+    assert gets.count("config.json") == 1 and gets.count("model.safetensors") == 2, gets
+    assert (Path(job2.path) / "model.safetensors").read_bytes() == hub.repos[REPO].files["model.safetensors"]
+    assert [m.repo_id for m in manager.local_models()] == [REPO]
+    assert [j.status for j in manager.jobs()] == ["cancelled", "done"]
+    manager.forget(job_id)
+    assert [j.id for j in manager.jobs()] == [job2.id]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_hub_gives_the_offline_message(hub, tmp_path):
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    manager = DownloadManager(tmp_path / "hub", endpoint=endpoint, token=False)
+    started = time.monotonic()
+    job = manager.wait(manager.start(REPO), timeout=30)
+    assert job.status == "error"
+    assert job.error.startswith("Could not reach the Hugging Face hub")
+    assert endpoint in job.error and "connection refused" in job.error
+    assert "bundled model works offline" in job.error
+    assert time.monotonic() - started < 10
+    with pytest.raises(DownloadError, match="Could not reach the Hugging Face hub"):
+        manager.repo_files_size(REPO)
+
+
+def test_missing_repo_is_named(manager):
+    job = manager.wait(manager.start("pagoda-test/no-such-model"), timeout=20)
+    assert job.status == "error"
+    assert "pagoda-test/no-such-model was not found" in job.error
+    with pytest.raises(DownloadError, match="not found"):
+        manager.repo_files_size("pagoda-test/no-such-model")
+
+
+def test_gated_repo_says_accept_license_and_log_in(manager, hub):
+    hub.add_repo("pagoda-test/gated", {"config.json": b"{}", "model.safetensors": b"x" * 100}, gated=True)
+    job = manager.wait(manager.start("pagoda-test/gated"), timeout=30)
+    assert job.status == "error"
+    assert "gated" in job.error and "accept its license" in job.error and "huggingface-cli login" in job.error
+    assert manager.local_models(include_partial=False) == []
+
+
+def test_not_enough_disk_is_refused_before_downloading(manager, hub, monkeypatch):
+    monkeypatch.setattr(manager, "free_disk_bytes", lambda: 1024 * 1024)
+    check = manager.check_disk(REPO)
+    assert not check.fits and "Not enough disk space" in check.message
+    job = manager.wait(manager.start(REPO), timeout=20)
+    assert job.status == "error"
+    assert job.error.startswith(f"Not enough disk space for {REPO}")
+    assert "1 MiB is free" in job.error
+    assert not any("/resolve/" in r[1] for r in hub.requests), "a refused download fetched files"
+    assert not manager.storage_folder(REPO).exists()
+
+
+def test_bad_repo_id_raises_at_once(manager):
+    with pytest.raises(ValueError, match="not a hub repo id"):
+        manager.start("not a repo")
+    with pytest.raises(KeyError):
+        manager.job("nope")
+
+
+def test_inspect_estimates_an_arbitrary_repo(manager, hub):
+    entry = manager.inspect(REPO)
+    assert entry.architecture == "Qwen3ForCausalLM" and entry.supported
+    assert entry.num_hidden_layers == 2 and entry.num_key_value_heads == 1 and entry.head_dim == 32
+    assert entry.download_bytes == expected_size(hub) and not entry.size_is_approximate
+    assert manager.local_models(include_partial=True) == [], "inspect must not leave files in the cache"
+    assert manager.inspect("qwen/qwen3-0.6b").repo_id == "Qwen/Qwen3-0.6B", "catalog repos need no hub call"
+
+
+def test_explain_error_for_offline_mode(monkeypatch):
+    from huggingface_hub import constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    message = explain_error(OfflineModeIsEnabled("offline"), REPO)
+    assert "HF_HUB_OFFLINE" in message and "bundled model works offline" in message

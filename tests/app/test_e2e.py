@@ -1,0 +1,144 @@
+"""End to end through gradio_client against the real app process on the bundled model."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+
+SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer briefly, "
+          "you say so when you do not know, and you never make up facts about the user.")
+GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AppProcess:
+    def __init__(self, model: Path, home: Path):
+        self.model, self.home, self.port = model, home, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.log = home / f"app-{self.port}.log"
+        self.proc = None
+
+    def start(self) -> "gradio_client.Client":
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(self.model), "--port", str(self.port),
+                                      "--no-browser", "--max-chats", "4"], env=env, stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the app exited: {self.log.read_text()[-3000:]}")
+            try:
+                client = gradio_client.Client(self.url, verbose=False)
+                if client.predict(api_name="/model_status")["status"] == "ready":
+                    return client
+            except Exception:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the app did not become ready: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def app(bundled_model, tmp_path_factory):
+    proc = AppProcess(bundled_model, tmp_path_factory.mktemp("app_home"))
+    client = proc.start()
+    yield proc, client
+    proc.kill()
+
+
+def new_chat(client, system=SYSTEM) -> int:
+    return client.predict(system, "", api_name="/new_chat")["value"]
+
+
+def reply(client, conv, text, max_tokens=48, system=SYSTEM):
+    return client.submit(conv, text, system, *GREEDY, max_tokens, api_name="/respond")
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_reply_streams_and_is_stored_with_its_measurements(app):
+    _, client = app
+    conv = new_chat(client)
+    updates = list(reply(client, conv, "What is the capital of France?"))
+    assert len(updates) > 2  # it streamed: several partial chat states, not one answer at the end
+    final = updates[-1][0][-1]["content"][0]["text"]
+    messages = client.predict(conv, api_name="/messages")
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    text, summary = final.split("\n\n<sub>")
+    assert text == messages[1]["content"] and text.strip()
+    assert "first token" in summary and "from the prefix cache" in summary
+    assert messages[1]["meta"]["finish_reason"] in ("stop", "length") and messages[1]["meta"]["ttft_s"] > 0
+
+
+def test_stop_mid_stream_aborts_the_request_in_the_engine(app):
+    _, client = app
+    conv = new_chat(client)
+    job = reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=2000)
+    assert wait_for(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
+    time.sleep(0.5)
+    job.cancel()
+    assert wait_for(lambda: client.predict(api_name="/engine_stats")["num_running"] == 0, timeout=15)
+    stats = client.predict(api_name="/engine_stats")
+    assert stats["used_blocks"] == 0  # its blocks went back (full ones stay cached for reuse)
+    saved = client.predict(conv, api_name="/messages")[-1]
+    assert saved["role"] == "assistant" and saved["content"]  # what streamed before Stop is kept
+
+
+def test_regenerate_replaces_the_last_reply(app):
+    _, client = app
+    conv = new_chat(client)
+    list(reply(client, conv, "Name a colour."))
+    before = client.predict(conv, api_name="/messages")
+    list(client.submit(conv, SYSTEM, *GREEDY, 48, api_name="/regenerate"))
+    after = client.predict(conv, api_name="/messages")
+    assert [m["role"] for m in after] == ["user", "assistant"]
+    assert after[1]["id"] != before[1]["id"] and after[1]["content"] == before[1]["content"]  # greedy: same text
+
+
+def test_two_chats_with_one_preset_share_the_system_prompt_blocks(app):
+    _, client = app
+    first, second = new_chat(client), new_chat(client)
+    list(reply(client, first, "Hello!", max_tokens=16))
+    list(reply(client, second, "What can you do?", max_tokens=16))
+    meta = client.predict(second, api_name="/messages")[-1]["meta"]
+    assert meta["cached_tokens"] >= 32  # the system prompt's full blocks came from the prefix cache
+
+
+def test_a_killed_app_loses_no_saved_message(app):
+    proc, client = app
+    conv = new_chat(client)
+    list(reply(client, conv, "Remember the word pagoda.", max_tokens=16))
+    job = reply(client, conv, "Now write a long poem about it.", max_tokens=2000)
+    assert wait_for(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
+    time.sleep(1.5)  # a few store writes of the streaming reply
+    proc.kill()  # kill -9 while the reply streams
+    client = proc.start()
+    titles = {c["id"]: c["title"] for c in client.predict("", api_name="/conversations")}
+    assert conv in titles
+    messages = client.predict(conv, api_name="/messages")
+    assert [m["content"] for m in messages[:3]][::2] == ["Remember the word pagoda.", "Now write a long poem about it."]
+    assert messages[1]["content"] and len(messages) == 4  # the finished reply, and the partial one as far as it was saved

@@ -1,0 +1,283 @@
+"""The KV cache visualizer renders kv_blocks()/stats() into HTML: parse it back and check what it says."""
+from html.parser import HTMLParser
+
+import pytest
+
+from app.visualizer import (assign_colours, colour_index, format_hit_rate, render_kv_cache, render_remote_notice,
+                            visualizer_css)
+
+BS = 16
+
+
+class Grid(HTMLParser):
+    """Collects the grid's blocks (the <i> children of div.g), the legend entries and all text."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.blocks: list[dict] = []
+        self.legend: list[dict] = []
+        self.text: list[str] = []
+        self.stack: list[tuple[str, set[str]]] = []
+        self.current = None
+        self.feed(html)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        classes = set((a.get("class") or "").split())
+        in_grid = any(t == "div" and "g" in c for t, c in self.stack)
+        if tag == "i" and in_grid:
+            self.current = {"classes": classes, "title": a.get("title", ""), "text": "", "attrs": a}
+            self.blocks.append(self.current)
+        elif tag == "span" and "le" in classes:
+            self.current = {"classes": classes, "title": a.get("title", ""), "text": "", "swatch": None}
+            self.legend.append(self.current)
+        elif tag == "i" and self.legend and self.current is self.legend[-1]:
+            self.current["swatch"] = classes
+        self.stack.append((tag, classes))
+
+    def handle_endtag(self, tag):
+        while self.stack:
+            t, _ = self.stack.pop()
+            if t == tag:
+                break
+        if tag in ("i", "span") and self.current is not None and (tag == "i") == ("attrs" in self.current):
+            self.current = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self.current is not None:
+            self.current["text"] += data
+
+    @property
+    def all_text(self) -> str:
+        return " ".join(self.text)
+
+
+def colour_of(classes: set[str]) -> str:
+    return next(c for c in classes if c.startswith("c") and c[1:].isdigit() or c == "cx")
+
+
+def block(i, ref_count=0, cached=False, filled=0, owners=()):
+    return {"id": i, "ref_count": ref_count, "cached": cached, "filled": filled, "owners": list(owners)}
+
+
+def stats_for(blocks, **extra):
+    used = sum(b["ref_count"] > 0 for b in blocks)
+    cached = sum(b["ref_count"] == 0 and b["cached"] for b in blocks)
+    s = {"num_blocks": len(blocks), "free_blocks": len(blocks) - used, "cached_blocks": cached, "used_blocks": used,
+         "block_size": BS, "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_running": 2, "num_waiting": 0,
+         "num_preemptions": 0}
+    s.update(extra)
+    return s
+
+
+def two_chats():
+    """Two chats share a 3-block system prompt; each has its own blocks; some cached-free, some empty."""
+    blocks = [block(i, 2, True, BS, ["req-a", "req-b"]) for i in range(3)]
+    blocks += [block(3, 1, True, BS, ["req-a"]), block(4, 1, False, 5, ["req-a"])]
+    blocks += [block(5, 1, False, 11, ["req-b"])]
+    blocks += [block(6, 0, True, BS), block(7, 0, True, BS)]
+    blocks += [block(i) for i in range(8, 12)]
+    owners = {"req-a": "Trip planning", "req-b": "Rust questions"}
+    return blocks, owners
+
+
+def render(blocks, owners=None, **stats):
+    return Grid(render_kv_cache(blocks, stats_for(blocks, **stats), owners))
+
+
+def test_one_element_per_block_in_order():
+    blocks, owners = two_chats()
+    g = render(blocks, owners)
+    assert len(g.blocks) == len(blocks)
+    for b, el in zip(blocks, g.blocks):
+        assert el["title"].startswith(f"Block {b['id']} ")
+
+
+def test_shared_blocks_show_ref_count_and_marker():
+    blocks, owners = two_chats()
+    blocks[1]["ref_count"] = 5
+    g = render(blocks, owners)
+    for i, rc in [(0, 2), (1, 5), (2, 2)]:
+        el = g.blocks[i]
+        assert "s" in el["classes"], el
+        assert el["text"] == str(rc)
+        assert f"shared by {rc}" in el["title"] and f"ref count {rc}" in el["title"]
+    for el in g.blocks[3:]:  # nothing else is marked shared or carries a number
+        assert "s" not in el["classes"] and el["text"] == ""
+
+
+def test_huge_ref_count_stays_short_in_the_square():
+    g = render([block(0, 250, True, BS, [f"r{i}" for i in range(250)])])
+    assert g.blocks[0]["text"] == "99+" and "ref count 250" in g.blocks[0]["title"]
+    assert "+244 more" in g.blocks[0]["title"]  # six labels, then a count
+
+
+def test_cached_free_and_empty_look_different():
+    blocks, owners = two_chats()
+    g = render(blocks, owners)
+    cached_free, empty = g.blocks[6], g.blocks[8]
+    assert cached_free["classes"] != empty["classes"]
+    assert "h" in cached_free["classes"] and "free, cached" in cached_free["title"]
+    assert not empty["classes"] & {"h", "u", "s"} and "empty" in empty["title"]
+    assert "not cached" in empty["title"]
+
+
+def test_two_conversations_get_different_colours_and_shared_block_names_both():
+    blocks, owners = two_chats()
+    g = render(blocks, owners)
+    a, b = colour_of(g.blocks[3]["classes"]), colour_of(g.blocks[5]["classes"])
+    assert a != b and "cx" not in (a, b)
+    assert "u" in g.blocks[3]["classes"] and "u" in g.blocks[5]["classes"]
+    shared = g.blocks[0]
+    assert "s" in shared["classes"]
+    assert "Trip planning" in shared["title"] and "Rust questions" in shared["title"]
+    # the shared block stripes both conversations' colours
+    assert colour_of(shared["classes"]) in (a, b)
+    assert {"d" + a[1:], "d" + b[1:]} & shared["classes"]
+    # the legend lists both conversations with their colours, plus the block kinds
+    legend = {e["text"]: e["swatch"] for e in g.legend}
+    assert colour_of(legend["Trip planning"]) == a and colour_of(legend["Rust questions"]) == b
+    assert any("free, cached" in t for t in legend) and any("empty" == t for t in legend)
+
+
+def test_colours_are_stable_and_distinct_among_labels_present():
+    labels = [f"chat {i}" for i in range(12)]
+    slots = assign_colours(labels)
+    assert sorted(slots.values()) == list(range(12))  # 12 labels, 12 colours: no collision survives
+    assert assign_colours(reversed(labels)) == slots  # independent of order
+    assert colour_index("chat 0") == colour_index("chat 0")
+    # a label alone always gets its preferred colour, in every render
+    g1 = render([block(0, 1, False, 3, ["x"])], {"x": "Solo"})
+    assert colour_of(g1.blocks[0]["classes"]) == f"c{colour_index('Solo')}"
+
+
+def test_partly_filled_blocks_show_their_fill_level():
+    blocks = [block(0, 1, False, 1, ["r"]), block(1, 1, False, 8, ["r"]), block(2, 1, False, 15, ["r"]),
+              block(3, 1, False, BS, ["r"]), block(4, 1, False, 0, ["r"])]
+    g = render(blocks, {"r": "chat"})
+    fills = [{c for c in el["classes"] if c.startswith("f")} for el in g.blocks]
+    assert fills == [{"f1"}, {"f4"}, {"f7"}, set(), {"f0"}]
+
+
+def test_unknown_request_ids_are_neutral_and_labelled_by_id():
+    g = render([block(0, 1, False, 4, ["cmpl-42"]), block(1, 1, False, 4, ["req-a"])], {"req-a": "Known"})
+    assert colour_of(g.blocks[0]["classes"]) == "cx"
+    assert "request cmpl-42" in g.blocks[0]["title"]
+    assert colour_of(g.blocks[1]["classes"]) != "cx"
+    assert any(e["text"] == "request cmpl-42" and colour_of(e["swatch"]) == "cx" for e in g.legend)
+
+
+def test_labels_are_escaped():
+    evil = '<script>alert("x")</script> & "quotes"'
+    blocks = [block(0, 2, True, BS, ["a", "b"]), block(1, 1, False, 2, ["a"])]
+    html = render_kv_cache(blocks, stats_for(blocks), {"a": evil, "b": "<img src=x onerror=alert(1)>"})
+    assert "<script" not in html and "<img" not in html and 'alert("x")' not in html
+    g = Grid(html)
+    assert evil in g.blocks[0]["title"] and "<img src=x onerror=alert(1)>" in g.blocks[0]["title"]
+    assert evil in g.blocks[1]["title"]
+    assert any(e["text"] == evil for e in g.legend)
+    # request ids are user-reachable through the API: escaped too
+    html = render_kv_cache([block(0, 1, False, 1, ["<b>id</b>"])], {"block_size": BS}, {})
+    assert "<b>id" not in html and "request <b>id</b>" in Grid(html).blocks[0]["title"]
+
+
+def test_wide_characters_survive_as_references():
+    blocks = [block(0, 1, False, 3, ["r"])]
+    html = render_kv_cache(blocks, stats_for(blocks), {"r": "旅行の計画 🗾"})
+    assert html.isascii() or max(map(ord, html)) < 256  # stored compactly
+    g = Grid(html)
+    assert "旅行の計画 🗾" in g.blocks[0]["title"]
+    assert any(e["text"] == "旅行の計画 🗾" for e in g.legend)
+
+
+def test_tooltip_content():
+    blocks, owners = two_chats()
+    g = render(blocks, owners)
+    t = g.blocks[4]["title"]  # chat A's partial tail block
+    assert t.splitlines() == ["Block 4 · in use", f"ref count 1 · 5/{BS} tokens · not cached", "owner: Trip planning"]
+    t = g.blocks[0]["title"]
+    assert t.splitlines() == ["Block 0 · shared by 2", f"ref count 2 · {BS}/{BS} tokens · cached",
+                              "owners: Trip planning, Rust questions"]
+    assert g.blocks[6]["title"].splitlines() == ["Block 6 · free, cached", f"ref count 0 · {BS}/{BS} tokens · cached"]
+    assert g.blocks[9]["title"].splitlines() == ["Block 9 · empty", f"ref count 0 · 0/{BS} tokens · not cached"]
+
+
+def test_blocks_in_use_without_a_running_owner():
+    g = render([block(0, 1, True, BS)])
+    assert colour_of(g.blocks[0]["classes"]) == "cx" and "owner: none running" in g.blocks[0]["title"]
+
+
+@pytest.mark.parametrize("hits,queries,expected", [(0, 0, "—"), (5, 0, "—"), (0, 100, "0.0%"), (1, 3, "33.3%"),
+                                                   (50, 50, "100.0%"), (None, None, "—")])
+def test_hit_rate_formatting(hits, queries, expected):
+    assert format_hit_rate(hits, queries) == expected
+
+
+def test_header_counts():
+    blocks, owners = two_chats()
+    html = render_kv_cache(blocks, stats_for(blocks, prefix_cache_queries=400, prefix_cache_hits=48, num_running=2,
+                                             num_waiting=3, num_preemptions=7), owners, tokens_per_s=41.66)
+    text = " ".join(Grid(html).all_text.split())
+    for expected in ["6 used", "2 cached", "4 empty", f"12 blocks × {BS} tokens", "12.0% prefix hits",
+                     "7 preemptions", "2 / 3 running / waiting", "41.7 tok/s"]:
+        assert expected in text, (expected, text)
+    text = " ".join(Grid(render_kv_cache(blocks, stats_for(blocks), owners)).all_text.split())
+    assert "— prefix hits" in text and "tok/s" not in text
+
+
+def test_counts_fall_back_to_the_blocks_when_stats_lack_them():
+    blocks, owners = two_chats()
+    text = " ".join(Grid(render_kv_cache(blocks, {"block_size": BS}, owners)).all_text.split())
+    assert "6 used" in text and "2 cached" in text and "4 empty" in text
+
+
+def test_no_blocks():
+    html = render_kv_cache([], {}, None)
+    g = Grid(html)
+    assert g.blocks == [] and "No KV cache yet" in g.all_text
+
+
+def test_output_per_block_is_small_for_20000_blocks():
+    n = 20000
+    blocks = []
+    for i in range(n):
+        kind = i % 10
+        if kind < 2:
+            blocks.append(block(i, 3, True, BS, [f"req-{i % 7}", f"req-{(i + 1) % 7}", f"req-{(i + 2) % 7}"]))
+        elif kind < 6:
+            blocks.append(block(i, 1, kind == 2, BS if kind != 5 else 7, [f"req-{i % 40}"]))
+        elif kind < 8:
+            blocks.append(block(i, 0, True, BS))
+        else:
+            blocks.append(block(i))
+    owners = {f"req-{k}": f"Conversation about topic number {k}" for k in range(40)}
+    html = render_kv_cache(blocks, stats_for(blocks), owners, tokens_per_s=100.0)
+    g = Grid(html)
+    assert len(g.blocks) == n
+    assert len(html) / n < 200, len(html) / n
+    assert "style=" not in html.split('class="g ')[1]  # no per-block inline styles
+    # the markup is tiny: <i class="..." title="...">n</i> and nothing else per block
+    assert all(set(el["attrs"]) <= {"class", "title"} for el in g.blocks[:200])
+
+
+def test_css_asset():
+    css = visualizer_css()
+    assert ".pgd-kv" in css and ".dark .pgd-kv" in css
+    for cls in ["i.h", "i.u", "i.s", ".c0", ".c11", ".cx", ".d11", ".f7"]:
+        assert cls in css, cls
+
+
+def test_remote_notice():
+    html = render_remote_notice({"vllm:prefix_cache_hits_total": 30, "vllm:prefix_cache_queries_total": 120,
+                                 "num_requests_running": 2, "model": "<evil>", "cache": {"usage": 0.25}})
+    g = Grid(html)
+    text = " ".join(g.all_text.split())
+    assert "not available" in text and "remote" in text.lower()
+    assert "25.0% prefix hits" in text
+    assert "vllm:prefix_cache_hits_total 30" in text and "cache.usage 0.25" in text
+    assert "<evil>" not in html and "<evil>" in text
+    for empty in (None, {}):
+        text = Grid(render_remote_notice(empty)).all_text
+        assert "not available" in text and "no metrics" in text
