@@ -1,4 +1,5 @@
 """One chat turn: the stored conversation becomes token ids, the reply streams back into the store."""
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ def prompt_ids(tokenizer, system_prompt: str, messages: list[dict]) -> list[int]
 
     A system prompt that is byte-identical across chats gives identical leading ids: that is
     what lets chats share its KV blocks."""
+    system_prompt = system_prompt or ""
     chat = ([{"role": "system", "content": system_prompt}] if system_prompt.strip() else []) + messages
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -68,18 +70,14 @@ class Turn:
                 f"{self.cached_tokens}/{self.prompt_tokens} prompt tokens from the prefix cache")
 
 
-def stream_reply(engine, store, message_id: int, ids: list[int], params: SamplingParams,
-                 on_start=None) -> Iterator[Turn]:
-    """Stream one reply into message `message_id`, yielding the turn after every increment.
+def stream_reply(stream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:
+    """Consume one request's stream into message `message_id`, yielding the turn after every increment.
 
-    The store gets the text at least every SAVE_EVERY_S and at the end. If the caller stops
-    iterating (Stop pressed, browser gone), the request is aborted and what exists is kept."""
-    turn = Turn(prompt_tokens=len(ids))
+    The store gets the text at least every SAVE_EVERY_S and at the end. If the consumer stops
+    early, the request is aborted and what exists is kept."""
+    turn = Turn(prompt_tokens=num_prompt_tokens)
     start = last_save = time.perf_counter()
     first = None
-    stream = engine.submit(ids, params)
-    if on_start is not None:
-        on_start(stream.request_id)
     try:
         for out in stream:
             now = time.perf_counter()
@@ -88,7 +86,7 @@ def stream_reply(engine, store, message_id: int, ids: list[int], params: Samplin
                 turn.ttft_s = now - start
             turn.text += out.new_text
             turn.output_tokens += len(out.new_token_ids)
-            turn.cached_tokens = out.num_cached_tokens
+            turn.cached_tokens = out.num_cached_tokens or turn.cached_tokens
             if turn.output_tokens > 1 and now > first:
                 turn.tokens_per_s = (turn.output_tokens - 1) / (now - first)
             if out.finished:
@@ -102,3 +100,32 @@ def stream_reply(engine, store, message_id: int, ids: list[int], params: Samplin
             stream.cancel()
             turn.finished, turn.finish_reason = True, "abort"
             store.update_message(message_id, turn.text, turn.meta())
+
+
+class ReplyTask:
+    """A reply streaming into the store on its own thread.
+
+    It outlives the page event that started it, so switching to another chat lets it finish in
+    the background; `cancel()` (Stop, or the browser going away) aborts it in the engine."""
+
+    def __init__(self, stream, store, message_id: int, num_prompt_tokens: int):
+        self.stream = stream
+        self.turn = Turn(prompt_tokens=num_prompt_tokens)
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(store, message_id, num_prompt_tokens),
+                                        name=f"reply-{message_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self, store, message_id: int, num_prompt_tokens: int) -> None:
+        try:
+            for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens):
+                self.turn = turn
+        except Exception as e:  # e.g. the chat was deleted while it answered
+            self.stream.cancel()
+            self.turn.text += f"\n\n[stopped: {e}]"
+        finally:
+            self.turn.finished = True
+            self.done.set()
+
+    def cancel(self) -> None:
+        self.stream.cancel()

@@ -3,6 +3,7 @@ import argparse
 import logging
 import secrets
 import sys
+from pathlib import Path
 
 log = logging.getLogger("pagoda")
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     store = ConversationStore(default_db_path())
     host = ModelHost()
     if args.model:
-        host.load(args.model, max_num_seqs=args.max_chats)
+        host.load(args.model, label=Path(args.model).name or args.model, max_num_seqs=args.max_chats)
     else:
         from engine.bundled import MODEL_NAME, bundled_model_path
 

@@ -7,13 +7,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import logging
+
 import gradio as gr
 
-from app.chat import DEFAULT_SETTINGS, ContextOverflow, check_fits, prompt_ids, sampling_params, stream_reply
+from app.chat import DEFAULT_SETTINGS, ContextOverflow, ReplyTask, check_fits, prompt_ids, sampling_params
 from app.model_host import ModelHost
 from app.store import ConversationStore
 from app.visualizer import render_kv_cache, visualizer_css
 
+log = logging.getLogger("pagoda")
 SLIDERS = [  # setting, label, minimum, maximum, step
     ("temperature", "Temperature", 0.0, 2.0, 0.05),
     ("top_p", "Top-p", 0.05, 1.0, 0.05),
@@ -38,6 +41,8 @@ class PagodaUI:
         self.store, self.host = store, host
         self.max_concurrent_chats = max_concurrent_chats
         self.request_labels: dict[str, str] = {}  # engine request id -> conversation title
+        self.tasks: dict[int, ReplyTask] = {}  # conversation id -> its reply, while one streams
+        self.session_chats: dict[str, set[int]] = {}  # browser session -> chats whose replies it started
         self._last_rate = (time.time(), 0)
 
     # ---- conversations --------------------------------------------------------------------------
@@ -78,12 +83,18 @@ class PagodaUI:
         return gr.update(choices=self.conversation_choices(query), value=conv.id)
 
     # ---- replies --------------------------------------------------------------------------------
-    def respond(self, conversation_id, user_text: str, system_prompt: str, *slider_values):
-        """Add the user's message (when given) and stream the assistant's reply."""
+    def respond(self, conversation_id, user_text: str, system_prompt: str, temperature: float, top_p: float, top_k: int,
+                min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
+        """Add the user's message (when given), start the assistant's reply and follow it."""
+        slider_values = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
         if conversation_id is None:
             conversation_id = self.store.create(system_prompt=system_prompt or "").id
+        conversation_id, system_prompt = int(conversation_id), system_prompt or ""
         if not self.host.ready:
             raise gr.Error(self.host.state.message if self.host.state.status != "idle" else "Load a model in the Models tab first.")
+        running = self.tasks.get(conversation_id)
+        if running is not None and not running.done.is_set():
+            raise gr.Error("This chat is still answering: press Stop first, or open another chat.")
         settings = dict(zip([k for k, *_ in SLIDERS], slider_values))
         self.store.update(conversation_id, system_prompt=system_prompt, settings=settings)
         if user_text and user_text.strip():
@@ -99,19 +110,42 @@ class PagodaUI:
             yield self.history(conversation_id), "", gr.update(visible=True, value=f"**{e}**"), gr.update(visible=True)
             return
         reply = self.store.add_message(conversation_id, "assistant", "")
-        title = self.store.get(conversation_id).title
-        history = self.history(conversation_id)[:-1]
-        hidden = gr.update(visible=False)
-        try:
-            for turn in stream_reply(engine, self.store, reply.id, ids, params,
-                                     on_start=lambda rid: self.request_labels.__setitem__(rid, title)):
-                content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if turn.finished else "")
-                yield history + [{"role": "assistant", "content": content}], "", hidden, hidden
-        finally:
-            self.request_labels = {k: v for k, v in self.request_labels.items() if v != title or k in self._running_ids()}
+        stream = engine.submit(ids, params)
+        self.request_labels[stream.request_id] = f"#{conversation_id} {self.store.get(conversation_id).title}"
+        self.tasks[conversation_id] = ReplyTask(stream, self.store, reply.id, len(ids))
+        if request is not None:
+            self.session_chats.setdefault(request.session_hash, set()).add(conversation_id)
+        yield self.history(conversation_id), "", gr.update(visible=False), gr.update(visible=False)  # clears the box
+        yield from self.follow(conversation_id)
 
-    def _running_ids(self) -> set[str]:
-        return {owner for b in self.host.engine.kv_blocks() for owner in b["owners"]} if self.host.ready else set()
+    def follow(self, conversation_id):
+        """Show the chat's reply as it streams (the reply itself runs on, whatever this page does)."""
+        hidden = gr.update(visible=False)
+        task = self.tasks.get(int(conversation_id)) if conversation_id is not None else None
+        if task is None:
+            yield self.history(conversation_id), gr.update(), hidden, hidden
+            return
+        history = self.history(conversation_id)[:-1]
+        while True:
+            finished = task.done.wait(0.1)
+            turn = task.turn
+            content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
+            yield history + [{"role": "assistant", "content": content}], gr.update(), hidden, hidden
+            if finished:
+                self.tasks.pop(int(conversation_id), None)
+                self.request_labels.pop(task.stream.request_id, None)
+                return
+
+    def stop(self, conversation_id) -> None:
+        task = self.tasks.get(int(conversation_id)) if conversation_id is not None else None
+        if task is not None:
+            task.cancel()
+
+    def on_unload(self, request: gr.Request) -> None:
+        """The browser went away: abort the replies it started."""
+        log.info("browser session closed: stopping its replies")
+        for conversation_id in self.session_chats.pop(request.session_hash, set()):
+            self.stop(conversation_id)
 
     def _title_from_first_message(self, conversation_id: int, text: str) -> None:
         conv = self.store.get(conversation_id)
@@ -119,13 +153,15 @@ class PagodaUI:
             words = " ".join(text.split())
             self.store.rename(conversation_id, words[:40] + ("…" if len(words) > 40 else ""))
 
-    def regenerate(self, conversation_id, system_prompt: str, *slider_values):
+    def regenerate(self, conversation_id, system_prompt: str, temperature: float, top_p: float, top_k: int,
+                   min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
         """Replace the last reply with a new one."""
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
         if not msgs or msgs[-1].role != "assistant":
             raise gr.Error("There is no reply to regenerate yet.")
         self.store.delete_messages_from(conversation_id, msgs[-1].id)
-        yield from self.respond(conversation_id, "", system_prompt, *slider_values)
+        yield from self.respond(conversation_id, "", system_prompt, temperature, top_p, top_k, min_p,
+                                repetition_penalty, max_tokens, request)
 
     def edit_last(self, conversation_id):
         """Put the last user message back in the box and remove it (and its reply) from the chat."""
@@ -208,7 +244,7 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
                         with gr.Row(visible=False) as overflow_row:
                             drop_btn = gr.Button("Drop the oldest turn", size="sm")
                             fresh_btn = gr.Button("Start a new chat", size="sm")
-                        msg = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter for a new line)", lines=2,
+                        msg = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter for a new line)", lines=1,
                                          max_lines=10, show_label=False, elem_id="message", submit_btn=True)
                         with gr.Row():
                             stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
@@ -219,7 +255,7 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
                         meter = gr.Markdown(elem_id="context-meter")
                         with gr.Accordion("System prompt and sampling", open=False):
                             preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
-                            system = gr.Textbox(label="System prompt", lines=3)
+                            system = gr.Textbox(label="System prompt", lines=3, elem_id="system-prompt")
                             with gr.Row():
                                 preset_name = gr.Textbox(label="Save as preset", placeholder="Preset name", scale=3)
                                 save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
@@ -233,7 +269,6 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
 
         opened = [chatbot, system, *sliders, meter, title]
         conversations.change(lambda cid: cid, conversations, current)
-        current.change(ui.open, current, opened)
         search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), search, conversations)
         new_btn.click(ui.new_chat, [system, search], conversations, api_name="new_chat")
         rename_btn.click(lambda cid, t: (ui.store.rename(cid, t), gr.update(choices=ui.conversation_choices(), value=cid))[1],
@@ -268,8 +303,12 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
         regen = regen_btn.click(ui.regenerate, [current, system, *sliders], reply_outputs, concurrency_limit=limit,
                                 concurrency_id="reply", api_name="regenerate")
         regen.then(**refresh)
+        # Opening a chat stops following the previous one (its reply runs on) and follows this one's.
+        opening = current.change(ui.open, current, opened, cancels=[send, regen])
+        follow = opening.then(ui.follow, current, reply_outputs, concurrency_limit=limit, concurrency_id="reply")
         edit_btn.click(ui.edit_last, current, [chatbot, msg])
-        stop_btn.click(None, cancels=[send, regen])
+        stop_btn.click(ui.stop, current, None, cancels=[send, regen, follow], api_name="stop")
+        demo.unload(ui.on_unload)
         drop_btn.click(ui.drop_oldest_turn, current, chatbot).then(
             lambda: (gr.update(visible=False), gr.update(visible=False)), None, [overflow, overflow_row])
 

@@ -1,58 +1,13 @@
 """End to end through gradio_client against the real app process on the bundled model."""
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-gradio_client = pytest.importorskip("gradio_client")
+from tests.app.app_process import AppProcess
 
 SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer briefly, "
           "you say so when you do not know, and you never make up facts about the user.")
 GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class AppProcess:
-    def __init__(self, model: Path, home: Path):
-        self.model, self.home, self.port = model, home, free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
-        self.log = home / f"app-{self.port}.log"
-        self.proc = None
-
-    def start(self) -> "gradio_client.Client":
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
-        env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(self.model), "--port", str(self.port),
-                                      "--no-browser", "--max-chats", "4"], env=env, stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the app exited: {self.log.read_text()[-3000:]}")
-            try:
-                client = gradio_client.Client(self.url, verbose=False)
-                if client.predict(api_name="/model_status")["status"] == "ready":
-                    return client
-            except Exception:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the app did not become ready: {self.log.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +55,7 @@ def test_stop_mid_stream_aborts_the_request_in_the_engine(app):
     job = reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=2000)
     assert wait_for(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
     time.sleep(0.5)
-    job.cancel()
+    client.predict(conv, api_name="/stop")  # the Stop button
     assert wait_for(lambda: client.predict(api_name="/engine_stats")["num_running"] == 0, timeout=15)
     stats = client.predict(api_name="/engine_stats")
     assert stats["used_blocks"] == 0  # its blocks went back (full ones stay cached for reuse)

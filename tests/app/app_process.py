@@ -1,0 +1,51 @@
+"""A real Pagoda app process for end-to-end tests."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AppProcess:
+    def __init__(self, model: Path, home: Path):
+        self.model, self.home, self.port = model, home, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.log = home / f"app-{self.port}.log"
+        self.proc = None
+
+    def start(self):
+        from gradio_client import Client
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(self.model), "--port", str(self.port),
+                                      "--no-browser", "--max-chats", "4"], env=env, stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the app exited: {self.log.read_text()[-3000:]}")
+            try:
+                client = Client(self.url, verbose=False)
+                if client.predict(api_name="/model_status")["status"] == "ready":
+                    return client
+            except Exception:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the app did not become ready: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+

@@ -1,0 +1,121 @@
+"""In a real browser: Debian's Chromium driven by Playwright (no browser download).
+
+Types a message, watches the reply stream in, starts a second chat on the same system prompt and
+watches the KV-cache grid show their shared blocks. Screenshots go to test-artifacts/; with
+PAGODA_UPDATE_DOCS=1 they also replace the README's pictures in docs/.
+"""
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.app.app_process import AppProcess
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+if CHROMIUM is None or not shutil.which("chromium"):
+    # CI installs Chromium and sets PAGODA_REQUIRE_BROWSER, so there a missing browser fails loudly.
+    if os.environ.get("PAGODA_REQUIRE_BROWSER"):
+        raise RuntimeError("PAGODA_REQUIRE_BROWSER is set but no chromium is installed (apt-get install chromium)")
+    pytest.skip("needs Debian's chromium (apt-get install chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def session(bundled_model, tmp_path_factory):
+    """The app process, a client for its API, and a browser."""
+    app = AppProcess(bundled_model, tmp_path_factory.mktemp("browser_home"))
+    client = app.start()
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield app, client, browser
+        browser.close()
+    app.kill()
+
+
+def open_page(session):
+    app, _, browser = session
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(app.url)
+    page.locator("#context-meter").get_by_text("Context:").wait_for()  # the first chat is open
+    return page
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name))
+    if os.environ.get("PAGODA_UPDATE_DOCS"):
+        (REPO / "docs").mkdir(exist_ok=True)
+        shutil.copy(ARTIFACTS / name, REPO / "docs" / name)
+
+
+def bot_text(page) -> str:
+    bots = page.locator('#chatbot [data-testid="bot"]')
+    return bots.last.inner_text() if bots.count() else ""
+
+
+def send(page, text: str) -> None:
+    box = page.locator("#message textarea")
+    box.fill(text)
+    box.press("Enter")
+
+
+def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(session):
+    page = open_page(session)
+    page.get_by_text("System prompt and sampling").click()
+    system = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in full "
+              "sentences, you say so when you do not know, and you never make up facts about the user.")
+    page.locator("#system-prompt textarea").fill(system)
+    page.get_by_text("System prompt and sampling").click()  # fold it away again
+    send(page, "Tell me a long story about a lighthouse keeper.")
+    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
+
+    # A second chat with the same system prompt, started while the first one is still answering.
+    page.get_by_role("button", name="New chat").click()
+    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    send(page, "Tell me a long story about a lighthouse keeper's cat.")
+    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
+    first = bot_text(page)
+    deadline = time.time() + 20
+    while len(bot_text(page)) <= len(first) and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(bot_text(page)) > len(first)  # still growing: it streams
+
+    page.get_by_role("tab", name="KV cache").click()
+    grid = page.locator("#kv-cache")
+    # The system prompt's full blocks are shared (ref count 2) while both chats answer.
+    page.wait_for_function("() => document.querySelector('#kv-cache .g i.s') !== null", timeout=30000)
+    assert grid.locator(".g i.s").first.inner_text() == "2"
+    shot(page, "kv-cache-shared.png")
+    page.get_by_role("tab", name="Chat").click()
+    time.sleep(3)
+    shot(page, "chat.png")
+    page.close()
+
+
+def test_closing_the_tab_aborts_its_replies(session):
+    _, client, _ = session
+    running = lambda: client.predict(api_name="/engine_stats")["num_running"]
+    deadline = time.time() + 30
+    while running() and time.time() < deadline:  # the previous test closed its tab: its replies stop
+        time.sleep(0.2)
+    assert running() == 0
+    page = open_page(session)
+    page.get_by_role("button", name="New chat").click()
+    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    send(page, "Write a very long story about a dragon, with many chapters.")
+    deadline = time.time() + 60
+    while running() == 0 and time.time() < deadline:
+        time.sleep(0.2)
+    assert running() == 1
+    page.close()  # the user closes the tab
+    deadline = time.time() + 30
+    while running() and time.time() < deadline:
+        time.sleep(0.2)
+    assert running() == 0
