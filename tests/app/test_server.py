@@ -1,0 +1,54 @@
+"""Start-up options: a share link never goes out without a password, and a missing tunnel is no crash."""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from app.server import parse_args, resolve_auth
+from tests.app.app_process import free_port
+
+
+def test_share_without_auth_generates_a_login_and_prints_it(capsys):
+    user, password = resolve_auth(parse_args(["--share"]))
+    assert user and len(password) >= 12
+    assert password in capsys.readouterr().out
+
+
+def test_auth_is_parsed_and_a_malformed_one_is_refused():
+    assert resolve_auth(parse_args(["--auth", "alice:s3cret:x"])) == ("alice", "s3cret:x")
+    assert resolve_auth(parse_args([])) is None  # local only, no password needed
+    with pytest.raises(SystemExit, match="user:password"):
+        resolve_auth(argparse.Namespace(auth="alice", share=False))
+
+
+def test_share_with_no_tunnel_says_so_and_keeps_serving_locally_behind_the_login(tiny_llama, tmp_path):
+    port = free_port()
+    log = tmp_path / "share.log"
+    env = {**os.environ, "PAGODA_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(tiny_llama), "--port", str(port), "--share",
+                             "--no-browser"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while "Could not create the share link" not in log.read_text() and time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"the app exited: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "Could not create the share link" in text and f"127.0.0.1:{port}" in text
+        password = re.search(r"pagoda / (\S+)", text).group(1)
+        base = f"http://127.0.0.1:{port}"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{base}/config", timeout=10)
+        assert refused.value.code == 401  # nothing is served without the login
+        body = urllib.parse.urlencode({"username": "pagoda", "password": password}).encode()
+        assert urllib.request.urlopen(f"{base}/login", data=body, timeout=10).status == 200
+    finally:
+        proc.kill()
+        proc.wait(10)
