@@ -63,11 +63,17 @@ class Turn:
         return {k: v for k, v in self.__dict__.items() if k != "text"}
 
     def summary(self) -> str:
-        if self.ttft_s is None:
-            return ""
-        rate = f" · {self.tokens_per_s:.1f} tok/s" if self.tokens_per_s else ""
-        return (f"first token {self.ttft_s * 1000:.0f} ms{rate} · {self.output_tokens} tokens · "
-                f"{self.cached_tokens}/{self.prompt_tokens} prompt tokens from the prefix cache")
+        return summary(self.meta())
+
+
+def summary(meta: dict) -> str:
+    """The line under a reply: first-token time, speed, and what the prefix cache served."""
+    if not meta or meta.get("ttft_s") is None:
+        return ""
+    rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
+    stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
+    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens · "
+            f"{meta.get('cached_tokens', 0)}/{meta.get('prompt_tokens', 0)} prompt tokens from the prefix cache{stopped}")
 
 
 def stream_reply(stream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:
@@ -112,6 +118,7 @@ class ReplyTask:
         self.stream = stream
         self.turn = Turn(prompt_tokens=num_prompt_tokens)
         self.done = threading.Event()
+        self.last_followed = time.time()  # when a page last showed this reply (see PagodaUI.on_unload)
         self._thread = threading.Thread(target=self._run, args=(store, message_id, num_prompt_tokens),
                                         name=f"reply-{message_id}", daemon=True)
         self._thread.start()

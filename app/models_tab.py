@@ -34,6 +34,14 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     choices = [(f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}{' · gated' if e.gated else ''}", e.repo_id)
                for e in catalog]
 
+    def estimate(repo_id: str, dtype_name: str, ctx) -> str:
+        entry = entry_for_repo(repo_id or "")
+        if entry is None:
+            return "No estimate for a model outside the catalog until its config is known; it is checked when it loads."
+        size = f"Download: {format_gib(entry.download_bytes)} GiB. " if not entry.bundled else "Bundled: no download. "
+        dt = "float32" if dtype_name == "auto" else dtype_name
+        return size + fit_report(entry, int(ctx or 4096), dt).message
+
     status = gr.Markdown(ui.host.state.message, elem_id="model-status")
     with gr.Row():
         repo = gr.Dropdown(choices=choices, value=catalog[0].repo_id, label="Model", allow_custom_value=True,
@@ -41,7 +49,7 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         dtype = gr.Dropdown(DTYPES, value="auto", label="Precision", scale=1)
         context = gr.Number(value=4096, precision=0, label="Context length (tokens)", scale=1)
         kv_gib = gr.Number(value=None, label="KV cache memory, GiB (CPU; empty = 1)", scale=1)
-    fit = gr.Markdown()
+    fit = gr.Markdown(estimate(catalog[0].repo_id, "auto", 4096))
     with gr.Row():
         download_btn = gr.Button("Download")
         load_btn = gr.Button("Load", variant="primary")
@@ -55,14 +63,6 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         to_delete = gr.Textbox(label="Delete downloaded model (repo id)", scale=3)
         delete_btn = gr.Button("Delete", variant="stop", scale=1)
     disk = gr.Markdown(f"Free disk for downloads: {format_gib(manager.free_disk_bytes())} GiB")
-
-    def estimate(repo_id: str, dtype_name: str, ctx) -> str:
-        entry = entry_for_repo(repo_id or "")
-        if entry is None:
-            return "No estimate for a model outside the catalog until its config is known; it is checked when it loads."
-        size = f"Download: {format_gib(entry.download_bytes)} GiB. " if not entry.bundled else "Bundled: no download. "
-        dt = "float32" if dtype_name == "auto" else dtype_name
-        return size + fit_report(entry, int(ctx or 4096), dt).message
 
     for control in (repo, dtype, context):
         control.change(estimate, [repo, dtype, context], fit)

@@ -8,15 +8,18 @@ import time
 from pathlib import Path
 
 import logging
+import threading
 
 import gradio as gr
 
-from app.chat import DEFAULT_SETTINGS, ContextOverflow, ReplyTask, check_fits, prompt_ids, sampling_params
+from app.chat import DEFAULT_SETTINGS, ContextOverflow, ReplyTask, check_fits, prompt_ids, sampling_params, summary
 from app.model_host import ModelHost
 from app.store import ConversationStore
 from app.visualizer import render_kv_cache, visualizer_css
 
 log = logging.getLogger("pagoda")
+UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
+UNWATCHED_S = 2.0  # a reply whose page has not polled it for this long is not being watched
 SLIDERS = [  # setting, label, minimum, maximum, step
     ("temperature", "Temperature", 0.0, 2.0, 0.05),
     ("top_p", "Top-p", 0.05, 1.0, 0.05),
@@ -55,7 +58,7 @@ class PagodaUI:
         rows = []
         for m in self.store.messages(conversation_id):
             content = m.content
-            stats = _summary(m.meta) if m.role == "assistant" else ""
+            stats = summary(m.meta) if m.role == "assistant" else ""
             if stats:
                 content = f"{content}\n\n<sub>{stats}</sub>"
             rows.append({"role": m.role, "content": content})
@@ -127,6 +130,7 @@ class PagodaUI:
             return
         history = self.history(conversation_id)[:-1]
         while True:
+            task.last_followed = time.time()
             finished = task.done.wait(0.1)
             turn = task.turn
             content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
@@ -142,10 +146,20 @@ class PagodaUI:
             task.cancel()
 
     def on_unload(self, request: gr.Request) -> None:
-        """The browser went away: abort the replies it started."""
-        log.info("browser session closed: stopping its replies")
-        for conversation_id in self.session_chats.pop(request.session_hash, set()):
-            self.stop(conversation_id)
+        """A browser session ended: abort the replies it started that no page is showing any more.
+
+        Gradio also reports a session as ended when its heartbeat connection merely hiccups, so a
+        reply still followed by a live page after a grace period is left alone."""
+        chats = self.session_chats.pop(request.session_hash, set())
+
+        def abort_unwatched() -> None:
+            for conversation_id in chats:
+                task = self.tasks.get(conversation_id)
+                if task is not None and time.time() - task.last_followed > UNWATCHED_S:
+                    log.info("browser gone: stopping the reply in chat %s", conversation_id)
+                    task.cancel()
+
+        threading.Timer(UNLOAD_GRACE_S, abort_unwatched).start()
 
     def _title_from_first_message(self, conversation_id: int, text: str) -> None:
         conv = self.store.get(conversation_id)
@@ -209,20 +223,13 @@ class PagodaUI:
         return render_kv_cache(blocks, stats, owners=self.request_labels, tokens_per_s=rate)
 
 
-def _summary(meta: dict) -> str:
-    if not meta or meta.get("ttft_s") is None:
-        return ""
-    rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
-    stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
-    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens · "
-            f"{meta.get('cached_tokens', 0)}/{meta.get('prompt_tokens', 0)} prompt tokens from the prefix cache{stopped}")
-
-
 def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
     """The page. `models_tab(ui)` renders the Models tab inside the Blocks, when given."""
     presets = {p.name: p.system_prompt for p in ui.store.presets()}
     with gr.Blocks(title="Pagoda", fill_height=True) as demo:
-        header = gr.Markdown(ui.header(), elem_id="header")
+        with gr.Row(equal_height=True):
+            header = gr.Markdown(ui.header(), elem_id="header")
+            theme_btn = gr.Button("◐ Light / dark", size="sm", scale=0, min_width=140)
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=250):
                 new_btn = gr.Button("＋ New chat", variant="primary")
@@ -332,6 +339,7 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
             return gr.update(choices=choices, value=choices[0][1])
 
         demo.load(first_view, None, conversations, js=KEYS_JS)
+        theme_btn.click(None, js="() => { document.body.classList.toggle('dark'); }")
 
         # Read-only API for scripts and the end-to-end tests (what the page shows, as data).
         def engine_stats() -> dict:

@@ -55,15 +55,29 @@ def shot(page, name: str) -> None:
         shutil.copy(ARTIFACTS / name, REPO / "docs" / name)
 
 
+def wait_for_js(page, expression: str, timeout: float) -> None:
+    """page.wait_for_function, with a screenshot in test-artifacts/ when it times out."""
+    try:
+        page.wait_for_function(expression, timeout=timeout)
+    except sync_api.TimeoutError:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+        raise
+
+
 def bot_text(page) -> str:
     bots = page.locator('#chatbot [data-testid="bot"]')
     return bots.last.inner_text() if bots.count() else ""
 
 
 def send(page, text: str) -> None:
+    """Type like a person (key by key), then Enter; the user's message must show at once."""
     box = page.locator("#message textarea")
-    box.fill(text)
+    users = page.locator('#chatbot [data-testid="user"]').count()
+    box.click()
+    box.press_sequentially(text, delay=5)
     box.press("Enter")
+    wait_for_js(page, f"() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length > {users}", timeout=20000)
 
 
 def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(session):
@@ -74,13 +88,13 @@ def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(ses
     page.locator("#system-prompt textarea").fill(system)
     page.get_by_text("System prompt and sampling").click()  # fold it away again
     send(page, "Tell me a long story about a lighthouse keeper.")
-    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
 
     # A second chat with the same system prompt, started while the first one is still answering.
     page.get_by_role("button", name="New chat").click()
-    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
     send(page, "Tell me a long story about a lighthouse keeper's cat.")
-    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
     first = bot_text(page)
     deadline = time.time() + 20
     while len(bot_text(page)) <= len(first) and time.time() < deadline:
@@ -90,7 +104,7 @@ def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(ses
     page.get_by_role("tab", name="KV cache").click()
     grid = page.locator("#kv-cache")
     # The system prompt's full blocks are shared (ref count 2) while both chats answer.
-    page.wait_for_function("() => document.querySelector('#kv-cache .g i.s') !== null", timeout=30000)
+    wait_for_js(page, "() => document.querySelector('#kv-cache .g i.s') !== null", timeout=30000)
     assert grid.locator(".g i.s").first.inner_text() == "2"
     shot(page, "kv-cache-shared.png")
     page.get_by_role("tab", name="Chat").click()
@@ -108,7 +122,7 @@ def test_closing_the_tab_aborts_its_replies(session):
     assert running() == 0
     page = open_page(session)
     page.get_by_role("button", name="New chat").click()
-    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
     send(page, "Write a very long story about a dragon, with many chapters.")
     deadline = time.time() + 60
     while running() == 0 and time.time() < deadline:
