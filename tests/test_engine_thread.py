@@ -20,10 +20,11 @@ def test_concurrent_streams_are_batched_and_match_offline_generate(front, tiny_l
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64).generate(PROMPTS, params, use_tqdm=False)
     results, most_running = {}, []
+    streams = [front.submit(p, params) for p in PROMPTS]  # four callers arriving together
 
     def chat(i):
         text, ids = "", []
-        for out in front.submit(PROMPTS[i], params):
+        for out in streams[i]:
             text += out.new_text
             ids += out.new_token_ids
             most_running.append(front.stats()["num_running"])
