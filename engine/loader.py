@@ -1,12 +1,9 @@
 """Finding a model (local folder or hub repo id) and loading its safetensors weights."""
 import json
-import logging
 from pathlib import Path
 
 import torch
 from torch import nn
-
-log = logging.getLogger("engine")
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 

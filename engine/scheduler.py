@@ -56,7 +56,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            while bm.blocks_needed(seq, n) > bm.num_free_blocks:
+            while not bm.can_allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
