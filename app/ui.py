@@ -28,6 +28,7 @@ SLIDERS = [  # setting, label, minimum, maximum, step
     ("repetition_penalty", "Repetition penalty", 0.8, 2.0, 0.05),
     ("max_tokens", "Max reply tokens", 16, 4096, 16),
 ]
+UNCHANGED = tuple(gr.update() for _ in range(4))  # a reply stream's outputs, left as they are
 KEYS_JS = """
 () => {
   document.addEventListener('keydown', (e) => {
@@ -46,6 +47,7 @@ class PagodaUI:
         self.request_labels: dict[str, str] = {}  # engine request id -> conversation title
         self.tasks: dict[int, ReplyTask] = {}  # conversation id -> its reply, while one streams
         self.session_chats: dict[str, set[int]] = {}  # browser session -> chats whose replies it started
+        self.viewing: dict[str, int] = {}  # browser session -> the chat its page shows
         self._last_rate = (time.time(), 0)
 
     # ---- conversations --------------------------------------------------------------------------
@@ -73,7 +75,17 @@ class PagodaUI:
         used = len(prompt_ids(engine.tokenizer, conv.system_prompt, messages))
         return f"Context: {used:,} / {engine.max_model_len:,} tokens"
 
-    def open(self, conversation_id: int | None):
+    def shows(self, request: gr.Request | None, conversation_id: int) -> bool:
+        """Whether this session's page still shows the chat, so a stream may draw into its chatbot.
+
+        A stream that outlives a switch to another chat (its cancel arrives late) must not paint its
+        chat over the one now open. API clients open no chat, so they see every stream they start."""
+        shown = self.viewing.get(request.session_hash) if request is not None else None
+        return shown is None or shown == int(conversation_id)
+
+    def open(self, conversation_id: int | None, request: gr.Request = None):
+        if request is not None and conversation_id is not None:
+            self.viewing[request.session_hash] = int(conversation_id)
         if conversation_id is None:
             return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", ""
         conv = self.store.get(conversation_id)
@@ -118,20 +130,27 @@ class PagodaUI:
         self.tasks[conversation_id] = ReplyTask(stream, self.store, reply.id, len(ids))
         if request is not None:
             self.session_chats.setdefault(request.session_hash, set()).add(conversation_id)
+        if not self.shows(request, conversation_id):
+            yield UNCHANGED
+            return
         yield self.history(conversation_id), "", gr.update(visible=False), gr.update(visible=False)  # clears the box
-        yield from self.follow(conversation_id)
+        yield from self.follow(conversation_id, request)
 
-    def follow(self, conversation_id):
+    def follow(self, conversation_id, request: gr.Request = None):
         """Show the chat's reply as it streams (the reply itself runs on, whatever this page does)."""
         hidden = gr.update(visible=False)
         task = self.tasks.get(int(conversation_id)) if conversation_id is not None else None
         if task is None:
-            yield self.history(conversation_id), gr.update(), hidden, hidden
+            shown = conversation_id is None or self.shows(request, conversation_id)
+            yield (self.history(conversation_id), gr.update(), hidden, hidden) if shown else UNCHANGED
             return
         history = self.history(conversation_id)[:-1]
         while True:
             task.last_followed = time.time()
             finished = task.done.wait(0.1)
+            if not self.shows(request, conversation_id):  # the page opened another chat: stop drawing
+                yield UNCHANGED
+                return
             turn = task.turn
             content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
             yield history + [{"role": "assistant", "content": content}], gr.update(), hidden, hidden
@@ -151,6 +170,7 @@ class PagodaUI:
         Gradio also reports a session as ended when its heartbeat connection merely hiccups, so a
         reply still followed by a live page after a grace period is left alone."""
         chats = self.session_chats.pop(request.session_hash, set())
+        self.viewing.pop(request.session_hash, None)
 
         def abort_unwatched() -> None:
             for conversation_id in chats:

@@ -1,0 +1,59 @@
+"""A page's reply streams draw only into the chat it shows, whatever order events arrive in."""
+import threading
+import time
+from types import SimpleNamespace
+
+from app.chat import Turn
+from app.model_host import ModelHost
+from app.store import ConversationStore
+from app.ui import UNCHANGED, PagodaUI
+
+
+def streaming_task(text: str) -> SimpleNamespace:
+    """Stands in for a ReplyTask whose reply is still being written."""
+    return SimpleNamespace(done=threading.Event(), turn=Turn(prompt_tokens=3, text=text),
+                           last_followed=time.time(), stream=SimpleNamespace(request_id="r"))
+
+
+def make_ui(tmp_path):
+    store = ConversationStore(tmp_path / "chats.db")
+    ui = PagodaUI(store, ModelHost())
+    first, second = store.create(title="lighthouse"), store.create(title="cat")
+    store.add_message(first.id, "user", "Tell me about the lighthouse.")
+    store.add_message(first.id, "assistant", "")
+    return ui, first.id, second.id
+
+
+def test_a_stream_stops_drawing_once_its_page_opens_another_chat(tmp_path):
+    ui, first, second = make_ui(tmp_path)
+    page = SimpleNamespace(session_hash="page-1")
+    ui.open(first, page)
+    ui.tasks[first] = streaming_task("Once upon a time")
+    stream = ui.follow(first, page)
+    chatbot = next(stream)[0]
+    assert chatbot[-1] == {"role": "assistant", "content": "Once upon a time"}
+    assert chatbot[0]["content"] == "Tell me about the lighthouse."
+
+    ui.open(second, page)  # the user clicks the other chat; this stream's cancel has not landed yet
+    assert next(stream) == UNCHANGED  # it leaves the open chat's chatbot alone
+    assert next(stream, None) is None  # and ends
+    assert not ui.tasks[first].done.is_set()  # the reply itself runs on in the background
+
+
+def test_another_page_and_api_clients_still_see_the_stream(tmp_path):
+    ui, first, second = make_ui(tmp_path)
+    ui.tasks[first] = streaming_task("Once")
+    ui.open(second, SimpleNamespace(session_hash="other-page"))
+    watcher = SimpleNamespace(session_hash="watcher")
+    ui.open(first, watcher)
+    api_client = SimpleNamespace(session_hash="api")  # opens no chat
+    for request in (watcher, api_client, None):
+        assert next(ui.follow(first, request))[0][-1]["content"] == "Once"
+
+
+def test_a_closed_page_forgets_which_chat_it_showed(tmp_path):
+    ui, first, second = make_ui(tmp_path)
+    page = SimpleNamespace(session_hash="page-1")
+    ui.open(second, page)
+    ui.on_unload(page)
+    assert "page-1" not in ui.viewing
