@@ -15,6 +15,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--listen", action="store_true", help="serve on the LAN (0.0.0.0), not only on 127.0.0.1")
     ap.add_argument("--share", action="store_true", help="make a public Gradio link, always behind a password")
     ap.add_argument("--auth", help="user:password required to open the page (generated for --share if not given)")
+    ap.add_argument("--api-key", help="key for the OpenAI-compatible API under /v1 (generated and printed when "
+                    "--listen or --share makes it reachable from other machines)")
     ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     ap.add_argument("--max-chats", type=int, default=16, help="chats that can stream at once (engine sequence slots)")
     return ap.parse_args(argv)
@@ -34,10 +36,27 @@ def resolve_auth(args: argparse.Namespace) -> tuple[str, str] | None:
     return None
 
 
+def serve_openai_api(demo, host, api_key: str | None) -> None:
+    """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
+    from engine.openai_server import ServedModel, create_metrics_router, create_router
+
+    def served() -> ServedModel | None:
+        engine = host.engine
+        return ServedModel(engine, host.label) if engine is not None else None
+
+    # Gradio has already built its FastAPI app; routes added now are matched like its own.
+    demo.server_app.include_router(create_router(served, api_key))
+    demo.server_app.include_router(create_metrics_router(served))
+    log.info("OpenAI-compatible API at %s/v1%s", demo.local_url.rstrip("/"), " (API key required)" if api_key else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     auth = resolve_auth(args)
+    from engine.serve import resolve_api_key
+
+    api_key = resolve_api_key(args.api_key, exposed=args.listen or args.share)
 
     from app.model_host import ModelHost
     from app.models_tab import render_models_tab
@@ -57,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.queue(default_concurrency_limit=4)
     demo.launch(server_name="0.0.0.0" if args.listen else "127.0.0.1", server_port=args.port, share=args.share,
                 auth=auth, inbrowser=not args.no_browser, prevent_thread_lock=True, show_error=True, **launch_kwargs())
+    serve_openai_api(demo, host, api_key)
     if args.share and not getattr(demo, "share_url", None):
         print("Could not create the share link: Gradio's tunnel helper (frpc) is missing and could not be downloaded, "
               "or the share server is unreachable. Pagoda keeps running locally at "

@@ -1,14 +1,15 @@
 """A thread-safe front for online use: one background thread owns the engine and steps it.
 
-Callers on any thread `submit()` a request and iterate its stream of increments. Abandoning the
-iteration (closing the generator, a dropped browser connection) aborts the request in the
-engine, which frees its KV blocks. All requests share one step loop, so concurrent callers are
+Callers on any thread `submit()` a request and iterate its stream of increments (or `async for`
+it on an event loop, which then never blocks on the engine). Abandoning the iteration (closing
+the generator, a dropped browser connection) aborts the request in the engine, which frees its KV blocks. All requests share one step loop, so concurrent callers are
 batched together.
 """
+import asyncio
 import logging
-import queue
 import threading
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
 from itertools import count
 
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -23,7 +24,7 @@ class EngineThread:
         self.engine = engine
         self._lock = threading.Lock()  # held while the engine changes: a step, an add, an abort
         self._wake = threading.Event()
-        self._streams: dict[str, queue.SimpleQueue] = {}
+        self._streams: dict[str, _Channel] = {}
         self._ids = count()
         self._stop = False
         self.error: BaseException | None = None
@@ -36,7 +37,7 @@ class EngineThread:
         if self.error is not None or self._stop:
             raise RuntimeError(f"the engine thread has stopped ({self.error!r}); restart the model")
         request_id = f"chat-{next(self._ids)}"
-        stream: queue.SimpleQueue = queue.SimpleQueue()
+        stream = _Channel()
         with self._lock:
             self.engine.add_request(prompt, params, request_id)
             self._streams[request_id] = stream
@@ -93,25 +94,71 @@ class EngineThread:
                 stream.put(_DONE)
 
 
+class _Channel:
+    """A queue the engine thread fills and one caller drains, from a thread or from an event loop."""
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._ready = threading.Condition()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    def put(self, item) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+            waiter = self._waiter
+        if waiter is not None:
+            loop, event = waiter
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the caller's event loop has closed: nobody is waiting any more
+                pass
+
+    def get(self):
+        with self._ready:
+            while not self._items:
+                self._ready.wait()
+            return self._items.popleft()
+
+    async def get_async(self):
+        while True:
+            with self._ready:
+                if self._items:
+                    return self._items.popleft()
+                event = asyncio.Event()
+                self._waiter = (asyncio.get_running_loop(), event)
+            await event.wait()
+
+
 class RequestStream:
     """The increments of one request. Iterate it; stop early or call cancel() to abort."""
 
-    def __init__(self, owner: EngineThread, request_id: str, stream: queue.SimpleQueue):
+    def __init__(self, owner: EngineThread, request_id: str, stream: _Channel):
         self.owner, self.request_id, self._stream = owner, request_id, stream
         self.finished = False
 
+    def _unwrap(self, item) -> RequestOutput | None:
+        if item is _DONE:
+            return None
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"the engine failed: {item}") from item
+        self.finished = item.finished
+        return item
+
     def __iter__(self) -> Iterator[RequestOutput]:
         try:
-            while True:
-                item = self._stream.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise RuntimeError(f"the engine failed: {item}") from item
-                self.finished = item.finished
-                yield item
+            while (output := self._unwrap(self._stream.get())) is not None:
+                yield output
         finally:
             if not self.finished:  # the caller went away before the end
+                self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while (output := self._unwrap(await self._stream.get_async())) is not None:
+                yield output
+        finally:
+            if not self.finished:  # e.g. an HTTP client disconnected mid-stream
                 self.cancel()
 
     def cancel(self) -> None:

@@ -1,0 +1,340 @@
+"""An OpenAI-compatible HTTP API on an EngineThread: /v1/chat/completions, /v1/completions, /v1/models.
+
+The routes are a FastAPI router, so the chat app mounts them on its own port (its chats and API
+calls then share one batch) and `python -m engine.serve` runs them headless. `/metrics` reports
+vLLM's metric names, so dashboards and clients written for vLLM read Pagoda's prefix-cache
+counters too.
+"""
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.engine_thread import EngineThread, RequestStream
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ServedModel:
+    """What the API serves right now: the engine and the name clients ask for it by."""
+
+    engine: EngineThread
+    name: str
+
+
+ModelSource = Callable[[], ServedModel | None]  # None: no model is loaded (the app between models)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# ---- request bodies (OpenAI's fields, plus vLLM's top_k / min_p / repetition_penalty) --------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # e.g. `user`, which changes nothing here
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = 1
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+
+    def check_supported(self) -> None:
+        """Fields Pagoda would otherwise ignore: refuse them rather than answer something else."""
+        if self.n != 1:
+            raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported; use repetition_penalty (vLLM's name) instead", param=name)
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    suffix: str | None = None
+
+
+async def parse_body(request: Request, kind: type[_Body]) -> _Body:
+    try:
+        raw = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        body = kind.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+    body.check_supported()
+    return body
+
+
+# ---- the routes ------------------------------------------------------------------------------------
+def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
+    """The /v1 routes. With an api_key, every one of them wants `Authorization: Bearer <key>`."""
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "a valid API key is required: send it as `Authorization: Bearer <key>`",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def guarded(request: Request, handler) -> object:
+        try:
+            await check_key(request)
+            return await handler()
+        except APIError as e:
+            return e.response()
+
+    router = APIRouter(prefix="/v1")
+
+    def served(asked: str | None) -> ServedModel:
+        model = models()
+        if model is None:
+            raise APIError(503, "no model is loaded; load one in Pagoda's Models tab", type="server_error",
+                           code="model_not_loaded")
+        if asked is not None and asked != model.name:
+            raise APIError(404, f"the model {asked!r} does not exist; this server serves {model.name!r}",
+                           code="model_not_found", param="model")
+        return model
+
+    @router.get("/models")
+    async def list_models(request: Request):
+        async def handler():
+            model = models()
+            data = [] if model is None else [{"id": model.name, "object": "model", "created": 0, "owned_by": "pagoda",
+                                               "max_model_len": model.engine.engine.max_model_len}]
+            return {"object": "list", "data": data}
+        return await guarded(request, handler)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        async def handler():
+            body = await parse_body(request, ChatCompletionBody)
+            model = served(body.model)
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+            token_ids = await anyio.to_thread.run_sync(chat_token_ids, model.engine, messages)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            return await complete(request, model, body, token_ids, max_tokens, chat=True)
+        return await guarded(request, handler)
+
+    @router.post("/completions")
+    async def completions(request: Request):
+        async def handler():
+            body = await parse_body(request, CompletionBody)
+            if body.echo or body.suffix:
+                raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
+            model = served(body.model)
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                if len(prompt) != 1:
+                    raise APIError(400, "send one prompt per request (a list of several prompts is not supported)", param="prompt")
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                token_ids = await anyio.to_thread.run_sync(model.engine.engine.tokenizer.encode, prompt)
+            else:
+                token_ids = list(prompt)
+            return await complete(request, model, body, token_ids, body.max_tokens, chat=False)
+        return await guarded(request, handler)
+
+    return router
+
+
+def chat_token_ids(engine: EngineThread, messages: list[dict]) -> list[int]:
+    """The conversation through the model's own chat template, as the app's chats do."""
+    tokenizer = engine.engine.tokenizer
+    if tokenizer.chat_template is None:
+        raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sampling_params(body: _Body, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> SamplingParams:
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                            f"{num_prompt_tokens}. Shorten the messages.", code="context_length_exceeded", param="messages")
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
+                            f"the completion). Reduce the prompt or max_tokens.",
+                       code="context_length_exceeded", param="max_tokens")
+    try:
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                              repetition_penalty=body.repetition_penalty, max_tokens=max_tokens or room,
+                              stop=body.stop, seed=body.seed)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def complete(request: Request, model: ServedModel, body: _Body, token_ids: list[int], max_tokens: int | None,
+                   chat: bool) -> object:
+    engine = model.engine
+    params = sampling_params(body, len(token_ids), max_tokens, engine.engine.max_model_len)
+    try:
+        stream = await anyio.to_thread.run_sync(engine.submit, token_ids, params)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e)) from None
+    except RuntimeError as e:
+        raise APIError(503, str(e), type="server_error") from None
+    reply = Reply(model.name, chat, len(token_ids))
+    if body.stream:
+        return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    text = []
+    async for out in stream:
+        reply.count(out)
+        text.append(out.new_text)
+        if await request.is_disconnected():
+            stream.cancel()
+            return JSONResponse({}, status_code=499)
+    return reply.whole("".join(text))
+
+
+class Reply:
+    """Shapes engine increments into OpenAI's response objects and counts usage."""
+
+    def __init__(self, model_name: str, chat: bool, num_prompt_tokens: int):
+        self.model_name, self.chat = model_name, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = num_prompt_tokens, 0, 0
+        self.finish_reason: str | None = None
+
+    def count(self, out) -> None:
+        self.completion_tokens += len(out.new_token_ids)
+        self.cached_tokens = out.num_cached_tokens
+        if out.finished and out.finish_reason in ("stop", "length"):
+            self.finish_reason = out.finish_reason
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def whole(self, text: str) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model_name,
+                "choices": [choice], "usage": self.usage()}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object, "created": self.created,
+                "model": self.model_name, "choices": [choice]}
+
+    async def sse(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events. A client that goes away closes this generator, which aborts the request."""
+
+        def event(obj: dict) -> str:
+            if include_usage:
+                obj.setdefault("usage", None)
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        if self.chat:
+            yield event(self.chunk("", role=True))
+        async for out in stream:
+            self.count(out)
+            if out.new_text:
+                yield event(self.chunk(out.new_text))
+        yield event(self.chunk(None if self.chat else "", self.finish_reason))
+        if include_usage:
+            yield event({"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
+                         "created": self.created, "model": self.model_name, "choices": [], "usage": self.usage()})
+        yield "data: [DONE]\n\n"
+
+
+# ---- /metrics --------------------------------------------------------------------------------------
+METRICS = [  # vLLM's name, Prometheus type, help, the engine stat it reads
+    ("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.", "prefix_cache_hits"),
+    ("vllm:generation_tokens", "counter", "Tokens generated.", "num_generated_tokens"),
+    ("vllm:num_preemptions", "counter", "Requests preempted for lack of KV blocks.", "num_preemptions"),
+    ("vllm:num_requests_running", "gauge", "Requests in the running batch.", "num_running"),
+    ("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", "num_waiting"),
+]
+
+
+def create_metrics_router(models: ModelSource) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        model = models()
+        if model is None:
+            return ""
+        stats = await anyio.to_thread.run_sync(model.engine.stats)
+        label = '{model_name="%s"}' % model.name.replace("\\", "\\\\").replace('"', '\\"')
+        lines = []
+        for name, kind, text, key in METRICS:
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}",
+                      f"{name}{'_total' if kind == 'counter' else ''}{label} {stats[key]}"]
+        usage = stats["used_blocks"] / stats["num_blocks"] if stats["num_blocks"] else 0.0
+        lines += ["# HELP vllm:kv_cache_usage_perc KV-cache usage (1 = full).", "# TYPE vllm:kv_cache_usage_perc gauge",
+                  f"vllm:kv_cache_usage_perc{label} {usage:.6f}"]
+        return "\n".join(lines) + "\n"
+
+    return router

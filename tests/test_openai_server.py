@@ -1,0 +1,264 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against a real server process."""
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from engine.serve import resolve_api_key  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "sk-pagoda-test"
+MODEL = "smollm2"
+SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
+          "sentence, you say so when you do not know, and you never make up facts about the user.")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, log: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.serve", "--model", str(model), "--served-model-name", MODEL, "--port",
+             str(self.port), "--api-key", KEY, "--max-num-seqs", "16", "--max-model-len", "2048"],
+            env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.base}/metrics", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"the server did not start: {log.read_text()[-3000:]}")
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.base}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(bundled_model, tmp_path_factory):
+    srv = Server(bundled_model, tmp_path_factory.mktemp("serve") / "server.log")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def chat(user: str, system: str = SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def wait_until(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_a_greedy_chat_reply_is_the_engines_own_greedy_reply(client, bundled_model):
+    from transformers import AutoTokenizer
+
+    from engine import LLM, SamplingParams
+
+    messages = chat("What is the capital of France?")
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    tok = AutoTokenizer.from_pretrained(bundled_model)
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    llm = LLM(str(bundled_model), max_model_len=2048, num_kvcache_blocks=160)
+    expected = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected["text"]
+    assert choice.finish_reason == expected["finish_reason"]
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.usage.completion_tokens == len(expected["token_ids"])
+    assert reply.object == "chat.completion" and reply.model == MODEL
+
+
+def test_streaming_gives_the_same_text_with_usage_last(client):
+    messages = chat("Name three colours.")
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # it really streamed
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_usage_reports_the_cached_system_prompt(client):
+    system = "This opening sentence makes the system prompt unique to this test, so nothing cached it before. " + SYSTEM
+    first = client.chat.completions.create(model=MODEL, messages=chat("Hello!", system), temperature=0, max_tokens=4)
+    second = client.chat.completions.create(model=MODEL, messages=chat("What is two plus two?", system),
+                                            temperature=0, max_tokens=4)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0  # the system prompt's full blocks
+    assert cached < second.usage.prompt_tokens
+
+
+def test_stop_strings_end_the_reply_and_are_not_returned(client):
+    free = client.completions.create(model=MODEL, prompt="One, two, three, four, five,", temperature=0, max_tokens=16)
+    stop = free.choices[0].text.strip()[:2]  # something greedy decoding is about to write
+    reply = client.completions.create(model=MODEL, prompt="One, two, three, four, five,", temperature=0, max_tokens=16,
+                                      stop=[stop])
+    assert stop not in reply.choices[0].text
+    assert free.choices[0].text.startswith(reply.choices[0].text)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_ends_with_length_and_seed_repeats(client):
+    kwargs = dict(model=MODEL, messages=chat("Tell me a story."), temperature=1.0, max_tokens=12, seed=7)
+    a, b = (client.chat.completions.create(**kwargs) for _ in range(2))
+    assert a.choices[0].finish_reason == "length" and a.usage.completion_tokens == 12
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_sixteen_concurrent_streams_complete_in_one_batch(client, server):
+    results, peak = {}, [0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], server.metric("vllm:num_requests_running"))
+            time.sleep(0.05)
+
+    def one(i):
+        stream = client.chat.completions.create(model=MODEL, messages=chat(f"Count from {i} to {i + 20}."),
+                                                temperature=0, max_tokens=48, stream=True,
+                                                stream_options={"include_usage": True})
+        chunks = list(stream)
+        results[i] = (chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    done.set()
+    watcher.join()
+    assert len(results) == 16
+    assert all(reason in ("stop", "length") and n >= 1 for n, reason in results.values())
+    assert peak[0] >= 12  # the engine ran them as one batch, not one after another
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(client, server):
+    baseline = server.metric("vllm:kv_cache_usage_perc")
+    generated = server.metric("vllm:generation_tokens_total")
+    with httpx.stream("POST", f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "messages": chat("Write a very long story about a dragon."),
+                            "max_tokens": 1500, "stream": True}, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6))]
+        assert all(line.startswith("data: ") or line == "" for line in received)
+        assert server.metric("vllm:num_requests_running") == 1
+    # The connection is closed: the request leaves the batch and its blocks are freed.
+    assert wait_until(lambda: server.metric("vllm:num_requests_running") == 0, timeout=20)
+    assert wait_until(lambda: server.metric("vllm:kv_cache_usage_perc") <= baseline, timeout=5)
+    assert server.metric("vllm:generation_tokens_total") - generated < 200  # far from the 1,500 it asked for
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context_length_exceeded"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400, "context_length_exceeded"),
+    ({"model": MODEL}, 400, None),
+    ({"model": MODEL, "messages": []}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
+])
+def test_bad_requests_get_openai_style_errors(server, body, status, code):
+    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=30)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["code"] == code
+
+
+def test_a_malformed_body_is_a_400_not_a_crash(server):
+    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}",
+                   "Content-Type": "application/json"}, content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_the_client_sees_errors_as_its_own_exceptions(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=chat("hi"))
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=MODEL, messages=chat("word " * 3000))
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}])
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+                                          ("POST", "/v1/completions")])
+def test_every_v1_route_wants_the_key(server, headers, method, path):
+    body = {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.request(method, f"{server.base}{path}", headers=headers, json=body if method == "POST" else None, timeout=30)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_openai_client_with_a_wrong_key_is_refused(server):
+    wrong = openai.OpenAI(base_url=f"{server.base}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+def test_an_exposed_server_always_has_a_key(capsys):
+    assert resolve_api_key(None, exposed=False) is None
+    assert resolve_api_key("mine", exposed=True) == "mine"
+    generated = resolve_api_key(None, exposed=True)
+    assert generated and len(generated) > 20
+    assert generated in capsys.readouterr().out  # printed, so the user can hand it to clients
+    assert resolve_api_key(None, exposed=True) != generated
+
+
+def test_metrics_use_vllm_names(server):
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total"):
+        assert f'{name}{{model_name="{MODEL}"}}' in text
