@@ -2,8 +2,8 @@
 
 Callers on any thread `submit()` a request and iterate its stream of increments (or `async for`
 it on an event loop, which then never blocks on the engine). Abandoning the iteration (closing
-the generator, a dropped browser connection) aborts the request in the engine, which frees its KV blocks. All requests share one step loop, so concurrent callers are
-batched together.
+the generator, a dropped browser connection) aborts the request in the engine, which frees its
+KV blocks. All requests share one step loop, so concurrent callers are batched together.
 """
 import asyncio
 import logging
