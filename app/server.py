@@ -1,6 +1,7 @@
 """Starting the app: load the model, build the page, serve it locally, on the LAN or behind a share link."""
 import argparse
 import logging
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--listen", action="store_true", help="serve on the LAN (0.0.0.0), not only on 127.0.0.1")
     ap.add_argument("--share", action="store_true", help="make a public Gradio link, always behind a password")
     ap.add_argument("--auth", help="user:password required to open the page (generated for --share if not given)")
-    ap.add_argument("--api-key", help="key for the OpenAI-compatible API under /v1 (generated and printed when "
+    ap.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+                    help="key for the OpenAI-compatible API under /v1 (env PAGODA_API_KEY; generated and printed when "
                     "--listen or --share makes it reachable from other machines)")
     ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     ap.add_argument("--max-chats", type=int, default=16, help="chats that can stream at once (engine sequence slots)")

@@ -1,0 +1,69 @@
+"""The app serves the engine's OpenAI-compatible API on its own port: one engine, one batch for chats and API calls."""
+import time
+
+import httpx
+import pytest
+
+from tests.app.app_process import AppProcess
+
+openai = pytest.importorskip("openai")
+
+KEY = "sk-app-test"
+GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
+
+
+@pytest.fixture(scope="module")
+def app(bundled_model, tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("PAGODA_API_KEY", KEY)  # what --api-key reads when it is not given
+    proc = AppProcess(bundled_model, tmp_path_factory.mktemp("api_home"))
+    client = proc.start()
+    yield proc, client
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_v1_on_the_app_port_answers_the_openai_client(app):
+    proc, _ = app
+    api = openai.OpenAI(base_url=f"{proc.url}v1", api_key=KEY, max_retries=0)
+    model = api.models.list().data[0].id
+    assert model == "SmolLM2-135M-Instruct" or model == proc.model.name
+    reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                        temperature=0, max_tokens=8)
+    assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+
+
+def test_the_key_is_checked_on_v1_and_the_page_still_opens(app):
+    proc, _ = app
+    assert httpx.get(f"{proc.url}v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{proc.url}v1/models", headers={"Authorization": "Bearer nope"}, timeout=10).status_code == 401
+    assert httpx.get(proc.url, timeout=10).status_code == 200
+
+
+def test_a_chat_and_an_api_call_run_in_the_same_batch(app):
+    proc, client = app
+    running = lambda: client.predict(api_name="/engine_stats")["num_running"]
+    conv = client.predict("", "", api_name="/new_chat")["value"]
+    chat = client.submit(conv, "Write a long story about a lighthouse.", "", *GREEDY, 400, api_name="/respond")
+    assert wait_until(lambda: running() == 1, timeout=60)
+    api = openai.OpenAI(base_url=f"{proc.url}v1", api_key=KEY, max_retries=0)
+    stream = api.chat.completions.create(model=api.models.list().data[0].id, temperature=0, max_tokens=40, stream=True,
+                                         messages=[{"role": "user", "content": "Write a long poem."}])
+    peak = max(running() for _ in stream)
+    client.predict(conv, api_name="/stop")
+    chat.cancel()
+    assert peak == 2  # the page's chat and the API call were decoded together
+    assert wait_until(lambda: running() == 0, timeout=60)
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
