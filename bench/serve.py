@@ -92,7 +92,7 @@ def prometheus(base: str) -> dict[str, float]:
     return values
 
 
-async def run(args, base: str, model: str) -> tuple[list[Result], float]:
+async def run(args, base: str, model: str) -> tuple[list[Result], float, dict[str, float]]:
     system = " ".join(SYSTEM_WORDS[i % len(SYSTEM_WORDS)] for i in range(int(args.system_tokens * 0.75)))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(args.clients)
@@ -106,9 +106,10 @@ async def run(args, base: str, model: str) -> tuple[list[Result], float]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         # One request first, so the shared system prompt is in the cache, as in a running service.
         await one_request(http, f"{base}/v1/chat/completions", headers, model, system, "Hello.", 4)
+        before = prometheus(base)
         start = time.perf_counter()
         results = await asyncio.gather(*(client_request(i) for i in range(args.requests)))
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, before
 
 
 def percentiles(values: list[float]) -> tuple[float, float, float]:
@@ -160,8 +161,7 @@ def main() -> None:
     try:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(f"{base}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-        before = prometheus(base)
-        results, duration = asyncio.run(run(args, base, model))
+        results, duration, before = asyncio.run(run(args, base, model))
         after = prometheus(base)
     finally:
         if proc is not None:
