@@ -133,3 +133,30 @@ def test_closing_the_tab_aborts_its_replies(session):
     while running() and time.time() < deadline:
         time.sleep(0.2)
     assert running() == 0
+
+
+def test_escape_stops_the_reply_and_the_theme_button_switches_dark_mode(session):
+    _, client, _ = session
+    running = lambda: client.predict(api_name="/engine_stats")["num_running"]
+    deadline = time.time() + 30
+    while running() and time.time() < deadline:
+        time.sleep(0.2)
+    page = open_page(session)
+    dark = "() => document.body.classList.contains('dark')"
+    was_dark = page.evaluate(dark)
+    page.get_by_role("button", name="Light / dark").click()
+    assert page.evaluate(dark) is not was_dark
+    page.get_by_role("button", name="New chat").click()
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    send(page, "Write a very long story about a knight, with many chapters.")
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
+    assert running() == 1
+    page.keyboard.press("Escape")  # the shortcut for Stop
+    deadline = time.time() + 20
+    while running() and time.time() < deadline:
+        time.sleep(0.2)
+    assert running() == 0
+    assert bot_text(page)  # what was written so far stays
+    page.get_by_role("button", name="Light / dark").click()
+    assert page.evaluate(dark) is was_dark
+    page.close()
