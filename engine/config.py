@@ -20,7 +20,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # split the model across this many GPUs (on CPU: processes, for tests)
     attention_backend: str = "auto"
     seed: int = 0
 
@@ -40,7 +40,9 @@ class EngineConfig:
         check(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
         check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        check(self.tensor_parallel_size == 1, f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              f"tensor_parallel_size must be a whole number >= 1 (the number of GPUs to split the model across), "
+              f"got {self.tensor_parallel_size!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **settings) -> "EngineConfig":

@@ -2,6 +2,8 @@
 
 Offline: `LLM(model).generate(prompts, params)`. Online: `add_request`, `step`, `abort_request`,
 with `stats()` and `kv_blocks()` for dashboards. Not thread-safe: one thread drives it.
+With `tensor_parallel_size=N > 1`, this process is rank 0 and N-1 worker processes hold the rest
+of the model; `close()` stops them (garbage collection and interpreter exit do too).
 """
 import logging
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
+from engine.distributed import check_tensor_parallel
 from engine.loader import checkpoint_dtype, pick_device, pick_dtype, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -50,7 +53,13 @@ class LLMEngine:
         self.dtype = pick_dtype(config.dtype, self.device)
         if config.dtype == "auto":
             log.info("dtype auto: using %s on %s (checkpoint stores %s)", self.dtype, self.device, checkpoint_dtype(hf_config))
-        self.model_runner = ModelRunner(config, hf_config, path, self.device, self.dtype)
+        check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)  # before anything is spawned
+        self.workers = None
+        self._worker_parameter_bytes: list[int] = []
+        if config.tensor_parallel_size == 1:
+            self.model_runner = ModelRunner(config, hf_config, path, self.device, self.dtype)
+        else:
+            self._start_tensor_parallel(hf_config, path)
         self.max_model_len = self.model_runner.max_model_len
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         default_tokens = 2048 if self.device.type == "cpu" else 16384
@@ -60,6 +69,31 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._request_ids = count()
         self.num_generated_tokens = 0
+
+    def _start_tensor_parallel(self, hf_config, path) -> None:
+        from engine.tp_workers import WorkerPool
+
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", 0)  # rank r runs on GPU r
+        self.workers = WorkerPool(self.config, hf_config, path, self.device, self.dtype)
+        try:
+            with self.workers.guard():
+                self.model_runner = ModelRunner(self.config, hf_config, path, self.device, self.dtype,
+                                                tp=self.workers.group, workers=self.workers)
+            self._worker_parameter_bytes = self.workers.wait_ready()
+        except BaseException:
+            self.workers.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any; with them, the engine can run no more
+        steps. Without tensor parallelism there is nothing to stop. Safe to call more than once."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def parameter_bytes(self) -> list[int]:
+        """Bytes of model weights each rank holds, rank 0 first: about 1/N of the model each."""
+        return [self.model_runner.parameter_bytes(), *self._worker_parameter_bytes]
 
     def _eos_token_ids(self, path, hf_config) -> set[int]:
         from transformers import GenerationConfig
@@ -193,6 +227,7 @@ class LLMEngine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.model_runner.backend.name,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 
     def kv_blocks(self) -> list[dict]:

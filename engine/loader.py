@@ -82,9 +82,16 @@ def _load_one(model, params, packed, name, tensor, loaded) -> None:
         if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
             return  # some tied checkpoints store the head anyway
         raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of {type(model).__name__}")
-    if param.shape != tensor.shape:
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    if hasattr(module, "load_weight"):  # split across tensor-parallel ranks: the layer takes its slice
+        try:
+            module.load_weight(param, tensor)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+    elif param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
-    param.data.copy_(tensor)
+    else:
+        param.data.copy_(tensor)
     loaded.add(name)
 
 

@@ -1,6 +1,12 @@
-"""Runs the model for one scheduled batch: builds its inputs, owns the KV cache, samples."""
+"""Runs the model for one scheduled batch: builds its inputs, owns the KV cache, samples.
+
+With tensor parallelism, every rank has a ModelRunner over its shard of the weights and KV
+cache. Rank 0 builds each step's inputs and sends them to the workers (engine/tp_workers.py),
+which `execute` the same step; only rank 0 gets logits and samples.
+"""
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -8,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, select_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.distributed import SINGLE, TPGroup
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
@@ -23,9 +30,26 @@ CPU_KV_CACHE_BYTES = 1 << 30
 _COMPILED: dict = {}  # shared by every engine in the process, so each op compiles once
 
 
+@dataclass
+class StepInputs:
+    """One step's inputs as host arrays: what rank 0 builds, and sends to tensor-parallel workers."""
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_index: np.ndarray  # the rows whose logits get sampled
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_path, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: EngineConfig, hf_config, model_path, device: torch.device, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE, workers=None):
+        """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any."""
         self.config, self.hf_config, self.device, self.dtype = config, hf_config, device, dtype
+        self.tp, self.workers = tp, workers
         self.block_size = config.kvcache_block_size
         self.vocab_size = hf_config.vocab_size
         max_position = config.max_model_len or hf_config.max_position_embeddings
@@ -34,7 +58,7 @@ class ModelRunner:
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
-                self.model = model_class(hf_config)(hf_config, max_position)
+                self.model = model_class(hf_config)(hf_config, max_position, tp)
             finally:
                 torch.set_default_dtype(default_dtype)
         load_weights(self.model, model_path)
@@ -99,10 +123,14 @@ class ModelRunner:
             budget = self.config.kv_cache_memory_bytes
             if budget is None:
                 budget = self._gpu_kv_budget() if self.device.type == "cuda" else CPU_KV_CACHE_BYTES
+            elif self.tp.size > 1:  # an explicit budget is for the whole engine; split it across the ranks
+                budget //= self.tp.size
             num_blocks = budget // self.kv_bytes_per_block()
             if num_blocks < 1:
                 raise RuntimeError(f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB); "
                                    "lower the context length, use a smaller model or a lower precision")
+        if self.tp.size > 1:  # a block id must name the same slots on every rank: all take the smallest count
+            num_blocks = self.tp.min(num_blocks)
         a = self.attention_layers[0]
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -156,15 +184,17 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         hidden = self.model(ids, ids, meta)
         rows = min(num_tokens, self.config.max_num_seqs)
-        self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        logits = self.model.compute_logits(hidden[:rows])
+        if logits is not None:  # tensor-parallel workers get none
+            logits.float().softmax(-1)
         torch.cuda.synchronize(dev)
 
     # ---- one step -------------------------------------------------------------------------------
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """input_ids, positions, attention metadata, and the rows whose logits get sampled.
+    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
+        """input_ids, positions, attention inputs and the rows whose logits get sampled, on the host.
 
-        Built with numpy on the host (a few microseconds per array, where small torch ops cost
-        tens), then copied to the device once per array."""
+        Built with numpy (a few microseconds per array, where small torch ops cost tens), then
+        copied to the device once per array by `to_device`."""
         bs = self.block_size
         num_seqs = len(batch)
         starts = np.fromiter((s.seq.num_computed_tokens for s in batch), np.int64, num_seqs)
@@ -187,22 +217,26 @@ class ModelRunner:
             positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[seq_index]
         slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
         sample_rows = [i for i, s in enumerate(batch) if s.samples]
-        logits_index = query_start_loc[1:][sample_rows] - 1
+        return StepInputs(np.asarray(token_ids, np.int64), positions, slot_mapping, query_start_loc, query_lens,
+                          seq_lens, tables, query_start_loc[1:][sample_rows] - 1)
+
+    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """input_ids, positions, attention metadata and logits rows as tensors on this rank's device."""
 
         def dev(a, dtype=torch.int64):
             return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=False)
 
         meta = AttentionMetadata(
-            slot_mapping=dev(slot_mapping),
-            query_start_loc=dev(query_start_loc, torch.int32),
-            seq_lens=dev(seq_lens, torch.int32),
-            block_tables=dev(tables, torch.int32),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            slot_mapping=dev(step.slot_mapping),
+            query_start_loc=dev(step.query_start_loc, torch.int32),
+            seq_lens=dev(step.seq_lens, torch.int32),
+            block_tables=dev(step.block_tables, torch.int32),
+            max_query_len=int(step.query_lens.max()),
+            max_seq_len=int(step.seq_lens.max()),
+            query_lens_cpu=step.query_lens.tolist(),
+            seq_lens_cpu=step.seq_lens.tolist(),
         )
-        return dev(np.asarray(token_ids, np.int64)), dev(positions), meta, dev(logits_index)
+        return dev(step.token_ids), dev(step.positions), meta, dev(step.logits_index)
 
     def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
         params = [s.seq.sampling_params for s in batch]
@@ -233,13 +267,30 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
         """Run one step. Returns the sampled token of each sequence whose chunk reached its end."""
-        input_ids, positions, meta, logits_index = self.prepare(batch)
-        hidden = self.forward(input_ids, positions, meta)
-        if logits_index.numel() == 0:
+        step = self.prepare(batch)
+        if self.workers is None:
+            logits = self.execute(step)
+        else:
+            with self.workers.guard():
+                self.workers.send_step(step)
+                logits = self.execute(step)
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[logits_index])
         sampling = self.prepare_sampling([s for s in batch if s.samples])
         return self.sampler(logits, sampling).tolist()
+
+    def execute(self, step: StepInputs) -> torch.Tensor | None:
+        """This rank's forward pass of one step: the logits to sample on rank 0, else None.
+        Call it under torch.inference_mode(), as `run` and the worker loop do."""
+        input_ids, positions, meta, logits_index = self.to_device(step)
+        hidden = self.forward(input_ids, positions, meta)
+        if logits_index.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[logits_index])
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the weights this rank holds (a tied head counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(meta):

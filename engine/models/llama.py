@@ -2,32 +2,38 @@
 
 Inputs are flattened: `input_ids` and `positions` are [num_tokens] for the whole batch, and the
 AttentionMetadata says which tokens belong to which sequence.
+
+Tensor parallelism: with `tp` of size N, each rank holds 1/N of the attention heads and MLP
+columns, and the row-parallel o_proj and down_proj add up the ranks' partial sums. The network
+code is the same for every N; the layers in engine/layers do the splitting.
 """
 import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.distributed import SINGLE, TPGroup
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
+from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import MergedLinear
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        num_heads = config.num_attention_heads
+        num_kv_heads = config.num_key_value_heads or num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.qkv_proj = ColumnParallelLinear.qkv(config.hidden_size, self.head_dim, num_heads, num_kv_heads, tp, qkv_bias)
+        self.split = self.qkv_proj.output_sizes
+        self.num_heads, self.num_kv_heads = self.split[0] // self.head_dim, self.split[1] // self.head_dim  # on this rank
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=o_bias, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-        self.split = [q_size, kv_size, kv_size]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -41,10 +47,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, bias: bool):
+    def __init__(self, config, bias: bool, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear.split(config.hidden_size, [config.intermediate_size] * 2, tp, bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, tp=tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +58,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, flags: dict):
+    def __init__(self, config, rotary: RotaryEmbedding, flags: dict, tp: TPGroup):
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"])
-        self.mlp = DecoderMLP(config, flags["mlp_bias"])
+        self.self_attn = DecoderAttention(config, rotary, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"], tp)
+        self.mlp = DecoderMLP(config, flags["mlp_bias"], tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -70,12 +76,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, max_position: int, flags: dict):
+    def __init__(self, config, max_position: int, flags: dict, tp: TPGroup):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, flags) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, flags, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -101,10 +107,10 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return dict(qkv_bias=bias, o_bias=bias, qk_norm=False, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
-    def __init__(self, config, max_position: int):
+    def __init__(self, config, max_position: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.model = DecoderModel(config, max_position, self.flags(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, max_position, self.flags(config), tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -112,5 +118,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the given rows; with tensor parallelism, on rank 0 only (None elsewhere)."""
         return self.lm_head(hidden)
