@@ -62,9 +62,14 @@ class EngineThread:
             return self.engine.kv_blocks()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the step loop, then the engine's worker processes (tensor parallelism), if any."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s; its engine stays open", timeout)
+        else:
+            self.engine.close()
 
     # ---- engine side ----------------------------------------------------------------------------
     def _loop(self) -> None:

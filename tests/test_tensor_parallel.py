@@ -187,6 +187,17 @@ def test_close_and_garbage_collection_end_the_workers(tiny_llama, random_prompt)
     assert wait_gone(pids, 15)
 
 
+def test_the_engine_thread_serves_a_tp_engine_and_shutdown_ends_its_workers(tiny_llama, random_prompt):
+    from engine import EngineThread
+
+    thread = EngineThread(LLM(str(tiny_llama), tensor_parallel_size=2, **SETTINGS))
+    pids = thread.engine.workers.pids
+    outs = list(thread.submit(prompts(random_prompt)[0], GREEDY))
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == GREEDY.max_tokens
+    thread.shutdown()  # what the app does when it unloads a model
+    assert wait_gone(pids, 5)
+
+
 def test_a_crashed_worker_is_a_clear_error_not_a_hang(tiny_llama, random_prompt):
     llm = LLM(str(tiny_llama), tensor_parallel_size=2, **SETTINGS)
     os.kill(llm.workers.pids[0], signal.SIGKILL)
