@@ -1,4 +1,7 @@
-"""One chat turn: the stored conversation becomes token ids, the reply streams back into the store."""
+"""One chat turn: the stored conversation goes to the backend, the reply streams back into the store.
+
+The embedded engine gets token ids (through the model's chat template, here); a remote server gets
+the messages and applies its own template. Both answer with the same kind of increments."""
 import threading
 import time
 from collections.abc import Iterator
@@ -46,6 +49,23 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> N
         raise ContextOverflow(needed, max_model_len)
 
 
+def start_reply(host, system_prompt: str, messages: list[dict], settings: dict):
+    """Start the assistant's reply on the host's backend: (stream, prompt tokens, 0 when only the server knows).
+
+    Raises ContextOverflow (local: checked up front) or app.remote.RemoteError (the server refused;
+    `context_overflow` says whether the chat was too long for it) before anything streams."""
+    remote, engine = host.remote, host.engine
+    if remote is not None:
+        chat = ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + messages
+        return remote.submit(chat, {**DEFAULT_SETTINGS, **settings}), 0
+    if engine is None:
+        raise RuntimeError("No model is loaded.")
+    ids = prompt_ids(engine.engine.tokenizer, system_prompt, messages)
+    params = sampling_params(settings)
+    check_fits(len(ids), params.max_tokens, engine.engine.max_model_len)
+    return engine.submit(ids, params), len(ids)
+
+
 @dataclass
 class Turn:
     """The reply so far and its measurements, as a chat renders them."""
@@ -58,9 +78,10 @@ class Turn:
     output_tokens: int = 0
     ttft_s: float | None = None
     tokens_per_s: float | None = None
+    error: str | None = None  # why the reply ended early, when it failed (a remote server gone, say)
 
     def meta(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "text"}
+        return {k: v for k, v in self.__dict__.items() if k != "text" and (k != "error" or v)}
 
     def summary(self) -> str:
         return summary(self.meta())
@@ -68,19 +89,23 @@ class Turn:
 
 def summary(meta: dict) -> str:
     """The line under a reply: first-token time, speed, and what the prefix cache served."""
+    if meta and meta.get("error"):
+        return f"stopped: {meta['error']}"
     if not meta or meta.get("ttft_s") is None:
         return ""
     rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
     stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
-    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens · "
-            f"{meta.get('cached_tokens', 0)}/{meta.get('prompt_tokens', 0)} prompt tokens from the prefix cache{stopped}")
+    cache = (f" · {meta.get('cached_tokens', 0)}/{meta['prompt_tokens']} prompt tokens from the prefix cache"
+             if meta.get("prompt_tokens") else "")  # a remote server that sends no usage leaves it unknown
+    return f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens{cache}{stopped}"
 
 
 def stream_reply(stream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:
     """Consume one request's stream into message `message_id`, yielding the turn after every increment.
 
     The store gets the text at least every SAVE_EVERY_S and at the end. If the consumer stops
-    early, the request is aborted and what exists is kept."""
+    early, the request is aborted and what exists is kept. `stream` is the engine's RequestStream
+    or a remote ChatStream (whose last increment carries the server's token counts as `usage`)."""
     turn = Turn(prompt_tokens=num_prompt_tokens)
     start = last_save = time.perf_counter()
     first = None
@@ -93,6 +118,10 @@ def stream_reply(stream, store, message_id: int, num_prompt_tokens: int) -> Iter
             turn.text += out.new_text
             turn.output_tokens += len(out.new_token_ids)
             turn.cached_tokens = out.num_cached_tokens or turn.cached_tokens
+            usage = getattr(out, "usage", None)  # a remote server's own counts, in its last increment
+            if usage:
+                turn.prompt_tokens = usage.get("prompt_tokens", turn.prompt_tokens)
+                turn.output_tokens = usage.get("completion_tokens", turn.output_tokens)
             if turn.output_tokens > 1 and now > first:
                 turn.tokens_per_s = (turn.output_tokens - 1) / (now - first)
             if out.finished:
@@ -127,9 +156,13 @@ class ReplyTask:
         try:
             for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens):
                 self.turn = turn
-        except Exception as e:  # e.g. the chat was deleted while it answered
+        except Exception as e:  # the chat was deleted while it answered, or a remote server failed mid-reply
             self.stream.cancel()
-            self.turn.text += f"\n\n[stopped: {e}]"
+            self.turn.error = str(e)
+            try:  # keep the reason with the reply (the chat may be gone: then there is nothing to keep)
+                store.update_message(message_id, self.turn.text, self.turn.meta())
+            except Exception:
+                pass
         finally:
             self.turn.finished = True
             self.done.set()

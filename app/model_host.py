@@ -1,7 +1,9 @@
-"""The loaded model: one EngineThread that every chat shares, swapped safely on load and unload.
+"""The backend that answers the chats: the embedded engine (one EngineThread every chat shares) or a
+remote OpenAI-compatible server. One at a time, swapped safely.
 
-Loading happens in the background and reports progress. A load that fails leaves the previous
-model serving, and says why.
+Loading happens in the background and reports progress. A load or a connect that fails leaves the
+previous backend serving, and says why. Loading a model disconnects a server, and connecting to a
+server unloads the model.
 """
 import logging
 import threading
@@ -9,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine import LLM, EngineThread
+
+from app.remote import RemoteBackend, RemoteError, connect
 
 log = logging.getLogger("pagoda")
 
@@ -24,17 +28,26 @@ class LoadState:
 
 class ModelHost:
     def __init__(self):
-        self.engine: EngineThread | None = None
+        self.engine: EngineThread | None = None  # the embedded engine, when it serves
+        self.remote: RemoteBackend | None = None  # the remote server, when it serves
         self.state = LoadState()
         self.label = ""  # a short name for the header
         self._lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None
+        return self.engine is not None or self.remote is not None
+
+    @property
+    def kind(self) -> str | None:
+        """Which backend serves: "local", "remote", or None."""
+        return "remote" if self.remote is not None else "local" if self.engine is not None else None
+
+    def _serving(self) -> str:
+        return f" {self.label} keeps serving." if self.ready else ""
 
     def load(self, model: str, label: str | None = None, wait: bool = False, **settings) -> None:
-        """Load `model` with engine settings; the current model keeps serving until it is ready."""
+        """Load `model` with engine settings; the current backend keeps serving until it is ready."""
         with self._lock:
             if self.state.status == "loading":
                 raise RuntimeError(f"{self.state.model} is still loading; wait for it to finish")
@@ -49,29 +62,57 @@ class ModelHost:
     def _load(self, model: str, label: str | None, settings: dict) -> None:
         try:
             engine = EngineThread(LLM(model, **settings))
-        except Exception as e:  # any failure: say it, keep the previous model
+        except Exception as e:  # any failure: say it, keep the previous backend
             log.exception("loading %s failed", model)
-            keep = f" {self.label} keeps serving." if self.engine else ""
-            self.state = LoadState("error", f"Could not load {label or model}: {e}.{keep}", model, settings)
+            self.state = LoadState("error", f"Could not load {label or model}: {e}.{self._serving()}", model, settings)
             return
-        old, self.engine = self.engine, engine
+        old_engine, old_remote = self.engine, self.remote
+        self.engine, self.remote = engine, None
         self.label = label or model
         s = engine.stats()
         took = time.time() - self.state.started
         self.state = LoadState("ready", f"{self.label} is ready on {s['device']} ({s['dtype']}, context {s['max_model_len']:,} "
                                         f"tokens, {s['num_blocks']:,} KV blocks) after {took:.0f} s.", model, settings)
-        if old is not None:
-            old.shutdown()
+        _retire(old_engine, old_remote)
+
+    def connect(self, base_url: str, api_key: str | None = None, model: str | None = None) -> str:
+        """Serve the chats from an OpenAI-compatible server. Returns the status message; raises RemoteError
+        (the previous backend keeps serving, and the status says so)."""
+        with self._lock:
+            if self.state.status == "loading":
+                raise RemoteError(f"{self.state.model} is still loading; wait for it to finish")
+        try:
+            remote = connect(base_url, api_key, model)
+        except RemoteError as e:
+            self.state = LoadState("error", f"Could not connect: {e}{self._serving()}", model,
+                                   {"base_url": base_url})
+            raise RemoteError(self.state.message, e.status) from None
+        with self._lock:
+            old_engine, old_remote = self.engine, self.remote
+            self.engine, self.remote = None, remote
+            self.label = f"Remote: {remote.label}"
+            limit = f", context {remote.max_model_len:,} tokens" if remote.max_model_len else ""
+            self.state = LoadState("ready", f"Connected to {remote.client.url}: {remote.model} serves the chats"
+                                            f"{limit}. The server applies its own chat template.", remote.model,
+                                   {"base_url": remote.client.url})
+        _retire(old_engine, None if old_remote is remote else old_remote)
+        return self.state.message
+
+    def disconnect(self) -> None:
+        if self.remote is not None:
+            self.unload()
 
     def unload(self) -> None:
         with self._lock:
-            old, self.engine = self.engine, None
+            old_engine, self.engine = self.engine, None
+            old_remote, self.remote = self.remote, None
             self.label = ""
             self.state = LoadState("idle", "No model loaded.")
-        if old is not None:
-            old.shutdown()
+        _retire(old_engine, old_remote)
 
     def device_label(self) -> str:
+        if self.remote is not None:
+            return "remote server"
         if self.engine is None:
             return "no model"
         s = self.engine.engine.stats()
@@ -80,3 +121,12 @@ class ModelHost:
 
             return torch.cuda.get_device_name()
         return "CPU"
+
+
+def _retire(engine: EngineThread | None, remote: RemoteBackend | None) -> None:
+    """Stop a backend that no longer serves. Its replies still streaming end as stopped, not hanging."""
+    if engine is not None:
+        engine.abort_all()
+        engine.shutdown()
+    if remote is not None:
+        remote.close()

@@ -1,10 +1,12 @@
-"""The Models tab: the catalog with a memory estimate, downloads with progress, load and unload."""
+"""The Models tab: the catalog with a memory estimate, downloads with progress, load and unload, and
+a connection to a remote OpenAI-compatible server instead of a local model."""
 from pathlib import Path
 
 import gradio as gr
 
 from app.catalog import entry_for_repo, fit_report, format_gib, load_catalog
 from app.downloads import DownloadManager
+from app.remote import RemoteError
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
@@ -63,6 +65,17 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         to_delete = gr.Textbox(label="Delete downloaded model (repo id)", scale=3)
         delete_btn = gr.Button("Delete", variant="stop", scale=1)
     disk = gr.Markdown(f"Free disk for downloads: {format_gib(manager.free_disk_bytes())} GiB")
+    with gr.Accordion("Connect to a server", open=False, elem_id="remote"):
+        gr.Markdown("Chats can come from an OpenAI-compatible server instead: vLLM, SGLang, llama.cpp's server, "
+                    "Ollama, or another Pagoda (`python -m engine.serve`). Conversations stay here. Connecting "
+                    "unloads the local model; loading one disconnects the server.")
+        with gr.Row():
+            base_url = gr.Textbox(label="Server URL", placeholder="http://localhost:8000/v1", scale=3)
+            api_key = gr.Textbox(label="API key (optional)", type="password", scale=2)
+        with gr.Row():
+            served = gr.Dropdown(choices=[], label="Model on the server", interactive=True, scale=3)
+            connect_btn = gr.Button("Connect", variant="primary", scale=1)
+            disconnect_btn = gr.Button("Disconnect", scale=1)
 
     for control in (repo, dtype, context):
         control.change(estimate, [repo, dtype, context], fit)
@@ -119,6 +132,19 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
 
     load_btn.click(load, [repo, dtype, context, kv_gib], status)
     unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, status)
+
+    def connect(url: str, key: str, model: str | None = None):
+        try:
+            message = ui.host.connect(url, key or None, model)
+        except RemoteError as e:  # the previous backend keeps serving; the status line says so too
+            gr.Warning(str(e))
+            return ui.host.state.message, gr.update()
+        remote = ui.host.remote
+        return message, gr.update(choices=remote.models, value=remote.model)
+
+    connect_btn.click(connect, [base_url, api_key], [status, served])
+    served.input(connect, [base_url, api_key, served], [status, served])
+    disconnect_btn.click(lambda: (ui.host.disconnect(), ui.host.state.message)[1], None, status)
 
     timer = gr.Timer(1.0)
     timer.tick(lambda: (ui.host.state.message, _describe_jobs(manager), _local_rows(manager)), None,

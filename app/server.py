@@ -40,10 +40,13 @@ def resolve_auth(args: argparse.Namespace) -> tuple[str, str] | None:
 
 def serve_openai_api(demo, host, api_key: str | None) -> None:
     """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
-    from engine.openai_server import ServedModel, create_metrics_router, create_router
+    from engine.openai_server import APIError, ServedModel, create_metrics_router, create_router
 
     def served() -> ServedModel | None:
-        engine = host.engine
+        engine, remote = host.engine, host.remote
+        if remote is not None:
+            raise APIError(503, f"Pagoda's chats are served by the remote server {remote.client.url} right now; "
+                                "send API requests to that server", type="server_error", code="model_not_loaded")
         return ServedModel(engine, host.label) if engine is not None else None
 
     # Gradio has already built its FastAPI app; routes added now are matched like its own.

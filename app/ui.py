@@ -1,7 +1,7 @@
 """The Pagoda page: conversations on the left, the chat in the middle, the KV cache and models in tabs.
 
 Everything a chat shows lives in the store; the page only renders it. Replies stream from the
-one engine thread that all chats share.
+one engine thread that all chats share, or from a remote OpenAI-compatible server (app/remote.py).
 """
 import tempfile
 import time
@@ -12,10 +12,11 @@ import threading
 
 import gradio as gr
 
-from app.chat import DEFAULT_SETTINGS, ContextOverflow, ReplyTask, check_fits, prompt_ids, sampling_params, summary
+from app.chat import DEFAULT_SETTINGS, ContextOverflow, ReplyTask, prompt_ids, start_reply, summary
 from app.model_host import ModelHost
+from app.remote import RemoteError
 from app.store import ConversationStore
-from app.visualizer import render_kv_cache, visualizer_css
+from app.visualizer import render_kv_cache, render_remote_notice, visualizer_css
 
 log = logging.getLogger("pagoda")
 UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
@@ -69,11 +70,24 @@ class PagodaUI:
     def context_meter(self, conversation_id: int | None) -> str:
         if conversation_id is None or not self.host.ready:
             return ""
-        engine = self.host.engine.engine
+        remote, engine = self.host.remote, self.host.engine
+        if remote is not None:
+            return self._remote_context_meter(conversation_id, remote.max_model_len)
         conv = self.store.get(conversation_id)
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
-        used = len(prompt_ids(engine.tokenizer, conv.system_prompt, messages))
-        return f"Context: {used:,} / {engine.max_model_len:,} tokens"
+        used = len(prompt_ids(engine.engine.tokenizer, conv.system_prompt, messages))
+        return f"Context: {used:,} / {engine.engine.max_model_len:,} tokens"
+
+    def _remote_context_meter(self, conversation_id: int, limit: int | None) -> str:
+        """A remote server tokenizes with its own template: only its count at the last reply is known."""
+        msgs = self.store.messages(conversation_id)
+        last = next((m for m in reversed(msgs) if m.role == "assistant" and m.meta.get("prompt_tokens")), None)
+        of = f" / {limit:,}" if limit else ""
+        if last is None:
+            return f"Context: unknown{of} tokens (the remote server counts them; its count shows after a reply)"
+        used = last.meta["prompt_tokens"] + last.meta.get("output_tokens", 0)
+        more = " plus what came after" if last.id != msgs[-1].id else ""
+        return f"Context: {used:,}{of} tokens at the last reply{more} (the server's count)"
 
     def shows(self, request: gr.Request | None, conversation_id: int) -> bool:
         """Whether this session's page still shows the chat, so a stream may draw into its chatbot.
@@ -115,19 +129,18 @@ class PagodaUI:
         if user_text and user_text.strip():
             self.store.add_message(conversation_id, "user", user_text)
             self._title_from_first_message(conversation_id, user_text)
-        engine = self.host.engine
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
-        ids = prompt_ids(engine.engine.tokenizer, system_prompt, messages)
-        params = sampling_params(settings)
         try:
-            check_fits(len(ids), params.max_tokens, engine.engine.max_model_len)
-        except ContextOverflow as e:
-            yield self.history(conversation_id), "", gr.update(visible=True, value=f"**{e}**"), gr.update(visible=True)
+            stream, num_prompt_tokens = start_reply(self.host, system_prompt, messages, settings)
+        except (ContextOverflow, RemoteError) as e:  # too long a chat, or the server refused: say so in the chat
+            overflow = isinstance(e, ContextOverflow) or e.context_overflow
+            if overflow and isinstance(e, RemoteError):
+                e = f"{e} Drop the oldest messages, lower the reply length, or start a new chat."
+            yield self.history(conversation_id), "", gr.update(visible=True, value=f"**{e}**"), gr.update(visible=overflow)
             return
         reply = self.store.add_message(conversation_id, "assistant", "")
-        stream = engine.submit(ids, params)
         self.request_labels[stream.request_id] = f"#{conversation_id} {self.store.get(conversation_id).title}"
-        self.tasks[conversation_id] = ReplyTask(stream, self.store, reply.id, len(ids))
+        self.tasks[conversation_id] = ReplyTask(stream, self.store, reply.id, num_prompt_tokens)
         if request is not None:
             self.session_chats.setdefault(request.session_hash, set()).add(conversation_id)
         if not self.shows(request, conversation_id):
@@ -189,11 +202,12 @@ class PagodaUI:
 
     def regenerate(self, conversation_id, system_prompt: str, temperature: float, top_p: float, top_k: int,
                    min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
-        """Replace the last reply with a new one."""
+        """Replace the last reply with a new one (or answer the last message, when its reply never came)."""
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
-        if not msgs or msgs[-1].role != "assistant":
+        if not msgs:
             raise gr.Error("There is no reply to regenerate yet.")
-        self.store.delete_messages_from(conversation_id, msgs[-1].id)
+        if msgs[-1].role == "assistant":
+            self.store.delete_messages_from(conversation_id, msgs[-1].id)
         yield from self.respond(conversation_id, "", system_prompt, temperature, top_p, top_k, min_p,
                                 repetition_penalty, max_tokens, request)
 
@@ -229,12 +243,16 @@ class PagodaUI:
     def header(self) -> str:
         if not self.host.ready:
             return f"**Pagoda** · {self.host.state.message}"
+        if self.host.remote is not None:
+            return f"**Pagoda** · {self.host.label}"
         return f"**Pagoda** · {self.host.label} · {self.host.device_label()}"
 
     def kv_panel(self) -> str:
-        if not self.host.ready:
+        remote, engine = self.host.remote, self.host.engine
+        if remote is not None:
+            return render_remote_notice(remote.metrics(), source=remote.label)
+        if engine is None:
             return "<p>No model loaded.</p>"
-        engine = self.host.engine
         stats, blocks = engine.stats(), engine.kv_blocks()
         now, generated = time.time(), stats["num_generated_tokens"]
         then, before = self._last_rate
@@ -361,13 +379,41 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
         demo.load(first_view, None, conversations, js=KEYS_JS)
         theme_btn.click(None, js="() => { document.body.classList.toggle('dark'); }")
 
-        # Read-only API for scripts and the end-to-end tests (what the page shows, as data).
+        # API for scripts and the end-to-end tests: what the page shows, as data, and the backend switches
+        # of the Models tab (connect to a server, disconnect, load a local model folder).
         def engine_stats() -> dict:
-            return ui.host.engine.stats() if ui.host.ready else {}
+            engine = ui.host.engine
+            return engine.stats() if engine is not None else {}
 
         def model_status() -> dict:
-            st = ui.host.state
-            return {"status": st.status, "message": st.message, "model": st.model}
+            st, remote = ui.host.state, ui.host.remote
+            return {"status": st.status, "message": st.message, "model": st.model, "backend": ui.host.kind,
+                    "serving": remote.model if remote else ui.host.label or None, "url": remote.client.url if remote else None}
+
+        def connect_remote(base_url: str, api_key: str = "", model: str = "") -> dict:
+            """Serve the chats from an OpenAI-compatible server (model: empty = its first). A failure keeps the
+            previous backend serving; either way the answer is the model status."""
+            try:
+                ui.host.connect(base_url, api_key or None, model or None)
+            except RemoteError:
+                pass
+            return {**model_status(), "models": ui.host.remote.models if ui.host.remote else []}
+
+        def disconnect_remote() -> dict:
+            ui.host.disconnect()
+            return model_status()
+
+        def kv_panel() -> str:
+            """The KV cache tab's HTML: the block grid, or what a remote server's /metrics says."""
+            return ui.kv_panel()
+
+        def load_model(model: str) -> dict:
+            """Load a local model folder in the background (poll /model_status)."""
+            try:
+                ui.host.load(model, label=Path(model).name or model, max_num_seqs=ui.max_concurrent_chats)
+            except RuntimeError:
+                pass
+            return model_status()
 
         def list_conversations(query: str = "") -> list[dict]:
             return [{"id": c.id, "title": c.title, "system_prompt": c.system_prompt} for c in ui.store.list(query)]
@@ -377,6 +423,10 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
 
         gr.api(engine_stats, api_name="engine_stats")
         gr.api(model_status, api_name="model_status")
+        gr.api(connect_remote, api_name="connect_remote")
+        gr.api(disconnect_remote, api_name="disconnect_remote")
+        gr.api(load_model, api_name="load_model")
+        gr.api(kv_panel, api_name="kv_panel")
         gr.api(list_conversations, api_name="conversations")
         gr.api(list_messages, api_name="messages")
     return demo

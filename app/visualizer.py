@@ -276,21 +276,57 @@ def _find(rows, *suffixes):
     return None
 
 
-def render_remote_notice(metrics: dict | None) -> str:
-    """What the KV panel shows for a remote OpenAI-compatible server: no blocks, only its metrics."""
+# Pagoda's names for what app.remote.summarize_metrics finds in a server's /metrics, as the table shows them.
+REMOTE_LABELS = {
+    "prefix_cache_queries": "prefix cache queries (tokens)",
+    "prefix_cache_hits": "prefix cache hits (tokens)",
+    "prefix_cache_hit_rate": "prefix cache hit rate",
+    "num_requests_running": "requests running",
+    "num_requests_waiting": "requests waiting",
+    "kv_cache_usage": "KV cache in use",
+}
+
+
+def _percent(v) -> str:
+    return f"{100.0 * v:.1f}%" if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else "—"
+
+
+def render_remote_notice(metrics: dict | None, source: str = "") -> str:
+    """What the KV panel shows for a remote OpenAI-compatible server: no blocks, only its metrics.
+
+    metrics: app.remote.summarize_metrics's dict (any flat or nested dict of numbers is shown as a
+    table); None or {} when the server has none. source: "model at url", shown in the notice."""
     rows = _flatten(metrics) if isinstance(metrics, dict) else []
-    parts = ['<div class="pgd-kv remote"><p class="note"><b>Remote server.</b> Block-level KV cache data is not '
+    where = f" ({_ascii(escape(source))})" if source else ""
+    parts = [f'<div class="pgd-kv remote"><p class="note"><b>Remote server</b>{where}. Block-level KV cache data is not '
              "available from a remote OpenAI-compatible server, so there is no block grid here."]
     if not rows:
-        parts.append(" The server reported no metrics.</p></div>")
+        parts.append(" This server exposes no metrics (Pagoda reads vLLM's, SGLang's and llama.cpp's from /metrics)."
+                     "</p></div>")
         return "".join(parts)
-    parts.append(" Metrics it reports:</p>")
+    parts.append(" What its metrics say:</p>")
+    chips = []
     hits, queries = _find(rows, "prefix_cache_hits"), _find(rows, "prefix_cache_queries")
+    rate = _find(rows, "prefix_cache_hit_rate", "cache_hit_rate")
     if hits is not None and queries is not None:
-        parts.append(f'<div class="stats">{_chip(format_hit_rate(hits, queries), "prefix hits", "hits / queries")}</div>')
+        chips.append(_chip(format_hit_rate(hits, queries), "prefix hits",
+                           f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}"))
+    elif rate is not None:
+        chips.append(_chip(_percent(rate), "prefix hits", "the server's prefix cache hit rate"))
+    running, waiting = _find(rows, "num_requests_running"), _find(rows, "num_requests_waiting")
+    if running is not None or waiting is not None:
+        chips.append(_chip(f"{_fmt_num(running) if running is not None else '—'} / "
+                           f"{_fmt_num(waiting) if waiting is not None else '—'}", "running / waiting"))
+    usage = _find(rows, "kv_cache_usage")
+    if usage is not None:
+        chips.append(_chip(_percent(usage), "KV cache in use", "the share of the server's KV cache that holds requests"))
+    if chips:
+        parts.append(f'<div class="stats">{"".join(chips)}</div>')
     parts.append('<table class="mt">')
     for k, v in rows[:MAX_REMOTE_ROWS]:
-        parts.append(f"<tr><th>{escape(str(k))}</th><td>{escape(_fmt_num(v))}</td></tr>")
+        label = REMOTE_LABELS.get(k, k)
+        value = _percent(v) if k in ("prefix_cache_hit_rate", "kv_cache_usage") else _fmt_num(v)
+        parts.append(f"<tr><th>{_ascii(escape(str(label)))}</th><td>{_ascii(escape(value))}</td></tr>")
     parts.append("</table>")
     if len(rows) > MAX_REMOTE_ROWS:
         parts.append(f'<p class="more">+{len(rows) - MAX_REMOTE_ROWS} more</p>')

@@ -53,6 +53,13 @@ class EngineThread:
                 stream.put(RequestOutput(request_id, "", [], True, "abort"))
             stream.put(_DONE)
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (their streams end with finish_reason "abort")."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.abort(request_id)
+
     def stats(self) -> dict:
         with self._lock:
             return self.engine.stats()

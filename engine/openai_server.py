@@ -30,7 +30,8 @@ class ServedModel:
     name: str
 
 
-ModelSource = Callable[[], ServedModel | None]  # None: no model is loaded (the app between models)
+# None: no model is loaded (the app between models); it may also raise APIError to say why not.
+ModelSource = Callable[[], ServedModel | None]
 
 
 class APIError(Exception):
@@ -323,7 +324,10 @@ def create_metrics_router(models: ModelSource) -> APIRouter:
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        model = models()
+        try:
+            model = models()
+        except APIError:  # e.g. the app serves its chats from elsewhere: nothing of ours to count
+            model = None
         if model is None:
             return ""
         stats = await anyio.to_thread.run_sync(model.engine.stats)

@@ -14,6 +14,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    pass
+
+
 class AppProcess:
     def __init__(self, model: Path, home: Path):
         self.model, self.home, self.port = model, home, free_port()
@@ -22,6 +26,14 @@ class AppProcess:
         self.proc = None
 
     def start(self):
+        for attempt in range(3):
+            try:
+                return self._start()
+            except PortTaken:  # another process took the free port between free_port() and the bind
+                continue
+        return self._start()
+
+    def _start(self):
         from gradio_client import Client
 
         self.port = free_port()
@@ -33,7 +45,10 @@ class AppProcess:
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the app exited: {self.log.read_text()[-3000:]}")
+                log = self.log.read_text()
+                if "Cannot find empty port" in log:
+                    raise PortTaken(log[-3000:])
+                raise RuntimeError(f"the app exited: {log[-3000:]}")
             try:
                 client = Client(self.url, verbose=False)
                 if client.predict(api_name="/model_status")["status"] == "ready":

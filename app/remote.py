@@ -1,0 +1,408 @@
+"""A remote backend: an OpenAI-compatible server (vLLM, SGLang, llama.cpp server, Ollama, another Pagoda).
+
+The app keeps its conversations and its page; only the replies come from the server. This is a
+small client on httpx (which Gradio already brings), not the `openai` package:
+
+  GET  {base}/v1/models              the served models (vLLM also says each one's max_model_len)
+  POST {base}/v1/chat/completions    stream: true, stream_options.include_usage: the reply as SSE
+  GET  {base}/metrics                Prometheus text, when the server has it (the KV cache tab)
+
+The server applies its own chat template, so a request carries messages, not token ids. Only
+standard OpenAI sampling fields are sent (temperature, top_p, max_tokens, seed). top_k, min_p and
+repetition_penalty are not OpenAI fields: they are sent only when moved off their "off" values
+(-1, 0, 1), where vLLM, SGLang and llama.cpp's server honour them and a strict server may refuse
+them with an error the user sees. Stop closes the HTTP connection; OpenAI-compatible servers abort
+a request whose client went away.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import count
+
+import httpx
+
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 300.0  # between two streamed chunks: a busy server may queue a request for a while
+METRICS_TIMEOUT_S = 3.0
+METRICS_TTL_S = 1.0  # the KV tab polls twice a second per page; the server is asked at most once a second
+NO_METRICS_TTL_S = 30.0  # a server without /metrics is asked again only after this long
+_OVERFLOW = re.compile(r"context|too long|max_model_len|maximum .*length|exceed", re.I)
+_ids = count()
+
+
+class RemoteError(Exception):
+    """A failure talking to the server, worded for the user. `context_overflow`: the chat is too long for it."""
+
+    def __init__(self, message: str, status: int | None = None, context_overflow: bool = False):
+        super().__init__(message)
+        self.status, self.context_overflow = status, context_overflow
+
+
+def split_base_url(url: str) -> tuple[str, str]:
+    """(root, api) for a server URL given with or without `/v1`: metrics live under the root, the API under api."""
+    url = (url or "").strip()
+    if not url:
+        raise RemoteError("Give the server's URL, for example http://localhost:8000/v1.")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")):
+        raise RemoteError(f"{url} is not an http:// or https:// URL.")
+    url = url.rstrip("/")
+    root = url.removesuffix("/v1")
+    return root, root + "/v1"
+
+
+@dataclass
+class RemoteModel:
+    id: str
+    max_model_len: int | None = None  # vLLM and Pagoda say it; others leave it unknown
+
+
+@dataclass
+class RemoteOutput:
+    """One increment of a remote reply, shaped like the engine's RequestOutput for app.chat.stream_reply.
+
+    A server sends text, not token ids: `new_token_ids` holds one placeholder per streamed chunk
+    (servers send about one token per chunk) until the last increment brings `usage`, the exact counts."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    usage: dict | None = None  # prompt_tokens, completion_tokens, cached_tokens: the server's own count
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI-style error body ({"error": {"message": ...}}), or of the common variants."""
+    try:
+        body = response.json()
+    except ValueError:
+        text = response.text.strip()
+        return text[:300] if text and not text.lstrip().startswith("<") else response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, str):
+            return err
+        if isinstance(err, dict):
+            for key in ("message", "detail", "msg"):
+                if isinstance(err.get(key), str):
+                    return err[key]
+            if isinstance(err.get("detail"), list):  # FastAPI validation errors
+                return "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in err["detail"])
+    return json.dumps(body)[:300]
+
+
+class RemoteClient:
+    """Talks to one server. Thread-safe: every chat's reply streams over its own connection."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, transport: httpx.BaseTransport | None = None):
+        self.root, self.api = split_base_url(base_url)
+        self.api_key = (api_key or "").strip() or None
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._http = httpx.Client(headers=headers, transport=transport, follow_redirects=True, trust_env=False,
+                                  timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+        self._streams: weakref.WeakSet[ChatStream] = weakref.WeakSet()
+
+    @property
+    def url(self) -> str:
+        """The address to show: the API URL, never the key."""
+        return self.api
+
+    # ---- errors -----------------------------------------------------------------------------------
+    def _transport_error(self, e: httpx.HTTPError) -> RemoteError:
+        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+            return RemoteError(f"Could not reach {self.api}: is the server running? ({e or type(e).__name__})")
+        if isinstance(e, httpx.TimeoutException):
+            return RemoteError(f"{self.api} did not answer in time ({type(e).__name__}).")
+        return RemoteError(f"The connection to {self.api} failed: {e or type(e).__name__}.")
+
+    def _status_error(self, response: httpx.Response) -> RemoteError:
+        status = response.status_code
+        if status == 401:
+            if self.api_key:
+                return RemoteError(f"{self.api} refused the API key (401): check it.", status)
+            return RemoteError(f"{self.api} wants an API key (401): give one.", status)
+        if status == 403:
+            return RemoteError(f"{self.api} refused the request (403, forbidden): {_error_message(response)}", status)
+        if status == 404 and response.request.url.path.endswith("/models"):
+            return RemoteError(f"{self.api} has no /models: is it an OpenAI-compatible server, and is the URL its "
+                               "API root (often ending in /v1)?", status)
+        message = _error_message(response)
+        return RemoteError(f"The server answered {status}: {message}", status,
+                           context_overflow=status in (400, 413, 422) and bool(_OVERFLOW.search(message)))
+
+    def _get(self, url: str, timeout: float) -> httpx.Response:
+        try:
+            response = self._http.get(url, timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S)))
+        except httpx.HTTPError as e:
+            raise self._transport_error(e) from None
+        return response
+
+    # ---- the API ------------------------------------------------------------------------------------
+    def models(self) -> list[RemoteModel]:
+        """The served models, in the server's order."""
+        response = self._get(self.api + "/models", 10.0)
+        if response.status_code >= 400:
+            raise self._status_error(response)
+        try:
+            data = response.json()["data"]
+            return [RemoteModel(str(m["id"]), m.get("max_model_len") if isinstance(m.get("max_model_len"), int) else None)
+                    for m in data]
+        except (ValueError, KeyError, TypeError):
+            raise RemoteError(f"{self.api}/models did not answer with an OpenAI model list: is the URL right?") from None
+
+    def chat(self, model: str, messages: list[dict], temperature: float = 0.7, top_p: float = 1.0,
+             max_tokens: int | None = None, seed: int | None = None, **extra) -> ChatStream:
+        """Start a streamed chat completion. Refusals (bad key, too long a chat) raise RemoteError here,
+        in the caller's thread; the reply then streams from the returned ChatStream."""
+        body = {"model": model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                "temperature": temperature, "top_p": top_p}
+        if max_tokens is not None:
+            body["max_tokens"] = int(max_tokens)
+        if seed is not None:
+            body["seed"] = int(seed)
+        body.update({k: v for k, v in extra.items() if v is not None})
+        request = self._http.build_request("POST", self.api + "/chat/completions", json=body,
+                                           headers={"Accept": "text/event-stream"})
+        try:
+            response = self._http.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise self._transport_error(e) from None
+        if response.status_code >= 400:
+            try:
+                response.read()
+            except httpx.HTTPError:
+                pass
+            response.close()
+            raise self._status_error(response)
+        stream = ChatStream(self, response, f"remote-{next(_ids)}")
+        self._streams.add(stream)
+        return stream
+
+    def metrics(self) -> dict | None:
+        """What /metrics says of the cache and the queue (see `summarize_metrics`); None when there is no such page."""
+        try:
+            response = self._get(self.root + "/metrics", METRICS_TIMEOUT_S)
+        except RemoteError:
+            return None
+        if response.status_code != 200 or "html" in response.headers.get("content-type", ""):
+            return None
+        samples = parse_prometheus(response.text)
+        return summarize_metrics(samples) if samples else None
+
+    def close(self) -> None:
+        """Abort the replies still streaming from this server, and close the connections."""
+        for stream in list(self._streams):
+            stream.cancel()
+        self._http.close()
+
+
+class ChatStream:
+    """The increments of one streamed reply. Iterate it; stop early or call cancel() to abort it.
+
+    cancel() may come from another thread while this one waits for the next chunk: it shuts the
+    socket down, which wakes the read at once, and the server sees the client go away."""
+
+    def __init__(self, client: RemoteClient, response: httpx.Response, request_id: str):
+        self.client, self.response, self.request_id = client, response, request_id
+        self.finished = False
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        if self.finished or self._cancelled.is_set():
+            return
+        self._cancelled.set()
+        network = self.response.extensions.get("network_stream")
+        sock = network.get_extra_info("socket") if network is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __iter__(self) -> Iterator[RemoteOutput]:
+        reason, usage, done = None, None, False
+        try:
+            for line in self.response.iter_lines():
+                if self._cancelled.is_set():
+                    break
+                if not line.startswith("data:"):
+                    continue  # blank separators, ": keep-alive" comments, "event:" lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = _json(data)
+                if chunk.get("error"):
+                    err = chunk["error"]
+                    message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                    raise RemoteError(f"The server stopped the reply: {message}", context_overflow=bool(_OVERFLOW.search(message)))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") or ""
+                    reason = choice.get("finish_reason") or reason
+                    if text:
+                        yield RemoteOutput(self.request_id, text, [0])
+        except RemoteError:
+            raise
+        except Exception as e:  # the socket shut by cancel(), or the server gone
+            if not self._cancelled.is_set():
+                raise (self.client._transport_error(e) if isinstance(e, httpx.HTTPError)
+                       else RemoteError(f"The connection to {self.client.api} broke: {e}")) from None
+        finally:
+            self.response.close()  # also when the consumer stops early: the server sees the hang-up and aborts
+        if self._cancelled.is_set() and not done:
+            self.finished = True
+            yield RemoteOutput(self.request_id, "", [], True, "abort")
+            return
+        if not done and reason is None:
+            raise RemoteError(f"{self.client.api} closed the stream before the reply was finished.")
+        self.finished = True
+        counts = parse_usage(usage)
+        yield RemoteOutput(self.request_id, "", [], True, reason or "stop", counts.get("prompt_tokens", 0),
+                           counts.get("cached_tokens", 0), counts or None)
+
+
+def _json(data: str) -> dict:
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise RemoteError(f"The server sent a stream line that is not JSON: {data[:120]!r}") from None
+    if not isinstance(chunk, dict):
+        raise RemoteError(f"The server sent an unexpected stream line: {data[:120]!r}")
+    return chunk
+
+
+def parse_usage(usage: dict | None) -> dict:
+    """prompt_tokens, completion_tokens and cached_tokens (prompt_tokens_details.cached_tokens) that are present."""
+    if not isinstance(usage, dict):
+        return {}
+    out = {k: int(usage[k]) for k in ("prompt_tokens", "completion_tokens") if isinstance(usage.get(k), (int, float))}
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), (int, float)):
+        out["cached_tokens"] = int(details["cached_tokens"])
+    return out
+
+
+# ---- /metrics --------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)')
+
+# What the KV cache tab shows -> the names servers use for it (vLLM v1 first, then older vLLM, SGLang,
+# llama.cpp's server). Counts are summed over label sets (engines, models); fractions are averaged.
+COUNTS = {
+    "prefix_cache_queries": ["vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries"],
+    "prefix_cache_hits": ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits"],
+    "num_requests_running": ["vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing"],
+    "num_requests_waiting": ["vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred"],
+}
+FRACTIONS = {
+    "prefix_cache_hit_rate": ["vllm:gpu_prefix_cache_hit_rate", "sglang:cache_hit_rate"],
+    "kv_cache_usage": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
+                       "llamacpp:kv_cache_usage_ratio"],
+}
+
+
+def parse_prometheus(text: str) -> dict[str, list[float]]:
+    """Prometheus text format: metric name -> its values, one per label set. Comments and junk are skipped."""
+    samples: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        samples.setdefault(m.group(1), []).append(value)
+    return samples
+
+
+def summarize_metrics(samples: dict[str, list[float]]) -> dict:
+    """The cache and queue figures a server's metrics give, under Pagoda's names (only those it has):
+
+    prefix_cache_queries, prefix_cache_hits (tokens), prefix_cache_hit_rate (0..1, from hits/queries
+    when both are there), num_requests_running, num_requests_waiting, kv_cache_usage (0..1)."""
+    out: dict = {}
+    for key, names in COUNTS.items():
+        name = next((n for n in names if n in samples), None)
+        if name is not None:
+            total = sum(v for v in samples[name] if math.isfinite(v))
+            out[key] = int(total) if total.is_integer() else total
+    for key, names in FRACTIONS.items():
+        name = next((n for n in names if n in samples), None)
+        values = [v for v in samples.get(name, []) if math.isfinite(v)]
+        if values:
+            out[key] = sum(values) / len(values)
+    if out.get("prefix_cache_queries"):
+        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0) / out["prefix_cache_queries"]
+    return out
+
+
+# ---- the backend the app holds ---------------------------------------------------------------------
+@dataclass
+class RemoteBackend:
+    """A connected server and the model chosen on it: what ModelHost holds instead of an engine."""
+
+    client: RemoteClient
+    model: str
+    max_model_len: int | None = None
+    models: list[str] = field(default_factory=list)
+    _metrics: tuple[float, dict | None] = (0.0, None)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} at {self.client.url}"
+
+    def submit(self, messages: list[dict], settings: dict) -> ChatStream:
+        top_k, min_p, penalty = int(settings["top_k"]), float(settings["min_p"]), float(settings["repetition_penalty"])
+        extra = {"top_k": top_k if top_k > 0 else None, "min_p": min_p if min_p > 0 else None,
+                 "repetition_penalty": penalty if penalty != 1.0 else None}
+        seed = settings.get("seed")
+        return self.client.chat(self.model, messages, temperature=float(settings["temperature"]),
+                                top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),
+                                seed=None if seed in (None, "", -1) else int(seed), **extra)
+
+    def metrics(self) -> dict | None:
+        """The server's metrics, asked at most once a second (a server without them: once in 30 s)."""
+        at, value = self._metrics
+        if time.monotonic() - at < (METRICS_TTL_S if value is not None else NO_METRICS_TTL_S) and at:
+            return value
+        value = self.client.metrics()
+        self._metrics = (time.monotonic(), value)
+        return value
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def connect(base_url: str, api_key: str | None = None, model: str | None = None,
+            transport: httpx.BaseTransport | None = None) -> RemoteBackend:
+    """Reach the server, list its models and pick `model` (default: the first). Raises RemoteError."""
+    client = RemoteClient(base_url, api_key, transport=transport)
+    try:
+        served = client.models()
+        if not served:
+            raise RemoteError(f"{client.url} serves no models.")
+        model = (model or "").strip() or served[0].id
+        chosen = next((m for m in served if m.id == model), None)
+        if chosen is None:
+            raise RemoteError(f"{client.url} does not serve {model!r}; it serves {', '.join(m.id for m in served)}.")
+    except Exception:
+        client.close()
+        raise
+    return RemoteBackend(client, chosen.id, chosen.max_model_len, [m.id for m in served])
