@@ -130,7 +130,7 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             raise gr.Error(str(e)) from e
         return ui.host.state.message
 
-    load_btn.click(load, [repo, dtype, context, kv_gib], status)
+    load_btn.click(load, [repo, dtype, context, kv_gib], status, api_name="load")
     unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, status)
 
     def connect(url: str, key: str, model: str | None = None):

@@ -20,7 +20,8 @@ from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from engine.layers.sampler import Sampler, SamplingBatch
-from engine.loader import load_weights
+from engine.loader import load_weights, safetensors_files
+from engine.memory import check_host_memory, checkpoint_weight_bytes
 from engine.models import model_class
 from engine.scheduler import ScheduledSeq
 
@@ -54,6 +55,9 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         max_position = config.max_model_len or hf_config.max_position_embeddings
         torch.manual_seed(config.seed)
+        if device.type == "cpu":
+            weights = checkpoint_weight_bytes(safetensors_files(model_path), dtype) // tp.size
+            check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
         with torch.device(device):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
@@ -131,6 +135,10 @@ class ModelRunner:
                                    "lower the context length, use a smaller model or a lower precision")
         if self.tp.size > 1:  # a block id must name the same slots on every rank: all take the smallest count
             num_blocks = self.tp.min(num_blocks)
+        if self.device.type == "cpu":
+            check_host_memory(num_blocks * self.kv_bytes_per_block(), "the KV cache",
+                              "give it less memory (kv_cache_memory_bytes or num_kvcache_blocks; in the app, "
+                              "'KV cache memory')")
         a = self.attention_layers[0]
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -86,6 +86,22 @@ def test_bad_engine_settings(settings, error, fragment, tiny_llama):
         LLM(str(tiny_llama), **{"dtype": "float32", "num_kvcache_blocks": 8, **settings})
 
 
+def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(tiny_llama):
+    from engine.memory import available_host_memory
+
+    too_much = 2 * available_host_memory()
+    with pytest.raises(MemoryError, match=r"the KV cache would take .* GiB, but only .* GiB of memory is available; give it less"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=too_much)
+
+
+def test_weights_larger_than_memory_are_refused_before_loading(tiny_llama, monkeypatch):
+    import engine.memory
+
+    monkeypatch.setattr(engine.memory, "available_host_memory", lambda: 1000)  # a machine with 1 kB free
+    with pytest.raises(MemoryError, match="the model.s weights would take .* use a smaller model or a lower precision"):
+        LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=8)
+
+
 # ---- requests -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt, error, fragment", [
     (list(range(3, 67)), ValueError, "max_model_len is 64"),

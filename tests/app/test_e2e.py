@@ -83,6 +83,21 @@ def test_two_chats_with_one_preset_share_the_system_prompt_blocks(app):
     assert meta["cached_tokens"] >= 32  # the system prompt's full blocks came from the prefix cache
 
 
+def test_a_model_too_big_for_memory_is_refused_and_the_previous_one_keeps_serving(app):
+    proc, client = app
+    before = client.predict(api_name="/model_status")
+    # The Models tab's Load button, with a KV cache far larger than this machine's memory.
+    client.predict(str(proc.model), "auto", 2048, 100_000, api_name="/load")
+    assert wait_for(lambda: client.predict(api_name="/model_status")["status"] != "loading", timeout=60)
+    status = client.predict(api_name="/model_status")
+    assert status["status"] == "error"
+    assert "the KV cache would take" in status["message"] and "GiB of memory is available" in status["message"]
+    assert status["message"].endswith(f"{before['serving']} keeps serving.")
+    conv = new_chat(client)
+    list(reply(client, conv, "Say hello.", max_tokens=16))
+    assert client.predict(conv, api_name="/messages")[-1]["content"]  # the previous model still answers
+
+
 def test_a_killed_app_loses_no_saved_message(app):
     proc, client = app
     conv = new_chat(client)
