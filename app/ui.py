@@ -49,6 +49,8 @@ class PagodaUI:
         self.tasks: dict[int, ReplyTask] = {}  # conversation id -> its reply, while one streams
         self.session_chats: dict[str, set[int]] = {}  # browser session -> chats whose replies it started
         self.viewing: dict[str, int] = {}  # browser session -> the chat its page shows
+        self.kv_tab_open: set[str] = set()  # browser sessions whose page shows the KV cache tab
+        self.panels_sent: dict[str, tuple[str | None, str | None]] = {}  # session -> (KV HTML, header) it has
         self._last_rate = (time.time(), 0)
 
     # ---- conversations --------------------------------------------------------------------------
@@ -184,6 +186,8 @@ class PagodaUI:
         reply still followed by a live page after a grace period is left alone."""
         chats = self.session_chats.pop(request.session_hash, set())
         self.viewing.pop(request.session_hash, None)
+        self.kv_tab_open.discard(request.session_hash)
+        self.panels_sent.pop(request.session_hash, None)
 
         def abort_unwatched() -> None:
             for conversation_id in chats:
@@ -247,6 +251,22 @@ class PagodaUI:
             return f"**Pagoda** · {self.host.label}"
         return f"**Pagoda** · {self.host.label} · {self.host.device_label()}"
 
+    def panels(self, request: gr.Request) -> tuple:
+        """The timer's refresh of the KV grid and the header, for one page.
+
+        The grid is thousands of elements: it is rendered only while the page shows its tab, and
+        neither is re-sent when nothing changed since this page last got it."""
+        session = request.session_hash if request is not None else ""
+        sent_html, sent_header = self.panels_sent.get(session, (None, None))
+        html = self.kv_panel() if session in self.kv_tab_open else sent_html
+        header = self.header()
+        self.panels_sent[session] = (html, header)
+        return (gr.update() if html == sent_html else html), (gr.update() if header == sent_header else header)
+
+    def show_kv_tab(self, shown: bool, request: gr.Request) -> None:
+        session = request.session_hash if request is not None else ""
+        (self.kv_tab_open.add if shown else self.kv_tab_open.discard)(session)
+
     def kv_panel(self) -> str:
         remote, engine = self.host.remote, self.host.engine
         if remote is not None:
@@ -283,7 +303,7 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
                         delete_btn = gr.Button("Delete", size="sm", variant="stop")
             with gr.Column(scale=4):
                 with gr.Tabs():
-                    with gr.Tab("Chat"):
+                    with gr.Tab("Chat") as chat_tab:
                         chatbot = gr.Chatbot(height=480, label="Chat", elem_id="chatbot")
                         overflow = gr.Markdown(visible=False)
                         with gr.Row(visible=False) as overflow_row:
@@ -306,10 +326,10 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
                                 save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
                             sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
                                        for k, label, lo, hi, step in SLIDERS]
-                    with gr.Tab("KV cache"):
+                    with gr.Tab("KV cache") as kv_tab:
                         kv_html = gr.HTML(ui.kv_panel(), elem_id="kv-cache")
                     if models_tab is not None:
-                        with gr.Tab("Models"):
+                        with gr.Tab("Models") as models_page:
                             models_tab(ui)
 
         opened = [chatbot, system, *sliders, meter, title]
@@ -366,8 +386,18 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
         json_btn.click(lambda cid: ui.export(cid, "json"), current, json_btn)
 
         timer = gr.Timer(0.5)
-        timer.tick(lambda: (ui.kv_panel(), ui.header()), None, [kv_html, header], show_progress="hidden",
-                   concurrency_limit=1, concurrency_id="panels")
+        timer.tick(ui.panels, None, [kv_html, header], show_progress="hidden", concurrency_limit=1,
+                   concurrency_id="panels")
+
+        def kv_tab_shown(request: gr.Request) -> None:
+            ui.show_kv_tab(True, request)
+
+        def kv_tab_hidden(request: gr.Request) -> None:
+            ui.show_kv_tab(False, request)
+
+        kv_tab.select(kv_tab_shown, None, None, show_progress="hidden")
+        for tab in [chat_tab] + ([models_page] if models_tab is not None else []):
+            tab.select(kv_tab_hidden, None, None, show_progress="hidden")
 
         def first_view():
             choices = ui.conversation_choices()

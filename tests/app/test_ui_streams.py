@@ -3,6 +3,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import gradio as gr
+
 from app.chat import Turn
 from app.model_host import ModelHost
 from app.store import ConversationStore
@@ -57,3 +59,19 @@ def test_a_closed_page_forgets_which_chat_it_showed(tmp_path):
     ui.open(second, page)
     ui.on_unload(page)
     assert "page-1" not in ui.viewing
+
+
+def test_the_kv_grid_is_sent_only_to_a_page_showing_it_and_only_when_it_changed(tmp_path, monkeypatch):
+    ui, _, _ = make_ui(tmp_path)
+    grids = iter(["<grid 1>", "<grid 1>", "<grid 2>"])
+    monkeypatch.setattr(ui, "kv_panel", lambda: next(grids))
+    page = SimpleNamespace(session_hash="page-1")
+    unchanged = gr.update()
+    html, header = ui.panels(page)  # on the Chat tab: no grid rendered, the header once
+    assert html == unchanged and "Pagoda" in header
+    ui.show_kv_tab(True, page)
+    assert ui.panels(page) == ("<grid 1>", unchanged)
+    assert ui.panels(page) == (unchanged, unchanged)  # the same grid again: nothing sent
+    assert ui.panels(page)[0] == "<grid 2>"
+    ui.show_kv_tab(False, page)
+    assert ui.panels(page) == (unchanged, unchanged)  # hidden: not even rendered (the iterator is spent)
