@@ -1,4 +1,5 @@
-"""Start-up options: a share link never goes out without a password, and a missing tunnel is no crash."""
+"""Start-up options: a share link never goes out without a password (nor its API without a key), and a
+missing tunnel is no crash."""
 import argparse
 import os
 import re
@@ -49,6 +50,13 @@ def test_share_with_no_tunnel_says_so_and_keeps_serving_locally_behind_the_login
         assert refused.value.code == 401  # nothing is served without the login
         body = urllib.parse.urlencode({"username": "pagoda", "password": password}).encode()
         assert urllib.request.urlopen(f"{base}/login", data=body, timeout=10).status == 200
+        # The share link would expose the OpenAI-compatible API too: it got a generated key, printed.
+        key = re.search(r"every /v1 request needs this key.*\n\s+(pagoda-\S+)", text).group(1)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{base}/v1/models", timeout=10)
+        assert refused.value.code == 401
+        with_key = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert urllib.request.urlopen(with_key, timeout=10).status == 200
     finally:
         proc.kill()
         proc.wait(10)
