@@ -1,5 +1,6 @@
 """Finding a model (local folder or hub repo id) and loading its safetensors weights."""
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -57,6 +58,20 @@ def load_weights(model: nn.Module, path: Path) -> None:
         raise ValueError(f"the checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def checkpoint_numel(files: list[Path]) -> int:
+    """Elements in every tensor of the safetensors files, from their headers alone."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+        except Exception as e:
+            raise _unreadable(file, e) from e
+    return total
+
+
 def _read_tensors(file: Path):
     from safetensors import safe_open
 
@@ -64,8 +79,13 @@ def _read_tensors(file: Path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-    except Exception as e:  # safetensors raises its own error type for bad headers and short files
-        raise RuntimeError(f"cannot read weights from {file} ({e}); the file is corrupt or incomplete, re-download it") from e
+    except Exception as e:
+        raise _unreadable(file, e) from e
+
+
+def _unreadable(file: Path, e: Exception) -> RuntimeError:
+    # safetensors raises its own error type for bad headers and short files
+    return RuntimeError(f"cannot read weights from {file} ({e}); the file is corrupt or incomplete, re-download it")
 
 
 def _load_one(model, params, packed, name, tensor, loaded) -> None:

@@ -3,11 +3,7 @@
 On a GPU, KV sizing measures free device memory (model_runner). On the CPU nothing stops a
 too-large weight load or KV cache until the kernel kills the process, taking the app with it.
 """
-import math
 import os
-from pathlib import Path
-
-import torch
 
 HEADROOM = 0.9  # leave a tenth of what is available to the rest of the process and the system
 
@@ -32,14 +28,3 @@ def check_host_memory(needed: int, what: str, advice: str) -> None:
     if available is not None and needed > available * HEADROOM:
         raise MemoryError(f"{what} would take {needed / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB of memory is "
                           f"available; {advice}")
-
-
-def checkpoint_weight_bytes(files: list[Path], dtype: torch.dtype) -> int:
-    """Bytes of every tensor in the safetensors files once converted to `dtype` (headers only are read)."""
-    from safetensors import safe_open
-
-    total = 0
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    return total * dtype.itemsize

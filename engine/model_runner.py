@@ -20,8 +20,8 @@ from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from engine.layers.sampler import Sampler, SamplingBatch
-from engine.loader import load_weights, safetensors_files
-from engine.memory import check_host_memory, checkpoint_weight_bytes
+from engine.loader import checkpoint_numel, load_weights, safetensors_files
+from engine.memory import check_host_memory
 from engine.models import model_class
 from engine.scheduler import ScheduledSeq
 
@@ -56,7 +56,7 @@ class ModelRunner:
         max_position = config.max_model_len or hf_config.max_position_embeddings
         torch.manual_seed(config.seed)
         if device.type == "cpu":
-            weights = checkpoint_weight_bytes(safetensors_files(model_path), dtype) // tp.size
+            weights = checkpoint_numel(safetensors_files(model_path)) * dtype.itemsize // tp.size
             check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
         with torch.device(device):
             default_dtype = torch.get_default_dtype()

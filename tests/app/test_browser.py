@@ -135,7 +135,7 @@ def test_closing_the_tab_aborts_its_replies(session):
     assert running() == 0
 
 
-def test_escape_stops_the_reply_and_the_theme_button_switches_dark_mode(session):
+def test_keyboard_and_look_header_shift_enter_escape_and_dark_mode(session):
     _, client, _ = session
     running = lambda: client.predict(api_name="/engine_stats")["num_running"]
     deadline = time.time() + 30
@@ -146,8 +146,18 @@ def test_escape_stops_the_reply_and_the_theme_button_switches_dark_mode(session)
     was_dark = page.evaluate(dark)
     page.get_by_role("button", name="Light / dark").click()
     assert page.evaluate(dark) is not was_dark
+    header = page.locator("#header").inner_text()
+    assert "SmolLM2-135M-Instruct" in header and "CPU" in header  # the model and the device, always in view
     page.get_by_role("button", name="New chat").click()
     wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    box = page.locator("#message textarea")
+    box.click()
+    box.press_sequentially("line one", delay=5)
+    box.press("Shift+Enter")  # a new line, not a send
+    box.press_sequentially("line two", delay=5)
+    assert box.input_value() == "line one\nline two"
+    assert page.locator('#chatbot [data-testid="user"]').count() == 0
+    box.fill("")
     send(page, "Write a very long story about a knight, with many chapters.")
     wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
     assert running() == 1
