@@ -1,11 +1,6 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real server process."""
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -13,61 +8,20 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from engine.serve import resolve_api_key  # noqa: E402
+from tests.processes import ServeProcess, wait_until  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-pagoda-test"
 MODEL = "smollm2"
 SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
           "sentence, you say so when you do not know, and you never make up facts about the user.")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: Path, log: Path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.serve", "--model", str(model), "--served-model-name", MODEL, "--port",
-             str(self.port), "--api-key", KEY, "--max-num-seqs", "16", "--max-model-len", "2048"],
-            env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.base}/metrics", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"the server did not start: {log.read_text()[-3000:]}")
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.base}/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 @pytest.fixture(scope="module")
 def server(bundled_model, tmp_path_factory):
-    srv = Server(bundled_model, tmp_path_factory.mktemp("serve") / "server.log")
+    srv = ServeProcess(bundled_model, tmp_path_factory.mktemp("serve") / "server.log", "--served-model-name", MODEL,
+                       "--api-key", KEY, "--max-num-seqs", "16", "--max-model-len", "2048").wait_ready()
     yield srv
-    srv.close()
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +31,6 @@ def client(server):
 
 def chat(user: str, system: str = SYSTEM) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-
-
-def wait_until(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_models_lists_the_served_model(client):

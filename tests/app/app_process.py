@@ -1,17 +1,12 @@
 """A real Pagoda app process for end-to-end tests."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.processes import free_port
 
 
 class PortTaken(RuntimeError):

@@ -1,10 +1,9 @@
 """The app serves the engine's OpenAI-compatible API on its own port: one engine, one batch for chats and API calls."""
-import time
-
 import httpx
 import pytest
 
 from tests.app.app_process import AppProcess
+from tests.processes import wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -58,12 +57,3 @@ def test_a_chat_and_an_api_call_run_in_the_same_batch(app):
     chat.cancel()
     assert peak == 2  # the page's chat and the API call were decoded together
     assert wait_until(lambda: running() == 0, timeout=60)
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False

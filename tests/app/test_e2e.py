@@ -4,6 +4,7 @@ import time
 import pytest
 
 from tests.app.app_process import AppProcess
+from tests.processes import wait_until
 
 SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer briefly, "
           "you say so when you do not know, and you never make up facts about the user.")
@@ -26,15 +27,6 @@ def reply(client, conv, text, max_tokens=48, system=SYSTEM):
     return client.submit(conv, text, system, *GREEDY, max_tokens, api_name="/respond")
 
 
-def wait_for(predicate, timeout=30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_reply_streams_and_is_stored_with_its_measurements(app):
     _, client = app
     conv = new_chat(client)
@@ -53,10 +45,10 @@ def test_stop_mid_stream_aborts_the_request_in_the_engine(app):
     _, client = app
     conv = new_chat(client)
     job = reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=2000)
-    assert wait_for(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
+    assert wait_until(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
     time.sleep(0.5)
     client.predict(conv, api_name="/stop")  # the Stop button
-    assert wait_for(lambda: client.predict(api_name="/engine_stats")["num_running"] == 0, timeout=15)
+    assert wait_until(lambda: client.predict(api_name="/engine_stats")["num_running"] == 0, timeout=15)
     stats = client.predict(api_name="/engine_stats")
     assert stats["used_blocks"] == 0  # its blocks went back (full ones stay cached for reuse)
     saved = client.predict(conv, api_name="/messages")[-1]
@@ -88,7 +80,7 @@ def test_a_model_too_big_for_memory_is_refused_and_the_previous_one_keeps_servin
     before = client.predict(api_name="/model_status")
     # The Models tab's Load button, with a KV cache far larger than this machine's memory.
     client.predict(str(proc.model), "auto", 2048, 100_000, api_name="/load")
-    assert wait_for(lambda: client.predict(api_name="/model_status")["status"] != "loading", timeout=60)
+    assert wait_until(lambda: client.predict(api_name="/model_status")["status"] != "loading", timeout=60)
     status = client.predict(api_name="/model_status")
     assert status["status"] == "error"
     assert "the KV cache would take" in status["message"] and "GiB of memory is available" in status["message"]
@@ -103,7 +95,7 @@ def test_a_killed_app_loses_no_saved_message(app):
     conv = new_chat(client)
     list(reply(client, conv, "Remember the word pagoda.", max_tokens=16))
     job = reply(client, conv, "Now write a long poem about it.", max_tokens=2000)
-    assert wait_for(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
+    assert wait_until(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
     time.sleep(1.5)  # a few store writes of the streaming reply
     proc.kill()  # kill -9 while the reply streams
     client = proc.start()

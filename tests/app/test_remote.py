@@ -15,7 +15,7 @@ import pytest
 from app.chat import DEFAULT_SETTINGS, stream_reply
 from app.remote import (RemoteClient, RemoteError, connect, parse_prometheus, parse_usage, split_base_url,
                         summarize_metrics)
-from tests.app.app_process import free_port
+from tests.processes import ServeProcess, free_port, wait_until
 
 
 # ---- canned answers ---------------------------------------------------------------------------------
@@ -329,51 +329,15 @@ SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own compu
 GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
 
 
-def wait_for(predicate, timeout=30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-class ServerProcess:
-    """`python -m engine.serve` on the bundled model: an OpenAI-compatible server, as a user would run it."""
+class ServerProcess(ServeProcess):
+    """The second Pagoda: `python -m engine.serve` on the bundled model, with a key and a small context."""
 
     def __init__(self, model, home):
-        import subprocess
-        import sys
-        from pathlib import Path
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.log = home / "serve.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--model", str(model), "--host", "127.0.0.1",
-                                      "--port", str(self.port), "--api-key", KEY, "--served-model-name", "smol",
-                                      "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN)], stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     cwd=Path(__file__).resolve().parents[2])
-
-    def wait_ready(self, timeout=120.0) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"the server did not start: {self.log.read_text()[-3000:]}")
+        super().__init__(model, home / "serve.log", "--host", "127.0.0.1", "--api-key", KEY, "--served-model-name",
+                         "smol", "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN))
 
     def running(self) -> int:
-        return RemoteClient(self.url).metrics()["num_requests_running"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        return int(self.metric("vllm:num_requests_running"))
 
 
 @pytest.fixture(scope="module")
@@ -444,11 +408,11 @@ def test_stop_aborts_the_request_on_the_server(setup):
     server, client = setup
     conv = client.predict(SYSTEM, "", api_name="/new_chat")["value"]
     reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=900)
-    assert wait_for(lambda: server.running() >= 1)
+    assert wait_until(lambda: server.running() >= 1)
     time.sleep(0.5)
     client.predict(conv, api_name="/stop")  # the Stop button
-    assert wait_for(lambda: server.running() == 0, timeout=10)
-    assert wait_for(lambda: client.predict(conv, api_name="/messages")[-1]["meta"].get("finish_reason") == "abort")
+    assert wait_until(lambda: server.running() == 0, timeout=10)
+    assert wait_until(lambda: client.predict(conv, api_name="/messages")[-1]["meta"].get("finish_reason") == "abort")
     saved = client.predict(conv, api_name="/messages")[-1]
     assert saved["role"] == "assistant" and saved["content"]  # what streamed before Stop is kept
 
@@ -468,7 +432,7 @@ def test_disconnect_then_loading_a_local_model_replaces_the_server(setup, bundle
     assert st["backend"] is None and st["status"] == "idle"
     assert client.predict(server.url, KEY, "smol", api_name="/connect_remote")["backend"] == "remote"
     client.predict(str(bundled_model), api_name="/load_model")  # loading a model disconnects the server
-    assert wait_for(lambda: status(client)["status"] == "ready", timeout=60)
+    assert wait_until(lambda: status(client)["status"] == "ready", timeout=60)
     st = status(client)
     assert st["backend"] == "local" and st["url"] is None
     conv = client.predict(SYSTEM, "", api_name="/new_chat")["value"]

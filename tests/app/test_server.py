@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from app.server import parse_args, resolve_auth
-from tests.app.app_process import free_port
+from tests.processes import free_port
 
 
 def test_share_without_auth_generates_a_login_and_prints_it(capsys):
