@@ -50,7 +50,7 @@ class PagodaUI:
         self.session_chats: dict[str, set[int]] = {}  # browser session -> chats whose replies it started
         self.viewing: dict[str, int] = {}  # browser session -> the chat its page shows
         self.kv_tab_open: set[str] = set()  # browser sessions whose page shows the KV cache tab
-        self.panels_sent: dict[str, tuple[str | None, str | None]] = {}  # session -> (KV HTML, header) it has
+        self.panels_sent: dict[str, tuple] = {}  # session -> (KV HTML, header, chat titles) its page has
         self._last_rate = (time.time(), 0)
 
     # ---- conversations --------------------------------------------------------------------------
@@ -251,17 +251,19 @@ class PagodaUI:
             return f"**Pagoda** · {self.host.label}"
         return f"**Pagoda** · {self.host.label} · {self.host.device_label()}"
 
-    def panels(self, request: gr.Request) -> tuple:
-        """The timer's refresh of the KV grid and the header, for one page.
+    def panels(self, query: str, request: gr.Request) -> tuple:
+        """The timer's refresh of the KV grid, the header and the chat titles, for one page.
 
-        The grid is thousands of elements: it is rendered only while the page shows its tab, and
-        neither is re-sent when nothing changed since this page last got it."""
+        The grid is thousands of elements: it is rendered only while the page shows its tab. None of
+        the three is re-sent when unchanged since this page last got it. Titles refresh here so that
+        a new chat takes its title from the first message while its reply still streams."""
         session = request.session_hash if request is not None else ""
-        sent_html, sent_header = self.panels_sent.get(session, (None, None))
+        sent_html, sent_header, sent_titles = self.panels_sent.get(session, (None, None, None))
         html = self.kv_panel() if session in self.kv_tab_open else sent_html
-        header = self.header()
-        self.panels_sent[session] = (html, header)
-        return (gr.update() if html == sent_html else html), (gr.update() if header == sent_header else header)
+        header, titles = self.header(), self.conversation_choices(query or "")
+        self.panels_sent[session] = (html, header, titles)
+        return (gr.update() if html == sent_html else html, gr.update() if header == sent_header else header,
+                gr.update() if titles == sent_titles else gr.update(choices=titles))
 
     def show_kv_tab(self, shown: bool, request: gr.Request) -> None:
         session = request.session_hash if request is not None else ""
@@ -386,7 +388,7 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
         json_btn.click(lambda cid: ui.export(cid, "json"), current, json_btn)
 
         timer = gr.Timer(0.5)
-        timer.tick(ui.panels, None, [kv_html, header], show_progress="hidden", concurrency_limit=1,
+        timer.tick(ui.panels, search, [kv_html, header, conversations], show_progress="hidden", concurrency_limit=1,
                    concurrency_id="panels")
 
         def kv_tab_shown(request: gr.Request) -> None:

@@ -67,11 +67,22 @@ def test_the_kv_grid_is_sent_only_to_a_page_showing_it_and_only_when_it_changed(
     monkeypatch.setattr(ui, "kv_panel", lambda: next(grids))
     page = SimpleNamespace(session_hash="page-1")
     unchanged = gr.update()
-    html, header = ui.panels(page)  # on the Chat tab: no grid rendered, the header once
-    assert html == unchanged and "Pagoda" in header
+    html, header, titles = ui.panels("", page)  # on the Chat tab: no grid rendered; header and titles once
+    assert html == unchanged and "Pagoda" in header and titles["choices"] == ui.conversation_choices()
     ui.show_kv_tab(True, page)
-    assert ui.panels(page) == ("<grid 1>", unchanged)
-    assert ui.panels(page) == (unchanged, unchanged)  # the same grid again: nothing sent
-    assert ui.panels(page)[0] == "<grid 2>"
+    assert ui.panels("", page) == ("<grid 1>", unchanged, unchanged)
+    assert ui.panels("", page) == (unchanged, unchanged, unchanged)  # the same grid again: nothing sent
+    assert ui.panels("", page)[0] == "<grid 2>"
     ui.show_kv_tab(False, page)
-    assert ui.panels(page) == (unchanged, unchanged)  # hidden: not even rendered (the iterator is spent)
+    assert ui.panels("", page) == (unchanged, unchanged, unchanged)  # hidden: not even rendered (the iterator is spent)
+
+
+def test_a_new_chat_takes_its_title_from_the_first_message_while_the_reply_streams(tmp_path):
+    ui, _, _ = make_ui(tmp_path)
+    fresh = ui.store.create().id  # "New chat"
+    page = SimpleNamespace(session_hash="page-1")
+    ui.panels("", page)
+    ui._title_from_first_message(fresh, "Tell me about the cat of the lighthouse keeper")
+    titles = ui.panels("", page)[2]["choices"]
+    assert ("Tell me about the cat of the lighthouse …", fresh) in titles
+    assert "value" not in ui.panels("cat", page)[2]  # only the list changes (filtered by the search box), never the open chat
