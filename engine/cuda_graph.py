@@ -48,7 +48,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
             max_query_len=1, max_seq_len=self.max_seq_len,
-            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_seq_len] * size,
+            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_seq_len] * size, host_lens_exact=False,
         )
 
     @torch.inference_mode()

@@ -18,6 +18,7 @@ from engine.distributed import SINGLE, TPGroup
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
+from engine.layers.linear import PackableLinear, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from engine.layers.sampler import Sampler, SamplingBatch
 from engine.loader import checkpoint_numel, load_weights, safetensors_files
@@ -57,6 +58,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         if device.type == "cpu":
             weights = checkpoint_numel(safetensors_files(model_path)) * dtype.itemsize // tp.size
+            if getattr(hf_config, "tie_word_embeddings", False):  # pack_for_cpu gives the head its own copy
+                weights += hf_config.vocab_size * hf_config.hidden_size * dtype.itemsize // tp.size
             check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
         with torch.device(device):
             default_dtype = torch.get_default_dtype()
@@ -67,6 +70,7 @@ class ModelRunner:
                 torch.set_default_dtype(default_dtype)
         load_weights(self.model, model_path)
         self.model.eval()
+        self.packed_weights = device.type == "cpu" and pack_for_cpu(self.model, dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, device)
         for layer in self.attention_layers:
@@ -297,8 +301,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_index])
 
     def parameter_bytes(self) -> int:
-        """Bytes of the weights this rank holds (a tied head counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the weights this rank holds (a tied head counted once, unless packed apart)."""
+        packed = [m.packed_weight for m in self.model.modules() if isinstance(m, PackableLinear) and m.packed_weight is not None]
+        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(meta):

@@ -54,10 +54,13 @@ def batch(q_lens, seq_lens, num_kv_heads=3, group=3, head_dim=32, seed=0):
     return query, k_cache, v_cache, meta, tables
 
 
-@pytest.mark.parametrize("case", ["decode only", "decode and prefills", "few decode rows"])
+@pytest.mark.parametrize("case", ["decode only", "decode and prefills", "few decode rows", "one decode row", "equal lengths"])
 def test_matches_attention_written_out_per_sequence(case):
     rng = torch.Generator().manual_seed(1)
-    decode_lens = torch.randint(1, 300, (3 if case == "few decode rows" else 27,), generator=rng).tolist()
+    rows = {"few decode rows": 3, "one decode row": 1, "equal lengths": 5}.get(case, 27)
+    decode_lens = torch.randint(1, 300, (rows,), generator=rng).tolist()
+    if case == "equal lengths":
+        decode_lens = [decode_lens[0]] * rows
     q_lens, seq_lens = [1] * len(decode_lens), decode_lens
     if case != "decode only":
         # a fresh prompt, a prompt after a 48-token prefix hit, a padding row, a chunk continuing at 100
@@ -68,6 +71,22 @@ def test_matches_attention_written_out_per_sequence(case):
     got = torch_backend.paged_attention(query, k_cache, v_cache, meta, scale)
     want = naive(query, k_cache, v_cache, q_lens, seq_lens, tables, scale)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    if case != "few decode rows":
-        decodes, _ = torch_backend._plan(meta, BLOCK)
+    decodes, _ = torch_backend._plan(meta, BLOCK)
+    if rows > 8:
         assert len(decodes) > 1  # the long batch really was split into length groups
+    if case in ("one decode row", "equal lengths"):
+        assert decodes[0].mask is None  # the unmasked path was the one checked
+
+
+def test_store_kvcache_writes_each_token_to_its_slot_and_skips_padding():
+    key, value = torch.randn(5, 2, 4), torch.randn(5, 2, 4)
+    k_cache, v_cache = torch.zeros(3, BLOCK, 2, 4), torch.zeros(3, BLOCK, 2, 4)
+    slots = torch.tensor([17, -1, 3, 47, -1])
+    torch_backend.store_kvcache(key, value, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, 2, 4), v_cache.view(-1, 2, 4)
+    for token, slot in [(0, 17), (2, 3), (3, 47)]:
+        assert torch.equal(flat_k[slot], key[token]) and torch.equal(flat_v[slot], value[token])
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 3  # the padded tokens wrote nothing
+    # A new step's slot_mapping (a new tensor) is never served the previous step's cached plan.
+    torch_backend.store_kvcache(key[:1], value[:1], k_cache, v_cache, torch.tensor([5]))
+    assert torch.equal(flat_k[5], key[0])

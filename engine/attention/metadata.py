@@ -27,6 +27,8 @@ class AttentionMetadata:
     # Host copies, so backends that loop on the host never synchronise with the device.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # False under a CUDA graph, whose host lengths are upper bounds; the device tensors hold the truth.
+    host_lens_exact: bool = True
     # Scratch for a backend to keep what it derives once per step and reuses in every layer.
     backend_cache: dict = field(default_factory=dict, repr=False)
 

@@ -24,10 +24,26 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = padded token
 ) -> None:
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[valid].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+    tokens, slots = _valid_slots(slot_mapping)
+    if tokens is not None:
+        key, value = key[tokens], value[tokens]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+_last_slots: tuple = (None, None, None)
+
+
+def _valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the tokens to write, or None for all; their slots). Every layer of a step passes the same
+    slot_mapping tensor, so this is worked out once per step, not once per layer."""
+    global _last_slots
+    last = _last_slots  # one read: another engine's thread may replace it meanwhile
+    if last[0] is not slot_mapping:
+        valid = slot_mapping >= 0
+        tokens = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+        last = _last_slots = (slot_mapping, tokens, slot_mapping if tokens is None else slot_mapping[tokens])
+    return last[1], last[2]
 
 
 @dataclass
@@ -43,8 +59,9 @@ class _Prefill:
 class _Decode:
     token_idx: torch.Tensor | None  # the rows' query tokens; None when every token is a decode row, in order
     blocks: torch.Tensor  # [S, num_blocks] blocks to read
-    mask: torch.Tensor  # [S, 1, 1, num_blocks * block_size]
-    live: torch.Tensor  # [S, 1, 1]: False for padding rows (seq_len 0), whose output is zero
+    kv_len: int  # KV positions to read from those blocks
+    mask: torch.Tensor | None  # [S, 1, 1, kv_len]; None when every row has kv_len positions
+    live: torch.Tensor | None  # [S, 1, 1]: False for padding rows (seq_len 0), whose output is zero
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -57,14 +74,16 @@ def _decode_plan(meta: AttentionMetadata, rows: list[int], block_size: int, ever
     dev = meta.block_tables.device
     rows_t = None if every_row else torch.tensor(rows, device=dev)
     pick = (lambda t: t) if every_row else (lambda t: t[rows_t])
-    seq_lens = pick(meta.seq_lens).long()
-    # Under a CUDA graph the host lengths are upper bounds; the device tensors hold the truth.
-    num_blocks = min(-(-max(meta.seq_lens_cpu[i] for i in rows) // block_size), meta.block_tables.shape[1])
+    lens = [meta.seq_lens_cpu[i] for i in rows]
+    num_blocks = min(-(-max(lens) // block_size), meta.block_tables.shape[1])
     blocks = pick(meta.block_tables)[:, :num_blocks].clamp(min=0).long()
+    token_idx = None if every_row else meta.query_start_loc[rows_t].long()
+    if meta.host_lens_exact and min(lens) == max(lens) > 0:  # one length (always so at batch 1): no mask, no padding rows
+        return _Decode(token_idx, blocks, lens[0], None, None)
+    seq_lens = pick(meta.seq_lens).long()
     valid = torch.arange(num_blocks * block_size, device=dev)[None, :] < seq_lens[:, None]
     valid[:, 0] = True  # padding rows (seq_len 0) attend to something finite, then get zeroed
-    token_idx = None if every_row else meta.query_start_loc[rows_t].long()
-    return _Decode(token_idx, blocks, valid[:, None, None, :], (seq_lens > 0)[:, None, None])
+    return _Decode(token_idx, blocks, num_blocks * block_size, valid[:, None, None, :], (seq_lens > 0)[:, None, None])
 
 
 def _plan(meta: AttentionMetadata, block_size: int):
@@ -121,7 +140,7 @@ def paged_attention(
 
 
 def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Decode, scale: float) -> torch.Tensor:
-    k = _gather(k_cache, plan.blocks).transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
-    v = _gather(v_cache, plan.blocks).transpose(1, 2).to(query.dtype)
-    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
-    return torch.where(plan.live, o.squeeze(2), 0.0)
+    k = _gather(k_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
+    v = _gather(v_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)
+    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True).squeeze(2)
+    return o if plan.live is None else torch.where(plan.live, o, 0.0)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TPGroup
+from engine.layers.linear import PackableLinear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,10 +38,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on rank 0; None on the other ranks (only rank 0 samples)."""
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         if self.tp.size == 1:
             return logits
         parts = self.tp.gather(logits)

@@ -35,14 +35,12 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(q, k, cos, sin):
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+def apply_rotary(q, k, cos, signed_sin):
+    """transformers' `x * cos + rotate_half(x) * sin`, with rotate_half(x) = cat(-x2, x1) taken as
+    roll(x) = cat(x2, x1) times a sin whose first half is negated: the same products, bit for bit,
+    in two ops fewer."""
+    half = q.shape[-1] // 2
+    return q * cos + q.roll(half, -1) * signed_sin, k * cos + k.roll(half, -1) * signed_sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -53,7 +51,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), _inv_freq(head_dim, params))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
         # One instance serves every layer: look up a step's cos/sin once, not once per layer.
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -62,5 +60,6 @@ class RotaryEmbedding(nn.Module):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
         if positions is not self._positions:
             self._positions = positions
-            self._cos_sin = (self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
+            self._cos_sin = (self.cos_cache[positions].unsqueeze(1).to(q.dtype),
+                             self.signed_sin_cache[positions].unsqueeze(1).to(q.dtype))
         return self.fn(q, k, *self._cos_sin)

@@ -1,0 +1,103 @@
+"""The small fused ops against transformers' own, bit for bit in float32, and the CPU's packed matmuls."""
+import pytest
+import torch
+from torch import nn
+
+from engine.layers import linear as linear_mod
+from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, pack_for_cpu
+from engine.layers.rotary_embedding import RotaryEmbedding
+
+
+def llama_module():
+    # Imported in the test, not at collection: transformers imports triton, which must first see
+    # the TRITON_INTERPRET=1 that tests/test_triton_attention.py sets.
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_transformers_bit_for_bit(dtype):
+    modeling_llama = llama_module()
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(96, 1e-5).to(dtype), modeling_llama.LlamaRMSNorm(96, 1e-5).to(dtype)
+    weight = torch.randn(96).to(dtype)
+    ours.weight.data.copy_(weight)
+    theirs.weight.data.copy_(weight)
+    for rows in (1, 7, 300):
+        x, residual = (torch.randn(rows, 96) * 3).to(dtype), torch.randn(rows, 96).to(dtype)
+        assert torch.equal(ours(x), theirs(x))
+        normed, summed = ours(x, residual)
+        assert torch.equal(summed, x + residual) and torch.equal(normed, theirs(x + residual))
+    heads = torch.randn(5, 4, 96).to(dtype)  # Qwen3's per-head q/k norm
+    assert torch.equal(ours(heads), theirs(heads))
+
+
+def test_rotary_equals_transformers_bit_for_bit():
+    modeling_llama = llama_module()
+    torch.manual_seed(0)
+    head_dim, positions = 64, torch.tensor([0, 1, 2, 5, 100, 511, 7])
+    params = {"rope_theta": 10000.0, "rope_type": "default"}
+    rotary = RotaryEmbedding(head_dim, 512, params)
+    q, k = torch.randn(7, 6, head_dim), torch.randn(7, 2, head_dim)
+    got_q, got_k = rotary(positions, q, k)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    emb = torch.cat([torch.outer(positions.float(), inv_freq)] * 2, dim=-1)
+    # transformers' layout: q [batch, heads, tokens, head_dim], cos [batch, tokens, head_dim]
+    want_q, want_k = modeling_llama.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                         emb.cos()[None], emb.sin()[None])
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+class TinyTied(nn.Module):
+    """Every kind of layer pack_for_cpu handles, with the head sharing the embedding's table."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = VocabParallelEmbedding(50, 16)
+        self.qkv = ColumnParallelLinear.split(16, [24, 8], bias=True)
+        self.out = RowParallelLinear(32, 16, bias=True)
+        self.head = ParallelLMHead(50, 16)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.out(self.qkv(self.embed(ids))))
+
+
+def tiny_tied() -> TinyTied:
+    torch.manual_seed(0)
+    model = TinyTied()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_packed_matmuls_match_plain_ones_and_drop_the_plain_weights():
+    model = tiny_tied()
+    ids = torch.tensor([3, 0, 49, 7])
+    with torch.inference_mode():
+        plain = model(ids)
+        assert pack_for_cpu(model, torch.float32)
+        packed = model(ids)
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
+    assert model.qkv.weight is None and model.out.weight is None  # no second copy of the weights
+    assert model.embed.weight is not None  # the tied table still serves lookups
+    assert model.head.packed_weight is not None
+
+
+def test_without_onednn_support_for_the_dtype_nothing_changes(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(linear_mod.torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    model = tiny_tied()
+    ids = torch.tensor([1, 2])
+    with torch.inference_mode():
+        before = model(ids)
+        assert not pack_for_cpu(model, torch.float32)
+        assert torch.equal(model(ids), before)
+    assert model.qkv.weight is not None and model.qkv.packed_weight is None
