@@ -1,10 +1,14 @@
 """The reference paged attention, in plain PyTorch. Runs on any torch device.
 
-Every other backend is tested against this one, so it favours obviousness over speed. Three
+Every other backend is tested against this one, so it favours obviousness over speed. Four
 concessions: what a step's layers share (which blocks each sequence reads, the masks) is worked
 out once per step; KV is gathered whole blocks at a time (one index per block, not per token);
-and decode rows go through a few batched calls, grouped by length so that short sequences do
-not pay for the longest one's padding.
+decode rows go through a few batched calls, grouped by length so that short sequences do not
+pay for the longest one's padding; and a group whose rows share one length (batch 1 always
+does) runs without a mask.
+
+It reads sequence lengths on the host. Under a CUDA graph those are upper bounds
+(`host_lens_exact` is False), and only the masked path is taken.
 """
 from dataclasses import dataclass
 
