@@ -18,7 +18,7 @@ from engine.distributed import SINGLE, TPGroup
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
-from engine.layers.linear import PackableLinear, pack_for_cpu
+from engine.layers.linear import PackableLinear, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from engine.layers.sampler import Sampler, SamplingBatch
 from engine.loader import checkpoint_numel, load_weights, safetensors_files
@@ -56,9 +56,10 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         max_position = config.max_model_len or hf_config.max_position_embeddings
         torch.manual_seed(config.seed)
+        packs = device.type == "cpu" and can_pack_for_cpu(dtype)
         if device.type == "cpu":
             weights = checkpoint_numel(safetensors_files(model_path)) * dtype.itemsize // tp.size
-            if getattr(hf_config, "tie_word_embeddings", False):  # pack_for_cpu gives the head its own copy
+            if packs and getattr(hf_config, "tie_word_embeddings", False):  # the packed head is a second copy
                 weights += hf_config.vocab_size * hf_config.hidden_size * dtype.itemsize // tp.size
             check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
         with torch.device(device):
@@ -70,7 +71,7 @@ class ModelRunner:
                 torch.set_default_dtype(default_dtype)
         load_weights(self.model, model_path)
         self.model.eval()
-        self.packed_weights = device.type == "cpu" and pack_for_cpu(self.model, dtype)
+        self.packed_weights = packs and pack_for_cpu(self.model, dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, device)
         for layer in self.attention_layers:

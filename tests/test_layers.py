@@ -91,7 +91,7 @@ def test_packed_matmuls_match_plain_ones_and_drop_the_plain_weights():
 
 def test_without_onednn_support_for_the_dtype_nothing_changes(monkeypatch):
     def refuse(*args, **kwargs):
-        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+        raise RuntimeError("mkldnn_reorder_linear_weight: unsupported on this CPU")
 
     monkeypatch.setattr(linear_mod.torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
     model = tiny_tied()
@@ -101,3 +101,17 @@ def test_without_onednn_support_for_the_dtype_nothing_changes(monkeypatch):
         assert not pack_for_cpu(model, torch.float32)
         assert torch.equal(model(ids), before)
     assert model.qkv.weight is not None and model.qkv.packed_weight is None
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_engine_on_cpu_packs_its_weights_and_counts_the_tied_head_copy(tiny_llama):
+    from engine import LLM
+    from engine.loader import checkpoint_numel, safetensors_files
+
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kvcache_blocks=16)
+    assert llm.stats()["matmul"] == "onednn-packed"
+    model = llm.model_runner.model
+    assert model.lm_head.weight is None and model.model.embed_tokens.weight is not None  # tied: lookups keep a table
+    checkpoint = checkpoint_numel(safetensors_files(tiny_llama)) * 4  # the table once: the checkpoint is tied
+    vocab, hidden = model.model.embed_tokens.weight.shape
+    assert llm.parameter_bytes() == [checkpoint + vocab * hidden * 4]

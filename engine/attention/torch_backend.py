@@ -40,7 +40,8 @@ _last_slots: tuple = (None, None, None)
 
 def _valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(the tokens to write, or None for all; their slots). Every layer of a step passes the same
-    slot_mapping tensor, so this is worked out once per step, not once per layer."""
+    slot_mapping tensor, so this is worked out once per step, not once per layer. Each step builds
+    a new slot_mapping; one changed in place would be served the stale answer."""
     global _last_slots
     last = _last_slots  # one read: another engine's thread may replace it meanwhile
     if last[0] is not slot_mapping:

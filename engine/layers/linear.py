@@ -38,9 +38,8 @@ class PackableLinear(nn.Module):
         self.weight = None
 
 
-def pack_for_cpu(model: nn.Module, dtype: torch.dtype) -> bool:
-    """Pack every PackableLinear's weight for oneDNN. False (and nothing changed) where this CPU's
-    oneDNN cannot take `dtype`: bf16 and fp16 need AVX-512 or AVX-NE-CONVERT."""
+def can_pack_for_cpu(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN takes packed `dtype` weights: bf16 and fp16 need AVX-512 or AVX-NE-CONVERT."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -48,6 +47,13 @@ def pack_for_cpu(model: nn.Module, dtype: torch.dtype) -> bool:
         torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), probe, None, "none", [], "")
     except (RuntimeError, AttributeError) as e:  # AttributeError: a torch build without these ops
         log.info("matmuls use F.linear: oneDNN cannot pack %s weights here (%s)", dtype, str(e).splitlines()[0])
+        return False
+    return True
+
+
+def pack_for_cpu(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Pack every PackableLinear's weight for oneDNN. False (and nothing changed) where it cannot."""
+    if not can_pack_for_cpu(dtype):
         return False
     for module in model.modules():
         if isinstance(module, PackableLinear):
