@@ -71,7 +71,9 @@ class ModelRunner:
                 torch.set_default_dtype(default_dtype)
         load_weights(self.model, model_path)
         self.model.eval()
-        self.packed_weights = packs and pack_for_cpu(self.model, dtype)
+        self.packed_weights = packs
+        if packs:
+            pack_for_cpu(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, device)
         for layer in self.attention_layers:

@@ -81,7 +81,8 @@ def test_packed_matmuls_match_plain_ones_and_drop_the_plain_weights():
     ids = torch.tensor([3, 0, 49, 7])
     with torch.inference_mode():
         plain = model(ids)
-        assert pack_for_cpu(model, torch.float32)
+        assert linear_mod.can_pack_for_cpu(torch.float32)
+        pack_for_cpu(model)
         packed = model(ids)
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
     assert model.qkv.weight is None and model.out.weight is None  # no second copy of the weights
@@ -89,18 +90,20 @@ def test_packed_matmuls_match_plain_ones_and_drop_the_plain_weights():
     assert model.head.packed_weight is not None
 
 
-def test_without_onednn_support_for_the_dtype_nothing_changes(monkeypatch):
+def test_without_onednn_support_for_the_dtype_the_engine_keeps_plain_weights(monkeypatch, tiny_llama):
+    from engine import LLM
+
     def refuse(*args, **kwargs):
         raise RuntimeError("mkldnn_reorder_linear_weight: unsupported on this CPU")
 
     monkeypatch.setattr(linear_mod.torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
-    model = tiny_tied()
-    ids = torch.tensor([1, 2])
-    with torch.inference_mode():
-        before = model(ids)
-        assert not pack_for_cpu(model, torch.float32)
-        assert torch.equal(model(ids), before)
-    assert model.qkv.weight is not None and model.qkv.packed_weight is None
+    assert not linear_mod.can_pack_for_cpu(torch.float32)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kvcache_blocks=16)
+    assert llm.stats()["matmul"] == "torch"
+    model = llm.model_runner.model
+    assert model.lm_head.packed_weight is None and model.lm_head.weight is model.model.embed_tokens.weight
+    out = llm.generate([[3, 4, 5]], use_tqdm=False)[0]  # still serves, on F.linear
+    assert len(out["token_ids"]) > 0
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")

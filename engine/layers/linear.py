@@ -51,14 +51,11 @@ def can_pack_for_cpu(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_for_cpu(model: nn.Module, dtype: torch.dtype) -> bool:
-    """Pack every PackableLinear's weight for oneDNN. False (and nothing changed) where it cannot."""
-    if not can_pack_for_cpu(dtype):
-        return False
+def pack_for_cpu(model: nn.Module) -> None:
+    """Pack every PackableLinear's weight for oneDNN; first ask `can_pack_for_cpu` of the model's dtype."""
     for module in model.modules():
         if isinstance(module, PackableLinear):
             module.pack()
-    return True
 
 
 class ColumnParallelLinear(nn.Linear, PackableLinear):
