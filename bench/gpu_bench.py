@@ -98,8 +98,43 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n / sorted(times)[len(times) // 2]
 
 
-def decode_tps(llm, prompt_len: int, new_tokens: int, batch: int) -> float:
-    """Decode tokens/s: (time of prompt + N tokens) - (time of prompt + 1 token), over N - 1 steps."""
+class StepClock:
+    """Times every engine step and counts garbage collections while active, to see where a
+    generate-driven decode's time goes: inside steps, between them, or in collector pauses."""
+
+    def __init__(self, llm):
+        self.llm, self.steps, self.collections = llm, [], 0
+
+    def _on_gc(self, phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            self.collections += 1
+
+    def __enter__(self):
+        step = self.llm.step
+
+        def timed_step():
+            t = time.perf_counter()
+            out = step()
+            self.steps.append(time.perf_counter() - t)
+            return out
+
+        self.llm.step = timed_step
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        del self.llm.step  # back to the class's method
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self, total: float) -> str:
+        steps = sorted(self.steps)
+        return (f"{len(steps)} steps: median {1000 * steps[len(steps) // 2]:.2f} ms, max {1000 * steps[-1]:.1f} ms, "
+                f"in steps {sum(steps):.2f} of {total:.2f} s, {self.collections} full GCs")
+
+
+def decode_tps(llm, prompt_len: int, new_tokens: int, batch: int) -> tuple[float, str]:
+    """Decode tokens/s: (time of prompt + N tokens) - (time of prompt + 1 token), over N - 1 steps;
+    and a note on the step times of the longer run."""
     prompts = [[rand_token() for _ in range(prompt_len)] for _ in range(batch)]
 
     def run(n):
@@ -108,8 +143,10 @@ def decode_tps(llm, prompt_len: int, new_tokens: int, batch: int) -> float:
         return time.perf_counter() - t
 
     run(new_tokens)  # warm-up
-    t_full, t_one = run(new_tokens), run(1)
-    return batch * (new_tokens - 1) / (t_full - t_one)
+    with StepClock(llm) as clock:
+        t_full = run(new_tokens)
+    t_one = run(1)
+    return batch * (new_tokens - 1) / (t_full - t_one), clock.summary(t_full)
 
 
 def hf_decode_tps(model, prompt_len: int, new_tokens: int, batch: int, device: str) -> float:
@@ -158,12 +195,13 @@ def main() -> None:
     # --- batch-1 decode, graphs on, vs roofline and transformers
     llm = LLM(str(folder), **settings)
     row("attention backend", llm.stats()["attention_backend"], f"KV blocks {llm.stats()['num_blocks']}")
-    tps1 = decode_tps(llm, prompt_len, n_new, 1)
+    tps1, steps1 = decode_tps(llm, prompt_len, n_new, 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
     kv_bytes = llm.model_runner.kv_bytes_per_block() / llm.model_runner.block_size * (prompt_len + n_new / 2)
     roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # a step reads weights + KV once; copy bw counts 2 bytes per byte read
     row("batch-1 decode, CUDA graphs", f"{tps1:.0f} tok/s", f"{100 * tps1 / roofline:.0f}% of roofline ({roofline:.0f} tok/s)")
-    tps64 = decode_tps(llm, prompt_len, n_new, 64 if not small else 4)
+    row("batch-1 decode, its steps", "", steps1)
+    tps64, _ = decode_tps(llm, prompt_len, n_new, 64 if not small else 4)
     decode_breakdown(llm, prompt_len, args.json.parent if args.json else None)
 
     # --- TTFT: 2,000-token prompt cold, then with its first 1,900 tokens cached
@@ -194,8 +232,8 @@ def main() -> None:
 
     # --- graphs vs eager
     eager = LLM(str(folder), **settings, enforce_eager=True)
-    e1 = decode_tps(eager, prompt_len, n_new, 1)
-    e64 = decode_tps(eager, prompt_len, n_new, 64 if not small else 4)
+    e1, _ = decode_tps(eager, prompt_len, n_new, 1)
+    e64, _ = decode_tps(eager, prompt_len, n_new, 64 if not small else 4)
     del eager
     release_memory()
     row("batch-1 decode, eager", f"{e1:.0f} tok/s", f"graphs are {tps1 / e1:.2f}x faster")

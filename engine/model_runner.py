@@ -25,6 +25,7 @@ from engine.loader import checkpoint_numel, load_weights, safetensors_files
 from engine.memory import check_host_memory
 from engine.models import model_class
 from engine.scheduler import ScheduledSeq
+from engine.staging import StagingBuffer
 
 log = logging.getLogger("engine")
 
@@ -79,6 +80,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        self.staging = (StagingBuffer(device, torch.int64), StagingBuffer(device, torch.int32))
         # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
         self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
         self.num_blocks = self._allocate_kv_cache()
@@ -209,7 +211,7 @@ class ModelRunner:
         """input_ids, positions, attention inputs and the rows whose logits get sampled, on the host.
 
         Built with numpy (a few microseconds per array, where small torch ops cost tens), then
-        copied to the device once per array by `to_device`."""
+        copied to the device in two transfers (one per dtype) by `to_device`."""
         bs = self.block_size
         num_seqs = len(batch)
         starts = np.fromiter((s.seq.num_computed_tokens for s in batch), np.int64, num_seqs)
@@ -237,21 +239,23 @@ class ModelRunner:
 
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids, positions, attention metadata and logits rows as tensors on this rank's device."""
+        if self.device.type == "cpu":  # int64 arrays become tensors without a copy
+            def dev(a, dtype=torch.int64):
+                return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 
-        def dev(a, dtype=torch.int64):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=False)
-
+            token_ids, positions, slots, logits_index = (dev(a) for a in (step.token_ids, step.positions, step.slot_mapping, step.logits_index))
+            starts, seq_lens, tables = (dev(a, torch.int32) for a in (step.query_start_loc, step.seq_lens, step.block_tables))
+        else:
+            token_ids, positions, slots, logits_index = self.staging[0].upload([step.token_ids, step.positions, step.slot_mapping, step.logits_index])
+            starts, seq_lens, tables = self.staging[1].upload([step.query_start_loc, step.seq_lens, step.block_tables])
         meta = AttentionMetadata(
-            slot_mapping=dev(step.slot_mapping),
-            query_start_loc=dev(step.query_start_loc, torch.int32),
-            seq_lens=dev(step.seq_lens, torch.int32),
-            block_tables=dev(step.block_tables, torch.int32),
+            slot_mapping=slots, query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
             max_query_len=int(step.query_lens.max()),
             max_seq_len=int(step.seq_lens.max()),
             query_lens_cpu=step.query_lens.tolist(),
             seq_lens_cpu=step.seq_lens.tolist(),
         )
-        return dev(step.token_ids), dev(step.positions), meta, dev(step.logits_index)
+        return token_ids, positions, meta, logits_index
 
     def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
         params = [s.seq.sampling_params for s in batch]
@@ -267,16 +271,19 @@ class ModelRunner:
             for row, s in enumerate(batch):
                 if params[row].repetition_penalty != 1.0:
                     seen[row, torch.tensor(s.seq.token_ids, device=dev)] = True
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        all_greedy = all(p.temperature == 0 for p in params)
+        if all_greedy:  # argmax needs none of the sampling columns: copy nothing to the device for them
+            return SamplingBatch(None, None, None, None, penalties, seen, [None] * len(batch), all_greedy=True)
+        top_k = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         return SamplingBatch(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            top_k=column([min(k, self.vocab_size) for k in top_k], torch.int64, self.vocab_size),
+            top_k=column(top_k, torch.int64, self.vocab_size),
             top_p=column([p.top_p for p in params], torch.float32, 1.0),
             min_p=column([p.min_p for p in params], torch.float32, 0.0),
             repetition_penalties=penalties,
             seen_tokens=seen,
             generators=[s.seq.generator for s in batch],
-            all_greedy=all(p.temperature == 0 for p in params),
+            all_greedy=False,
         )
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ from torch import nn
 
 @dataclass
 class SamplingBatch:
-    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    temperatures: torch.Tensor | None  # [B] float32, 0 = greedy; None when all_greedy
     top_k: torch.Tensor | None  # [B] int64, vocab size = off; None when no row uses it
     top_p: torch.Tensor | None  # [B] float32
     min_p: torch.Tensor | None  # [B] float32
