@@ -81,6 +81,18 @@ def decode_breakdown(llm, prompt_len: int, out_dir: Path | None) -> None:
     llm.abort_request(rid)
 
 
+def gemv_rows() -> None:
+    """One row per weight shape: cuBLAS vs the fastest Triton GEMV tile, in microseconds, at 1/2/4 rows."""
+    from engine.layers import gemv
+
+    shapes: dict[tuple, list[str]] = {}
+    for (n, k, dtype, bias, bucket), (cublas_ms, kernel_ms) in sorted(gemv.TIMINGS.items(), key=lambda kv: kv[0][:2] + kv[0][3:]):
+        kernel = f"{kernel_ms * 1000:.1f}" if kernel_ms is not None else "-"
+        shapes.setdefault((n, k), []).append(f"{bucket}: {cublas_ms * 1000:.1f}/{kernel}")
+    for (n, k), cells in shapes.items():
+        row(f"matmul {n}x{k}, cuBLAS/GEMV us", "", ", ".join(cells) + " (rows: us)")
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes per second of a large device-to-device copy, counting bytes read plus written."""
     n = (1 << 30) if device == "cuda" else (1 << 26)
@@ -194,7 +206,8 @@ def main() -> None:
 
     # --- batch-1 decode, graphs on, vs roofline and transformers
     llm = LLM(str(folder), **settings)
-    row("attention backend", llm.stats()["attention_backend"], f"KV blocks {llm.stats()['num_blocks']}")
+    row("attention backend", llm.stats()["attention_backend"], f"KV blocks {llm.stats()['num_blocks']}, matmul {llm.stats()['matmul']}")
+    gemv_rows()
     tps1, steps1 = decode_tps(llm, prompt_len, n_new, 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
     kv_bytes = llm.model_runner.kv_bytes_per_block() / llm.model_runner.block_size * (prompt_len + n_new / 2)

@@ -227,7 +227,7 @@ class LLMEngine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.model_runner.backend.name,
-            "matmul": "onednn-packed" if self.model_runner.packed_weights else "torch",
+            "matmul": self.model_runner.matmul_kind,
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 

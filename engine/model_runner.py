@@ -75,6 +75,7 @@ class ModelRunner:
         self.packed_weights = packs
         if packs:
             pack_for_cpu(self.model)
+        self.gemv_layers = self._choose_gemv()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, device)
         for layer in self.attention_layers:
@@ -91,6 +92,30 @@ class ModelRunner:
                                        -(-self.max_model_len // self.block_size), self.max_model_len)
             with self._compiled_small_ops():
                 self.graphs.capture()
+
+    @property
+    def matmul_kind(self) -> str:
+        """How linear layers multiply: "onednn-packed" (CPU), "torch", or "torch+triton-gemv" when
+        some layers run few-row products with the Triton kernel (engine/layers/gemv.py)."""
+        if self.packed_weights:
+            return "onednn-packed"
+        return "torch+triton-gemv" if any(self.gemv_layers.values()) else "torch"
+
+    @torch.inference_mode()
+    def _choose_gemv(self) -> dict[int, int]:
+        """Measure the Triton few-row matmul against cuBLAS on each weight shape (half precision on
+        CUDA only), before the KV cache takes the memory the timing runs need."""
+        from engine.attention import triton_available
+
+        if self.device.type != "cuda" or self.dtype == torch.float32 or not triton_available():
+            return {}
+        from engine.layers.gemv import choose_gemv
+
+        linears = [m for m in self.model.modules() if isinstance(m, PackableLinear)]
+        used = choose_gemv(linears)
+        log.info("Triton GEMV chosen over cuBLAS for %s of %d linear layers",
+                 ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears))
+        return used
 
     def _max_model_len(self, hf_config) -> int:
         capacity = self.num_blocks * self.block_size

@@ -25,10 +25,18 @@ class PackableLinear(nn.Module):
     """A layer computing x W^T (+ b) whose W may be swapped for oneDNN's packed copy, on the CPU."""
 
     packed_weight: torch.Tensor | None = None
+    # rows -> (BLOCK_N, BLOCK_K) of the Triton kernel, where it measured faster (engine/layers/gemv.py)
+    gemv_tiles: dict[int, tuple[int, int]] = {}
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        if self.gemv_tiles:
+            tile = self.gemv_tiles.get(x.shape[0])
+            if tile is not None:
+                from engine.layers.gemv import gemv  # Triton is imported only where the kernel is chosen
+
+                return gemv(x, self.weight, bias, *tile)
         return F.linear(x, self.weight, bias)
 
     def pack(self) -> None:

@@ -1,0 +1,150 @@
+"""Skinny matmuls (a few rows times a whole weight) as a Triton kernel, used where it beats cuBLAS.
+
+At decode batch sizes a linear layer reads every weight once and does two flops per weight: it
+is bound by memory bandwidth. On an H200, cuBLAS ran the 0.6B model's bf16 projections at one
+row at about 1 TB/s, a quarter of what a plain copy reaches there (bench/RESULTS.md). This kernel
+gives each program a few weight rows, streams them in wide loads along K, and reduces in fp32.
+
+Whether it is faster depends on the GPU, the weight's shape and the row count, so nothing is
+assumed: when a model loads on CUDA, `choose_gemv` times cuBLAS and a few tile shapes of the
+kernel on each distinct weight shape, for 1, 2 and 4 rows, checks the kernel's result, and
+keeps the kernel only where it is clearly faster. Half precision only: float32 keeps cuBLAS,
+whose sums the exact-match tests against transformers rely on.
+"""
+import logging
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+log = logging.getLogger("engine")
+
+ROW_BUCKETS = (1, 2, 4)  # a call with r rows runs the kernel tuned for the smallest bucket >= r
+MAX_TILE_ELEMENTS = 8192  # rows x BLOCK_N x BLOCK_K products held at once: ~64 fp32 registers a thread
+MIN_SPEEDUP = 1.1  # the kernel must beat cuBLAS by this much: timing noise, and eager launches cost more
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along the loads' contiguous axis
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows and all M <= BLOCK_M rows."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # int64: an LM head can exceed 2**31 elements
+    x_rows = x_ptr + m[:, None] * stride_xm
+    n_ok, m_ok = (n < N)[:, None], (m < M)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = (k0 + k)[None, :]
+        if EVEN_K:
+            w = tl.load(w_rows + kk, mask=n_ok, other=0.0)
+            x = tl.load(x_rows + kk, mask=m_ok, other=0.0)
+        else:
+            w = tl.load(w_rows + kk, mask=n_ok & (kk < K), other=0.0)
+            x = tl.load(x_rows + kk, mask=m_ok & (kk < K), other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + m[:, None] * stride_om + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok & (n < N)[None, :])
+
+
+def row_bucket(rows: int) -> int | None:
+    """The smallest bucket that holds `rows`, or None when the kernel is not for this many rows."""
+    return next((b for b in ROW_BUCKETS if rows <= b), None)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x of at most max(ROW_BUCKETS) rows; weight is [N, K], contiguous rows."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    block_m = row_bucket(rows)
+    if block_m is None or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes at most {ROW_BUCKETS[-1]} rows and a [N, {k}] weight with unit-stride rows; "
+                         f"got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out,
+        rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
+
+
+def tile_candidates(bucket: int) -> list[tuple[int, int]]:
+    """(BLOCK_N, BLOCK_K) pairs to try for `bucket` rows: every tile that fits the register budget
+    and still loads at least 4 KiB of bf16 weights per iteration."""
+    return [(bn, bk) for bn in (4, 8, 16) for bk in (256, 512, 1024)
+            if bucket * bn * bk <= MAX_TILE_ELEMENTS and bn * bk >= 2048]
+
+
+def cuda_timer(fn: Callable[[], object]) -> float:
+    """Median milliseconds of `fn` on the GPU, with the L2 cache flushed before each run, as a
+    decode step meets its weights."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
+
+
+# (N, K, dtype, has_bias, bucket) -> (BLOCK_N, BLOCK_K), or None for cuBLAS: one choice per shape per process
+_CHOICES: dict[tuple, tuple[int, int] | None] = {}
+# the same keys -> (cuBLAS ms, the fastest correct tile's ms or None), for benchmarks to report
+TIMINGS: dict[tuple, tuple[float, float | None]] = {}
+
+
+def choose_gemv(modules: list, timer: Callable[[Callable[[], object]], float] | None = None) -> dict[int, int]:
+    """Set each linear module's `gemv_tiles` (rows -> (BLOCK_N, BLOCK_K)) for every row count whose
+    bucket measured faster with the kernel than with cuBLAS, and agreed with it. Modules are
+    PackableLinear layers (`weight`, `bias`). Returns how many modules took the kernel per bucket."""
+    timer = timer or cuda_timer
+    used = {b: 0 for b in ROW_BUCKETS}
+    for module in modules:
+        weight, bias = module.weight, getattr(module, "bias", None)
+        if weight is None or weight.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        tiles = {}
+        for low, bucket in zip((0, *ROW_BUCKETS), ROW_BUCKETS):
+            key = (*weight.shape, weight.dtype, bias is not None, bucket)
+            if key not in _CHOICES:
+                _CHOICES[key] = _measure(weight, bias, bucket, timer)
+            if _CHOICES[key] is not None:
+                tiles.update(dict.fromkeys(range(low + 1, bucket + 1), _CHOICES[key]))
+                used[bucket] += 1
+        module.gemv_tiles = tiles
+    return used
+
+
+def _measure(weight: torch.Tensor, bias: torch.Tensor | None, bucket: int, timer) -> tuple[int, int] | None:
+    """The fastest correct tile for `bucket` rows, if it beats cuBLAS by MIN_SPEEDUP; else None."""
+    gen = torch.Generator(weight.device).manual_seed(0)
+    x = torch.randn(bucket, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+    expected = F.linear(x, weight, bias).float()
+    cublas_ms = timer(lambda: F.linear(x, weight, bias))
+    best, best_ms = None, None
+    for block_n, block_k in tile_candidates(bucket):
+        try:
+            got = gemv(x, weight, bias, block_n, block_k).float()
+        except Exception as e:  # a tile this GPU cannot compile or run: cuBLAS keeps the shape
+            log.debug("gemv tile %dx%d failed on %s: %s", block_n, block_k, tuple(weight.shape), e)
+            continue
+        if not ((got - expected).norm() <= 1e-2 * expected.norm() + 1e-6):
+            log.warning("gemv tile %dx%d disagrees with cuBLAS on %s; not used", block_n, block_k, tuple(weight.shape))
+            continue
+        ms = timer(lambda: gemv(x, weight, bias, block_n, block_k))
+        if best_ms is None or ms < best_ms:
+            best, best_ms = (block_n, block_k), ms
+    TIMINGS[(*weight.shape, weight.dtype, bias is not None, bucket)] = (cublas_ms, best_ms)
+    return best if best_ms is not None and best_ms * MIN_SPEEDUP < cublas_ms else None
