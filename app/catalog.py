@@ -197,13 +197,21 @@ def count_params(*, hidden_size: int, intermediate_size: int, vocab_size: int, n
     return total
 
 
-def estimate_memory(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", num_seqs: int = 1) -> MemoryEstimate:
-    """Memory to serve `num_seqs` sequences of `context_len` tokens at `dtype` (weights and KV cache both)."""
+def estimate_memory(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", num_seqs: int = 1,
+                    on_cpu: bool = False) -> MemoryEstimate:
+    """Memory to serve `num_seqs` sequences of `context_len` tokens at `dtype` (weights and KV cache both).
+
+    `on_cpu`: the engine hands float32 weights to oneDNN in its packed layout there, and a tied output
+    head gets a packed copy of its own, apart from the embedding table (engine/layers/linear.py)."""
     if int(context_len) <= 0:
         raise ValueError(f"context_len must be positive, got {context_len}")
     if int(num_seqs) <= 0:
         raise ValueError(f"num_seqs must be at least 1, got {num_seqs}")
     weights = entry.params * dtype_bytes(dtype, entry)
+    # Only float32 is counted: half-precision packing needs AVX-512 class CPUs, and where it happens
+    # the runtime overhead below covers most of the copy.
+    if on_cpu and entry.tie_word_embeddings and dtype_bytes(dtype, entry) == 4 and entry.vocab_size and entry.hidden_size:
+        weights += entry.vocab_size * entry.hidden_size * 4
     kv = entry.kv_bytes_per_token(dtype) * int(context_len) * int(num_seqs)
     overhead = _OVERHEAD_FIXED + int(_OVERHEAD_WEIGHT_FRACTION * weights)
     name = dtype.lower().removeprefix("torch.") if dtype != "auto" else entry.checkpoint_dtype
@@ -282,11 +290,11 @@ def fit_report(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", d
     """Whether `entry` fits on `device` at this context length, as a sentence with the numbers behind it.
 
     `free_bytes`/`device_name` override the measurement (tests, or a UI that measured already)."""
-    est = estimate_memory(entry, context_len, dtype, num_seqs)
     if free_bytes is None or device_name is None:
         measured_name, measured_free = available_memory(device)
         free_bytes = measured_free if free_bytes is None else free_bytes
         device_name = measured_name if device_name is None else device_name
+    est = estimate_memory(entry, context_len, dtype, num_seqs, on_cpu=device_name.startswith("CPU"))
     free_bytes = int(free_bytes)
     budget = free_bytes * _HEADROOM
 

@@ -121,6 +121,19 @@ def test_fit_report_does_not_fit_suggests_a_context():
     assert "even with a short context" in tiny.message and "16-bit dtype" in tiny.message
 
 
+def test_cpu_float32_counts_the_packed_copy_of_a_tied_head():
+    e = entry_for_repo("Qwen/Qwen3-0.6B")
+    head = e.vocab_size * e.hidden_size * 4
+    assert estimate_memory(e, 4096, "float32", on_cpu=True).weights_bytes == e.params * 4 + head
+    assert estimate_memory(e, 4096, "bfloat16", on_cpu=True).weights_bytes == e.params * 2
+    cpu = fit_report(e, 4096, "float32", free_bytes=64 * GiB, device_name="CPU (64.0 GiB RAM)")
+    gpu = fit_report(e, 4096, "float32", free_bytes=64 * GiB, device_name="NVIDIA Test GPU (80.0 GiB)")
+    assert cpu.estimate.weights_bytes - gpu.estimate.weights_bytes == head
+    untied = entry_for_repo("Qwen/Qwen2.5-0.5B-Instruct")
+    untied.tie_word_embeddings = False
+    assert estimate_memory(untied, 4096, "float32", on_cpu=True).weights_bytes == untied.params * 4
+
+
 def test_fit_report_tight_and_too_long_context():
     e = entry_for_repo("HuggingFaceTB/SmolLM2-135M-Instruct")
     need = estimate_memory(e, 8192).total_bytes
