@@ -188,7 +188,7 @@ class LLMEngine:
             self.scheduler.remove(seq)
             self.requests.pop(seq.request_id, None)
         # Hold back text that may turn out to be the start of a stop string.
-        hold = 0 if reason else max((len(s) - 1 for s in params.stop_list), default=0)
+        hold = max(len(s) for s in params.stop_list) - 1 if params.stop_list and not reason else 0
         upto = max(seq.num_emitted_chars, len(seq.output_text) - hold)
         new_text = seq.output_text[seq.num_emitted_chars : upto]
         seq.num_emitted_chars = upto

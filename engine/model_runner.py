@@ -7,6 +7,7 @@ which `execute` the same step; only rank 0 gets logits and samples.
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -244,10 +245,11 @@ class ModelRunner:
         seq_lens = starts + query_lens
         query_start_loc = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        max_blocks = max(len(s.seq.block_table) for s in batch)
-        tables = np.full((num_seqs, max_blocks), -1, np.int64)
-        for i, s in enumerate(batch):
-            tables[i, : len(s.seq.block_table)] = s.seq.block_table
+        table_lens = np.fromiter((len(s.seq.block_table) for s in batch), np.int64, num_seqs)
+        tables = np.full((num_seqs, int(table_lens.max())), -1, np.int64)
+        # Row-major boolean indexing fills each row's leading entries, in the order chain() lists them.
+        tables[np.arange(tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+            chain.from_iterable(s.seq.block_table for s in batch), np.int64, int(table_lens.sum()))
         if int(query_lens.max()) == 1:  # one token per sequence (a decode, or a one-token prefill chunk)
             token_ids = [s.seq.token_ids[s.seq.num_computed_tokens] for s in batch]
             positions, seq_index = starts, np.arange(num_seqs)

@@ -56,14 +56,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_allocate(seq, n):
+            needed = bm.blocks_needed(seq, n)
+            while needed > bm.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                if bm.blocks_needed(seq, n):
+                if needed:
                     bm.allocate(seq, n)
                 batch.append(ScheduledSeq(seq, n))
                 budget -= n

@@ -15,24 +15,27 @@ class StagingBuffer:
         self.device, self.dtype = device, dtype
         self.pinned = device.type == "cuda"
         self.host = torch.empty(0, dtype=dtype)
-        self.copy_done: torch.cuda.Event | None = None
+        self.copy_done = torch.cuda.Event() if self.pinned else None
+        # Each array starts on a 16-byte boundary: Triton specialises kernels on pointer alignment, and
+        # a view at an odd offset would compile (and later run) a second, slower variant.
+        self.align = max(1, 16 // dtype.itemsize)
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Device copies of `arrays` (any shapes), as views of one transfer."""
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
-        if self.copy_done is not None:
+        starts, total = [], 0
+        for a in arrays:
+            starts.append(total)
+            total += -(-a.size // self.align) * self.align
+        if self.pinned:
             self.copy_done.synchronize()  # the previous step's copy may still be reading the host buffer
         if total > self.host.numel():
             self.host = torch.empty(max(total, 2 * self.host.numel(), 1024), dtype=self.dtype, pin_memory=self.pinned)
         flat = self.host.numpy()
-        offsets = np.cumsum([0, *sizes])
-        for a, start, end in zip(arrays, offsets[:-1], offsets[1:]):
-            flat[start:end] = a.reshape(-1)
+        for a, start in zip(arrays, starts):
+            flat[start : start + a.size] = a.reshape(-1)
         if self.pinned:
             moved = self.host[:total].to(self.device, non_blocking=True)
-            self.copy_done = torch.cuda.Event()
-            self.copy_done.record()
+            self.copy_done.record(torch.cuda.current_stream(self.device))
         else:  # never hand out views of the host buffer: the next step overwrites it
             moved = self.host[:total].to(self.device, copy=True)
-        return [moved[start:end].view(a.shape) for a, start, end in zip(arrays, offsets[:-1], offsets[1:])]
+        return [moved[start : start + a.size].view(a.shape) for a, start in zip(arrays, starts)]

@@ -31,3 +31,12 @@ def test_grows_for_a_bigger_step():
     (got,) = staging.upload([big])
     assert staging.host.numel() >= 5000
     assert torch.equal(got, torch.from_numpy(big))
+
+
+def test_every_view_starts_on_a_16_byte_boundary():
+    """Triton compiles a kernel per pointer alignment: odd offsets would mean extra variants."""
+    for dtype in (torch.int32, torch.int64):
+        staging = StagingBuffer(torch.device("cpu"), dtype)
+        views = staging.upload([np.arange(3), np.arange(5), np.array([1]), np.arange(7).reshape(7, 1)])
+        assert all(v.data_ptr() % 16 == 0 for v in views), dtype
+        assert [v.tolist() for v in views[:3]] == [[0, 1, 2], [0, 1, 2, 3, 4], [1]]

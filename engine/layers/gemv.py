@@ -3,7 +3,8 @@
 At decode batch sizes a linear layer reads every weight once and does two flops per weight: it
 is bound by memory bandwidth. On an H200, cuBLAS ran the 0.6B model's bf16 projections at one
 row at about 1 TB/s, a quarter of what a plain copy reaches there (bench/RESULTS.md). This kernel
-gives each program a few weight rows, streams them in wide loads along K, and reduces in fp32.
+gives each program a few weight rows (few enough that even a 1024-row output spreads over a few
+hundred programs), streams them in wide loads along K, and reduces in fp32 once, at the end.
 
 Whether it is faster depends on the GPU, the weight's shape and the row count, so nothing is
 assumed: when a model loads on CUDA, `choose_gemv` times cuBLAS and a few tile shapes of the
@@ -22,7 +23,7 @@ import triton.language as tl
 log = logging.getLogger("engine")
 
 ROW_BUCKETS = (1, 2, 4)  # a call with r rows runs the kernel tuned for the smallest bucket >= r
-MAX_TILE_ELEMENTS = 8192  # rows x BLOCK_N x BLOCK_K products held at once: ~64 fp32 registers a thread
+MAX_TILE_ELEMENTS = 8192  # rows x BLOCK_N x BLOCK_K fp32 accumulators: 64 registers a thread at 4 warps
 MIN_SPEEDUP = 1.1  # the kernel must beat cuBLAS by this much: timing noise, and eager launches cost more
 
 
@@ -32,31 +33,52 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along the loads' contiguous axis
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # 1 to 4 rows, each with its own accumulator
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows and all M <= BLOCK_M rows."""
+    """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows and the M <= BLOCK_M rows of x.
+
+    Products accumulate elementwise in the layout the weight tile is loaded in, one accumulator
+    per row of x, and are summed across K once, after the loop: the loop body is loads and
+    multiply-adds only, with nothing that makes threads wait on each other."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # int64: an LM head can exceed 2**31 elements
-    x_rows = x_ptr + m[:, None] * stride_xm
-    n_ok, m_ok = (n < N)[:, None], (m < M)[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    n_ok = (n < N)[:, None]
+    # Rows of x past M see K = 0 (they load zeros) and N = 0 (they store nothing).
+    k_end1, k_end2, k_end3 = tl.where(M > 1, K, 0), tl.where(M > 2, K, 0), tl.where(M > 3, K, 0)
+    n_end1, n_end2, n_end3 = tl.where(M > 1, N, 0), tl.where(M > 2, N, 0), tl.where(M > 3, N, 0)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = (k0 + k)[None, :]
+        kk = k0 + k
+        k_ok = kk < K
         if EVEN_K:
-            w = tl.load(w_rows + kk, mask=n_ok, other=0.0)
-            x = tl.load(x_rows + kk, mask=m_ok, other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok, other=0.0).to(tl.float32)
         else:
-            w = tl.load(w_rows + kk, mask=n_ok & (kk < K), other=0.0)
-            x = tl.load(x_rows + kk, mask=m_ok & (kk < K), other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok & k_ok[None, :], other=0.0).to(tl.float32)
+        # BLOCK_M is a constexpr: the accumulators of rows past it compile away.
+        acc0 += w * tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M > 1:
+            acc1 += w * tl.load(x_ptr + stride_xm + kk, mask=kk < k_end1, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M > 2:
+            acc2 += w * tl.load(x_ptr + 2 * stride_xm + kk, mask=kk < k_end2, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M > 3:
+            acc3 += w * tl.load(x_ptr + 3 * stride_xm + kk, mask=kk < k_end3, other=0.0).to(tl.float32)[None, :]
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + m[:, None] * stride_om + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok & (n < N)[None, :])
+        bias = tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + n, (tl.sum(acc0, axis=1) + bias).to(out_ty), mask=n < N)
+    if BLOCK_M > 1:
+        tl.store(out_ptr + stride_om + n, (tl.sum(acc1, axis=1) + bias).to(out_ty), mask=n < n_end1)
+    if BLOCK_M > 2:
+        tl.store(out_ptr + 2 * stride_om + n, (tl.sum(acc2, axis=1) + bias).to(out_ty), mask=n < n_end2)
+    if BLOCK_M > 3:
+        tl.store(out_ptr + 3 * stride_om + n, (tl.sum(acc3, axis=1) + bias).to(out_ty), mask=n < n_end3)
 
 
 def row_bucket(rows: int) -> int | None:
@@ -87,7 +109,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
 def tile_candidates(bucket: int) -> list[tuple[int, int]]:
     """(BLOCK_N, BLOCK_K) pairs to try for `bucket` rows: every tile that fits the register budget
     and still loads at least 4 KiB of bf16 weights per iteration."""
-    return [(bn, bk) for bn in (4, 8, 16) for bk in (256, 512, 1024)
+    return [(bn, bk) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024)
             if bucket * bn * bk <= MAX_TILE_ELEMENTS and bn * bk >= 2048]
 
 
@@ -137,8 +159,11 @@ def _measure(weight: torch.Tensor, bias: torch.Tensor | None, bucket: int, timer
     for block_n, block_k in tile_candidates(bucket):
         try:
             got = gemv(x, weight, bias, block_n, block_k).float()
-        except Exception as e:  # a tile this GPU cannot compile or run: cuBLAS keeps the shape
-            log.debug("gemv tile %dx%d failed on %s: %s", block_n, block_k, tuple(weight.shape), e)
+        except Exception as e:  # a tile this GPU cannot compile or run (out of registers or shared memory)
+            if weight.is_cuda:
+                torch.cuda.synchronize(weight.device)  # but a broken CUDA context must not pass as one
+            log.warning("gemv tile %dx%d failed on %s and is not used: %s", block_n, block_k, tuple(weight.shape),
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
             continue
         if not ((got - expected).norm() <= 1e-2 * expected.norm() + 1e-6):
             log.warning("gemv tile %dx%d disagrees with cuBLAS on %s; not used", block_n, block_k, tuple(weight.shape))
