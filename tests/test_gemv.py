@@ -60,7 +60,7 @@ def test_tiles_fit_the_register_budget():
     for bucket in ROW_BUCKETS:
         tiles = tile_candidates(bucket)
         assert tiles, bucket
-        assert all(bucket * bn * bk <= 8192 for bn, bk in tiles)
+        assert all(bucket * bn * bk <= 8192 and bn * bk >= 2048 for bn, bk in tiles)
 
 
 def test_layer_dispatches_by_row_count():
@@ -145,3 +145,15 @@ def test_choose_never_takes_a_tile_that_disagrees(monkeypatch):
     monkeypatch.setattr(gemv_module, "gemv", lambda x, w, b, bn, bk: real(x, w, b, bn, bk) + 1)
     assert choose_gemv([layer], ScriptedTimer(cublas_ms=1.0, kernel_ms=0.1)) == {1: 0, 2: 0, 4: 0}
     assert layer.gemv_tiles == {}
+
+
+def test_choose_skips_tiles_that_would_leave_sms_idle(monkeypatch):
+    """With 16 programs needed, a 24-row weight only fits BLOCK_N = 2 (12 programs: the narrowest,
+    always kept); wider tiles are neither compiled nor timed."""
+    monkeypatch.setattr(gemv_module, "min_programs", lambda device: 16)
+    (layer,) = half_layers((24, 256))
+    timer = ScriptedTimer(cublas_ms=1.0, kernel_ms=0.5)
+    choose_gemv([layer], timer)
+    narrow = sum(1 + sum(bn == 2 for bn, _ in tile_candidates(b)) for b in ROW_BUCKETS)
+    assert timer.calls == narrow
+    assert all(bn == 2 for bn, _ in layer.gemv_tiles.values())

@@ -28,46 +28,70 @@ MIN_SPEEDUP = 1.1  # the kernel must beat cuBLAS by this much: timing noise, and
 
 
 @triton.jit
+def _load_f32(ptrs, k, k_left, MASKED: tl.constexpr):
+    if MASKED:
+        values = tl.load(ptrs, mask=k < k_left, other=0.0)
+    else:
+        values = tl.load(ptrs)
+    return values.to(tl.float32)
+
+
+@triton.jit
+def _accumulate(acc0, acc1, acc2, acc3, w_ptrs, x_ptrs, x_row1, x_row2, x_row3, k, k_left,
+                MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Add one [BLOCK_N, BLOCK_K] chunk's products to the accumulator of each row of x; a MASKED
+    chunk reads only its first `k_left` columns."""
+    w = _load_f32(w_ptrs, k, k_left, MASKED)
+    acc0 += w * _load_f32(x_ptrs, k, k_left, MASKED)
+    if BLOCK_M > 1:  # a constexpr: the accumulators of rows past BLOCK_M compile away
+        acc1 += w * _load_f32(x_ptrs + x_row1, k, k_left, MASKED)
+    if BLOCK_M > 2:
+        acc2 += w * _load_f32(x_ptrs + x_row2, k, k_left, MASKED)
+    if BLOCK_M > 3:
+        acc3 += w * _load_f32(x_ptrs + x_row3, k, k_left, MASKED)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along the loads' contiguous axis
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: there is no partial last chunk
     BLOCK_M: tl.constexpr,  # 1 to 4 rows, each with its own accumulator
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows and the M <= BLOCK_M rows of x.
 
-    Products accumulate elementwise in the layout the weight tile is loaded in, one accumulator
-    per row of x, and are summed across K once, after the loop: the loop body is loads and
-    multiply-adds only, with nothing that makes threads wait on each other."""
+    Everything in the K loop lives in the weight tile's [BLOCK_N, BLOCK_K] layout: x is loaded
+    broadcast into it (each thread reads the x values its weights meet; the repeats hit the
+    cache), and products accumulate elementwise, one accumulator per row of x, summed across K
+    once after the loop. So the loop body is unmasked loads and multiply-adds, with no layout
+    change and no barrier; only a partial last chunk is masked, apart from the loop (both
+    checked in the sm_90 code Triton generates)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # int64: an LM head can exceed 2**31 elements
-    n_ok = (n < N)[:, None]
-    # Rows of x past M see K = 0 (they load zeros) and N = 0 (they store nothing).
-    k_end1, k_end2, k_end3 = tl.where(M > 1, K, 0), tl.where(M > 2, K, 0), tl.where(M > 3, K, 0)
-    n_end1, n_end2, n_end3 = tl.where(M > 1, N, 0), tl.where(M > 2, N, 0), tl.where(M > 3, N, 0)
+    k = tl.zeros((BLOCK_N, 1), dtype=tl.int32) + tl.arange(0, BLOCK_K)[None, :]
+    # Weight rows past N and x rows past M re-read the last real row (always in bounds), so loads
+    # need no mask; the stores drop them (rows past M store to an N of 0). int64: an LM head can
+    # exceed 2**31 elements.
+    w_ptrs = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn + k
+    x_ptrs = x_ptr + k
+    x_row1 = tl.minimum(1, M - 1) * stride_xm
+    x_row2 = tl.minimum(2, M - 1) * stride_xm
+    x_row3 = tl.minimum(3, M - 1) * stride_xm
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k
-        k_ok = kk < K
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], mask=n_ok, other=0.0).to(tl.float32)
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=n_ok & k_ok[None, :], other=0.0).to(tl.float32)
-        # BLOCK_M is a constexpr: the accumulators of rows past it compile away.
-        acc0 += w * tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        if BLOCK_M > 1:
-            acc1 += w * tl.load(x_ptr + stride_xm + kk, mask=kk < k_end1, other=0.0).to(tl.float32)[None, :]
-        if BLOCK_M > 2:
-            acc2 += w * tl.load(x_ptr + 2 * stride_xm + kk, mask=kk < k_end2, other=0.0).to(tl.float32)[None, :]
-        if BLOCK_M > 3:
-            acc3 += w * tl.load(x_ptr + 3 * stride_xm + kk, mask=kk < k_end3, other=0.0).to(tl.float32)[None, :]
+    whole = K if EVEN_K else K - K % BLOCK_K
+    for k0 in range(0, whole, BLOCK_K):
+        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w_ptrs + k0, x_ptrs + k0, x_row1, x_row2, x_row3,
+                                             k, BLOCK_K, False, BLOCK_M)
+    if not EVEN_K:
+        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w_ptrs + whole, x_ptrs + whole, x_row1, x_row2,
+                                             x_row3, k, K - whole, True, BLOCK_M)
+    n_end1, n_end2, n_end3 = tl.where(M > 1, N, 0), tl.where(M > 2, N, 0), tl.where(M > 3, N, 0)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
@@ -107,10 +131,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
 
 
 def tile_candidates(bucket: int) -> list[tuple[int, int]]:
-    """(BLOCK_N, BLOCK_K) pairs to try for `bucket` rows: every tile that fits the register budget
-    and still loads at least 4 KiB of bf16 weights per iteration."""
-    return [(bn, bk) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024)
+    """(BLOCK_N, BLOCK_K) pairs to try for `bucket` rows, narrowest first: every tile whose
+    accumulators fit the register budget and that loads at least 4 KiB of bf16 weights per step."""
+    return [(bn, bk) for bn in (2, 4, 8) for bk in (512, 1024, 2048)
             if bucket * bn * bk <= MAX_TILE_ELEMENTS and bn * bk >= 2048]
+
+
+def min_programs(device: torch.device) -> int:
+    """Programs a tile must give to keep every SM busy: two per SM on a GPU (none to keep elsewhere)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def cuda_timer(fn: Callable[[], object]) -> float:
@@ -156,7 +185,11 @@ def _measure(weight: torch.Tensor, bias: torch.Tensor | None, bucket: int, timer
     expected = F.linear(x, weight, bias).float()
     cublas_ms = timer(lambda: F.linear(x, weight, bias))
     best, best_ms = None, None
+    # A tile that leaves SMs idle cannot stream at full bandwidth: skip it, but keep the narrowest.
+    enough = min_programs(weight.device)
     for block_n, block_k in tile_candidates(bucket):
+        if triton.cdiv(weight.shape[0], block_n) < enough and block_n > 2:
+            continue
         try:
             got = gemv(x, weight, bias, block_n, block_k).float()
         except Exception as e:  # a tile this GPU cannot compile or run (out of registers or shared memory)
