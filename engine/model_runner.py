@@ -20,7 +20,7 @@ from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.linear import PackableLinear, can_pack_for_cpu, pack_for_cpu
-from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
 from engine.layers.sampler import Sampler, SamplingBatch
 from engine.loader import checkpoint_numel, load_weights, safetensors_files
 from engine.memory import check_host_memory
@@ -134,7 +134,8 @@ class ModelRunner:
         Inside a graph they cost nothing on the host; called eagerly, each compiled call spends
         ~0.25 ms checking guards, more than it saves, so eager steps keep the plain functions."""
         if not _COMPILED:
-            _COMPILED.update({fn: torch.compile(fn, dynamic=True) for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)})
+            _COMPILED.update({fn: torch.compile(fn, dynamic=True)
+                              for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary, norm_and_rotate)})
         swaps = []
         for m in self.model.modules():
             if isinstance(m, RMSNorm):
@@ -142,7 +143,7 @@ class ModelRunner:
             elif isinstance(m, SiluAndMul):
                 swaps.append((m, "fn", silu_and_mul))
             elif isinstance(m, RotaryEmbedding):
-                swaps.append((m, "fn", apply_rotary))
+                swaps += [(m, "fn", apply_rotary), (m, "norm_fn", norm_and_rotate)]
         for module, name, fn in swaps:
             setattr(module, name, _COMPILED[fn])
         try:

@@ -4,6 +4,8 @@ import math
 import torch
 from torch import nn
 
+from engine.layers.layernorm import RMSNorm, rms_norm
+
 
 def rope_parameters(hf_config) -> dict:
     """The rope settings of a HF config, for transformers 5 (`rope_parameters`) and 4 (`rope_theta`, `rope_scaling`)."""
@@ -43,8 +45,16 @@ def apply_rotary(q, k, cos, signed_sin):
     return q * cos + q.roll(half, -1) * signed_sin, k * cos + k.roll(half, -1) * signed_sin
 
 
+def norm_and_rotate(q, k, q_weight, k_weight, q_eps, k_eps, cos, signed_sin):
+    """Qwen3's RMSNorm of each head of q and k, then the rotation: one function, so that in the
+    decode graphs one compiled kernel does what three separate ones did."""
+    return apply_rotary(rms_norm(q, q_weight, q_eps), rms_norm(k, k_weight, k_eps), cos, signed_sin)
+
+
 class RotaryEmbedding(nn.Module):
+    # Plain functions, so one torch.compile of each serves every layer (see ModelRunner).
     fn = staticmethod(apply_rotary)
+    norm_fn = staticmethod(norm_and_rotate)
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -56,10 +66,14 @@ class RotaryEmbedding(nn.Module):
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. With `q_norm` and `k_norm`
+        (Qwen3), each head is normalised first."""
         if positions is not self._positions:
             self._positions = positions
             self._cos_sin = (self.cos_cache[positions].unsqueeze(1).to(q.dtype),
                              self.signed_sin_cache[positions].unsqueeze(1).to(q.dtype))
-        return self.fn(q, k, *self._cos_sin)
+        if q_norm is None:
+            return self.fn(q, k, *self._cos_sin)
+        return self.norm_fn(q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, *self._cos_sin)
