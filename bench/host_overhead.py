@@ -2,9 +2,9 @@
 
     python -m bench.host_overhead [--batch 256] [--repeats 7]
 
-On a GPU this work runs between the graph replays, so it adds to every step. Here the model's
-forward is replaced by zero logits, so what is timed is the Python around it, at a batch of
-running requests. Prints the fastest and the median of `repeats` rounds of 40 steps (the
+On a GPU this work runs between the graph replays, so it adds to every step. Here the model
+runner's `execute` (moving the inputs to the device, the forward, the logits) is replaced by
+zero logits, so what is timed is the Python around it, at a batch of running requests. Prints the fastest and the median of `repeats` rounds of 40 steps (the
 fastest is the least disturbed by other processes), and the garbage collector's pauses.
 """
 import argparse

@@ -5,6 +5,7 @@ cache. Rank 0 builds each step's inputs and sends them to the workers (engine/tp
 which `execute` the same step; only rank 0 gets logits and samples.
 """
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -76,13 +77,14 @@ class ModelRunner:
         self.packed_weights = packs
         if packs:
             pack_for_cpu(self.model)
-        self.gemv_layers = self._choose_gemv()
+        self.gemv_layers_by_rows = self._choose_gemv()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, device)
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
-        self.staging = (StagingBuffer(device, torch.int64), StagingBuffer(device, torch.int32))
+        # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
+        self.staging = None if device.type == "cpu" else (StagingBuffer(device, torch.int64), StagingBuffer(device, torch.int32))
         # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
         self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
         self.num_blocks = self._allocate_kv_cache()
@@ -100,12 +102,13 @@ class ModelRunner:
         some layers run few-row products with the Triton kernel (engine/layers/gemv.py)."""
         if self.packed_weights:
             return "onednn-packed"
-        return "torch+triton-gemv" if any(self.gemv_layers.values()) else "torch"
+        return "torch+triton-gemv" if any(self.gemv_layers_by_rows.values()) else "torch"
 
     @torch.inference_mode()
     def _choose_gemv(self) -> dict[int, int]:
         """Measure the Triton few-row matmul against cuBLAS on each weight shape (half precision on
-        CUDA only), before the KV cache takes the memory the timing runs need."""
+        CUDA only), before the KV cache takes the memory the timing runs need. Returns, per row
+        bucket, how many layers took the kernel."""
         from engine.attention import triton_available
 
         if self.device.type != "cuda" or self.dtype == torch.float32 or not triton_available():
@@ -113,9 +116,10 @@ class ModelRunner:
         from engine.layers.gemv import choose_gemv
 
         linears = [m for m in self.model.modules() if isinstance(m, PackableLinear)]
-        used = choose_gemv(linears)
-        log.info("Triton GEMV chosen over cuBLAS for %s of %d linear layers",
-                 ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears))
+        start = time.perf_counter()
+        used = choose_gemv(linears)  # the first load on a machine also compiles the kernel's variants
+        log.info("Triton GEMV chosen over cuBLAS for %s of %d linear layers (measured in %.1f s)",
+                 ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears), time.perf_counter() - start)
         return used
 
     def _max_model_len(self, hf_config) -> int:
@@ -267,7 +271,7 @@ class ModelRunner:
 
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids, positions, attention metadata and logits rows as tensors on this rank's device."""
-        if self.device.type == "cpu":  # int64 arrays become tensors without a copy
+        if self.staging is None:  # the CPU: int64 arrays become tensors without a copy
             def dev(a, dtype=torch.int64):
                 return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 

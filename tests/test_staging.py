@@ -1,4 +1,7 @@
-"""StagingBuffer: a step's arrays cross to the device as views of one copy, and stay intact."""
+"""StagingBuffer: a step's arrays cross to the device as views of one copy, and stay intact.
+
+The engine uses it only off the CPU; here it runs its plain-copy branch, which checks the packing,
+the shapes and the alignment. tests/gpu checks the pinned, asynchronous branch."""
 import numpy as np
 import torch
 

@@ -114,10 +114,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     """x @ weight.T (+ bias) for x of at most max(ROW_BUCKETS) rows; weight is [N, K], contiguous rows."""
     rows, k = x.shape
     n = weight.shape[0]
-    block_m = row_bucket(rows)
-    if block_m is None or weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv takes at most {ROW_BUCKETS[-1]} rows and a [N, {k}] weight with unit-stride rows; "
-                         f"got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    block_m = row_bucket(rows) if rows >= 1 else None
+    if block_m is None or weight.shape[1] != k or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"gemv takes 1 to {ROW_BUCKETS[-1]} rows and a [N, {k}] weight of the same dtype with "
+                         f"unit-stride rows; got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"gemv's bias must have shape ({n},), got {tuple(bias.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)

@@ -5,13 +5,10 @@ from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    fp32, on_cpu = x.dtype == torch.float32, x.device.type == "cpu"
-    if x.dtype == weight.dtype and ((on_cpu and fp32) or (not on_cpu and not fp32)):
-        # One fused call instead of eight ops. On the CPU in float32 it is bit-identical to the
-        # steps below (tests/test_layers.py). CUDA's fused kernel sums in another order, so there it
-        # serves half precision only (within bf16 rounding of transformers; tests/gpu), and float32
-        # keeps transformers' exact steps, which the GPU's token-for-token tests rely on. Eager
-        # prefill on a GPU launches every op from Python: four norms a layer were 32 of its launches.
+    if x.dtype == weight.dtype and (x.device.type == "cpu") == (x.dtype == torch.float32):
+        # One fused call instead of eight ops: on the CPU in float32 (bit-identical to the steps
+        # below there), and off the CPU in half precision. CUDA's fused kernel sums in another
+        # order, so float32 on a GPU keeps transformers' exact steps for the token-for-token tests.
         return F.rms_norm(x, weight.shape, weight, eps)
     # Same op order as transformers, so half-precision results match it to the last bits we can.
     dtype = x.dtype

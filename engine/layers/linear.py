@@ -26,7 +26,7 @@ class PackableLinear(nn.Module):
 
     packed_weight: torch.Tensor | None = None
     # rows -> (BLOCK_N, BLOCK_K) of the Triton kernel, where it measured faster (engine/layers/gemv.py)
-    gemv_tiles: dict[int, tuple[int, int]] = {}
+    gemv_tiles: dict[int, tuple[int, int]] | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:

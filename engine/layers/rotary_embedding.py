@@ -45,7 +45,8 @@ def apply_rotary(q, k, cos, signed_sin):
     return q * cos + q.roll(half, -1) * signed_sin, k * cos + k.roll(half, -1) * signed_sin
 
 
-def norm_and_rotate(q, k, q_weight, k_weight, q_eps, k_eps, cos, signed_sin):
+def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_eps: float,
+                    k_eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's RMSNorm of each head of q and k, then the rotation: one function, so that in the
     decode graphs one compiled kernel does what three separate ones did."""
     return apply_rotary(rms_norm(q, q_weight, q_eps), rms_norm(k, k_weight, k_eps), cos, signed_sin)
