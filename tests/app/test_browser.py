@@ -148,8 +148,9 @@ def test_keyboard_and_look_header_shift_enter_escape_and_dark_mode(session):
     was_dark = page.evaluate(dark)
     page.get_by_role("button", name="Light / dark").click()
     assert page.evaluate(dark) is not was_dark
-    header = page.locator("#header").inner_text()
-    assert "SmolLM2-135M-Instruct" in header and "CPU" in header  # the model and the device, always in view
+    # The model and the device, always in view (a page shows "Loading <model>…" until its load event fills them in).
+    wait_for_js(page, "() => document.querySelector('#header').innerText.includes('CPU')", timeout=20000)
+    assert "SmolLM2-135M-Instruct" in page.locator("#header").inner_text()
     page.get_by_role("button", name="New chat").click()
     wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
     box = page.locator("#message textarea")
