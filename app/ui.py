@@ -288,7 +288,9 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
     presets = {p.name: p.system_prompt for p in ui.store.presets()}
     with gr.Blocks(title="Pagoda", fill_height=True) as demo:
         with gr.Row(equal_height=True):
-            header = gr.Markdown(ui.header(), elem_id="header")
+            # A callable value: each page fetches the header as it opens, instead of showing the start-up
+            # text ("Loading <model>…") until the timer's first refresh.
+            header = gr.Markdown(ui.header, elem_id="header")
             theme_btn = gr.Button("◐ Light / dark", size="sm", scale=0, min_width=140)
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=250):
