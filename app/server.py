@@ -47,6 +47,9 @@ def serve_openai_api(demo, host, api_key: str | None) -> None:
         if remote is not None:
             raise APIError(503, f"Pagoda's chats are served by the remote server {remote.client.url} right now; "
                                 "send API requests to that server", type="server_error", code="model_not_loaded")
+        if engine is None and host.state.status == "loading":
+            raise APIError(503, f"{host.state.message.rstrip('…')}; try again when it is ready", type="server_error",
+                           code="model_not_loaded")
         return ServedModel(engine, host.label) if engine is not None else None
 
     # Gradio has already built its FastAPI app; routes added now are matched like its own.

@@ -60,3 +60,29 @@ def test_share_with_no_tunnel_says_so_and_keeps_serving_locally_behind_the_login
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_v1_during_a_model_load_says_it_is_loading():
+    """A client that calls /v1 while the app is still loading its model is told so, not sent to the Models tab."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from app.model_host import LoadState, ModelHost
+    from app.server import serve_openai_api
+
+    host = ModelHost()
+    demo = SimpleNamespace(server_app=FastAPI(), local_url="http://127.0.0.1:1/")
+    serve_openai_api(demo, host, api_key=None)
+    client = TestClient(demo.server_app)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    host.state = LoadState("loading", "Loading SmolLM2-135M-Instruct…", "SmolLM2-135M-Instruct")
+    loading = client.post("/v1/chat/completions", json=body)
+    assert loading.status_code == 503
+    assert loading.json()["error"]["message"] == "Loading SmolLM2-135M-Instruct; try again when it is ready"
+
+    host.state = LoadState()  # nothing loaded, nothing loading
+    idle = client.post("/v1/chat/completions", json=body)
+    assert idle.status_code == 503 and "Models tab" in idle.json()["error"]["message"]
