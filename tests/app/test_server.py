@@ -56,7 +56,14 @@ def test_share_with_no_tunnel_says_so_and_keeps_serving_locally_behind_the_login
             urllib.request.urlopen(f"{base}/v1/models", timeout=10)
         assert refused.value.code == 401
         with_key = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
-        assert urllib.request.urlopen(with_key, timeout=10).status == 200
+        deadline = time.time() + 120
+        while True:  # the key is accepted at once; the model may still be loading (503) for a while
+            try:
+                assert urllib.request.urlopen(with_key, timeout=10).status == 200
+                break
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and time.time() < deadline, e
+                time.sleep(0.5)
     finally:
         proc.kill()
         proc.wait(10)
