@@ -138,8 +138,9 @@ def test_staging_buffer_on_cuda():
     assert grown.tolist() == list(range(5000)) and staging.host.is_pinned()
 
 
-@pytest.mark.parametrize("n,k,with_bias", [(4096, 1024, True), (1024, 3072, False), (151936, 1024, False), (40, 64, True),
-                                           (896, 1536, False)])
+# Two shapes reach every compiled variant (with and without bias; K a multiple of BLOCK_K, and whole
+# chunks then a partial one) while keeping first-run compiles few; the engine tests cover the 0.6B shapes.
+@pytest.mark.parametrize("n,k,with_bias", [(4096, 1024, True), (896, 1536, False)])
 def test_gemv_every_tile_matches_cublas_on_gpu(n, k, with_bias):
     from engine.layers.gemv import ROW_BUCKETS, gemv, tile_candidates
 
