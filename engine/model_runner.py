@@ -305,7 +305,8 @@ class ModelRunner:
                     seen[row, torch.tensor(s.seq.token_ids, device=dev)] = True
         all_greedy = all(p.temperature == 0 for p in params)
         if all_greedy:  # argmax needs none of the sampling columns: copy nothing to the device for them
-            return SamplingBatch(None, None, None, None, penalties, seen, [None] * len(batch), all_greedy=True)
+            return SamplingBatch(temperatures=None, top_k=None, top_p=None, min_p=None, repetition_penalties=penalties,
+                                 seen_tokens=seen, generators=[None] * len(batch), all_greedy=True)
         top_k = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         return SamplingBatch(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
