@@ -161,6 +161,13 @@ def decode_tps(llm, prompt_len: int, new_tokens: int, batch: int) -> tuple[float
     return batch * (new_tokens - 1) / (t_full - t_one), clock.summary(t_full)
 
 
+def set_async_scheduling(llm, on: bool) -> None:
+    """Switch the engine's scheduling mode, after reading back any step still in flight."""
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.async_scheduling = on
+
+
 def hf_decode_tps(model, prompt_len: int, new_tokens: int, batch: int, device: str) -> float:
     ids = torch.randint(100, VOCAB[0], (batch, prompt_len), device=device)
 
@@ -206,7 +213,9 @@ def main() -> None:
 
     # --- batch-1 decode, graphs on, vs roofline and transformers
     llm = LLM(str(folder), **settings)
-    row("attention backend", llm.stats()["attention_backend"], f"KV blocks {llm.stats()['num_blocks']}, matmul {llm.stats()['matmul']}")
+    stats = llm.stats()
+    row("attention backend", stats["attention_backend"],
+        f"KV blocks {stats['num_blocks']}, matmul {stats['matmul']}, async scheduling {stats['async_scheduling']}")
     gemv_rows()
     tps1, steps1 = decode_tps(llm, prompt_len, n_new, 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
@@ -214,6 +223,10 @@ def main() -> None:
     roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # a step reads weights + KV once; copy bw counts 2 bytes per byte read
     row("batch-1 decode, CUDA graphs", f"{tps1:.0f} tok/s", f"{100 * tps1 / roofline:.0f}% of roofline ({roofline:.0f} tok/s)")
     row("batch-1 decode, its steps", "", steps1)
+    set_async_scheduling(llm, False)
+    sync1, sync_steps1 = decode_tps(llm, prompt_len, n_new, 1)
+    set_async_scheduling(llm, True)
+    row("batch-1 decode, synchronous scheduling", f"{sync1:.0f} tok/s", f"async is {tps1 / sync1:.2f}x; {sync_steps1}")
     tps64, _ = decode_tps(llm, prompt_len, n_new, 64 if not small else 4)
     decode_breakdown(llm, prompt_len, args.json.parent if args.json else None)
 
@@ -233,13 +246,20 @@ def main() -> None:
     prompts = [[rand_token() for _ in range(random.randint(lo, hi))] for _ in range(n_req)]
     params = [SamplingParams(temperature=0.6, max_tokens=random.randint(lo, hi), ignore_eos=True) for _ in range(n_req)]
     llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
-    sync(device)
-    t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    elapsed = time.perf_counter() - t0
+
+    def throughput() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync(device)
+        return time.perf_counter() - t0
+
+    elapsed = throughput()
     total_out = sum(p.max_tokens for p in params)
     row(f"throughput, {n_req} req, {lo}-{hi} in/out", f"{total_out / elapsed:.0f} tok/s", f"{total_out} output tokens in {elapsed:.1f} s, {llm.stats()['num_preemptions']} preemptions")
+    set_async_scheduling(llm, False)
+    sync_elapsed = throughput()
+    row("throughput, synchronous scheduling", f"{total_out / sync_elapsed:.0f} tok/s", f"async is {sync_elapsed / elapsed:.2f}x")
     del llm
     release_memory()
 

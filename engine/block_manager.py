@@ -1,7 +1,8 @@
 """Paged KV blocks with a hash-chained prefix cache.
 
 A block holds `block_size` consecutive tokens of one sequence's KV. Once a block is full and
-its KV is written, it is registered under a hash that chains the parent block's hash with the
+the step writing its KV is launched (any step that reads it runs after that one on the device),
+it is registered under a hash that chains the parent block's hash with the
 block's token ids, so equal prefixes map to equal hash chains. Registered blocks are immutable
 and can be shared: a sequence only ever writes into its own unregistered tail block.
 
@@ -151,8 +152,10 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_registered_blocks = 0
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` whose KV is now completely written."""
-        num_full = seq.num_computed_tokens // self.block_size
+        """Register the full blocks of `seq` whose KV is computed, or is being written by the last
+        step launched (every step that could read a shared block runs after that one on the
+        device), and whose token ids the host knows (a pending token's block waits for it)."""
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
             return
         bs = self.block_size

@@ -2,6 +2,13 @@
 
 Offline: `LLM(model).generate(prompts, params)`. Online: `add_request`, `step`, `abort_request`,
 with `stats()` and `kv_blocks()` for dashboards. Not thread-safe: one thread drives it.
+
+On a GPU, steps are scheduled asynchronously: `step()` launches the next step before it reads
+back the previous one, so the host's Python (scheduling, inputs, detokenizing, stop checks) runs
+while the device computes instead of between its steps. Each `step()` then returns the outputs
+of the step before. A request that stops on a token (eos, a stop string) has already been given
+one more step, whose token is dropped; a length limit is known in advance and costs nothing.
+
 With `tensor_parallel_size=N > 1`, this process is rank 0 and N-1 worker processes hold the rest
 of the model; `close()` stops them (garbage collection and interpreter exit do too).
 """
@@ -16,7 +23,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.distributed import check_tensor_parallel
 from engine.loader import checkpoint_dtype, pick_device, pick_dtype, resolve_model_path
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -69,6 +76,10 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._request_ids = count()
         self.num_generated_tokens = 0
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.type == "cuda" and config.tensor_parallel_size == 1
+        self._in_flight: LaunchedStep | None = None  # launched, not yet read back (async scheduling)
 
     def _start_tensor_parallel(self, hf_config, path) -> None:
         from engine.tp_workers import WorkerPool
@@ -130,7 +141,8 @@ class LLMEngine:
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        seq = Sequence(self.encode_prompt(prompt), sampling_params, request_id or f"req-{next(self._request_ids)}")
+        seq = Sequence(self.encode_prompt(prompt), sampling_params, request_id or f"req-{next(self._request_ids)}",
+                       self.max_model_len)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         if sampling_params.seed is not None:
@@ -149,23 +161,40 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        sampled = iter(self.model_runner.run(batch))
-        outputs = []
-        for item in batch:
+        launched = self._launch(batch) if batch else None
+        if self.async_scheduling:  # read back the step before, while the device runs this one
+            launched, self._in_flight = self._in_flight, launched
+        return self._finish(launched) if launched else []
+
+    def _launch(self, batch) -> LaunchedStep:
+        launched = self.model_runner.launch(batch)
+        for item in batch:  # what the step will have done, so the next one can be planned now
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
+            seq.num_pending_tokens += item.samples
+            # Blocks this step fills may be shared from now on: every step that could read them runs
+            # after this one on the device. A block whose last token is pending waits for `_finish`.
             self.block_manager.register_full_blocks(seq)
-            if not item.samples:
+        return launched
+
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Take in a launched step's sampled tokens (waiting for them) and advance its requests."""
+        sampled = iter(self.model_runner.collect(launched))
+        outputs = []
+        for item in launched.batch:
+            seq = item.seq
+            token = next(sampled) if item.samples else None
+            if token is None or seq.is_finished:  # it stopped, or was aborted, while this step ran: drop the token
                 continue
-            token = next(sampled)
+            seq.num_pending_tokens -= 1
             seq.token_ids.append(token)
+            if len(seq.token_ids) <= seq.num_computed_tokens:  # it was pending, and a launched step's input
+                self.block_manager.register_full_blocks(seq)  # so a block waiting for it may be complete
             self.num_generated_tokens += 1
             outputs.append(self._advance(seq, token))
         return outputs
@@ -175,7 +204,7 @@ class LLMEngine:
         reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        elif len(seq.token_ids) >= seq.max_len:  # max_tokens, or the context is full
             reason = "length"
         if seq.stream_text or params.stop_list:
             self.detokenizer.update(seq, final=reason is not None)
@@ -228,6 +257,7 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.model_runner.backend.name,
             "matmul": self.model_runner.matmul_kind,
+            "async_scheduling": self.async_scheduling,
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 

@@ -27,6 +27,7 @@ from engine.loader import checkpoint_numel, load_weights, safetensors_files
 from engine.memory import check_host_memory
 from engine.models import model_class
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from engine.staging import StagingBuffer
 
 log = logging.getLogger("engine")
@@ -47,6 +48,18 @@ class StepInputs:
     seq_lens: np.ndarray
     block_tables: np.ndarray
     logits_index: np.ndarray  # the rows whose logits get sampled
+    # Input tokens the previous step sampled and the host has not read yet (asynchronous scheduling):
+    pending_rows: np.ndarray  # their rows in token_ids, filled on the device
+    pending_sources: np.ndarray  # their rows in the previous step's sampled tokens
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device, and where its sampled tokens arrive on the host."""
+
+    batch: list[ScheduledSeq]
+    tokens: torch.Tensor | None  # one per batch item that samples, in order; None if none samples
+    ready: torch.cuda.Event | None  # recorded once `tokens` holds the values; None: they are there now
 
 
 class ModelRunner:
@@ -84,7 +97,16 @@ class ModelRunner:
             layer.backend = self.backend
         self.sampler = Sampler()
         # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
-        self.staging = None if device.type == "cpu" else (StagingBuffer(device, torch.int64), StagingBuffer(device, torch.int32))
+        self.staging = None if device.type == "cpu" else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
+        # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_sampled_seqs: list[Sequence] = []
+        # Sampled tokens come back through two pinned buffers taking turns: one step's are read while the next's arrive.
+        self.readback = self.readback_done = None
+        self.readback_turn = 0
+        if device.type == "cuda":
+            self.readback = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self.readback_done = [torch.cuda.Event() for _ in range(2)]
         # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
         self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
         self.num_blocks = self._allocate_kv_cache()
@@ -242,11 +264,15 @@ class ModelRunner:
         """input_ids, positions, attention inputs and the rows whose logits get sampled, on the host.
 
         Built with numpy (a few microseconds per array, where small torch ops cost tens), then
-        copied to the device in two transfers (one per dtype) by `to_device`."""
+        copied to the device in two transfers (one per dtype) by `to_device`. An input token that
+        the previous step sampled and the host has not read yet (asynchronous scheduling) is a
+        placeholder here, filled on the device from that step's tokens."""
         bs = self.block_size
         num_seqs = len(batch)
         starts = np.fromiter((s.seq.num_computed_tokens for s in batch), np.int64, num_seqs)
         query_lens = np.fromiter((s.num_new_tokens for s in batch), np.int64, num_seqs)
+        known = np.fromiter((len(s.seq.token_ids) for s in batch), np.int64, num_seqs)
+        pending = np.flatnonzero(starts >= known)  # a pending token is a one-token step's only input
         seq_lens = starts + query_lens
         query_start_loc = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
@@ -256,30 +282,48 @@ class ModelRunner:
         tables[np.arange(tables.shape[1]) < table_lens[:, None]] = np.fromiter(
             chain.from_iterable(s.seq.block_table for s in batch), np.int64, int(table_lens.sum()))
         if int(query_lens.max()) == 1:  # one token per sequence (a decode, or a one-token prefill chunk)
-            token_ids = [s.seq.token_ids[s.seq.num_computed_tokens] for s in batch]
-            positions, seq_index = starts, np.arange(num_seqs)
+            if len(pending) == num_seqs:  # steady asynchronous decoding: every input is on the device
+                token_ids = np.zeros(num_seqs, np.int64)
+            else:
+                token_ids = [s.seq.token_ids[p] if p < k else 0 for s, p, k in zip(batch, starts.tolist(), known.tolist())]
+            positions, seq_index, pending_rows = starts, np.arange(num_seqs), pending
         else:
             token_ids = []
             for s, start, n in zip(batch, starts.tolist(), query_lens.tolist()):
-                token_ids += s.seq.token_ids[start : start + n]
+                token_ids += s.seq.token_ids[start : start + n] or [0]  # empty only for a pending token
             seq_index = np.repeat(np.arange(num_seqs), query_lens)
             positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[seq_index]
+            pending_rows = query_start_loc[pending]
         slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
         sample_rows = [i for i, s in enumerate(batch) if s.samples]
         return StepInputs(np.asarray(token_ids, np.int64), positions, slot_mapping, query_start_loc, query_lens,
-                          seq_lens, tables, query_start_loc[1:][sample_rows] - 1)
+                          seq_lens, tables, query_start_loc[1:][sample_rows] - 1, pending_rows,
+                          self._rows_in_last_sampled([batch[i].seq for i in pending]))
+
+    def _rows_in_last_sampled(self, seqs: list[Sequence]) -> np.ndarray:
+        """Where each of `seqs`' pending token sits in the last launched step's sampled tokens."""
+        if not seqs:
+            return np.zeros(0, np.int64)
+        rows = {s.seq_id: row for row, s in enumerate(self.last_sampled_seqs)}
+        missing = [s.request_id for s in seqs if s.seq_id not in rows]
+        if missing:  # the scheduler plans a pending token only as the input right after the step that sampled it
+            raise RuntimeError(f"requests {missing} have a pending token that the last step did not sample")
+        return np.fromiter((rows[s.seq_id] for s in seqs), np.int64, len(seqs))
+
+    def upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        """`arrays` as `dtype` tensors on this rank's device: views of one transfer off the CPU."""
+        if self.staging is None:  # the CPU: arrays of the right dtype become tensors without a copy
+            return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in arrays]
+        return self.staging[dtype].upload(arrays)
 
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids, positions, attention metadata and logits rows as tensors on this rank's device."""
-        if self.staging is None:  # the CPU: int64 arrays become tensors without a copy
-            def dev(a, dtype=torch.int64):
-                return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-
-            token_ids, positions, slots, logits_index = (dev(a) for a in (step.token_ids, step.positions, step.slot_mapping, step.logits_index))
-            starts, seq_lens, tables = (dev(a, torch.int32) for a in (step.query_start_loc, step.seq_lens, step.block_tables))
-        else:
-            token_ids, positions, slots, logits_index = self.staging[0].upload([step.token_ids, step.positions, step.slot_mapping, step.logits_index])
-            starts, seq_lens, tables = self.staging[1].upload([step.query_start_loc, step.seq_lens, step.block_tables])
+        token_ids, positions, slots, logits_index, pending_rows, pending_sources = self.upload(
+            [step.token_ids, step.positions, step.slot_mapping, step.logits_index, step.pending_rows, step.pending_sources],
+            torch.int64)
+        starts, seq_lens, tables = self.upload([step.query_start_loc, step.seq_lens, step.block_tables], torch.int32)
+        if step.pending_rows.size:
+            token_ids[pending_rows] = self.last_sampled[pending_sources]
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
             max_query_len=int(step.query_lens.max()),
@@ -290,38 +334,54 @@ class ModelRunner:
         return token_ids, positions, meta, logits_index
 
     def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
+        """Each row's sampling parameters as device columns, uploaded without waiting for the device
+        (a plain `torch.tensor(..., device="cuda")` would wait for every step in flight)."""
         params = [s.seq.sampling_params for s in batch]
-        dev = self.device
-
-        def column(values, dtype, off):
-            return torch.tensor(values, dtype=dtype, device=dev) if any(v != off for v in values) else None
-
-        penalties = column([p.repetition_penalty for p in params], torch.float32, 1.0)
-        seen = None
-        if penalties is not None:
-            seen = torch.zeros(len(batch), self.vocab_size, dtype=torch.bool, device=dev)
-            for row, s in enumerate(batch):
-                if params[row].repetition_penalty != 1.0:
-                    seen[row, torch.tensor(s.seq.token_ids, device=dev)] = True
+        vocab = self.vocab_size
         all_greedy = all(p.temperature == 0 for p in params)
-        if all_greedy:  # argmax needs none of the sampling columns: copy nothing to the device for them
-            return SamplingBatch(temperatures=None, top_k=None, top_p=None, min_p=None, repetition_penalties=penalties,
-                                 seen_tokens=seen, generators=[None] * len(batch), all_greedy=True)
-        top_k = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
+        floats: dict[str, np.ndarray] = {}  # only the columns some row uses
+        if any(p.repetition_penalty != 1.0 for p in params):
+            floats["repetition_penalties"] = np.array([p.repetition_penalty for p in params], np.float32)
+        if not all_greedy:
+            floats["temperatures"] = np.array([p.temperature for p in params], np.float32)
+            if any(p.top_p != 1.0 for p in params):
+                floats["top_p"] = np.array([p.top_p for p in params], np.float32)
+            if any(p.min_p != 0.0 for p in params):
+                floats["min_p"] = np.array([p.min_p for p in params], np.float32)
+        ints: dict[str, np.ndarray] = {}
+        if not all_greedy and any(0 < p.top_k < vocab for p in params):
+            ints["top_k"] = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params], np.int64)
+        if "repetition_penalties" in floats:  # the tokens each penalised row has seen, as (row, token) pairs
+            seqs = [s.seq if p.repetition_penalty != 1.0 else None for s, p in zip(batch, params)]
+            counts = [len(s.token_ids) if s else 0 for s in seqs]
+            ints["seen_rows"] = np.repeat(np.arange(len(batch)), counts)
+            ints["seen_ids"] = np.fromiter(chain.from_iterable(s.token_ids for s in seqs if s), np.int64, sum(counts))
+            pending = [row for row, s in enumerate(seqs) if s and s.num_pending_tokens]  # its input, still on the device
+            ints["pending_rows"] = np.array(pending, np.int64)
+            ints["pending_sources"] = self._rows_in_last_sampled([seqs[row] for row in pending])
+        f = dict(zip(floats, self.upload(list(floats.values()), torch.float32)))
+        i = dict(zip(ints, self.upload(list(ints.values()), torch.int64)))
+        seen = None
+        if "repetition_penalties" in f:
+            seen = torch.zeros(len(batch), vocab, dtype=torch.bool, device=self.device)
+            seen[i["seen_rows"], i["seen_ids"]] = True
+            if ints["pending_rows"].size:
+                seen[i["pending_rows"], self.last_sampled[i["pending_sources"]]] = True
         return SamplingBatch(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            top_k=column(top_k, torch.int64, self.vocab_size),
-            top_p=column([p.top_p for p in params], torch.float32, 1.0),
-            min_p=column([p.min_p for p in params], torch.float32, 0.0),
-            repetition_penalties=penalties,
+            temperatures=f.get("temperatures"),
+            top_k=i.get("top_k"),
+            top_p=f.get("top_p"),
+            min_p=f.get("min_p"),
+            repetition_penalties=f.get("repetition_penalties"),
             seen_tokens=seen,
             generators=[s.seq.generator for s in batch],
-            all_greedy=False,
+            all_greedy=all_greedy,
         )
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> list[int]:
-        """Run one step. Returns the sampled token of each sequence whose chunk reached its end."""
+    def launch(self, batch: list[ScheduledSeq]) -> LaunchedStep:
+        """Enqueue one step: the forward, the sampling, and the copy of the sampled tokens to the
+        host. On a GPU this returns while the device works; `collect` waits for the tokens."""
         step = self.prepare(batch)
         if self.workers is None:
             logits = self.execute(step)
@@ -330,9 +390,30 @@ class ModelRunner:
                 self.workers.send_step(step)
                 logits = self.execute(step)
         if logits is None:
+            return LaunchedStep(batch, None, None)
+        sampling = [s for s in batch if s.samples]
+        tokens = self.sampler(logits, self.prepare_sampling(sampling))
+        self.last_sampled, self.last_sampled_seqs = tokens, [s.seq for s in sampling]
+        if self.readback is None:  # the CPU: the tokens are computed already
+            return LaunchedStep(batch, tokens, None)
+        turn, self.readback_turn = self.readback_turn, 1 - self.readback_turn
+        host = self.readback[turn][: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        self.readback_done[turn].record()
+        return LaunchedStep(batch, host, self.readback_done[turn])
+
+    def collect(self, launched: LaunchedStep) -> list[int]:
+        """The token sampled for each item of the launched step that samples; waits for the device.
+        Collect each step before launching the one after next: they share two host buffers."""
+        if launched.tokens is None:
             return []
-        sampling = self.prepare_sampling([s for s in batch if s.samples])
-        return self.sampler(logits, sampling).tolist()
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.tokens.tolist()
+
+    def run(self, batch: list[ScheduledSeq]) -> list[int]:
+        """Run one step and wait for it: the sampled token of each sequence whose chunk reached its end."""
+        return self.collect(self.launch(batch))
 
     def execute(self, step: StepInputs) -> torch.Tensor | None:
         """This rank's forward pass of one step: the logits to sample on rank 0, else None.

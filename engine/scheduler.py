@@ -5,6 +5,12 @@ come first, oldest first: a decode costs one token, an unfinished prefill takes 
 leaves. Then waiting requests are admitted first come, first served, starting on their cached
 prefix. When KV blocks run out, the newest running request is preempted: its blocks are freed
 and it goes back to the front of the queue, to be recomputed later. Nothing is ever dropped.
+
+With asynchronous scheduling a step is planned while the previous one still runs, so some
+sampled tokens are pending (see `Sequence`). A pending token is planned as the next step's
+input; a request whose pending tokens reach its length limit gets no further step; and a
+preempted request is readmitted only once its pending token has been read back, because a
+prefill's inputs come from the host.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,6 +61,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if len(seq) >= seq.max_len:  # its last token is pending: it finishes once that is read back
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             needed = bm.blocks_needed(seq, n)
             while needed > bm.num_free_blocks:
@@ -73,6 +82,8 @@ class Scheduler:
         # Admitting new work right after a preemption would only preempt again.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted with a token in flight; the prefill needs its value
+                break
             cached = bm.find_cached_prefix(seq)
             n = min(len(seq) - len(cached) * bm.block_size, budget)
             if not bm.can_admit(seq, cached, n):

@@ -12,11 +12,16 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request. Its KV history is `token_ids[:num_computed_tokens]`."""
+    """One request. Its KV history is `token_ids[:num_computed_tokens]`.
+
+    With asynchronous scheduling the host learns a sampled token one step late: until then it is
+    *pending*, counted in `len(seq)` (so the scheduler can plan the next step around it) but not
+    yet in `token_ids`. Every pending token is the input of the sequence's next step."""
 
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
+                 max_model_len: int | None = None):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids = list(token_ids)
@@ -24,7 +29,12 @@ class Sequence:
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_pending_tokens = 0  # sampled on the device, not yet read back by the host
+        # The length at which the request finishes for "length": its token limit, or the context's.
+        self.max_len = len(token_ids) + sampling_params.max_tokens
+        if max_model_len is not None:
+            self.max_len = min(self.max_len, max_model_len)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being written by a step in flight)
         self.num_cached_tokens = 0  # of those, how many the prefix cache served at admission
         self.num_registered_blocks = 0  # leading full blocks whose hash is registered
         self.finish_reason: str | None = None
@@ -35,10 +45,11 @@ class Sequence:
         self.stream_text = True  # detokenize every step; off when only the final text is wanted
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens the host has read (pending ones not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -51,4 +62,4 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens

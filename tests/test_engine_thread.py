@@ -21,13 +21,13 @@ def test_concurrent_streams_are_batched_and_match_offline_generate(front, tiny_l
     expected = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64).generate(PROMPTS, params, use_tqdm=False)
     results, batch_sizes = {}, []
     runner = front.engine.model_runner
-    run = runner.run
+    launch = runner.launch
 
-    def recording_run(batch):  # what each step really batched; sampling stats() from callers races the engine
+    def recording_launch(batch):  # what each step really batched; sampling stats() from callers races the engine
         batch_sizes.append(len(batch))
-        return run(batch)
+        return launch(batch)
 
-    runner.run = recording_run
+    runner.launch = recording_launch
     streams = [front.submit(p, params) for p in PROMPTS]  # four callers arriving together
 
     def chat(i):

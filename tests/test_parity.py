@@ -1,6 +1,6 @@
 """The engine against transformers, in float32, for every supported family.
 
-The engine's logits are captured by wrapping the model runner's `run` (which requests sample
+The engine's logits are captured by wrapping the model runner's `launch` (which requests sample
 this step) and the model's `compute_logits` (their logits), so the comparison covers the real
 paged path: prefill, decode, mixed prefill/decode batches and chunked prefill.
 """
@@ -18,12 +18,12 @@ class LogitRecorder:
     def __init__(self, llm, monkeypatch):
         runner = llm.model_runner
         self.records: list[tuple[list[str], torch.Tensor]] = []
-        orig_run, orig_logits = runner.run, runner.model.compute_logits
+        orig_launch, orig_logits = runner.launch, runner.model.compute_logits
         current: list[str] = []
 
-        def run(batch):
+        def launch(batch):
             current[:] = [item.seq.request_id for item in batch if item.samples]
-            return orig_run(batch)
+            return orig_launch(batch)
 
         def compute_logits(hidden):
             logits = orig_logits(hidden)
@@ -31,7 +31,7 @@ class LogitRecorder:
             self.records.append((list(current), logits.detach().float().clone()))
             return logits
 
-        monkeypatch.setattr(runner, "run", run)
+        monkeypatch.setattr(runner, "launch", launch)
         monkeypatch.setattr(runner.model, "compute_logits", compute_logits)
 
     def per_request(self) -> dict[str, torch.Tensor]:

@@ -52,6 +52,53 @@ def test_prefix_cache_and_chunked_prefill_on_triton(tiny_llama):
     assert outs[True] == outs[False]
 
 
+ASYNC_MIX = [
+    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=3, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=4, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=30),  # may stop at eos, one step late under async scheduling
+]
+
+
+def test_async_scheduling_gives_the_synchronous_outputs(tiny_qwen2):
+    """Pinned read-back, staged sampling columns and inputs taken from the previous step's samples,
+    under preemption (a small cache) and chunked prefill, on graphs and eagerly."""
+    prompts = [PROMPTS[i % 4] + [7 + i] * (i + 1) for i in range(8)]
+    params = [ASYNC_MIX[i % 4] for i in range(8)]
+    for eager in (False, True):
+        outs = {}
+        for mode in (False, True):
+            llm = LLM(str(tiny_qwen2), device="cuda", dtype="float32", enforce_eager=eager, num_kvcache_blocks=24,
+                      max_num_seqs=8, max_num_batched_tokens=40, async_scheduling=mode)
+            outs[mode] = [(o["token_ids"], o["finish_reason"]) for o in llm.generate(prompts, params, use_tqdm=False)]
+            if mode:
+                assert llm.stats()["num_preemptions"] > 0 and llm.stats()["async_scheduling"]
+            del llm
+        assert outs[True] == outs[False], f"enforce_eager={eager}"
+
+
+def test_async_step_returns_while_the_device_still_works(tiny_qwen2):
+    """No hidden wait for the device in launching a step (inputs, sampling columns, read-back):
+    with each forward preceded by a long GPU sleep, step() still returns before the device is idle."""
+    llm = LLM(str(tiny_qwen2), device="cuda", dtype="float32", num_kvcache_blocks=64, max_num_seqs=8)
+    assert llm.stats()["async_scheduling"]  # the default on CUDA
+    for i, p in enumerate(ASYNC_MIX[:3]):  # none stops early
+        llm.add_request(PROMPTS[i], p)
+    for _ in range(4):
+        llm.step()
+    execute = llm.model_runner.execute
+
+    def slow_execute(step):
+        torch.cuda._sleep(2 * 10**8)  # ~0.1 s of GPU time ahead of the forward
+        return execute(step)
+
+    llm.model_runner.execute = slow_execute
+    for _ in range(3):
+        outs = llm.step()
+        assert not torch.cuda.current_stream().query(), "step() waited for the step it launched"
+        assert len(outs) == 3  # the previous step's tokens, one per request
+
+
 def random_case(num_seqs, q_lens, kv_lens, heads, kv_heads, dim, block_size, dtype):
     num_blocks = sum(-(-k // block_size) for k in kv_lens) + 7
     order = torch.randperm(num_blocks).tolist()
@@ -127,15 +174,29 @@ def test_staging_buffer_on_cuda():
 
     from engine.staging import StagingBuffer
 
-    staging = StagingBuffer(torch.device("cuda"), torch.int64)
+    staging = StagingBuffer(torch.device("cuda"), torch.int64, num_buffers=1)
     torch.cuda._sleep(10**8)  # keep the stream busy, so the first copy is still queued when the second upload comes
     first = staging.upload([np.arange(5), np.arange(6).reshape(2, 3)])
     second = staging.upload([np.full(5, 9), np.full((2, 3), 9)])  # must wait before reusing the pinned buffer
-    assert staging.host.is_pinned() and first[0].is_cuda
+    assert all(h.is_pinned() for h in staging.hosts if h.numel()) and first[0].is_cuda
     assert first[0].tolist() == list(range(5)) and first[1].tolist() == [[0, 1, 2], [3, 4, 5]]
     assert second[1].tolist() == [[9] * 3] * 2
     (grown,) = staging.upload([np.arange(5000)])  # a bigger step: a new, bigger pinned buffer
-    assert grown.tolist() == list(range(5000)) and staging.host.is_pinned()
+    assert grown.tolist() == list(range(5000)) and all(h.is_pinned() for h in staging.hosts if h.numel())
+
+
+def test_staging_uploads_do_not_wait_for_a_busy_stream():
+    """With buffers taking turns, the next step's uploads go out while the device still runs this one."""
+    import numpy as np
+
+    from engine.staging import StagingBuffer
+
+    staging = StagingBuffer(torch.device("cuda"), torch.int64)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(10**9)  # a long "step" on the stream
+    uploads = [staging.upload([np.full(3, i)]) for i in range(3)]
+    assert not torch.cuda.current_stream().query(), "an upload waited for the busy stream"
+    assert [u[0].tolist() for u in uploads] == [[0] * 3, [1] * 3, [2] * 3]
 
 
 # Two shapes reach every compiled variant (with and without bias; K a multiple of BLOCK_K, and whole
