@@ -22,8 +22,9 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1  # split the model across this many GPUs (on CPU: processes, for tests)
     attention_backend: str = "auto"
-    # Plan and launch each step while the device still runs the one before; default: on CUDA
-    # without tensor parallelism (on a CPU nothing overlaps, so it would only add a step of lag).
+    # Plan and launch each step while the device still runs the one before. Default: on CUDA with
+    # one GPU and a kernel backend (on a CPU, or with the torch backend, which reads lengths on the
+    # host every layer, nothing overlaps, so it would only add a step of lag).
     async_scheduling: bool | None = None
     seed: int = 0
 
@@ -44,11 +45,11 @@ class EngineConfig:
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
         check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
-        check(not (self.async_scheduling and self.tensor_parallel_size > 1),
-              "async_scheduling does not work with tensor_parallel_size > 1; turn one of them off")
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be a whole number >= 1 (the number of GPUs to split the model across), "
               f"got {self.tensor_parallel_size!r}")
+        check(not (self.async_scheduling and self.tensor_parallel_size > 1),
+              "async_scheduling does not work with tensor_parallel_size > 1; turn one of them off")
 
     @classmethod
     def from_kwargs(cls, model: str, **settings) -> "EngineConfig":

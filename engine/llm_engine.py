@@ -78,7 +78,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
-            self.async_scheduling = self.device.type == "cuda" and config.tensor_parallel_size == 1
+            self.async_scheduling = (self.device.type == "cuda" and config.tensor_parallel_size == 1
+                                     and self.model_runner.backend.name != "torch")
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back (async scheduling)
 
     def _start_tensor_parallel(self, hf_config, path) -> None:

@@ -101,6 +101,9 @@ class ModelRunner:
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_seqs: list[Sequence] = []
+        # Values assigned through tensor indices must already be on the device: a Python scalar is
+        # staged through a blocking copy that waits for every step in flight.
+        self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
         # Sampled tokens come back through two pinned buffers taking turns: one step's are read while the next's arrive.
         self.readback = self.readback_done = None
         self.readback_turn = 0
@@ -364,9 +367,9 @@ class ModelRunner:
         seen = None
         if "repetition_penalties" in f:
             seen = torch.zeros(len(batch), vocab, dtype=torch.bool, device=self.device)
-            seen[i["seen_rows"], i["seen_ids"]] = True
+            seen.index_put_((i["seen_rows"], i["seen_ids"]), self.true_on_device)
             if ints["pending_rows"].size:
-                seen[i["pending_rows"], self.last_sampled[i["pending_sources"]]] = True
+                seen.index_put_((i["pending_rows"], self.last_sampled[i["pending_sources"]]), self.true_on_device)
         return SamplingBatch(
             temperatures=f.get("temperatures"),
             top_k=i.get("top_k"),
@@ -399,7 +402,7 @@ class ModelRunner:
         turn, self.readback_turn = self.readback_turn, 1 - self.readback_turn
         host = self.readback[turn][: len(tokens)]
         host.copy_(tokens, non_blocking=True)
-        self.readback_done[turn].record()
+        self.readback_done[turn].record(torch.cuda.current_stream(self.device))
         return LaunchedStep(batch, host, self.readback_done[turn])
 
     def collect(self, launched: LaunchedStep) -> list[int]:

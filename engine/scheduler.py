@@ -82,7 +82,9 @@ class Scheduler:
         # Admitting new work right after a preemption would only preempt again.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_pending_tokens:  # preempted with a token in flight; the prefill needs its value
+            # Preempted with a token in flight: its prefill needs that token's value. (Today a step that
+            # preempts admits nothing anyway, and the token is read back before the next one.)
+            if seq.num_pending_tokens:
                 break
             cached = bm.find_cached_prefix(seq)
             n = min(len(seq) - len(cached) * bm.block_size, budget)

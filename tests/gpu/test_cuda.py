@@ -77,11 +77,29 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_qwen2):
         assert outs[True] == outs[False], f"enforce_eager={eager}"
 
 
-def test_async_step_returns_while_the_device_still_works(tiny_qwen2):
-    """No hidden wait for the device in launching a step (inputs, sampling columns, read-back):
-    with each forward preceded by a long GPU sleep, step() still returns before the device is idle."""
+def test_async_steps_never_wait_for_the_device(tiny_qwen2):
+    """No hidden synchronisation in a step (inputs, sampling columns, penalty masks, read-back):
+    CUDA's sync debug mode turns any blocking copy or stream wait into an error, from the first
+    prefill to the end, with requests added and aborted on the way. Then, with each forward
+    preceded by a long GPU sleep, step() must return while the device is still busy."""
     llm = LLM(str(tiny_qwen2), device="cuda", dtype="float32", num_kvcache_blocks=64, max_num_seqs=8)
     assert llm.stats()["async_scheduling"]  # the default on CUDA
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i, p in enumerate(ASYNC_MIX):
+            llm.add_request(PROMPTS[i], p, request_id=f"r{i}")
+        for step in range(40):
+            llm.step()
+            if step == 5:
+                llm.add_request(PROMPTS[0] + [9, 9], ASYNC_MIX[1])
+            if step == 8:
+                llm.abort_request("r0")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while llm.has_unfinished_requests():
+        llm.step()
+
     for i, p in enumerate(ASYNC_MIX[:3]):  # none stops early
         llm.add_request(PROMPTS[i], p)
     for _ in range(4):
