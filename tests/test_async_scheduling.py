@@ -187,3 +187,67 @@ def test_scheduler_plans_around_pending_tokens():
     long.token_ids.append(9)  # the token is read back
     long.num_pending_tokens = 0
     assert [(x.seq, x.num_new_tokens) for x in sched.schedule()] == [(long, 4)]
+
+
+def check_invariants(llm) -> None:
+    """Ref counts equal the running requests' uses; a registered block holds its request's real
+    tokens; the hash index points at blocks holding those hashes; at most one token is pending."""
+    bm, bs = llm.block_manager, llm.block_manager.block_size
+    uses: dict[int, int] = {}
+    for seq in llm.scheduler.running:
+        for block_id in seq.block_table:
+            uses[block_id] = uses.get(block_id, 0) + 1
+        assert seq.num_registered_blocks * bs <= len(seq.token_ids)
+        for i in range(seq.num_registered_blocks):
+            block = bm.blocks[seq.block_table[i]]
+            if block.hash is not None:
+                assert block.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        assert seq.num_pending_tokens in (0, 1)
+    assert all(b.ref_count == uses.get(b.block_id, 0) for b in bm.blocks)
+    assert all(bm.blocks[block_id].hash == h for h, block_id in bm.hash_to_block_id.items())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("trial", range(3))
+def test_random_online_traffic_keeps_the_cache_consistent(tiny_qwen2, async_scheduling, trial):
+    """Requests arrive and are aborted at random steps; many prompts continue earlier answers (prefix
+    hits), the cache is small (preemption) and the budget tight (chunked prefill). The invariants
+    hold after every step, and every answer equals the same prompt run alone."""
+    import random
+
+    rng = random.Random(100 + trial)
+    alone = LLM(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=200, kvcache_block_size=4, enable_prefix_caching=False)
+    llm = LLM(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=rng.choice([18, 22, 30]), kvcache_block_size=4,
+              max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=rng.choice([2, 4, 8]),
+              async_scheduling=async_scheduling)
+    base = [rng.randrange(3, 320) for _ in range(rng.randint(4, 20))]
+    conversations, live, done = [], {}, {}
+
+    def take(outputs):
+        for out in outputs:
+            assert out.request_id in live, f"output for {out.request_id}, which is finished or aborted"
+            live[out.request_id][2].extend(out.new_token_ids)
+            if out.finished:
+                prompt, params, tokens = live.pop(out.request_id)
+                assert tokens == out.token_ids
+                done[out.request_id] = (prompt, params, tokens)
+                conversations.append(prompt + tokens)
+
+    for _ in range(60):
+        if rng.random() < 0.45:
+            start = rng.choice(conversations) if conversations and rng.random() < 0.6 else base
+            prompt = (start + [rng.randrange(3, 320) for _ in range(rng.randint(0, 6))])[:60]
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
+            live[llm.add_request(prompt, params)] = (prompt, params, [])
+        if live and rng.random() < 0.08:
+            aborted = rng.choice(list(live))
+            llm.abort_request(aborted)
+            live.pop(aborted)
+        take(llm.step())
+        check_invariants(llm)
+    while llm.has_unfinished_requests():
+        take(llm.step())
+        check_invariants(llm)
+    assert not live and len(done) >= 5
+    for prompt, params, tokens in done.values():
+        assert tokens == alone.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
