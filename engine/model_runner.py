@@ -92,7 +92,7 @@ class ModelRunner:
             pack_for_cpu(self.model)
         self.gemv_layers_by_rows = self._choose_gemv()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = select_backend(config.attention_backend, device)
+        self.backend = select_backend(config.attention_backend, device, dtype, self.block_size)
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()

@@ -1,10 +1,14 @@
-"""Attention backends. `torch` is the reference; `triton` is the fast path on CUDA."""
+"""Attention backends. `torch` is the reference; on CUDA, Triton kernels, or flash-attn's where it applies."""
+import functools
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+
+FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn 2's paged kernels read pages of a multiple of 256 tokens
 
 
 @dataclass(frozen=True)
@@ -14,19 +18,51 @@ class AttentionBackend:
     paged_attention: Callable
 
 
-def triton_available() -> bool:
+@functools.cache
+def importable(package: str) -> bool:
+    """Whether `package` imports (a flash-attn built for another torch fails here, not mid-step)."""
     try:
-        import triton  # noqa: F401
+        importlib.import_module(package)
     except ImportError:
         return False
     return True
 
 
-def select_backend(requested: str, device: torch.device) -> AttentionBackend:
-    """`auto` takes Triton kernels on CUDA when Triton is installed, else the torch reference."""
+def triton_available() -> bool:
+    return importable("triton")
+
+
+def flash_attn_available() -> bool:
+    return importable("flash_attn")
+
+
+def flash_attn_unusable(device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
+    """Why flash-attn's kernels cannot serve this engine, or None when they can."""
+    if not flash_attn_available():
+        return "it needs the flash-attn package (pip install flash-attn)"
+    if device.type != "cuda":
+        return "it runs on CUDA devices"
+    if not triton_available():
+        return "its KV writes use the Triton kernel, and triton is not installed"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if block_size % FLASH_ATTN_PAGE_MULTIPLE:
+        return (f"its paged kernels need kvcache_block_size to be a multiple of {FLASH_ATTN_PAGE_MULTIPLE}, "
+                f"and it is {block_size}")
+    return None
+
+
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                   block_size: int = 16) -> AttentionBackend:
+    """`auto` takes flash-attn's kernels on CUDA where they apply (package installed, half precision,
+    blocks of a multiple of 256 tokens), else Triton kernels on CUDA when Triton is installed, else
+    the torch reference."""
     name = requested
     if requested == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda" and flash_attn_unusable(device, dtype, block_size) is None:
+            name = "flash-attn"
+        else:
+            name = "triton" if device.type == "cuda" and triton_available() else "torch"
     if name == "torch":
         from engine.attention import torch_backend as impl
     elif name == "triton":
@@ -35,8 +71,14 @@ def select_backend(requested: str, device: torch.device) -> AttentionBackend:
         if device.type != "cuda":
             raise ValueError("attention_backend='triton' runs on CUDA devices; use 'torch' on CPU")
         from engine.attention import triton_kernels as impl
+    elif name == "flash-attn":
+        reason = flash_attn_unusable(device, dtype, block_size)
+        if reason is not None:
+            raise ValueError(f"attention_backend='flash-attn' cannot be used here: {reason}; "
+                             "use 'auto' to pick the fastest backend that can")
+        from engine.attention import flash_attn_backend as impl
     else:
-        raise ValueError(f"unknown attention backend {requested!r}; choose auto, torch or triton")
+        raise ValueError(f"unknown attention backend {requested!r}; choose auto, torch, triton or flash-attn")
     return AttentionBackend(name, impl.store_kvcache, impl.paged_attention)
 
 

@@ -160,6 +160,32 @@ def test_triton_kernels_match_reference_on_gpu(dtype, shape):
         assert err < (1e-4 if dtype == torch.float32 else 1e-2), (q_lens, kv_lens, err)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flash_attn_backend_matches_reference_on_gpu(dtype):
+    """Runs only where the flash-attn package is installed (the project's device image has none)."""
+    pytest.importorskip("flash_attn")
+    from engine.attention import flash_attn_backend
+
+    for q_lens, kv_lens in [([1] * 5, [1, 256, 300, 2048, 900]), ([37, 1, 200, 5], [37, 513, 1000, 5])]:
+        q, _, _, cache, meta = random_case(len(q_lens), q_lens, kv_lens, 16, 8, 128, 256, dtype)
+        ref = torch_backend.paged_attention(q, cache[0], cache[1], meta, 128**-0.5).float()
+        out = flash_attn_backend.paged_attention(q, cache[0], cache[1], meta, 128**-0.5).float()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-2, (q_lens, kv_lens)
+
+
+def test_flash_attn_engine_follows_the_triton_engine(tiny_llama):
+    pytest.importorskip("flash_attn")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for backend in ("flash-attn", "triton"):
+        llm = LLM(str(tiny_llama), device="cuda", dtype="bfloat16", attention_backend=backend, kvcache_block_size=256,
+                  num_kvcache_blocks=16, max_num_seqs=8)
+        assert llm.stats()["attention_backend"] == backend
+        outs[backend] = [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        del llm
+    assert outs["flash-attn"] == outs["triton"]
+
+
 def test_bf16_logits_close_to_transformers_on_qwen3_06b_shape(tmp_path_factory):
     import tempfile
     from pathlib import Path
