@@ -315,6 +315,8 @@ class ModelRunner:
 
     def upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
         """`arrays` as `dtype` tensors on this rank's device: views of one transfer off the CPU."""
+        if not arrays:
+            return []
         if self.staging is None:  # the CPU: arrays of the right dtype become tensors without a copy
             return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in arrays]
         return self.staging[dtype].upload(arrays)
