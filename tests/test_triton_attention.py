@@ -163,3 +163,14 @@ def test_row_offset_is_int64(row_dtype):
     out = torch.empty(4, dtype=torch.int64)
     _row_offset_probe[(1,)](rows, out, 1024, N=4)
     assert out.tolist() == [r * 1024 for r in rows.tolist()]
+
+
+def test_kernels_refuse_a_cache_they_cannot_index():
+    query, k_cache, v_cache, meta = make_batch([3], [3], head_dim=32, seed=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.paged_attention(query, k_cache.transpose(1, 2), v_cache.transpose(1, 2), meta, 1.0)
+    with pytest.raises(ValueError, match="must be equal"):
+        tk.store_kvcache(query[:, :2], query[:, :2], k_cache, v_cache[..., :16].contiguous(), meta.slot_mapping)
+    with pytest.raises(ValueError, match="same 3 tokens"):
+        key = query[:, :2].contiguous()
+        tk.store_kvcache(key, key[:2], k_cache, v_cache, meta.slot_mapping)

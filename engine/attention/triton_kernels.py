@@ -102,6 +102,15 @@ def _store_kvcache_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """The kernels index the cache as contiguous [num_blocks, block_size, num_kv_heads, head_dim]."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"K cache {tuple(k_cache.shape)} and V cache {tuple(v_cache.shape)} must be equal and end in "
+                         f"(num_kv_heads, head_dim) = ({num_kv_heads}, {head_dim})")
+
+
 def store_kvcache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,
@@ -112,9 +121,10 @@ def store_kvcache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV cache must be contiguous"
-    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
-    assert value.shape == key.shape and slot_mapping.shape == (num_tokens,)
+    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    if value.shape != key.shape or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"store_kvcache: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+                         f"{tuple(slot_mapping.shape)} must describe the same {num_tokens} tokens")
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
@@ -368,9 +378,9 @@ def paged_attention_impl(
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV cache must be contiguous"
-    assert v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
-    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     num_seqs = meta.num_seqs
     # Tokens no sequence owns (possible in padded batches) stay zero like the reference's; when
     # every token is owned the kernels write each output row, so skip the memset.
