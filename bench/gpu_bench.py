@@ -81,6 +81,21 @@ def decode_breakdown(llm, prompt_len: int, out_dir: Path | None) -> None:
     llm.abort_request(rid)
 
 
+def profile_prefill(llm, prompt: list[int], path: Path) -> None:
+    """Profile one cold prefill: the host's busiest ops (count, self time) and the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        sync(llm.device.type)
+    averages = prof.key_averages()
+    text = averages.table(sort_by="self_cpu_time_total", row_limit=30)
+    if llm.device.type == "cuda":
+        text += "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=20)
+    path.write_text(text)
+
+
 def gemv_rows() -> None:
     """One row per weight shape: cuBLAS vs the fastest Triton GEMV tile, in microseconds, at 1/2/4 rows."""
     from engine.layers import gemv
@@ -239,6 +254,8 @@ def main() -> None:
     t0 = time.perf_counter(); out = llm.generate([other], one, use_tqdm=False); sync(device); warm = time.perf_counter() - t0
     row("TTFT 2,000-token prompt, cold", f"{cold * 1000:.1f} ms")
     row("TTFT with 1,900 tokens cached", f"{warm * 1000:.1f} ms", f"{cold / warm:.1f}x faster, {out[0]['num_cached_tokens']} tokens from cache")
+    if args.json:  # where an eager prefill's time goes (host ops vs kernels), for the next round
+        profile_prefill(llm, [rand_token() for _ in range(len(base))], args.json.parent / "profile_prefill.txt")
 
     # --- throughput: nano-vllm's workload
     n_req = args.num_requests if not small else 8
