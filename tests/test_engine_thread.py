@@ -9,9 +9,11 @@ from engine import LLM, EngineThread, SamplingParams
 PROMPTS = [[5 + i, 17, 33, 100 + i, 7, 9] for i in range(4)]
 
 
-@pytest.fixture
-def front(tiny_llama):
-    thread = EngineThread(LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, max_num_seqs=8))
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def front(tiny_llama, request):
+    """The thread over a synchronous engine (the CPU's default) and an asynchronous one (a GPU's)."""
+    thread = EngineThread(LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, max_num_seqs=8,
+                              async_scheduling=request.param))
     yield thread
     thread.shutdown()
 
