@@ -177,7 +177,8 @@ def decode_tps(llm, prompt_len: int, new_tokens: int, batch: int) -> tuple[float
 
 
 def set_async_scheduling(llm, on: bool) -> None:
-    """Switch the engine's scheduling mode, after reading back any step still in flight."""
+    """Switch the engine's scheduling mode (a public attribute, read at every step), after reading
+    back any step still in flight."""
     while llm.has_unfinished_requests():
         llm.step()
     llm.async_scheduling = on

@@ -177,10 +177,11 @@ class LLMEngine:
         for item in batch:  # what the step will have done, so the next one can be planned now
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            seq.num_pending_tokens += item.samples
             # Blocks this step fills may be shared from now on: every step that could read them runs
             # after this one on the device. A block whose last token is pending waits for `_finish`.
-            self.block_manager.register_full_blocks(seq)
+            if not seq.num_pending_tokens:
+                self.block_manager.register_full_blocks(seq)
+            seq.num_pending_tokens += item.samples
         return launched
 
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -188,11 +189,12 @@ class LLMEngine:
         sampled = iter(self.model_runner.collect(launched))
         outputs = []
         for item in launched.batch:
-            seq = item.seq
-            token = next(sampled) if item.samples else None
-            if token is None or seq.is_finished:  # it stopped, or was aborted, while this step ran: drop the token
+            if not item.samples:
                 continue
+            seq, token = item.seq, next(sampled)
             seq.num_pending_tokens -= 1
+            if seq.is_finished:  # it stopped, or was aborted, while this step ran: drop the token
+                continue
             seq.token_ids.append(token)
             if len(seq.token_ids) <= seq.num_computed_tokens:  # it was pending, and a launched step's input
                 self.block_manager.register_full_blocks(seq)  # so a block waiting for it may be complete

@@ -100,11 +100,12 @@ class ModelRunner:
         self.staging = None if device.type == "cpu" else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
-        self.last_sampled_seqs: list[Sequence] = []
+        self.last_sampled_rows: dict[int, int] = {}  # seq_id -> its row in last_sampled
         # Values assigned through tensor indices must already be on the device: a Python scalar is
         # staged through a blocking copy that waits for every step in flight.
         self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
-        # Sampled tokens come back through two pinned buffers taking turns: one step's are read while the next's arrive.
+        # Sampled tokens come back through two pinned buffers taking turns (StagingBuffer's mirror for
+        # the way back): one step's are read while the next's arrive.
         self.readback = self.readback_done = None
         self.readback_turn = 0
         if device.type == "cuda":
@@ -267,15 +268,15 @@ class ModelRunner:
         """input_ids, positions, attention inputs and the rows whose logits get sampled, on the host.
 
         Built with numpy (a few microseconds per array, where small torch ops cost tens), then
-        copied to the device in two transfers (one per dtype) by `to_device`. An input token that
-        the previous step sampled and the host has not read yet (asynchronous scheduling) is a
+        copied to the device in one transfer per dtype by `to_device`. An input token that the
+        previous step sampled and the host has not read yet (asynchronous scheduling) is a
         placeholder here, filled on the device from that step's tokens."""
         bs = self.block_size
         num_seqs = len(batch)
         starts = np.fromiter((s.seq.num_computed_tokens for s in batch), np.int64, num_seqs)
         query_lens = np.fromiter((s.num_new_tokens for s in batch), np.int64, num_seqs)
-        known = np.fromiter((len(s.seq.token_ids) for s in batch), np.int64, num_seqs)
-        pending = np.flatnonzero(starts >= known)  # a pending token is a one-token step's only input
+        # A pending token is always its sequence's only input this step (see Scheduler).
+        pending = np.flatnonzero(np.fromiter((s.seq.num_pending_tokens for s in batch), np.int64, num_seqs))
         seq_lens = starts + query_lens
         query_start_loc = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
@@ -288,12 +289,12 @@ class ModelRunner:
             if len(pending) == num_seqs:  # steady asynchronous decoding: every input is on the device
                 token_ids = np.zeros(num_seqs, np.int64)
             else:
-                token_ids = [s.seq.token_ids[p] if p < k else 0 for s, p, k in zip(batch, starts.tolist(), known.tolist())]
+                token_ids = [0 if s.seq.num_pending_tokens else s.seq.token_ids[p] for s, p in zip(batch, starts.tolist())]
             positions, seq_index, pending_rows = starts, np.arange(num_seqs), pending
         else:
             token_ids = []
             for s, start, n in zip(batch, starts.tolist(), query_lens.tolist()):
-                token_ids += s.seq.token_ids[start : start + n] or [0]  # empty only for a pending token
+                token_ids += s.seq.token_ids[start : start + n] or [0]  # empty only for a pending input
             seq_index = np.repeat(np.arange(num_seqs), query_lens)
             positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[seq_index]
             pending_rows = query_start_loc[pending]
@@ -307,7 +308,7 @@ class ModelRunner:
         """Where each of `seqs`' pending token sits in the last launched step's sampled tokens."""
         if not seqs:
             return np.zeros(0, np.int64)
-        rows = {s.seq_id: row for row, s in enumerate(self.last_sampled_seqs)}
+        rows = self.last_sampled_rows
         missing = [s.request_id for s in seqs if s.seq_id not in rows]
         if missing:  # the scheduler plans a pending token only as the input right after the step that sampled it
             raise RuntimeError(f"requests {missing} have a pending token that the last step did not sample")
@@ -398,7 +399,7 @@ class ModelRunner:
             return LaunchedStep(batch, None, None)
         sampling = [s for s in batch if s.samples]
         tokens = self.sampler(logits, self.prepare_sampling(sampling))
-        self.last_sampled, self.last_sampled_seqs = tokens, [s.seq for s in sampling]
+        self.last_sampled, self.last_sampled_rows = tokens, {s.seq.seq_id: row for row, s in enumerate(sampling)}
         if self.readback is None:  # the CPU: the tokens are computed already
             return LaunchedStep(batch, tokens, None)
         turn, self.readback_turn = self.readback_turn, 1 - self.readback_turn
@@ -416,13 +417,9 @@ class ModelRunner:
             launched.ready.synchronize()
         return launched.tokens.tolist()
 
-    def run(self, batch: list[ScheduledSeq]) -> list[int]:
-        """Run one step and wait for it: the sampled token of each sequence whose chunk reached its end."""
-        return self.collect(self.launch(batch))
-
     def execute(self, step: StepInputs) -> torch.Tensor | None:
         """This rank's forward pass of one step: the logits to sample on rank 0, else None.
-        Call it under torch.inference_mode(), as `run` and the worker loop do."""
+        Call it under torch.inference_mode(), as `launch` and the worker loop do."""
         input_ids, positions, meta, logits_index = self.to_device(step)
         hidden = self.forward(input_ids, positions, meta)
         if logits_index.numel() == 0:

@@ -22,7 +22,7 @@ from engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # KV rows to compute this step: token_ids[num_computed : num_computed + n]
+    num_new_tokens: int  # KV rows to compute this step: tokens num_computed .. num_computed + n - 1
     samples: bool = field(init=False)  # the chunk reaches the end of the sequence, so a token gets sampled
 
     def __post_init__(self) -> None:

@@ -12,11 +12,12 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request. Its KV history is `token_ids[:num_computed_tokens]`.
+    """One request. Its KV history is its first `num_computed_tokens` tokens.
 
     With asynchronous scheduling the host learns a sampled token one step late: until then it is
     *pending*, counted in `len(seq)` (so the scheduler can plan the next step around it) but not
-    yet in `token_ids`. Every pending token is the input of the sequence's next step."""
+    yet in `token_ids`. Every pending token is the input of the sequence's next step, so
+    `num_computed_tokens` may count it before `token_ids` holds it."""
 
     _ids = count()
 

@@ -1,10 +1,10 @@
-"""One host-to-device transfer for a step's small input arrays.
+"""Host-to-device transfers of a step's small input arrays: one per dtype, never waiting.
 
 A decode step's inputs are a handful of tiny arrays. Copied one by one from pageable memory,
 each is a synchronous transfer that waits for the GPU to drain; on an H200 seven of them sat in
 the 0.47 ms a batch-1 step spent outside its graph (bench/RESULTS.md). Here the arrays of one
 dtype are packed into a pinned host buffer, allocated once and reused, and cross in one
-non-blocking copy; the device tensors handed back are views of that one copy.
+non-blocking copy; the device tensors handed back are views of that copy.
 
 Uploads take turns over a few host buffers. Reusing one means waiting until the device has
 copied it, and with asynchronous scheduling the copy just enqueued sits behind the step the GPU
@@ -19,6 +19,8 @@ class StagingBuffer:
     """Uploads a step's arrays of one dtype to `device`. On a GPU through a pinned buffer; elsewhere
     (tests) by a plain copy, so that nothing handed out aliases the reused host buffer."""
 
+    # Four: a step makes up to two uploads of one dtype (its inputs, its sampling columns), so a
+    # buffer comes back two steps after its last use.
     def __init__(self, device: torch.device, dtype: torch.dtype, num_buffers: int = 4):
         self.device, self.dtype = device, dtype
         self.pinned = device.type == "cuda"

@@ -2,8 +2,8 @@
 
 On a GPU that overlaps the host's work with the device's. On the CPU nothing overlaps, but the
 bookkeeping is the same (pending tokens, inputs taken from the previous step's samples, late
-stops, registration of written blocks only), so here it is forced on and must give exactly the
-outputs of the synchronous engine, with every feature that meets it.
+stops, blocks registered at launch unless their last token is pending), so here it is forced on
+and must give exactly the outputs of the synchronous engine, with every feature that meets it.
 """
 import pytest
 

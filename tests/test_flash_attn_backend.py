@@ -6,16 +6,23 @@ functions the backend calls: K/V read through `block_table` pages, GQA, and a ca
 aligned to the end of each sequence. Against it, the backend's arguments (shapes, cumulative
 key lengths, the scale) must reproduce the torch reference backend.
 """
+import os
 import sys
 import types
 
-import pytest
-import torch
+# The backend imports the Triton kernels: in CPU tests, triton must come up in interpreter mode, or
+# later test files that run kernels through the interpreter would find it compiled for a GPU.
+os.environ["TRITON_INTERPRET"] = "1"
 
-from engine import attention
-from engine.attention import select_backend
-from engine.attention import torch_backend as ref
-from tests.attention_batches import make_batch
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")  # the backend writes K/V with the Triton kernel
+
+from engine import attention  # noqa: E402
+from engine.attention import select_backend  # noqa: E402
+from engine.attention import torch_backend as ref  # noqa: E402
+from tests.attention_batches import make_batch  # noqa: E402
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

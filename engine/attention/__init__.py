@@ -37,29 +37,29 @@ def flash_attn_available() -> bool:
 
 
 def flash_attn_unusable(device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
-    """Why flash-attn's kernels cannot serve this engine, or None when they can."""
-    if not flash_attn_available():
-        return "it needs the flash-attn package (pip install flash-attn)"
+    """Why flash-attn's kernels cannot serve this engine, or None when they can. The imports come
+    last: at the default block size a CUDA start-up never pays for importing flash-attn."""
     if device.type != "cuda":
         return "it runs on CUDA devices"
-    if not triton_available():
-        return "its KV writes use the Triton kernel, and triton is not installed"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
     if block_size % FLASH_ATTN_PAGE_MULTIPLE:
         return (f"its paged kernels need kvcache_block_size to be a multiple of {FLASH_ATTN_PAGE_MULTIPLE}, "
                 f"and it is {block_size}")
+    if not triton_available():
+        return "its KV writes use the Triton kernel, and triton is not installed"
+    if not flash_attn_available():
+        return "it needs the flash-attn package (pip install flash-attn)"
     return None
 
 
-def select_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.float32,
-                   block_size: int = 16) -> AttentionBackend:
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype, block_size: int) -> AttentionBackend:
     """`auto` takes flash-attn's kernels on CUDA where they apply (package installed, half precision,
     blocks of a multiple of 256 tokens), else Triton kernels on CUDA when Triton is installed, else
     the torch reference."""
     name = requested
     if requested == "auto":
-        if device.type == "cuda" and flash_attn_unusable(device, dtype, block_size) is None:
+        if flash_attn_unusable(device, dtype, block_size) is None:
             name = "flash-attn"
         else:
             name = "triton" if device.type == "cuda" and triton_available() else "torch"
