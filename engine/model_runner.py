@@ -100,7 +100,8 @@ class ModelRunner:
         self.staging = None if device.type == "cpu" else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
-        self.last_sampled_rows: dict[int, int] = {}  # seq_id -> its row in last_sampled
+        self.last_sampled_seqs: list[Sequence] = []
+        self._last_sampled_rows: dict[int, int] | None = None  # seq_id -> row, built when first needed
         # Values assigned through tensor indices must already be on the device: a Python scalar is
         # staged through a blocking copy that waits for every step in flight.
         self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
@@ -308,7 +309,9 @@ class ModelRunner:
         """Where each of `seqs`' pending token sits in the last launched step's sampled tokens."""
         if not seqs:
             return np.zeros(0, np.int64)
-        rows = self.last_sampled_rows
+        if self._last_sampled_rows is None:
+            self._last_sampled_rows = {s.seq_id: row for row, s in enumerate(self.last_sampled_seqs)}
+        rows = self._last_sampled_rows
         missing = [s.request_id for s in seqs if s.seq_id not in rows]
         if missing:  # the scheduler plans a pending token only as the input right after the step that sampled it
             raise RuntimeError(f"requests {missing} have a pending token that the last step did not sample")
@@ -399,7 +402,7 @@ class ModelRunner:
             return LaunchedStep(batch, None, None)
         sampling = [s for s in batch if s.samples]
         tokens = self.sampler(logits, self.prepare_sampling(sampling))
-        self.last_sampled, self.last_sampled_rows = tokens, {s.seq.seq_id: row for row, s in enumerate(sampling)}
+        self.last_sampled, self.last_sampled_seqs, self._last_sampled_rows = tokens, [s.seq for s in sampling], None
         if self.readback is None:  # the CPU: the tokens are computed already
             return LaunchedStep(batch, tokens, None)
         turn, self.readback_turn = self.readback_turn, 1 - self.readback_turn

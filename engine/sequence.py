@@ -63,4 +63,4 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
