@@ -12,6 +12,8 @@ import random
 import sys
 import tempfile
 import time
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from engine import LLM, SamplingParams
 
 ROWS: list[tuple[str, str, str]] = []
 VOCAB = [100000]
+FAILURES: list[str] = []
 
 
 def rand_token() -> int:
@@ -199,7 +202,21 @@ def hf_decode_tps(model, prompt_len: int, new_tokens: int, batch: int, device: s
     return batch * (new_tokens - 1) / (t_full - t_one)
 
 
-def main() -> None:
+@contextmanager
+def section(name: str):
+    """Run one benchmark; if it fails, say so in the table and go on with the next. A device run
+    is rare and short: one broken measurement must not cost the others."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - reported in the table, with the traceback above it
+        traceback.print_exc()
+        row(f"{name}: FAILED", "", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        FAILURES.append(name)
+    finally:
+        release_memory()
+
+
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 layers, tiny sizes: checks the script runs")
     ap.add_argument("--json", type=Path)
@@ -226,84 +243,110 @@ def main() -> None:
         settings["num_kvcache_blocks"] = 512
     n_new = 16 if small else 256
     prompt_len = 32 if small else 128
+    batch64 = 64 if not small else 4
+    got: dict[str, float] = {}  # figures later rows compare against
 
-    # --- batch-1 decode, graphs on, vs roofline and transformers
-    llm = LLM(str(folder), **settings)
-    stats = llm.stats()
-    row("attention backend", stats["attention_backend"],
-        f"KV blocks {stats['num_blocks']}, matmul {stats['matmul']}, async scheduling {stats['async_scheduling']}")
-    gemv_rows()
-    tps1, steps1 = decode_tps(llm, prompt_len, n_new, 1)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
-    kv_bytes = llm.model_runner.kv_bytes_per_block() / llm.model_runner.block_size * (prompt_len + n_new / 2)
-    roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # a step reads weights + KV once; copy bw counts 2 bytes per byte read
-    row("batch-1 decode, CUDA graphs", f"{tps1:.0f} tok/s", f"{100 * tps1 / roofline:.0f}% of roofline ({roofline:.0f} tok/s)")
-    row("batch-1 decode, its steps", "", steps1)
-    set_async_scheduling(llm, False)
-    sync1, sync_steps1 = decode_tps(llm, prompt_len, n_new, 1)
-    set_async_scheduling(llm, True)
-    row("batch-1 decode, synchronous scheduling", f"{sync1:.0f} tok/s", f"async is {tps1 / sync1:.2f}x; {sync_steps1}")
-    tps64, _ = decode_tps(llm, prompt_len, n_new, 64 if not small else 4)
-    decode_breakdown(llm, prompt_len, args.json.parent if args.json else None)
+    llm = None
+    with section("engine load"):
+        llm = LLM(str(folder), **settings)
+        stats = llm.stats()
+        row("attention backend", stats["attention_backend"],
+            f"KV blocks {stats['num_blocks']}, matmul {stats['matmul']}, async scheduling {stats['async_scheduling']}")
+        default_async = llm.async_scheduling
+        gemv_rows()
 
-    # --- TTFT: 2,000-token prompt cold, then with its first 1,900 tokens cached
-    base = [rand_token() for _ in range(2000 if not small else 200)]
-    other = base[: len(base) * 19 // 20] + [rand_token() for _ in range(len(base) // 20)]
-    one = SamplingParams(temperature=0, max_tokens=1)
-    sync(device)
-    t0 = time.perf_counter(); llm.generate([base], one, use_tqdm=False); sync(device); cold = time.perf_counter() - t0
-    t0 = time.perf_counter(); out = llm.generate([other], one, use_tqdm=False); sync(device); warm = time.perf_counter() - t0
-    row("TTFT 2,000-token prompt, cold", f"{cold * 1000:.1f} ms")
-    row("TTFT with 1,900 tokens cached", f"{warm * 1000:.1f} ms", f"{cold / warm:.1f}x faster, {out[0]['num_cached_tokens']} tokens from cache")
-    if args.json:  # where an eager prefill's time goes (host ops vs kernels), for the next round
-        profile_prefill(llm, [rand_token() for _ in range(len(base))], args.json.parent / "profile_prefill.txt")
+    if llm is not None:
+        with section("batch-1 decode"):  # graphs on, against the roofline
+            tps1, steps1 = decode_tps(llm, prompt_len, n_new, 1)
+            got["tps1"] = tps1
+            weight_bytes = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
+            kv_bytes = llm.model_runner.kv_bytes_per_block() / llm.model_runner.block_size * (prompt_len + n_new / 2)
+            # A step reads the weights and the KV once. A copy moves 2 bytes (one read, one written) per
+            # byte copied, and the copy bandwidth above counts both, so it is the rate of bytes read here.
+            roofline = bandwidth / (weight_bytes + kv_bytes)
+            row("batch-1 decode, CUDA graphs", f"{tps1:.0f} tok/s", f"{100 * tps1 / roofline:.0f}% of roofline ({roofline:.0f} tok/s)")
+            row("batch-1 decode, its steps", "", steps1)
+        with section("batch-1 decode, synchronous scheduling"):
+            set_async_scheduling(llm, False)
+            try:
+                sync1, sync_steps1 = decode_tps(llm, prompt_len, n_new, 1)
+            finally:
+                set_async_scheduling(llm, default_async)
+            note = f"async is {got['tps1'] / sync1:.2f}x; " if "tps1" in got else ""
+            row("batch-1 decode, synchronous scheduling", f"{sync1:.0f} tok/s", note + sync_steps1)
+        with section("batch-64 decode"):
+            got["tps64"], _ = decode_tps(llm, prompt_len, n_new, batch64)
+        with section("batch-1 decode step"):
+            decode_breakdown(llm, prompt_len, args.json.parent if args.json else None)
 
-    # --- throughput: nano-vllm's workload
-    n_req = args.num_requests if not small else 8
-    lo, hi = (100, 1024) if not small else (10, 64)
-    prompts = [[rand_token() for _ in range(random.randint(lo, hi))] for _ in range(n_req)]
-    params = [SamplingParams(temperature=0.6, max_tokens=random.randint(lo, hi), ignore_eos=True) for _ in range(n_req)]
-    llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
+        with section("TTFT"):  # a 2,000-token prompt cold, then with its first 1,900 tokens cached
+            base = [rand_token() for _ in range(2000 if not small else 200)]
+            other = base[: len(base) * 19 // 20] + [rand_token() for _ in range(len(base) // 20)]
+            one = SamplingParams(temperature=0, max_tokens=1)
+            sync(device)
+            t0 = time.perf_counter(); llm.generate([base], one, use_tqdm=False); sync(device); cold = time.perf_counter() - t0
+            t0 = time.perf_counter(); out = llm.generate([other], one, use_tqdm=False); sync(device); warm = time.perf_counter() - t0
+            row("TTFT 2,000-token prompt, cold", f"{cold * 1000:.1f} ms")
+            row("TTFT with 1,900 tokens cached", f"{warm * 1000:.1f} ms", f"{cold / warm:.1f}x faster, {out[0]['num_cached_tokens']} tokens from cache")
+            if args.json:  # where an eager prefill's time goes (host ops vs kernels), for the next round
+                profile_prefill(llm, [rand_token() for _ in range(len(base))], args.json.parent / "profile_prefill.txt")
 
-    def throughput() -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        sync(device)
-        return time.perf_counter() - t0
+        # nano-vllm's workload
+        n_req = args.num_requests if not small else 8
+        lo, hi = (100, 1024) if not small else (10, 64)
+        prompts = [[rand_token() for _ in range(random.randint(lo, hi))] for _ in range(n_req)]
+        params = [SamplingParams(temperature=0.6, max_tokens=random.randint(lo, hi), ignore_eos=True) for _ in range(n_req)]
+        total_out = sum(p.max_tokens for p in params)
 
-    elapsed = throughput()
-    total_out = sum(p.max_tokens for p in params)
-    row(f"throughput, {n_req} req, {lo}-{hi} in/out", f"{total_out / elapsed:.0f} tok/s", f"{total_out} output tokens in {elapsed:.1f} s, {llm.stats()['num_preemptions']} preemptions")
-    set_async_scheduling(llm, False)
-    sync_elapsed = throughput()
-    row("throughput, synchronous scheduling", f"{total_out / sync_elapsed:.0f} tok/s", f"async is {sync_elapsed / elapsed:.2f}x")
-    del llm
-    release_memory()
+        def throughput() -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            sync(device)
+            return time.perf_counter() - t0
 
-    # --- graphs vs eager
-    eager = LLM(str(folder), **settings, enforce_eager=True)
-    e1, _ = decode_tps(eager, prompt_len, n_new, 1)
-    e64, _ = decode_tps(eager, prompt_len, n_new, 64 if not small else 4)
-    del eager
-    release_memory()
-    row("batch-1 decode, eager", f"{e1:.0f} tok/s", f"graphs are {tps1 / e1:.2f}x faster")
-    row("batch-64 decode, graphs / eager", f"{tps64:.0f} / {e64:.0f} tok/s", f"graphs are {tps64 / e64:.2f}x faster")
+        with section("throughput"):
+            llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
+            elapsed = throughput()
+            got["throughput"] = total_out / elapsed
+            row(f"throughput, {n_req} req, {lo}-{hi} in/out", f"{total_out / elapsed:.0f} tok/s", f"{total_out} output tokens in {elapsed:.1f} s, {llm.stats()['num_preemptions']} preemptions")
+        with section("throughput, synchronous scheduling"):
+            set_async_scheduling(llm, False)
+            sync_elapsed = throughput()
+            note = f"async is {got['throughput'] * sync_elapsed / total_out:.2f}x" if "throughput" in got else ""
+            row("throughput, synchronous scheduling", f"{total_out / sync_elapsed:.0f} tok/s", note)
+        del llm
+        release_memory()
 
-    # --- transformers on the same GPU
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
-    hf1 = hf_decode_tps(hf, prompt_len, 64 if not small else 8, 1, device)
-    row("transformers batch-1 decode", f"{hf1:.0f} tok/s", f"engine is {tps1 / hf1:.1f}x faster")
-    hf_batch = 32 if not small else 4
-    hf_new = 64 if not small else 8
-    hf_tp = hf_decode_tps(hf, 512 if not small else 32, hf_new, hf_batch, device)
-    row(f"transformers batch-{hf_batch} decode", f"{hf_tp:.0f} tok/s", f"static batch; engine throughput above is {total_out / elapsed / hf_tp:.1f}x")
+    with section("eager decode"):  # graphs vs eager
+        eager = LLM(str(folder), **settings, enforce_eager=True)
+        try:
+            e1, _ = decode_tps(eager, prompt_len, n_new, 1)
+            e64, _ = decode_tps(eager, prompt_len, n_new, batch64)
+        finally:
+            del eager
+        row("batch-1 decode, eager", f"{e1:.0f} tok/s", f"graphs are {got['tps1'] / e1:.2f}x faster" if "tps1" in got else "")
+        row(f"batch-{batch64} decode, graphs / eager", f"{got.get('tps64', float('nan')):.0f} / {e64:.0f} tok/s",
+            f"graphs are {got['tps64'] / e64:.2f}x faster" if "tps64" in got else "")
+
+    with section("transformers"):  # on the same GPU
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+        hf1 = hf_decode_tps(hf, prompt_len, 64 if not small else 8, 1, device)
+        row("transformers batch-1 decode", f"{hf1:.0f} tok/s", f"engine is {got['tps1'] / hf1:.1f}x faster" if "tps1" in got else "")
+        hf_batch = 32 if not small else 4
+        hf_tp = hf_decode_tps(hf, 512 if not small else 32, 64 if not small else 8, hf_batch, device)
+        row(f"transformers batch-{hf_batch} decode", f"{hf_tp:.0f} tok/s",
+            f"static batch; engine throughput above is {got['throughput'] / hf_tp:.1f}x" if "throughput" in got else "static batch")
+        del hf
 
     print("\n| benchmark | value | note |\n|---|---:|---|")
     for name, value, note in ROWS:
         print(f"| {name} | {value} | {note} |")
     if args.json:
         args.json.write_text(json.dumps(ROWS, indent=1))
+    if FAILURES:
+        print(f"gpu_bench: {len(FAILURES)} benchmark(s) failed: {', '.join(FAILURES)}", file=sys.stderr)
+    return 1 if FAILURES else 0
 
 
 if __name__ == "__main__":

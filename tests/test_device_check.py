@@ -1,0 +1,50 @@
+"""The device check's two halves, run here on the CPU as the device will run them: without the app's
+dependencies (gradio, platformdirs) and without network. A GPU run is rare and short; a mistake
+the CPU can find must not spend it."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Makes `import gradio` (and the others) fail as on a machine that has only the engine's packages.
+WITHOUT_APP = """
+import importlib.abc, runpy, sys
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"gradio", "gradio_client", "platformdirs", "app"}:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
+sys.meta_path.insert(0, NotInstalled())
+"""
+
+
+def run_without_app(code: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", WITHOUT_APP + code, *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_the_blocker_hides_the_app():
+    result = run_without_app("import gradio")
+    assert result.returncode != 0 and "hidden by the test" in result.stderr
+
+
+def test_gpu_bench_smoke_runs_every_section(tmp_path):
+    result = run_without_app("runpy.run_module('bench.gpu_bench', run_name='__main__')", "--smoke",
+                             "--json", str(tmp_path / "bench.json"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout[result.stdout.index("| benchmark | value | note |"):]
+    assert "FAILED" not in table
+    for name in ("batch-1 decode, CUDA graphs", "batch-1 decode, its steps", "batch-1 decode, synchronous scheduling",
+                 "batch-1 decode step, whole", "TTFT with 1,900 tokens cached", "throughput, synchronous scheduling",
+                 "batch-1 decode, eager", "transformers batch-1 decode"):
+        assert f"| {name} |" in table, name
+    assert (tmp_path / "bench.json").is_file() and (tmp_path / "profile.txt").is_file()
+
+
+def test_gpu_tests_collect_without_the_app():
+    result = run_without_app("import pytest; sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider']))")
+    # On the CPU every GPU test skips; what is checked is that the module and its fixtures import.
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "skipped" in result.stdout and "error" not in result.stdout.lower()
