@@ -255,7 +255,8 @@ def main() -> int:
         llm = LLM(str(folder), **settings)
         stats = llm.stats()
         row("attention backend", stats["attention_backend"],
-            f"KV blocks {stats['num_blocks']}, matmul {stats['matmul']}, async scheduling {stats['async_scheduling']}")
+            f"KV blocks {stats['num_blocks']}, matmul {stats['matmul']}, sampler {stats['sampler']}, "
+            f"async scheduling {stats['async_scheduling']}")
         default_async = llm.async_scheduling
         gemv_rows()
 

@@ -95,7 +95,7 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, device, dtype, self.block_size)
         for layer in self.attention_layers:
             layer.backend = self.backend
-        self.sampler = Sampler()
+        self.sampler = Sampler(compiled=device.type == "cuda" and not config.enforce_eager)
         # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
         self.staging = None if device.type == "cpu" else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.

@@ -96,6 +96,71 @@ def test_per_row_generators_make_draws_reproducible_and_independent_of_the_batch
     assert draw(8, 1, 0) != alone
 
 
+COMPILED_CASES = {
+    "temperature": dict(),
+    "top-k, top-p, min-p, penalty, greedy rows": dict(top_k=40, top_p=0.9, min_p=0.02, penalty=1.3, greedy_rows=True),
+    "greedy with a penalty": dict(greedy=True, penalty=1.3),
+}
+
+
+def compiled_case_batch(rows, vocab, top_k=None, top_p=None, min_p=None, penalty=None, greedy=False, greedy_rows=False):
+    g = torch.Generator().manual_seed(5)
+    seen = torch.rand(rows, vocab, generator=g) < 0.05 if penalty else None
+    batch = make_batch(rows, temperature=0.0 if greedy else 0.8, top_k=top_k, top_p=top_p, min_p=min_p, penalty=penalty, seen=seen)
+    if greedy_rows:
+        batch.temperatures[::3] = 0.0
+    return batch
+
+
+@pytest.mark.parametrize("case", COMPILED_CASES.values(), ids=COMPILED_CASES.keys())
+def test_compiled_sampler_picks_the_tokens_the_eager_one_does(case):
+    """The GPU compiles the sampler for large batches; given the same noise, it must pick the same
+    tokens (here through inductor's CPU backend: the same graph, compiled for another device)."""
+    from engine.layers.sampler import CompiledPick
+
+    rows, vocab = 16, 1000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 2
+    batch = compiled_case_batch(rows, vocab, **case)
+    compiled = Sampler(compiled=True)
+    compiled.pick = CompiledPick(min_rows=rows)
+    for draw in range(3):
+        torch.manual_seed(draw)
+        expected = Sampler()(logits.clone(), batch)
+        torch.manual_seed(draw)
+        assert compiled(logits.clone(), batch).tolist() == expected.tolist()
+    assert compiled.kind == "compiled" and not compiled.pick.failed
+
+
+def test_sampler_compiles_only_large_batches_and_falls_back_when_compiling_fails(caplog):
+    from engine.layers.sampler import CompiledPick
+
+    calls = []
+
+    def broken(*args):
+        calls.append(args[0].shape[0])
+        raise RuntimeError("inductor: no C++ compiler\nmore detail")
+
+    sampler = Sampler(compiled=True)
+    sampler.pick = pick = CompiledPick(min_rows=8)
+    pick.compiled = broken
+    batch = compiled_case_batch(4, 50)
+    logits = torch.randn(4, 50)
+    torch.manual_seed(0)
+    expected = Sampler()(logits, batch)
+    torch.manual_seed(0)
+    assert sampler(logits, batch).tolist() == expected.tolist() and calls == []  # 4 rows: eager, nothing compiled
+    big, logits = compiled_case_batch(8, 50), torch.randn(8, 50)
+    torch.manual_seed(1)
+    expected = Sampler()(logits, big)
+    torch.manual_seed(1)
+    with caplog.at_level("WARNING", logger="engine"):
+        assert sampler(logits, big).tolist() == expected.tolist()
+    assert calls == [8] and sampler.kind == "eager (compile failed)"
+    assert "sampling eagerly from now on: RuntimeError: inductor: no C++ compiler" in caplog.text
+    sampler(logits, big)
+    assert calls == [8]  # never tried again
+
+
 def test_repetition_penalty_matches_transformers():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 

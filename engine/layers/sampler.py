@@ -1,12 +1,16 @@
 """Sampling with per-request parameters, vectorised over the batch.
 
 Sampling uses the exponential race (argmax of probs / Exponential(1) noise), which draws from
-`probs` exactly and lets seeded requests draw their noise from their own generator.
+`probs` exactly and lets seeded requests draw their noise from their own generator. The noise is
+drawn eagerly (generators cannot enter a compiled function); the rest is `pick_tokens`.
 """
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+log = logging.getLogger("engine")
 
 
 @dataclass
@@ -42,25 +46,75 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def pick_tokens(logits: torch.Tensor, temperatures: torch.Tensor | None, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, min_p: torch.Tensor | None, repetition_penalties: torch.Tensor | None,
+                seen_tokens: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
+    """Everything in sampling but drawing the noise: a pure function of tensors, so that one
+    torch.compile of it fuses its passes over the [batch, vocab] logits. `temperatures` None:
+    every row is greedy (and `noise` is None)."""
+    logits = logits.float()
+    if repetition_penalties is not None:
+        logits = apply_repetition_penalty(logits, seen_tokens, repetition_penalties)
+    greedy = logits.argmax(dim=-1)
+    if temperatures is None:
+        return greedy
+    logits = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    if top_k is not None or top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    if min_p is not None:
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temperatures > 0, sampled, greedy)
+
+
+class CompiledPick:
+    """`pick_tokens` through torch.compile, for batches of at least `min_rows` rows.
+
+    Eagerly, each step of `pick_tokens` is a kernel that reads and writes the whole [batch, vocab]
+    float32 logits: at 256 rows of a 152k vocabulary that is about a dozen passes over 155 MB,
+    some 0.5 ms of an H200's bandwidth a step; compiled, a few. Below `min_rows` the logits are
+    small, the passes cost microseconds, and not compiling spares the seconds each new parameter
+    combination costs on first use. If compiling fails, sampling goes on eagerly, with a warning."""
+
+    def __init__(self, min_rows: int = 64):
+        self.min_rows = min_rows
+        self.compiled = torch.compile(pick_tokens, dynamic=True)
+        self.failed = False
+
+    def __call__(self, logits: torch.Tensor, *args) -> torch.Tensor:
+        if logits.shape[0] >= self.min_rows and not self.failed:
+            try:
+                return self.compiled(logits, *args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure; eager sampling still works
+                self.failed = True
+                log.warning("torch.compile of the sampler failed; sampling eagerly from now on: %s: %s",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return pick_tokens(logits, *args)
+
+
 class Sampler(nn.Module):
+    def __init__(self, compiled: bool = False):
+        """`compiled`: large batches go through torch.compile (the GPU's choice, off with enforce_eager)."""
+        super().__init__()
+        self.pick = CompiledPick() if compiled else pick_tokens
+
+    @property
+    def kind(self) -> str:
+        """How sampling runs, for stats(): compiled (large batches), eager, or eager (compile failed)."""
+        if isinstance(self.pick, CompiledPick):
+            return "eager (compile failed)" if self.pick.failed else "compiled"
+        return "eager"
+
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits.float()
-        if batch.repetition_penalties is not None:
-            logits = apply_repetition_penalty(logits, batch.seen_tokens, batch.repetition_penalties)
-        greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy
-        temps = batch.temperatures
-        logits = logits / torch.where(temps > 0, temps, 1.0)[:, None]
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
-        if batch.min_p is not None:
-            threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in enumerate(batch.generators):
-            if generator is not None:
-                noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(temps > 0, sampled, greedy)
+        if batch.all_greedy and batch.repetition_penalties is None:
+            return logits.argmax(dim=-1)  # exact in half precision too: no float32 copy of the logits needed
+        noise = None
+        if not batch.all_greedy:
+            noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
+            for row, generator in enumerate(batch.generators):
+                if generator is not None:
+                    noise[row].exponential_(generator=generator)
+        return self.pick(logits, None if batch.all_greedy else batch.temperatures, batch.top_k, batch.top_p,
+                         batch.min_p, batch.repetition_penalties, batch.seen_tokens, noise)
