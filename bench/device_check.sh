@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFL
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 echo "== GPU tests"
-timeout ${TEST_TIMEOUT:-230} python3 -m pytest tests/gpu -q -p no:cacheprovider -s 2>&1 | tee "$out/tests.log" | grep -vE "^\s*$|Loading weights" | tail -25
+timeout ${TEST_TIMEOUT:-230} python3 -m pytest tests/gpu -q -p no:cacheprovider -s --durations=8 2>&1 | tee "$out/tests.log" | grep -vE "^\s*$|Loading weights" | tail -40
 tests_rc=${PIPESTATUS[0]}
 echo "== GPU benchmarks"
 timeout ${BENCH_TIMEOUT:-240} python3 -m bench.gpu_bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | grep -v "Loading weights"
