@@ -99,6 +99,35 @@ def profile_prefill(llm, prompt: list[int], path: Path) -> None:
     path.write_text(text)
 
 
+def profile_full_batch(llm, num_seqs: int, prompt_len: int, path: Path) -> None:
+    """Profile ten decode steps of `num_seqs` running requests (the throughput run's full batch):
+    which kernels a large step's time goes to (attention, GEMMs, small ops, sampling)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = [llm.add_request([rand_token() for _ in range(prompt_len)], SamplingParams(temperature=0.6, max_tokens=400, ignore_eos=True))
+           for _ in range(num_seqs)]
+    try:
+        while llm.stats()["num_waiting"] or any(s.num_uncomputed_tokens > 1 for s in llm.scheduler.running):
+            llm.step()
+        for _ in range(3):
+            llm.step()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(10):
+                llm.step()
+            sync(llm.device.type)
+        averages = prof.key_averages()
+        text = averages.table(sort_by="self_cpu_time_total", row_limit=20)
+        if llm.device.type == "cuda":
+            text += "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=25)
+        path.write_text(text)
+    finally:
+        for rid in ids:
+            llm.abort_request(rid)
+        while llm.has_unfinished_requests():
+            llm.step()
+
+
 def gemv_rows() -> None:
     """One row per weight shape: cuBLAS vs the fastest Triton GEMV tile, in microseconds, at 1/2/4 rows."""
     from engine.layers import gemv
@@ -320,6 +349,9 @@ def main() -> int:
             sync_elapsed = throughput()
             note = f"async is {got['throughput'] * sync_elapsed / total_out:.2f}x" if "throughput" in got else ""
             row("throughput, synchronous scheduling", f"{total_out / sync_elapsed:.0f} tok/s", note)
+        if args.json:
+            with section("profile of a full-batch decode step"):
+                profile_full_batch(llm, n_req, 512 if not small else 32, args.json.parent / "profile_decode_full.txt")
         del llm
         release_memory()
 

@@ -40,7 +40,8 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path):
                  "batch-1 decode step, whole", "TTFT with 1,900 tokens cached", "throughput, synchronous scheduling",
                  "batch-1 decode, eager", "transformers batch-1 decode"):
         assert f"| {name} |" in table, name
-    assert (tmp_path / "bench.json").is_file() and (tmp_path / "profile.txt").is_file()
+    for written in ("bench.json", "profile.txt", "profile_prefill.txt", "profile_decode_full.txt"):
+        assert (tmp_path / written).is_file(), written
 
 
 def test_gpu_tests_collect_without_the_app():
