@@ -23,7 +23,8 @@ def save_random_model(config, folder: Path, dtype: torch.dtype, device: str = "c
 
     from tests.conftest import build_tokenizer
 
-    if (folder / "config.json").is_file():
+    done = folder / ".complete"  # written last: a save cut short (a timeout) is redone, never loaded
+    if done.is_file():
         return folder
     torch.manual_seed(0)
     with torch.device(device):
@@ -35,6 +36,7 @@ def save_random_model(config, folder: Path, dtype: torch.dtype, device: str = "c
     model.save_pretrained(folder, safe_serialization=True)
     build_tokenizer(folder)
     del model
+    done.touch()
     return folder
 
 

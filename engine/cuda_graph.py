@@ -64,7 +64,9 @@ class DecodeGraphs:
         """A graph of one decode step over the first `size` rows of the static buffers."""
         self._step(size)  # warm-up: lazy initialisation and compilation must not happen inside capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # "thread_local": CUDA calls from other threads (the app's other engine or UI) during the
+        # capture are theirs to make; the default would make them, and the capture, fail.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._step(size)
         if self.pool is None:
             self.pool = graph.pool()

@@ -98,10 +98,14 @@ class LLMEngine:
             raise
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes, if any; with them, the engine can run no more
-        steps. Without tensor parallelism there is nothing to stop. Safe to call more than once."""
+        """Release what the engine holds: its weights, KV cache and CUDA graphs (on a GPU, the memory
+        goes back to the device, so another engine can load, as when the app swaps models), and the
+        tensor-parallel worker processes, if any. The engine runs no more steps; `stats()` still
+        answers. Safe to call more than once."""
         if self.workers is not None:
             self.workers.close()
+        self._in_flight = None
+        self.model_runner.release()
 
     def parameter_bytes(self) -> list[int]:
         """Bytes of model weights each rank holds, rank 0 first: about 1/N of the model each."""

@@ -4,6 +4,7 @@ With tensor parallelism, every rank has a ModelRunner over its shard of the weig
 cache. Rank 0 builds each step's inputs and sends them to the workers (engine/tp_workers.py),
 which `execute` the same step; only rank 0 gets logits and samples.
 """
+import gc
 import logging
 import time
 from contextlib import contextmanager
@@ -73,6 +74,8 @@ class ModelRunner:
         max_position = config.max_model_len or hf_config.max_position_embeddings
         torch.manual_seed(config.seed)
         packs = device.type == "cpu" and can_pack_for_cpu(dtype)
+        # What this process already holds on the GPU (another engine, say) is not this engine's weights.
+        self._gpu_bytes_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cpu":
             weights = checkpoint_numel(safetensors_files(model_path)) * dtype.itemsize // tp.size
             if packs and getattr(hf_config, "tie_word_embeddings", False):  # the packed head is a second copy
@@ -183,6 +186,16 @@ class ModelRunner:
             for module, name, _ in swaps:
                 delattr(module, name)  # back to the class's plain function
 
+    def release(self) -> None:
+        """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
+        the device. `launch` refuses to run afterwards."""
+        self.graphs = self.model = self.kv_cache = self.last_sampled = None
+        self.attention_layers, self.last_sampled_seqs = [], []
+        self.staging = self.readback = None
+        if self.device.type == "cuda":
+            gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now
+            torch.cuda.empty_cache()
+
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         a = self.attention_layers[0]
@@ -217,11 +230,13 @@ class ModelRunner:
     @torch.inference_mode()
     def _gpu_kv_budget(self) -> int:
         """Bytes for the KV cache: what gpu_memory_utilization leaves after weights, peak activations
-        and graphs, and never more than is physically free (other processes' memory is not ours)."""
-        weights = torch.cuda.memory_allocated(self.device)
+        and graphs, and never more than is physically free (memory of other processes, or of other
+        engines in this one, is not ours)."""
+        allocated = torch.cuda.memory_allocated(self.device)
+        weights = allocated - self._gpu_bytes_before
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup()
-        activations = torch.cuda.max_memory_allocated(self.device) - weights
+        activations = torch.cuda.max_memory_allocated(self.device) - allocated
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         graphs = min(1 << 30, total // 64) if self.use_graphs else 0
@@ -391,6 +406,8 @@ class ModelRunner:
     def launch(self, batch: list[ScheduledSeq]) -> LaunchedStep:
         """Enqueue one step: the forward, the sampling, and the copy of the sampled tokens to the
         host. On a GPU this returns while the device works; `collect` waits for the tokens."""
+        if self.model is None:
+            raise RuntimeError("this engine is closed; create a new LLM")
         step = self.prepare(batch)
         if self.workers is None:
             logits = self.execute(step)

@@ -77,3 +77,24 @@ def test_bad_input_raises_in_the_callers_thread_and_the_loop_keeps_serving(front
         front.submit([10**9], SamplingParams(max_tokens=4))
     outs = list(front.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
     assert outs[-1].finished and outs[-1].finish_reason == "length" and len(outs) == 5
+
+
+def test_shutdown_releases_the_engines_memory(tiny_llama):
+    """When the app swaps models, the retired engine's weights and KV cache must really go (on a GPU
+    the next model needs that memory): nothing may keep them alive once the engine is shut down."""
+    import gc
+    import weakref
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, max_num_seqs=8)
+    runner = llm.model_runner
+    held = [weakref.ref(runner.kv_cache), weakref.ref(runner.model), weakref.ref(next(runner.model.parameters()))]
+    thread = EngineThread(llm)
+    stream = thread.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(list(stream)) > 0
+    thread.shutdown()
+    gc.collect()
+    assert [ref() for ref in held] == [None, None, None]
+    assert llm.stats()["num_blocks"] == 64  # still answers, for a dashboard that looks once more
+    with pytest.raises(RuntimeError, match="closed; create a new LLM"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()  # a second close is harmless

@@ -264,6 +264,8 @@ def test_staging_uploads_do_not_wait_for_a_busy_stream():
     from engine.staging import StagingBuffer
 
     staging = StagingBuffer(torch.device("cuda"), torch.int64)
+    for i in range(len(staging.hosts)):  # every buffer allocated first: pinning new memory may itself wait
+        staging.upload([np.full(3, i)])
     torch.cuda.synchronize()
     torch.cuda._sleep(10**9)  # a long "step" on the stream
     uploads = [staging.upload([np.full(3, i)]) for i in range(3)]
