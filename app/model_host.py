@@ -2,8 +2,9 @@
 remote OpenAI-compatible server. One at a time, swapped safely.
 
 Loading happens in the background and reports progress. A load or a connect that fails leaves the
-previous backend serving, and says why. Loading a model disconnects a server, and connecting to a
-server unloads the model.
+previous backend serving, and says why; except that a model on the GPU is unloaded before another
+loads there, since one GPU seldom holds two. Loading a model disconnects a server, and connecting to
+a server unloads the model.
 """
 import logging
 import threading
@@ -59,12 +60,27 @@ class ModelHost:
             if self.state.status == "error":
                 raise RuntimeError(self.state.message)
 
+    def _must_unload_first(self, settings: dict) -> bool:
+        """Whether the model serving now must go before another loads: one GPU seldom holds two (an
+        8 GB laptop card rarely holds one and a half). On the CPU the old one serves until the new is ready."""
+        return (self.engine is not None and self.engine.engine.device.type == "cuda"
+                and settings.get("device", "auto") != "cpu")
+
     def _load(self, model: str, label: str | None, settings: dict) -> None:
+        unloaded = ""
+        if self._must_unload_first(settings):
+            with self._lock:
+                old_engine, self.engine = self.engine, None
+                unloaded, self.label = self.label, ""
+                self.state.message = f"Loading {label or model}… ({unloaded} was unloaded to free the GPU.)"
+            _retire(old_engine, None)  # its replies still streaming end as stopped; its memory goes back
         try:
             engine = EngineThread(LLM(model, **settings))
         except Exception as e:  # any failure: say it, keep the previous backend
             log.exception("loading %s failed", model)
-            self.state = LoadState("error", f"Could not load {label or model}: {e}.{self._serving()}", model, settings)
+            after = (f" {unloaded} was unloaded to free the GPU; load it again from the Models tab." if unloaded
+                     else self._serving())
+            self.state = LoadState("error", f"Could not load {label or model}: {e}.{after}", model, settings)
             return
         old_engine, old_remote = self.engine, self.remote
         self.engine, self.remote = engine, None
@@ -126,7 +142,6 @@ class ModelHost:
 def _retire(engine: EngineThread | None, remote: RemoteBackend | None) -> None:
     """Stop a backend that no longer serves. Its replies still streaming end as stopped, not hanging."""
     if engine is not None:
-        engine.abort_all()
-        engine.shutdown()
+        engine.shutdown()  # aborts what is still streaming, then releases the engine's memory
     if remote is not None:
         remote.close()

@@ -34,11 +34,11 @@ class EngineThread:
     # ---- caller side ----------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> "RequestStream":
         """Queue a request. Invalid input raises here, in the caller's thread."""
-        if self.error is not None or self._stop:
-            raise RuntimeError(f"the engine thread has stopped ({self.error!r}); restart the model")
         request_id = f"chat-{next(self._ids)}"
         stream = _Channel()
-        with self._lock:
+        with self._lock:  # checked under the lock: a request is either refused or seen by shutdown()
+            if self.error is not None or self._stop:
+                raise RuntimeError(f"the engine thread has stopped ({self.error!r}); restart the model")
             self.engine.add_request(prompt, params, request_id)
             self._streams[request_id] = stream
         self._wake.set()
@@ -69,13 +69,16 @@ class EngineThread:
             return self.engine.kv_blocks()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the step loop, then the engine's worker processes (tensor parallelism), if any."""
-        self._stop = True
+        """Stop the step loop, end the streams still open as aborted, and close the engine (its memory
+        and worker processes go)."""
+        with self._lock:
+            self._stop = True
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("the engine thread did not stop within %.0f s; its engine stays open", timeout)
         else:
+            self.abort_all()
             self.engine.close()
 
     # ---- engine side ----------------------------------------------------------------------------

@@ -92,6 +92,8 @@ def test_shutdown_releases_the_engines_memory(tiny_llama):
     stream = thread.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(list(stream)) > 0
     thread.shutdown()
+    with pytest.raises(RuntimeError, match="the engine thread has stopped"):
+        thread.submit(PROMPTS[0])
     gc.collect()
     assert [ref() for ref in held] == [None, None, None]
     assert llm.stats()["num_blocks"] == 64  # still answers, for a dashboard that looks once more
