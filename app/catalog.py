@@ -223,7 +223,8 @@ def estimate_memory(entry: CatalogEntry, context_len: int, dtype: str = "bfloat1
 def available_memory(device: str = "auto") -> tuple[str, int]:
     """(description, free bytes) of a device: "auto" (CUDA when present, else CPU), "cuda[:i]", "mps" or "cpu".
 
-    On CUDA the free bytes come from torch.cuda.mem_get_info; on CPU from psutil when installed, else
+    On CUDA the free bytes come from torch.cuda.mem_get_info, plus what this process holds (its model
+    is unloaded before another loads there); on CPU from psutil when installed, else
     /proc/meminfo MemAvailable, else os.sysconf. Asking for CUDA without a usable GPU falls back to the CPU with a
     note in the description.
     """
@@ -234,6 +235,9 @@ def available_memory(device: str = "auto") -> tuple[str, int]:
         if torch is not None and torch.cuda.is_available():
             index = torch.device(dev).index if dev.startswith("cuda:") else torch.cuda.current_device()
             free, total = torch.cuda.mem_get_info(index)
+            # What this process holds there is the model serving now, which goes before another loads
+            # on the GPU (app/model_host.py): for the next model, it counts as free.
+            free += torch.cuda.memory_reserved(index)
             return f"{torch.cuda.get_device_name(index)} ({total / GiB:.1f} GiB)", int(free)
         if dev != "auto":
             note = "; no CUDA GPU found"

@@ -168,7 +168,12 @@ def test_available_memory_cuda_reads_mem_get_info(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (6 * GiB, 8 * GiB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA GeForce RTX 4060 Laptop GPU")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 0)
     assert available_memory("auto") == ("NVIDIA GeForce RTX 4060 Laptop GPU (8.0 GiB)", 6 * GiB)
+    # A model of ours holds 5 GiB of the 7 in use: it is unloaded before the next one loads, so it counts as free.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (1 * GiB, 8 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 5 * GiB)
+    assert available_memory("auto")[1] == 6 * GiB
 
 
 QWEN3_06B_CONFIG = {
