@@ -44,6 +44,14 @@ class ModelHost:
         """Which backend serves: "local", "remote", or None."""
         return "remote" if self.remote is not None else "local" if self.engine is not None else None
 
+    def status_message(self) -> str:
+        """The status line. While a model loads it counts the seconds: a first load on a GPU also
+        compiles kernels, a minute or more of a line that would otherwise not change."""
+        state = self.state
+        if state.status == "loading" and state.started:
+            return f"{state.message} {time.time() - state.started:.0f} s so far."
+        return state.message
+
     def _serving(self) -> str:
         return f" {self.label} keeps serving." if self.ready else ""
 

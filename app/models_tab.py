@@ -44,7 +44,7 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         dt = "float32" if dtype_name == "auto" else dtype_name
         return size + fit_report(entry, int(ctx or 4096), dt).message
 
-    status = gr.Markdown(ui.host.state.message, elem_id="model-status")
+    status = gr.Markdown(ui.host.status_message, elem_id="model-status")
     with gr.Row():
         repo = gr.Dropdown(choices=choices, value=catalog[0].repo_id, label="Model", allow_custom_value=True,
                            info="Pick from the catalog, or type any Hugging Face repo id or local folder", scale=3)
@@ -128,7 +128,7 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             ui.host.load(source, label=label, **settings)
         except RuntimeError as e:
             raise gr.Error(str(e)) from e
-        return ui.host.state.message
+        return ui.host.status_message()
 
     load_btn.click(load, [repo, dtype, context, kv_gib], status, api_name="load")
     unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, status)
@@ -147,5 +147,5 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     disconnect_btn.click(lambda: (ui.host.disconnect(), ui.host.state.message)[1], None, status)
 
     timer = gr.Timer(1.0)
-    timer.tick(lambda: (ui.host.state.message, _describe_jobs(manager), _local_rows(manager)), None,
+    timer.tick(lambda: (ui.host.status_message(), _describe_jobs(manager), _local_rows(manager)), None,
                [status, downloads, local], show_progress="hidden", concurrency_limit=1, concurrency_id="models-panel")

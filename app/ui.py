@@ -246,7 +246,7 @@ class PagodaUI:
     # ---- live panels ----------------------------------------------------------------------------
     def header(self) -> str:
         if not self.host.ready:
-            return f"**Pagoda** · {self.host.state.message}"
+            return f"**Pagoda** · {self.host.status_message()}"
         if self.host.remote is not None:
             return f"**Pagoda** · {self.host.label}"
         return f"**Pagoda** · {self.host.label} · {self.host.device_label()}"
