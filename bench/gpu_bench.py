@@ -70,40 +70,36 @@ def decode_breakdown(llm, prompt_len: int, out_dir: Path | None) -> None:
         note = f"graph replay alone {start.elapsed_time(end) / 100:.3f} ms on the GPU"
     row("batch-1 decode step, whole", f"{step_ms:.3f} ms", note)
     if out_dir is not None:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            for _ in range(20):
-                llm.step()
-        sort = "self_cuda_time_total" if llm.device.type == "cuda" else "self_cpu_time_total"
-        text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        text += "\n" + prof.key_averages().table(sort_by=sort, row_limit=25)
-        (out_dir / "profile.txt").write_text(text)
+        text = write_profile(llm, lambda: [llm.step() for _ in range(20)], out_dir / "profile.txt")
         print("\n".join(text.splitlines()[:22]))
     llm.abort_request(rid)
 
 
-def profile_prefill(llm, prompt: list[int], path: Path) -> None:
-    """Profile one cold prefill: the host's busiest ops (count, self time) and the kernels."""
+def write_profile(llm, run, path: Path, rows: int = 25) -> str:
+    """Profile `run()` (and the device work it queued): the busiest host ops, then on a GPU the
+    kernels, as tables written to `path`. Returns the text."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        run()
         sync(llm.device.type)
     averages = prof.key_averages()
-    text = averages.table(sort_by="self_cpu_time_total", row_limit=30)
+    text = averages.table(sort_by="self_cpu_time_total", row_limit=rows)
     if llm.device.type == "cuda":
-        text += "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=20)
+        text += "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=rows)
     path.write_text(text)
+    return text
+
+
+def profile_prefill(llm, prompt: list[int], path: Path) -> None:
+    """Profile one cold prefill: where an eager forward's host time and kernel time go."""
+    write_profile(llm, lambda: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False), path, 30)
 
 
 def profile_full_batch(llm, num_seqs: int, prompt_len: int, path: Path) -> None:
     """Profile ten decode steps of `num_seqs` running requests (the throughput run's full batch):
     which kernels a large step's time goes to (attention, GEMMs, small ops, sampling)."""
-    from torch.profiler import ProfilerActivity, profile
-
     ids = [llm.add_request([rand_token() for _ in range(prompt_len)], SamplingParams(temperature=0.6, max_tokens=400, ignore_eos=True))
            for _ in range(num_seqs)]
     try:
@@ -111,16 +107,7 @@ def profile_full_batch(llm, num_seqs: int, prompt_len: int, path: Path) -> None:
             llm.step()
         for _ in range(3):
             llm.step()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            for _ in range(10):
-                llm.step()
-            sync(llm.device.type)
-        averages = prof.key_averages()
-        text = averages.table(sort_by="self_cpu_time_total", row_limit=20)
-        if llm.device.type == "cuda":
-            text += "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=25)
-        path.write_text(text)
+        write_profile(llm, lambda: [llm.step() for _ in range(10)], path)
     finally:
         for rid in ids:
             llm.abort_request(rid)
