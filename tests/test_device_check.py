@@ -49,3 +49,15 @@ def test_gpu_tests_collect_without_the_app():
     # On the CPU every GPU test skips; what is checked is that the module and its fixtures import.
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "skipped" in result.stdout and "error" not in result.stdout.lower()
+
+
+def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
+    """The shell script itself (here its GPU tests all skip, and the benchmarks are skipped as on a rerun)."""
+    import os
+
+    env = {**os.environ, "SKIP_BENCH": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    result = subprocess.run(["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True,
+                            capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "device_check: tests exit 0, benchmarks exit skipped" in result.stdout
+    assert "skipped" in (tmp_path / "tests.log").read_text()
