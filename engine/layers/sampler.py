@@ -76,15 +76,19 @@ class CompiledPick:
     float32 logits: at 256 rows of a 152k vocabulary that is about a dozen passes over 155 MB,
     some 0.5 ms of an H200's bandwidth a step; compiled, a few. Below `min_rows` the logits are
     small, the passes cost microseconds, and not compiling spares the seconds each new parameter
-    combination costs on first use. If compiling fails, sampling goes on eagerly, with a warning."""
+    combination costs on first use. Batches with top-k or top-p stay eager too: their sort dominates
+    and compiles to nothing better, and inductor (torch 2.11, CUDA) fails to generate their cumsum
+    with dynamic shapes (bench/RESULTS.md, 2026-11-30). If compiling fails, sampling goes on
+    eagerly, with a warning."""
 
     def __init__(self, min_rows: int = 64):
         self.min_rows = min_rows
         self.compiled = torch.compile(pick_tokens, dynamic=True)
         self.failed = False
 
-    def __call__(self, logits: torch.Tensor, *args) -> torch.Tensor:
-        if logits.shape[0] >= self.min_rows and not self.failed:
+    def __call__(self, logits: torch.Tensor, temperatures, top_k, top_p, *args) -> torch.Tensor:
+        args = (temperatures, top_k, top_p, *args)
+        if logits.shape[0] >= self.min_rows and not self.failed and top_k is None and top_p is None:
             try:
                 return self.compiled(logits, *args)
             except Exception as e:  # noqa: BLE001 - any compiler failure; eager sampling still works

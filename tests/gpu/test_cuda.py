@@ -67,7 +67,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_qwen2):
     params = [ASYNC_MIX[i % 4] for i in range(8)]
     outs = {}
     for mode in (False, True):
-        llm = LLM(str(tiny_qwen2), device="cuda", dtype="float32", num_kvcache_blocks=24, max_num_seqs=8,
+        llm = LLM(str(tiny_qwen2), device="cuda", dtype="float32", num_kvcache_blocks=16, max_num_seqs=8,
                   max_num_batched_tokens=40, async_scheduling=mode)
         outs[mode] = [(o["token_ids"], o["finish_reason"]) for o in llm.generate(prompts, params, use_tqdm=False)]
         if mode:
@@ -119,7 +119,7 @@ def test_async_steps_never_wait_for_the_device(tiny_qwen2):
 def test_compiled_sampler_on_cuda_picks_the_eager_tokens():
     """Batches of 64 rows and more sample through torch.compile on the GPU: the same tokens as
     eager sampling from the same noise, for plain temperature (the throughput benchmark's) and a
-    mix of every filter with greedy rows."""
+    mix of min-p, penalties and greedy rows; top-k/top-p batches stay eager."""
     from engine.layers.sampler import Sampler, SamplingBatch
 
     rows, vocab = 96, 151936
@@ -132,11 +132,13 @@ def test_compiled_sampler_on_cuda_picks_the_eager_tokens():
     plain = SamplingBatch(column(0.6, torch.float32), None, None, None, None, None, [None] * rows, False)
     temps = column(0.8, torch.float32)
     temps[::3] = 0.0
-    mixed = SamplingBatch(temps, column(40, torch.int64), column(0.9, torch.float32), column(0.02, torch.float32),
+    mixed = SamplingBatch(temps, None, None, column(0.02, torch.float32),
                           column(1.3, torch.float32), torch.rand(rows, vocab, device="cuda", generator=gen) < 0.01,
                           [None] * rows, False)
     compiled = Sampler(compiled=True)
-    for batch in (plain, mixed):
+    filtered = SamplingBatch(temps, column(40, torch.int64), column(0.9, torch.float32), None, None, None,
+                             [None] * rows, False)
+    for batch in (plain, mixed, filtered):
         torch.manual_seed(1)
         expected = Sampler()(logits, batch)
         torch.manual_seed(1)
