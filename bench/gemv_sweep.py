@@ -2,10 +2,9 @@
 
     python -m bench.gemv_sweep     (CUDA only)
 
-`choose_gemv` times with triton's do_bench: one launch at a time, so a launch's gap counts. Inside
-a CUDA graph there is almost none. Here each option runs 64 times back to back inside a graph,
-cycling through enough weight copies (>= 256 MB) that the L2 cache holds none of them, as in a
-real step. Options: cuBLAS through F.linear, cuBLAS's GEMV through torch.mv, and the Triton
+Each option runs 64 times back to back inside a CUDA graph, cycling through enough weight copies
+(>= 256 MB) that the L2 cache holds none of them, as in a real step (`choose_gemv` times the same
+way since 2026-11-30; before, triton's do_bench timed one launch at a time, gaps included). Options: cuBLAS through F.linear, cuBLAS's GEMV through torch.mv, and the Triton
 kernel over tiles and warp counts. Prints GB/s of weights read.
 """
 import itertools

@@ -8,10 +8,11 @@ hundred programs), streams them in wide loads along K, and reduces in fp32 once,
 
 Whether it is faster depends on the GPU, the weight's shape and the row count, so nothing is
 assumed: when a model loads on CUDA, `choose_gemv` times cuBLAS and a few tile shapes of the
-kernel on each distinct weight shape, for 1, 2 and 4 rows, checks the kernel's result, and
+kernel on each distinct weight shape (inside a CUDA graph, with the L2 cache cold), for 1, 2 and 4 rows, checks the kernel's result, and
 keeps the kernel only where it is clearly faster. Half precision only: float32 keeps cuBLAS,
 whose sums the exact-match tests against transformers rely on.
 """
+import itertools
 import logging
 from typing import Callable
 
@@ -145,11 +146,36 @@ def min_programs(device: torch.device) -> int:
 
 
 def cuda_timer(fn: Callable[[], object]) -> float:
-    """Median milliseconds of `fn` on the GPU, with the L2 cache flushed before each run, as a
-    decode step meets its weights."""
-    import triton.testing
+    """Milliseconds per call of `fn` as a decode graph runs it: 32 calls captured back to back in a
+    CUDA graph, replayed. Timed one launch at a time (triton's do_bench), a launch's gap of a few
+    microseconds weighs as much as the small kernels measured, and misled the choice on an H200
+    (bench/RESULTS.md, 2026-11-30). `fn` should read a different weight copy on each call
+    (`cold_copies`), so that the L2 cache serves none of them, as in a real step."""
+    calls, replays = 32, 5
+    for _ in range(2):  # compile and initialise outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (replays * calls)
 
-    return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
+
+def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and enough copies of it to fill twice the GPU's L2 cache (just `weight` off a GPU)."""
+    if not weight.is_cuda:
+        return [weight]
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 64 << 20)
+    extra = -(-2 * l2 // (weight.numel() * weight.element_size())) - 1
+    return [weight] + [weight.clone() for _ in range(max(0, extra))]
 
 
 # (N, K, dtype, has_bias, bucket) -> (BLOCK_N, BLOCK_K), or None for cuBLAS: one choice per shape per process
@@ -185,7 +211,9 @@ def _measure(weight: torch.Tensor, bias: torch.Tensor | None, bucket: int, timer
     gen = torch.Generator(weight.device).manual_seed(0)
     x = torch.randn(bucket, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
     expected = F.linear(x, weight, bias).float()
-    cublas_ms = timer(lambda: F.linear(x, weight, bias))
+    copies = cold_copies(weight)
+    turns = itertools.cycle(copies)  # each timed call reads the next copy
+    cublas_ms = timer(lambda: F.linear(x, next(turns), bias))
     best, best_ms = None, None
     # A tile that leaves SMs idle cannot stream at full bandwidth: skip it, but keep the narrowest.
     enough = min_programs(weight.device)
@@ -203,7 +231,7 @@ def _measure(weight: torch.Tensor, bias: torch.Tensor | None, bucket: int, timer
         if not ((got - expected).norm() <= 1e-2 * expected.norm() + 1e-6):
             log.warning("gemv tile %dx%d disagrees with cuBLAS on %s; not used", block_n, block_k, tuple(weight.shape))
             continue
-        ms = timer(lambda: gemv(x, weight, bias, block_n, block_k))
+        ms = timer(lambda: gemv(x, next(turns), bias, block_n, block_k))
         if best_ms is None or ms < best_ms:
             best, best_ms = (block_n, block_k), ms
     TIMINGS[(*weight.shape, weight.dtype, bias is not None, bucket)] = (cublas_ms, best_ms)
