@@ -143,6 +143,8 @@ class PagodaUI:
         reply = self.store.add_message(conversation_id, "assistant", "")
         self.request_labels[stream.request_id] = f"#{conversation_id} {self.store.get(conversation_id).title}"
         self.tasks[conversation_id] = ReplyTask(stream, self.store, reply.id, num_prompt_tokens)
+        log.info("chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens,
+                 stream.request_id)
         if request is not None:
             self.session_chats.setdefault(request.session_hash, set()).add(conversation_id)
         if not self.shows(request, conversation_id):

@@ -100,3 +100,40 @@ def test_shutdown_releases_the_engines_memory(tiny_llama):
     with pytest.raises(RuntimeError, match="closed; create a new LLM"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()  # a second close is harmless
+
+
+class BusyEngine:
+    """Steps forever, each step holding the engine (and so the thread's lock) for 2 ms."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def has_unfinished_requests(self) -> bool:
+        return True
+
+    def step(self) -> list:
+        time.sleep(0.002)  # releases the GIL, as a model's forward pass does
+        self.steps += 1
+        return []
+
+    def stats(self) -> dict:
+        return {"steps": self.steps}
+
+    def close(self) -> None:
+        pass
+
+
+def test_callers_get_the_engine_between_two_steps_however_busy_the_loop():
+    """The loop takes its lock again the moment it lets go. A caller (submit, stats) must still get
+    it after the step in progress, not wait for a lucky gap: unfairly, a browser test once waited
+    over 20 s on CI for its message to be accepted."""
+    thread = EngineThread(BusyEngine())
+    try:
+        waits = []
+        for _ in range(50):
+            before = thread.engine.steps
+            waits.append(thread.stats()["steps"] - before)  # steps the loop ran while this caller waited
+            time.sleep(0.001)
+        assert max(waits) <= 2, f"a caller waited {max(waits)} steps for the lock (all waits: {waits})"
+    finally:
+        thread.shutdown()

@@ -33,7 +33,7 @@ class AppProcess:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
-        env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(self.model), "--port", str(self.port),
                                       "--no-browser", "--max-chats", "4"], env=env, stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])

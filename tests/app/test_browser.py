@@ -39,12 +39,37 @@ def session(bundled_model, tmp_path_factory):
     app.kill()
 
 
+@pytest.fixture
 def open_page(session):
+    """Opens a tab on the app. Tabs still open when the test ends, passed or failed, are closed,
+    so that a failed test leaves no replies streaming into the next one."""
     app, _, browser = session
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.goto(app.url)
-    page.locator("#context-meter").get_by_text("Context:").wait_for()  # the first chat is open
-    return page
+    opened = []
+
+    def open_tab():
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        opened.append(page)
+        page.goto(app.url)
+        page.locator("#context-meter").get_by_text("Context:").wait_for()  # the first chat is open
+        return page
+
+    yield open_tab
+    for page in opened:
+        if not page.is_closed():
+            page.close()
+
+
+@pytest.fixture(autouse=True)
+def app_log_on_failure(session, request):
+    """When a test fails, its log lines from the app follow the failure (the server's side of it)."""
+    app = session[0]
+    start = app.log.stat().st_size
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        with open(app.log, errors="replace") as log:
+            log.seek(start)
+            print("---- the app's log during this test ----\n" + log.read()[-6000:])
 
 
 def shot(page, name: str) -> None:
@@ -80,8 +105,8 @@ def send(page, text: str) -> None:
     wait_for_js(page, f"() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length > {users}", timeout=20000)
 
 
-def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(session):
-    page = open_page(session)
+def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(session, open_page):
+    page = open_page()
     page.get_by_text("System prompt and sampling").click()
     system = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in full "
               "sentences, you say so when you do not know, and you never make up facts about the user.")
@@ -115,14 +140,14 @@ def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(ses
     page.close()
 
 
-def test_closing_the_tab_aborts_its_replies(session):
+def test_closing_the_tab_aborts_its_replies(session, open_page):
     _, client, _ = session
     running = lambda: client.predict(api_name="/engine_stats")["num_running"]
     deadline = time.time() + 30
     while running() and time.time() < deadline:  # the previous test closed its tab: its replies stop
         time.sleep(0.2)
     assert running() == 0
-    page = open_page(session)
+    page = open_page()
     page.get_by_role("button", name="New chat").click()
     wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
     send(page, "Write a very long story about a dragon, with many chapters.")
@@ -137,13 +162,13 @@ def test_closing_the_tab_aborts_its_replies(session):
     assert running() == 0
 
 
-def test_keyboard_and_look_header_shift_enter_escape_and_dark_mode(session):
+def test_keyboard_and_look_header_shift_enter_escape_and_dark_mode(session, open_page):
     _, client, _ = session
     running = lambda: client.predict(api_name="/engine_stats")["num_running"]
     deadline = time.time() + 30
     while running() and time.time() < deadline:
         time.sleep(0.2)
-    page = open_page(session)
+    page = open_page()
     dark = "() => document.body.classList.contains('dark')"
     was_dark = page.evaluate(dark)
     page.get_by_role("button", name="Light / dark").click()
