@@ -116,7 +116,8 @@ def profile_full_batch(llm, num_seqs: int, prompt_len: int, path: Path) -> None:
 
 
 def gemv_rows() -> None:
-    """One row per weight shape: cuBLAS vs the fastest Triton GEMV tile, in microseconds, at 1/2/4 rows."""
+    """One row per weight shape: cuBLAS vs the fastest Triton GEMV tile, in microseconds, at 1/2/4
+    rows; then the decoder norms run apart vs inside the projection after them, at one row."""
     from engine.layers import gemv
 
     shapes: dict[tuple, list[str]] = {}
@@ -125,6 +126,12 @@ def gemv_rows() -> None:
         shapes.setdefault((n, k), []).append(f"{bucket}: {cublas_ms * 1000:.1f}/{kernel}")
     for (n, k), cells in shapes.items():
         row(f"matmul {n}x{k}, cuBLAS/GEMV us", "", ", ".join(cells) + " (rows: us)")
+    from engine.layers import normed_gemv
+
+    for (n, k, dtype, bias, silu_mul), (unfused_ms, fused_ms) in sorted(normed_gemv.TIMINGS.items(), key=lambda kv: kv[0][:2]):
+        fused = f"{fused_ms * 1000:.1f}" if fused_ms is not None else "-"
+        ops = "add+norm, matmul" + (", silu*up" if silu_mul else "")
+        row(f"norm+matmul {n}x{k}, separate/fused us", f"{unfused_ms * 1000:.1f}/{fused}", f"1 row: {ops} in one kernel")
 
 
 def copy_bandwidth(device: str) -> float:

@@ -94,6 +94,7 @@ class ModelRunner:
         if packs:
             pack_for_cpu(self.model)
         self.gemv_layers_by_rows = self._choose_gemv()
+        self.normed_layers = self._choose_normed(config)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, device, dtype, self.block_size)
         for layer in self.attention_layers:
@@ -129,19 +130,26 @@ class ModelRunner:
     @property
     def matmul_kind(self) -> str:
         """How linear layers multiply: "onednn-packed" (CPU), "torch", or "torch+triton-gemv" when
-        some layers run few-row products with the Triton kernel (engine/layers/gemv.py)."""
+        some layers run few-row products with the Triton kernel (engine/layers/gemv.py), followed by
+        how many projections run the norm before them, where any do (engine/layers/normed_gemv.py)."""
         if self.packed_weights:
             return "onednn-packed"
-        return "torch+triton-gemv" if any(self.gemv_layers_by_rows.values()) else "torch"
+        kind = "torch+triton-gemv" if any(self.gemv_layers_by_rows.values()) else "torch"
+        return kind + (f" (norm fused into {self.normed_layers} projections)" if self.normed_layers else "")
+
+    def _triton_matmuls_apply(self) -> bool:
+        """Half precision on CUDA with Triton: float32 keeps cuBLAS, whose sums the exact-match
+        tests against transformers rely on."""
+        from engine.attention import triton_available
+
+        return self.device.type == "cuda" and self.dtype != torch.float32 and triton_available()
 
     @torch.inference_mode()
     def _choose_gemv(self) -> dict[int, int]:
         """Measure the Triton few-row matmul against cuBLAS on each weight shape (half precision on
         CUDA only), before the KV cache takes the memory the timing runs need. Returns, per row
         bucket, how many layers took the kernel."""
-        from engine.attention import triton_available
-
-        if self.device.type != "cuda" or self.dtype == torch.float32 or not triton_available():
+        if not self._triton_matmuls_apply():
             return {}
         from engine.layers.gemv import choose_gemv
 
@@ -150,6 +158,22 @@ class ModelRunner:
         used = choose_gemv(linears)  # the first load on a machine also compiles the kernel's variants
         log.info("Triton GEMV chosen over cuBLAS for %s of %d linear layers (measured in %.1f s)",
                  ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears), time.perf_counter() - start)
+        return used
+
+    @torch.inference_mode()
+    def _choose_normed(self, config: EngineConfig) -> int:
+        """Where the GEMV kernel is in play, measure running each decoder norm inside the projection
+        after it, at one row, against the separate ops as the decode graphs run them (compiled).
+        Returns how many projections took the fused kernel."""
+        if not self._triton_matmuls_apply() or config.enforce_eager:
+            return 0
+        from engine.layers.normed_gemv import choose_normed
+
+        start = time.perf_counter()
+        with self._compiled_small_ops():
+            used = choose_normed(self.model.norm_projections())
+        log.info("norm fused into the projection after it at one row: %d of %d projections (measured in %.1f s)",
+                 used, len(self.model.norm_projections()), time.perf_counter() - start)
         return used
 
     def _max_model_len(self, hf_config) -> int:

@@ -27,17 +27,24 @@ class PackableLinear(nn.Module):
     packed_weight: torch.Tensor | None = None
     # rows -> (BLOCK_N, BLOCK_K) of the Triton kernel, where it measured faster (engine/layers/gemv.py)
     gemv_tiles: dict[int, tuple[int, int]] | None = None
+    # (BLOCK_N, BLOCK_K) of the kernel that runs the norm before this layer inside it, at one row
+    # (engine/layers/normed_gemv.py), where it measured faster; column-parallel layers only
+    normed_tile: tuple[int, int] | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return self.matmul_with(x, self.weight, bias)
+
+    def matmul_with(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias) the way this layer multiplies its own weight (timings pass copies)."""
         if self.gemv_tiles:
             tile = self.gemv_tiles.get(x.shape[0])
             if tile is not None:
                 from engine.layers.gemv import gemv  # Triton is imported only where the kernel is chosen
 
-                return gemv(x, self.weight, bias, *tile)
-        return F.linear(x, self.weight, bias)
+                return gemv(x, weight, bias, *tile)
+        return F.linear(x, weight, bias)
 
     def pack(self) -> None:
         """Replace the weight by its packed copy. The plain weight is dropped, unless another module
@@ -102,6 +109,25 @@ class ColumnParallelLinear(nn.Linear, PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+               act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(act(self(norm(x + residual))), x + residual): a decoder layer's residual add and RMSNorm
+        `norm`, this projection, and `act` (a SiluAndMul, for gate/up) if given. One kernel at one
+        row where that measured faster (engine/layers/normed_gemv.py). Without `residual`, the
+        norm is of x, and x is returned as the residual."""
+        if self.normed_tile is not None and x.shape[0] == 1:
+            from engine.layers.normed_gemv import normed_gemv  # Triton is imported only where the kernel is chosen
+
+            return normed_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias, *self.normed_tile,
+                               silu_mul=act is not None)
+        return self.normed_unfused(x, residual, norm, act)
+
+    def normed_unfused(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                       act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        out = self(h)
+        return (act(out) if act is not None else out), residual
 
 
 class RowParallelLinear(nn.Linear, PackableLinear):

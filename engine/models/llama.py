@@ -35,13 +35,16 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over norm(x + residual); returns its output and x + residual."""
+        qkv, residual = self.qkv_proj.normed(x, residual, norm)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalises each head first
-        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+        return self.o_proj(self.attn(q, k, v, meta).flatten(1)), residual
 
 
 class DecoderMLP(nn.Module):
@@ -51,8 +54,10 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, tp=tp)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of norm(x + residual); returns its output and x + residual."""
+        h, residual = self.gate_up_proj.normed(x, residual, norm, self.act)
+        return self.down_proj(h), residual
 
 
 class DecoderLayer(nn.Module):
@@ -64,13 +69,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # Each norm (and the residual add before it) is applied by the projection that follows it,
+        # which at batch-1 decode may run all of it in one kernel (engine/layers/normed_gemv.py).
+        x, residual = self.self_attn(positions, x, residual, self.input_layernorm, meta)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
@@ -115,6 +117,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
+
+    def norm_projections(self) -> list[tuple[ColumnParallelLinear, RMSNorm, SiluAndMul | None]]:
+        """(projection, the norm it applies first, the activation it applies last or None) for each
+        norm that a projection runs: what engine/layers/normed_gemv.py may fuse into one kernel."""
+        return [pair for layer in self.model.layers for pair in (
+            (layer.self_attn.qkv_proj, layer.input_layernorm, None),
+            (layer.mlp.gate_up_proj, layer.post_attention_layernorm, layer.mlp.act))]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of the given rows; with tensor parallelism, on rank 0 only (None elsewhere)."""

@@ -296,9 +296,14 @@ def test_engine_with_gemv_forced_matches_cublas_logits(tiny_models, monkeypatch)
     """Every layer on the Triton kernel (graphs on) against every layer on cuBLAS, bf16."""
     from engine.layers import gemv as gemv_module
 
+    from engine.layers import normed_gemv as normed_module
+
+    monkeypatch.setattr(normed_module, "cuda_timer", lambda fn: 1.0)  # the norms stay unfused here
+
     def logits_of(force: bool):
         monkeypatch.setattr(gemv_module, "_CHOICES", {})
         monkeypatch.setattr(gemv_module, "TIMINGS", {})
+        monkeypatch.setattr(normed_module, "_CHOICES", {})
         monkeypatch.setattr(gemv_module, "cuda_timer", lambda fn: 0.1 if force and "gemv" in fn.__code__.co_names else 1.0)
         llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
         assert llm.stats()["matmul"] == ("torch+triton-gemv" if force else "torch")
@@ -316,3 +321,49 @@ def test_engine_with_gemv_forced_matches_cublas_logits(tiny_models, monkeypatch)
     for a, b in zip(forced[: same + 1], plain[: same + 1]):
         assert ((a - b).norm() / b.norm()).item() < 2e-2
     print(f"gemv forced vs cuBLAS: {same} of 6 greedy tokens equal")
+
+
+@pytest.mark.parametrize("n,silu_mul", [(4096, False), (6144, True)])  # the 0.6B shape's qkv and gate_up
+def test_normed_gemv_every_tile_matches_the_unfused_ops_on_gpu(n, silu_mul):
+    from engine.layers.activation import SiluAndMul
+    from engine.layers.layernorm import RMSNorm
+    from engine.layers.linear import ColumnParallelLinear
+    from engine.layers.normed_gemv import normed_gemv, normed_tile_candidates
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    layer = ColumnParallelLinear.split(1024, [n]).cuda().bfloat16()
+    norm = RMSNorm(1024).cuda().bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, 1024, device="cuda", generator=gen) * 0.02)
+        norm.weight.copy_(1 + 0.1 * torch.randn(1024, device="cuda", generator=gen))
+        x, residual = (torch.randn(1, 1024, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        act = SiluAndMul() if silu_mul else None
+        expected, expected_residual = layer.normed_unfused(x, residual, norm, act)
+        for tile in normed_tile_candidates(silu_mul):
+            got, got_residual = normed_gemv(x, residual, norm.weight, norm.eps, layer.weight, None, *tile, silu_mul=silu_mul)
+            assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 1e-2, tile
+            assert torch.equal(got_residual, expected_residual), tile
+
+
+def test_engine_with_norms_fused_matches_unfused_logits(tiny_models, monkeypatch):
+    """One prompt (its decode steps are one row, in the graphs): every q/k/v and gate/up running its
+    norm inside the kernel, against none doing so, bf16."""
+    from engine.layers import normed_gemv as normed_module
+
+    def logits_of(force: bool):
+        monkeypatch.setattr(normed_module, "_CHOICES", {})
+        monkeypatch.setattr(normed_module, "cuda_timer", lambda fn: 0.1 if force and "normed_gemv" in fn.__code__.co_names else 1.0)
+        llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
+        assert llm.model_runner.normed_layers == (2 * len(llm.model_runner.model.model.layers) if force else 0)
+        captured = []
+        original = llm.model_runner.model.compute_logits
+        llm.model_runner.model.compute_logits = lambda h: captured.append(original(h).float()) or captured[-1]
+        out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        return captured, out[0]["token_ids"]
+
+    fused, fused_tokens = logits_of(True)
+    plain, plain_tokens = logits_of(False)
+    same = next((i for i in range(6) if fused_tokens[i] != plain_tokens[i]), 6)
+    for a, b in zip(fused[: same + 1], plain[: same + 1]):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+    print(f"norms fused vs not: {same} of 6 greedy tokens equal")
