@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.gemv import MAX_TILE_ELEMENTS, MIN_SPEEDUP, cold_copies, cuda_timer
+from engine.layers.gemv import MIN_SPEEDUP, cold_copies, cuda_timer
 
 log = logging.getLogger("engine")
 
@@ -41,10 +41,12 @@ def _normed_gemv_kernel(
     """out = rms_norm(x + residual) @ w.T (+ b) for one row, or with SILU_MUL (w = [gate; up], 2 *
     N_OUT rows) out = silu(gate) * up. Program 0 also stores h = x + residual to res_out.
 
-    As in _gemv_kernel, all loads in the K loop are in the weight tile's [BLOCK_N, BLOCK_K] layout
-    (the row's values broadcast to every weight row), so h^2 sums there too: each row of the sum
-    holds the same total, and the norm's scale comes out per output column with no reduction
-    across programs."""
+    As in _gemv_kernel, the row's values are loaded broadcast into the weight tile's
+    [BLOCK_N, BLOCK_K] layout, so products need no layout change. Unlike it, each chunk is summed
+    along K at once (a model's K spans one or two chunks): full-tile accumulators for the dot
+    products and the squares took up to twice the registers (checked in the sm_90 code Triton
+    generates). Every tile row sees the whole of h, so each has the norm's total and the scale
+    needs no reduction across programs."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.zeros((BLOCK_N, 1), dtype=tl.int32) + tl.arange(0, BLOCK_K)[None, :]
@@ -53,9 +55,9 @@ def _normed_gemv_kernel(
     up_ptrs = w_ptrs + N_OUT * stride_wn
     # h is kept as the next residual once: by the tile row of output column 0.
     store_h = n[:, None] == 0
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         in_k = k0 + k < K
         h = _load(x_ptr + k0 + k, in_k, not EVEN_K)
@@ -63,18 +65,18 @@ def _normed_gemv_kernel(
             h = (h.to(tl.float32) + _load(res_ptr + k0 + k, in_k, not EVEN_K).to(tl.float32)).to(h.dtype)
             tl.store(res_out_ptr + k0 + k, h, mask=in_k & store_h)
         h = h.to(tl.float32)
-        squares += h * h
+        squares += tl.sum(h * h, axis=1)  # a reduction per chunk: K spans one or two chunks
         h *= _load(norm_w_ptr + k0 + k, in_k, not EVEN_K).to(tl.float32)
-        acc += _load(w_ptrs + k0, in_k, not EVEN_K).to(tl.float32) * h
+        acc += tl.sum(_load(w_ptrs + k0, in_k, not EVEN_K).to(tl.float32) * h, axis=1)
         if SILU_MUL:
-            acc_up += _load(up_ptrs + k0, in_k, not EVEN_K).to(tl.float32) * h
-    scale = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+            acc_up += tl.sum(_load(up_ptrs + k0, in_k, not EVEN_K).to(tl.float32) * h, axis=1)
+    scale = tl.rsqrt(squares / K + eps)
     out_ty = out_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=1) * scale
+    y = acc * scale
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N_OUT, other=0.0).to(tl.float32)
     if SILU_MUL:
-        up = tl.sum(acc_up, axis=1) * scale
+        up = acc_up * scale
         if HAS_BIAS:
             up += tl.load(b_ptr + N_OUT + n, mask=n < N_OUT, other=0.0).to(tl.float32)
         # gate and up rounded as the unfused gate_up output is, before the activation
@@ -110,11 +112,11 @@ def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 
 
 def normed_tile_candidates(silu_mul: bool) -> list[tuple[int, int]]:
-    """(BLOCK_N, BLOCK_K) pairs whose accumulators (the dot products, the squares, and with
-    `silu_mul` the up half's) fit the register budget of the plain GEMV, at 4 KiB+ of bf16 a step."""
-    accumulators = 3 if silu_mul else 2
-    return [(bn, bk) for bn in (2, 4, 8) for bk in (512, 1024, 2048)
-            if accumulators * bn * bk <= MAX_TILE_ELEMENTS and bn * bk >= 2048]
+    """(BLOCK_N, BLOCK_K) pairs that load 4 to 8 KiB of bf16 weights a chunk (with `silu_mul`, the
+    gate and the up tile together). Chunks past 1,024 columns and tiles past 8 KiB cost up to 255
+    registers a thread in the sm_90 code: too few programs could then run on an SM at once."""
+    tiles = 2 if silu_mul else 1
+    return [(bn, bk) for bn in (2, 4, 8) for bk in (512, 1024) if 2048 <= tiles * bn * bk <= 4096]
 
 
 # (N, K, dtype, has_bias, silu_mul) -> (BLOCK_N, BLOCK_K), or None to keep the unfused ops
