@@ -1,0 +1,119 @@
+"""Compile Triton kernel launches for an NVIDIA GPU on a machine that has none.
+
+Triton's interpreter checks what a kernel computes, but not that Triton's compiler accepts it
+for a GPU (constexpr use, dtypes, layouts), nor what it costs in registers. The compiler itself
+needs no GPU: given a target it lowers a kernel to PTX and a cubin. So tests record the launches
+the engine's own wrappers make under the interpreter (`record_launches`), and this module, run
+as `python -m tests.gpu_compile SPECS.json` in a process without TRITON_INTERPRET (where the
+kernels are real JIT functions), compiles each and prints what the cubin uses, as JSON.
+"""
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import torch
+
+# Launch arguments that only the interpreter is given: a GPU launch passes the other value.
+GPU_VALUES = {"UPCAST_DOT": False}
+TARGET = ("cuda", 90, 32)  # Hopper (H100, H200): the device machine's GPU
+
+_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
+          torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1"}
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return _TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for a launch argument of type {type(value).__name__}")
+
+
+@contextmanager
+def record_launches(specs: list[dict]):
+    """Append a spec to `specs` for each kernel launched meanwhile (run under TRITON_INTERPRET)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    real_run = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        names = self.arg_names
+        values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        annotations = self.fn.__annotations__  # tl.constexpr, or its name where annotations are strings
+        constexprs = {n: GPU_VALUES.get(n, v) for n, v in values.items() if "constexpr" in str(annotations.get(n))}
+        signature = {n: "constexpr" if n in constexprs else _arg_type(v) for n, v in values.items()}
+        specs.append({"module": self.fn.__module__, "kernel": self.fn.__name__, "signature": signature,
+                      "constexprs": constexprs, "num_warps": kwargs.get("num_warps", 4),
+                      "num_stages": kwargs.get("num_stages", 3)})
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield specs
+    finally:
+        InterpretedFunction.run = real_run
+
+
+def compile_in_subprocess(specs: list[dict], tmp_path) -> list[dict]:
+    """Each distinct spec compiled for TARGET in a fresh process; one result per spec: the spec's
+    kernel, `error` (None when it compiled) and the cubin's `registers` and `local_bytes` (spills)."""
+    unique = list({json.dumps(s, sort_keys=True): s for s in specs}.values())
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps(unique))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, said out loud (it warns otherwise)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "tests.gpu_compile", str(path)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the compile process failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    import re
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+).*LOCAL:(\d+)", out)
+    return {"registers": int(found[1]), "local_bytes": int(found[2])} if found else {}
+
+
+def _compile_all(specs: list[dict]) -> list[dict]:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget(*TARGET)
+    results = []
+    for spec in specs:
+        kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+        result = {"kernel": spec["kernel"], "constexprs": spec["constexprs"], "error": None}
+        try:
+            source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"])
+            compiled = triton.compile(source, target=target,
+                                      options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+            result.update(_resource_usage(compiled.asm["cubin"]))
+        except Exception as e:  # reported, so that the test names every kernel that fails
+            result["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+        results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(json.dumps(_compile_all(json.load(f))))

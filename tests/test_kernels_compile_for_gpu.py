@@ -1,0 +1,71 @@
+"""Every Triton kernel, launched as the engine's wrappers launch it, compiled for a Hopper GPU
+(sm_90, the device machine's H200) on this CPU-only machine: a kernel that Triton's compiler
+rejects, or that spills registers to local memory, fails here instead of on the GPU.
+
+The launches are recorded under the interpreter (tests/gpu_compile.py); the shapes are the 0.6B
+model's where they select a variant (K of 1,024 and 3,072; head_dim 128, 16 heads over 8 KV heads)."""
+import os
+
+# Must be set before the kernels are imported: the launches below run in the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import torch  # noqa: E402
+
+from engine.attention import triton_kernels  # noqa: E402
+from engine.layers.gemv import ROW_BUCKETS, gemv, tile_candidates  # noqa: E402
+from engine.layers.normed_gemv import normed_gemv, normed_tile_candidates  # noqa: E402
+from tests.attention_batches import make_batch  # noqa: E402
+from tests.gpu_compile import compile_in_subprocess, record_launches  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+if not os.path.exists(CUOBJDUMP):
+    pytest.skip("this Triton build has no NVIDIA backend tools", allow_module_level=True)
+
+
+def bf16(*shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+
+def launch_everything() -> None:
+    """One launch of each variant the engine can select, on small N (N selects no variant)."""
+    for k in (1024, 3072):  # whole chunks of every BLOCK_K
+        for bucket in ROW_BUCKETS:
+            for tile in tile_candidates(bucket):
+                gemv(bf16(bucket, k), bf16(16, k), None, *tile)
+    gemv(bf16(1, 1300), bf16(16, 1300), bf16(16), *tile_candidates(1)[0])  # a partial chunk, a bias
+    for silu_mul in (False, True):
+        for tile in normed_tile_candidates(silu_mul):
+            normed_gemv(bf16(1, 1024), bf16(1, 1024), bf16(1024), 1e-6, bf16(16, 1024), None, *tile, silu_mul=silu_mul)
+        normed_gemv(bf16(1, 1300), None, bf16(1300), 1e-6, bf16(16, 1300), bf16(16), *normed_tile_candidates(silu_mul)[0],
+                    silu_mul=silu_mul)  # the first layer (no residual), a partial chunk, a bias
+    shape = dict(num_kv_heads=8, group=2, head_dim=128, dtype=torch.bfloat16)
+    query, k_cache, v_cache, meta = make_batch([1, 1], [40, 17], **shape)
+    triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, num_splits=1)  # decode
+    triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, num_splits=16)  # split decode, merged
+    query, k_cache, v_cache, meta = make_batch([5, 12], [40, 12], **shape)  # prefill, one with a cached prefix
+    triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1)
+    key, value = bf16(3, 8, 128), bf16(3, 8, 128)
+    triton_kernels.store_kvcache(key, value, k_cache, v_cache, torch.tensor([0, -1, 37]))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's masked exp2
+def test_every_kernel_variant_compiles_for_sm90_without_spilling(tmp_path):
+    specs = []
+    with record_launches(specs):
+        launch_everything()
+    kernels = {s["kernel"] for s in specs}
+    assert {"_gemv_kernel", "_normed_gemv_kernel", "_paged_attention_kernel", "_merge_splits_kernel",
+            "_store_kvcache_kernel"} <= kernels
+    results = compile_in_subprocess(specs, tmp_path)
+    failed = [f"{r['kernel']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]
+    assert not failed, "\n".join(failed)
+    spilled = [f"{r['kernel']} {r['constexprs']}: {r['local_bytes']} bytes" for r in results if r.get("local_bytes")]
+    assert not spilled, "register spills to local memory:\n" + "\n".join(spilled)
+    assert all("registers" in r for r in results), "cuobjdump reported no resource usage"
+    # The fused norm kernel's tiles were chosen to stay near the plain GEMV's register use.
+    assert max(r["registers"] for r in results if r["kernel"] == "_normed_gemv_kernel") <= 128
+    for r in sorted(results, key=lambda r: -r["registers"]):
+        print(f"{r['registers']:>4} registers  {r['kernel']} {r['constexprs']}")
