@@ -42,7 +42,7 @@ def test_rotary_equals_transformers_bit_for_bit():
     params = {"rope_theta": 10000.0, "rope_type": "default"}
     rotary = RotaryEmbedding(head_dim, 512, params)
     q, k = torch.randn(7, 6, head_dim), torch.randn(7, 2, head_dim)
-    got_q, got_k = rotary(positions, q, k)
+    got_q, got_k = rotary(positions, torch.cat((q, k), dim=1), 6).split([6, 2], dim=1)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     emb = torch.cat([torch.outer(positions.float(), inv_freq)] * 2, dim=-1)
     # transformers' layout: q [batch, heads, tokens, head_dim], cos [batch, tokens, head_dim]
@@ -51,19 +51,21 @@ def test_rotary_equals_transformers_bit_for_bit():
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
+@pytest.mark.parametrize("k_eps", [1e-6, 1e-5], ids=["one_eps", "two_eps"])  # real configs share one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qk_norm_then_rotary_equals_transformers_bit_for_bit(dtype):
-    """Qwen3: each head of q and k normalised, then rotated, in one call (one kernel in the graphs)."""
+def test_qk_norm_then_rotary_equals_transformers_bit_for_bit(dtype, k_eps):
+    """Qwen3: each head of q and k normalised (each by its own norm, with its own epsilon), then
+    rotated, in one call over both (one kernel in the graphs)."""
     modeling_llama = llama_module()
     torch.manual_seed(0)
     head_dim, positions = 32, torch.tensor([3, 0, 40, 9])
     rotary = RotaryEmbedding(head_dim, 64, {"rope_theta": 1000000.0, "rope_type": "default"})
-    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(dtype), RMSNorm(head_dim, 1e-5).to(dtype)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(dtype), RMSNorm(head_dim, k_eps).to(dtype)
     q_norm.weight.data.copy_(torch.randn(head_dim))
     k_norm.weight.data.copy_(torch.randn(head_dim))
     q, k = torch.randn(4, 4, head_dim).to(dtype), torch.randn(4, 1, head_dim).to(dtype)
-    got_q, got_k = rotary(positions, q, k, q_norm, k_norm)
-    hf_q, hf_k = modeling_llama.LlamaRMSNorm(head_dim, 1e-6).to(dtype), modeling_llama.LlamaRMSNorm(head_dim, 1e-5).to(dtype)
+    got_q, got_k = rotary(positions, torch.cat((q, k), dim=1), 4, q_norm, k_norm).split([4, 1], dim=1)
+    hf_q, hf_k = modeling_llama.LlamaRMSNorm(head_dim, 1e-6).to(dtype), modeling_llama.LlamaRMSNorm(head_dim, k_eps).to(dtype)
     hf_q.weight.data.copy_(q_norm.weight)
     hf_k.weight.data.copy_(k_norm.weight)
     inv_freq = 1.0 / (1000000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

@@ -4,12 +4,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == weight.dtype and (x.device.type == "cpu") == (x.dtype == torch.float32):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
+    """RMSNorm over the last dimension. `weight` may have more dimensions (one row per head, say),
+    and `eps` may be a tensor; both broadcast against x."""
+    if (not isinstance(eps, torch.Tensor) and x.dtype == weight.dtype
+            and (x.device.type == "cpu") == (x.dtype == torch.float32)):
         # One fused call instead of eight ops: on the CPU in float32 (bit-identical to the steps
         # below there), and off the CPU in half precision. CUDA's fused kernel sums in another
         # order, so float32 on a GPU keeps transformers' exact steps for the token-for-token tests.
-        return F.rms_norm(x, weight.shape, weight, eps)
+        if weight.dim() == 1:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return F.rms_norm(x, x.shape[-1:], None, eps) * weight  # a weight per head, applied after
     # Same op order as transformers, so half-precision results match it to the last bits we can.
     dtype = x.dtype
     x = x.float()

@@ -37,19 +37,25 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
 
 
-def apply_rotary(q, k, cos, signed_sin):
+def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' `x * cos + rotate_half(x) * sin`, with rotate_half(x) = cat(-x2, x1) taken as
     roll(x) = cat(x2, x1) times a sin whose first half is negated: the same products, bit for bit,
     in two ops fewer."""
-    half = q.shape[-1] // 2
-    return q * cos + q.roll(half, -1) * signed_sin, k * cos + k.roll(half, -1) * signed_sin
+    return qk * cos + qk.roll(qk.shape[-1] // 2, -1) * signed_sin
 
 
-def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_eps: float,
-                    k_eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's RMSNorm of each head of q and k, then the rotation: one function, so that in the
-    decode graphs one compiled kernel does what three separate ones did."""
-    return apply_rotary(rms_norm(q, q_weight, q_eps), rms_norm(k, k_weight, k_eps), cos, signed_sin)
+def norm_and_rotate(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, q_eps: float,
+                    k_eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Qwen3's RMSNorm of each head (q's heads by the q norm, k's by the k norm), then the
+    rotation. q and k go through as one tensor: compiled, that is one kernel in the decode graphs,
+    where separate q and k took two (H200 profile, bench/RESULTS.md)."""
+    num_k_heads = qk.shape[-2] - num_q_heads
+    weight = torch.cat((q_weight.expand(num_q_heads, -1), k_weight.expand(num_k_heads, -1)))
+    if q_eps != k_eps:  # a per-head epsilon, broadcast like the weight
+        eps = torch.tensor([q_eps] * num_q_heads + [k_eps] * num_k_heads, device=qk.device).unsqueeze(-1)
+    else:
+        eps = q_eps
+    return apply_rotary(rms_norm(qk, weight, eps), cos, signed_sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -67,14 +73,14 @@ class RotaryEmbedding(nn.Module):
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. With `q_norm` and `k_norm`
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """qk: [tokens, q heads + k heads, head_dim], q's heads first. With `q_norm` and `k_norm`
         (Qwen3), each head is normalised first."""
         if positions is not self._positions:
             self._positions = positions
-            self._cos_sin = (self.cos_cache[positions].unsqueeze(1).to(q.dtype),
-                             self.signed_sin_cache[positions].unsqueeze(1).to(q.dtype))
+            self._cos_sin = (self.cos_cache[positions].unsqueeze(1).to(qk.dtype),
+                             self.signed_sin_cache[positions].unsqueeze(1).to(qk.dtype))
         if q_norm is None:
-            return self.fn(q, k, *self._cos_sin)
-        return self.norm_fn(q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, *self._cos_sin)
+            return self.fn(qk, *self._cos_sin)
+        return self.norm_fn(qk, q_norm.weight, k_norm.weight, num_q_heads, q_norm.eps, k_norm.eps, *self._cos_sin)

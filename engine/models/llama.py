@@ -39,11 +39,11 @@ class DecoderAttention(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over norm(x + residual); returns its output and x + residual."""
         qkv, residual = self.qkv_proj.normed(x, residual, norm)
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.split[0] + self.split[1], self.split[2]], dim=-1)
+        qk = self.rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), self.num_heads,
+                         self.q_norm, self.k_norm)  # Qwen3 normalises each head first
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalises each head first
         return self.o_proj(self.attn(q, k, v, meta).flatten(1)), residual
 
 
