@@ -5,7 +5,8 @@ for a GPU (constexpr use, dtypes, layouts), nor what it costs in registers. The 
 needs no GPU: given a target it lowers a kernel to PTX and a cubin. So tests record the launches
 the engine's own wrappers make under the interpreter (`record_launches`), and this module, run
 as `python -m tests.gpu_compile SPECS.json` in a process without TRITON_INTERPRET (where the
-kernels are real JIT functions), compiles each and prints what the cubin uses, as JSON.
+kernels are real JIT functions), compiles each and prints what the cubin uses, as JSON. It
+compiles with the Triton installed here, which may be newer than a GPU machine's.
 """
 import json
 import os
@@ -35,6 +36,15 @@ def _arg_type(value) -> str:
     raise TypeError(f"no Triton type for a launch argument of type {type(value).__name__}")
 
 
+def _divisible_by_16(value) -> bool:
+    """What Triton's launcher tells the compiler of an argument: a pointer aligned to 16 bytes, or
+    an integer that is a multiple of 16, lets it vectorise loads. A GPU launch marks them so, and
+    code compiled without the marks is another kernel (twice the registers, scalar loads)."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 @contextmanager
 def record_launches(specs: list[dict]):
     """Append a spec to `specs` for each kernel launched meanwhile (run under TRITON_INTERPRET)."""
@@ -48,9 +58,10 @@ def record_launches(specs: list[dict]):
         annotations = self.fn.__annotations__  # tl.constexpr, or its name where annotations are strings
         constexprs = {n: GPU_VALUES.get(n, v) for n, v in values.items() if "constexpr" in str(annotations.get(n))}
         signature = {n: "constexpr" if n in constexprs else _arg_type(v) for n, v in values.items()}
+        divisible = [n for n, v in values.items() if n not in constexprs and _divisible_by_16(v)]
         specs.append({"module": self.fn.__module__, "kernel": self.fn.__name__, "signature": signature,
-                      "constexprs": constexprs, "num_warps": kwargs.get("num_warps", 4),
-                      "num_stages": kwargs.get("num_stages", 3)})
+                      "constexprs": constexprs, "divisible_by_16": divisible,
+                      "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3)})
         return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -104,7 +115,8 @@ def _compile_all(specs: list[dict]) -> list[dict]:
         kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
         result = {"kernel": spec["kernel"], "constexprs": spec["constexprs"], "error": None}
         try:
-            source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"])
+            attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["divisible_by_16"]}
+            source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
             compiled = triton.compile(source, target=target,
                                       options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
             result.update(_resource_usage(compiled.asm["cubin"]))

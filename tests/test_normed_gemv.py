@@ -95,8 +95,8 @@ def test_refuses_what_it_cannot_compute():
 
 
 def test_tiles_keep_within_the_register_budget():
-    assert normed_tile_candidates(False) == [(2, 1024), (4, 512), (4, 1024), (8, 512)]
-    assert normed_tile_candidates(True) == [(2, 512), (2, 1024), (4, 512)]
+    assert normed_tile_candidates(False) == [(2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 256)]
+    assert normed_tile_candidates(True) == [(2, 512), (2, 1024), (4, 256), (4, 512), (8, 256)]
 
 
 class ScriptedTimer:

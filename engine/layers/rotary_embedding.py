@@ -50,12 +50,13 @@ def norm_and_rotate(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
     rotation. q and k go through as one tensor: compiled, that is one kernel in the decode graphs,
     where separate q and k took two (H200 profile, bench/RESULTS.md)."""
     num_k_heads = qk.shape[-2] - num_q_heads
-    weight = torch.cat((q_weight.expand(num_q_heads, -1), k_weight.expand(num_k_heads, -1)))
-    if q_eps != k_eps:  # a per-head epsilon, broadcast like the weight
-        eps = torch.tensor([q_eps] * num_q_heads + [k_eps] * num_k_heads, device=qk.device).unsqueeze(-1)
+    if q_eps != k_eps:  # no checkpoint does this (both come from rms_norm_eps): normalise apart
+        q, k = qk.split([num_q_heads, num_k_heads], dim=-2)
+        normed = torch.cat((rms_norm(q, q_weight, q_eps), rms_norm(k, k_weight, k_eps)), dim=-2)
     else:
-        eps = q_eps
-    return apply_rotary(rms_norm(qk, weight, eps), cos, signed_sin)
+        weight = torch.cat((q_weight.expand(num_q_heads, -1), k_weight.expand(num_k_heads, -1)))
+        normed = rms_norm(qk, weight, q_eps)
+    return apply_rotary(normed, cos, signed_sin)
 
 
 class RotaryEmbedding(nn.Module):

@@ -338,16 +338,19 @@ def test_normed_gemv_every_tile_matches_the_unfused_ops_on_gpu(n, silu_mul):
         norm.weight.copy_(1 + 0.1 * torch.randn(1024, device="cuda", generator=gen))
         x, residual = (torch.randn(1, 1024, device="cuda", generator=gen).bfloat16() for _ in range(2))
         act = SiluAndMul() if silu_mul else None
-        expected, expected_residual = layer.normed_unfused(x, residual, norm, act)
-        for tile in normed_tile_candidates(silu_mul):
-            got, got_residual = normed_gemv(x, residual, norm.weight, norm.eps, layer.weight, None, *tile, silu_mul=silu_mul)
-            assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 1e-2, tile
-            assert torch.equal(got_residual, expected_residual), tile
+        for given in (residual, None):  # a later layer, and the first (no residual yet)
+            expected, expected_residual = layer.normed_unfused(x, given, norm, act)
+            for tile in normed_tile_candidates(silu_mul):
+                got, got_residual = normed_gemv(x, given, norm.weight, norm.eps, layer.weight, None, *tile,
+                                                silu_mul=silu_mul)
+                assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 1e-2, tile
+                assert torch.equal(got_residual, expected_residual), tile
 
 
 def test_engine_with_norms_fused_matches_unfused_logits(tiny_models, monkeypatch):
     """One prompt (its decode steps are one row, in the graphs): every q/k/v and gate/up running its
-    norm inside the kernel, against none doing so, bf16."""
+    norm inside the kernel, against none doing so, bf16. The first logits are the prefill's (several
+    rows: never fused), so the decode steps after it are what this compares."""
     from engine.layers import normed_gemv as normed_module
 
     def logits_of(force: bool):
