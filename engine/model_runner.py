@@ -169,11 +169,11 @@ class ModelRunner:
             return 0
         from engine.layers.normed_gemv import choose_normed
 
-        start = time.perf_counter()
+        start, pairs = time.perf_counter(), self.model.norm_projections()
         with self._compiled_small_ops():
-            used = choose_normed(self.model.norm_projections())
+            used = choose_normed(pairs)
         log.info("norm fused into the projection after it at one row: %d of %d projections (measured in %.1f s)",
-                 used, len(self.model.norm_projections()), time.perf_counter() - start)
+                 used, len(pairs), time.perf_counter() - start)
         return used
 
     def _max_model_len(self, hf_config) -> int:
