@@ -25,6 +25,7 @@ class LoadState:
     model: str | None = None
     settings: dict = field(default_factory=dict)
     started: float = 0.0
+    label: str = ""  # the model's short name, as messages give it
 
 
 class ModelHost:
@@ -60,7 +61,7 @@ class ModelHost:
         with self._lock:
             if self.state.status == "loading":
                 raise RuntimeError(f"{self.state.model} is still loading; wait for it to finish")
-            self.state = LoadState("loading", f"Loading {label or model}…", model, settings, time.time())
+            self.state = LoadState("loading", f"Loading {label or model}…", model, settings, time.time(), label or model)
         thread = threading.Thread(target=self._load, args=(model, label, settings), name="pagoda-load", daemon=True)
         thread.start()
         if wait:

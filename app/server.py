@@ -48,7 +48,7 @@ def serve_openai_api(demo, host, api_key: str | None) -> None:
             raise APIError(503, f"Pagoda's chats are served by the remote server {remote.client.url} right now; "
                                 "send API requests to that server", type="server_error", code="model_not_loaded")
         if engine is None and host.state.status == "loading":
-            raise APIError(503, f"{host.state.message.split('…')[0]}; try again when it is ready", type="server_error",
+            raise APIError(503, f"Loading {host.state.label}; try again when it is ready", type="server_error",
                            code="model_not_loaded")
         return ServedModel(engine, host.label) if engine is not None else None
 

@@ -85,7 +85,8 @@ def test_v1_during_a_model_load_says_it_is_loading():
     client = TestClient(demo.server_app)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
-    host.state = LoadState("loading", "Loading SmolLM2-135M-Instruct…", "SmolLM2-135M-Instruct")
+    host.state = LoadState("loading", "Loading SmolLM2-135M-Instruct… (Qwen3-0.6B was unloaded to free the GPU.)",
+                           "/models/smollm2", label="SmolLM2-135M-Instruct")
     loading = client.post("/v1/chat/completions", json=body)
     assert loading.status_code == 503
     assert loading.json()["error"]["message"] == "Loading SmolLM2-135M-Instruct; try again when it is ready"
