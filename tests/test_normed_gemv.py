@@ -187,3 +187,19 @@ def test_a_decoder_with_every_norm_fused_gives_the_same_tokens_and_close_logits(
     # logits agree to a percent of their range; a norm applied to the wrong tensor would be far off.
     for before, after in zip(unfused_logits, logits_by_row):
         assert (after.float() - before.float()).abs().max() <= 0.01 * before.float().abs().max()
+
+
+def test_choose_skips_a_tile_this_gpu_cannot_run_and_says_so(monkeypatch, caplog):
+    layer, norm = layer_and_norm(48, 256, bias=False)
+    real = normed_module.normed_gemv
+
+    def out_of_resources(x, residual, norm_weight, eps, weight, bias, block_n, block_k, silu_mul=False):
+        if block_n == 2:
+            raise RuntimeError("out of resources: shared memory\nmore detail")
+        return real(x, residual, norm_weight, eps, weight, bias, block_n, block_k, silu_mul=silu_mul)
+
+    monkeypatch.setattr(normed_module, "normed_gemv", out_of_resources)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="engine"):
+        assert choose_normed([(layer, norm, None)], ScriptedTimer(unfused_ms=1.0, fused_ms=0.5)) == 1
+    assert layer.normed_tile is not None and layer.normed_tile[0] != 2
+    assert "fused norm+GEMV tile 2x1024 failed on (48, 256) and is not used: out of resources: shared memory" in caplog.text

@@ -206,6 +206,19 @@ def choose_gemv(modules: list, timer: Callable[[Callable[[], object]], float] | 
     return used
 
 
+def try_tile(run: Callable[[], object], kernel: str, tile: tuple[int, int], weight: torch.Tensor) -> object | None:
+    """run() of one candidate tile, or None (logged) where this GPU cannot compile or run it: out
+    of registers or shared memory. A broken CUDA context still raises, at the synchronise."""
+    try:
+        return run()
+    except Exception as e:
+        if weight.is_cuda:
+            torch.cuda.synchronize(weight.device)
+        log.warning("%s tile %dx%d failed on %s and is not used: %s", kernel, *tile, tuple(weight.shape),
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
 def _measure(weight: torch.Tensor, bias: torch.Tensor | None, bucket: int, timer) -> tuple[int, int] | None:
     """The fastest correct tile for `bucket` rows, if it beats cuBLAS by MIN_SPEEDUP; else None."""
     gen = torch.Generator(weight.device).manual_seed(0)
@@ -220,13 +233,8 @@ def _measure(weight: torch.Tensor, bias: torch.Tensor | None, bucket: int, timer
     for block_n, block_k in tile_candidates(bucket):
         if triton.cdiv(weight.shape[0], block_n) < enough and block_n > 2:
             continue
-        try:
-            got = gemv(x, weight, bias, block_n, block_k).float()
-        except Exception as e:  # a tile this GPU cannot compile or run (out of registers or shared memory)
-            if weight.is_cuda:
-                torch.cuda.synchronize(weight.device)  # but a broken CUDA context must not pass as one
-            log.warning("gemv tile %dx%d failed on %s and is not used: %s", block_n, block_k, tuple(weight.shape),
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+        got = try_tile(lambda: gemv(x, weight, bias, block_n, block_k).float(), "gemv", (block_n, block_k), weight)
+        if got is None:
             continue
         if not ((got - expected).norm() <= 1e-2 * expected.norm() + 1e-6):
             log.warning("gemv tile %dx%d disagrees with cuBLAS on %s; not used", block_n, block_k, tuple(weight.shape))
