@@ -1,69 +1,15 @@
-"""One chat turn: the stored conversation goes to the backend, the reply streams back into the store.
+"""One chat turn: the reply streams from the backend into the store, measured as it comes.
 
-The embedded engine gets token ids (through the model's chat template, here); a remote server gets
-the messages and applies its own template. Both answer with the same kind of increments."""
+Both backends (app/backend.py) answer with the same ReplyDelta increments, so nothing here asks
+which one serves."""
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from engine import SamplingParams
+from app.backend import ReplyStream
 
-DEFAULT_SETTINGS = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-                    "max_tokens": 512, "seed": None}
 SAVE_EVERY_S = 0.5  # how often a streaming reply is written to the store
-
-
-class ContextOverflow(Exception):
-    """The conversation plus the reply would not fit the model's context."""
-
-    def __init__(self, needed: int, limit: int):
-        self.needed, self.limit = needed, limit
-        super().__init__(f"This chat needs {needed:,} tokens (history plus room for the reply) but the model's context "
-                         f"holds {limit:,}. Drop the oldest messages, lower the reply length, or start a new chat.")
-
-
-def sampling_params(settings: dict) -> SamplingParams:
-    s = {**DEFAULT_SETTINGS, **(settings or {})}
-    seed = s["seed"]
-    return SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
-                          min_p=float(s["min_p"]), repetition_penalty=float(s["repetition_penalty"]),
-                          max_tokens=int(s["max_tokens"]), seed=None if seed in (None, "", -1) else int(seed))
-
-
-def prompt_ids(tokenizer, system_prompt: str, messages: list[dict]) -> list[int]:
-    """Token ids of the chat, through the model's own chat template.
-
-    A system prompt that is byte-identical across chats gives identical leading ids: that is
-    what lets chats share its KV blocks."""
-    system_prompt = system_prompt or ""
-    chat = ([{"role": "system", "content": system_prompt}] if system_prompt.strip() else []) + messages
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    # The reply needs at least one token of room; ask for a little more so answers aren't cut at once.
-    needed = num_prompt_tokens + min(max_tokens, 64)
-    if needed > max_model_len:
-        raise ContextOverflow(needed, max_model_len)
-
-
-def start_reply(host, system_prompt: str, messages: list[dict], settings: dict):
-    """Start the assistant's reply on the host's backend: (stream, prompt tokens, 0 when only the server knows).
-
-    Raises ContextOverflow (local: checked up front) or app.remote.RemoteError (the server refused;
-    `context_overflow` says whether the chat was too long for it) before anything streams."""
-    remote, engine = host.remote, host.engine
-    if remote is not None:
-        chat = ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + messages
-        return remote.submit(chat, {**DEFAULT_SETTINGS, **settings}), 0
-    if engine is None:
-        raise RuntimeError("No model is loaded.")
-    ids = prompt_ids(engine.engine.tokenizer, system_prompt, messages)
-    params = sampling_params(settings)
-    check_fits(len(ids), params.max_tokens, engine.engine.max_model_len)
-    return engine.submit(ids, params), len(ids)
 
 
 @dataclass
@@ -100,32 +46,30 @@ def summary(meta: dict) -> str:
     return f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens{cache}{stopped}"
 
 
-def stream_reply(stream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:
-    """Consume one request's stream into message `message_id`, yielding the turn after every increment.
+def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:
+    """Consume one reply's stream into message `message_id`, yielding the turn after every increment.
 
     The store gets the text at least every SAVE_EVERY_S and at the end. If the consumer stops
-    early, the request is aborted and what exists is kept. `stream` is the engine's RequestStream
-    or a remote ChatStream (whose last increment carries the server's token counts as `usage`)."""
+    early, the request is aborted and what exists is kept. A remote server's last increment
+    carries its own token counts, which replace the estimates."""
     turn = Turn(prompt_tokens=num_prompt_tokens)
     start = last_save = time.perf_counter()
     first = None
     try:
-        for out in stream:
+        for delta in stream:
             now = time.perf_counter()
-            if first is None and out.new_token_ids:
+            if first is None and delta.num_tokens:
                 first = now
                 turn.ttft_s = now - start
-            turn.text += out.new_text
-            turn.output_tokens += len(out.new_token_ids)
-            turn.cached_tokens = out.num_cached_tokens or turn.cached_tokens
-            usage = getattr(out, "usage", None)  # a remote server's own counts, in its last increment
-            if usage:
-                turn.prompt_tokens = usage.get("prompt_tokens", turn.prompt_tokens)
-                turn.output_tokens = usage.get("completion_tokens", turn.output_tokens)
+            turn.text += delta.text
+            turn.output_tokens += delta.num_tokens
+            turn.cached_tokens = delta.cached_tokens or turn.cached_tokens
+            turn.prompt_tokens = delta.prompt_tokens or turn.prompt_tokens
+            turn.output_tokens = delta.completion_tokens or turn.output_tokens
             if turn.output_tokens > 1 and now > first:
                 turn.tokens_per_s = (turn.output_tokens - 1) / (now - first)
-            if out.finished:
-                turn.finished, turn.finish_reason = True, out.finish_reason
+            if delta.finished:
+                turn.finished, turn.finish_reason = True, delta.finish_reason
             if turn.finished or now - last_save >= SAVE_EVERY_S:
                 store.update_message(message_id, turn.text, turn.meta())
                 last_save = now
@@ -143,7 +87,7 @@ class ReplyTask:
     It outlives the page event that started it, so switching to another chat lets it finish in
     the background; `cancel()` (Stop, or the browser going away) aborts it in the engine."""
 
-    def __init__(self, stream, store, message_id: int, num_prompt_tokens: int):
+    def __init__(self, stream: ReplyStream, store, message_id: int, num_prompt_tokens: int):
         self.stream = stream
         self.turn = Turn(prompt_tokens=num_prompt_tokens)
         self.done = threading.Event()

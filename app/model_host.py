@@ -11,8 +11,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine import LLM, EngineThread
+from pathlib import Path
 
+from engine import LLM, EngineThread
+from entrypoints.cli import default_model
+
+from app.backend import Backend, LocalBackend
 from app.remote import RemoteBackend, RemoteError, connect
 
 log = logging.getLogger("pagoda")
@@ -28,22 +32,47 @@ class LoadState:
     label: str = ""  # the model's short name, as messages give it
 
 
+def resolve_model(choice: str | None, downloaded: dict[str, Path] | None = None) -> tuple[str, str]:
+    """(what to load, its short name) for a model the user chose: nothing or the bundled model's repo id
+    (the bundled model, prepared offline), a local folder, or a hub repo id. With `downloaded` (repo id
+    -> folder, the Models tab's list), a repo id must be downloaded already; without it (the command
+    line), the engine downloads it."""
+    from app.catalog import entry_for_repo
+
+    entry = entry_for_repo(choice or "")
+    if not choice or (entry is not None and entry.bundled):
+        return default_model(None)
+    folder = Path(choice).expanduser()
+    if folder.is_dir():
+        return str(folder), folder.resolve().name
+    if downloaded is None:
+        return choice, choice
+    if choice not in downloaded:
+        raise RuntimeError(f"{choice} is not downloaded yet: press Download first.")
+    return str(downloaded[choice]), choice
+
+
 class ModelHost:
+    """Holds the one Backend that answers the chats, and swaps it."""
+
     def __init__(self):
-        self.engine: EngineThread | None = None  # the embedded engine, when it serves
-        self.remote: RemoteBackend | None = None  # the remote server, when it serves
+        self.backend: Backend | None = None
         self.state = LoadState()
-        self.label = ""  # a short name for the header
         self._lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None or self.remote is not None
+        return self.backend is not None
 
     @property
-    def kind(self) -> str | None:
-        """Which backend serves: "local", "remote", or None."""
-        return "remote" if self.remote is not None else "local" if self.engine is not None else None
+    def label(self) -> str:
+        """The serving backend's name for the header; "" when none serves."""
+        return self.backend.label if self.backend is not None else ""
+
+    @property
+    def engine(self) -> EngineThread | None:
+        """The embedded engine while a local model serves: what the /v1 API answers with."""
+        return self.backend.engine if isinstance(self.backend, LocalBackend) else None
 
     def status_message(self) -> str:
         """The status line. While a model loads it counts the seconds: a first load on a GPU also
@@ -55,6 +84,11 @@ class ModelHost:
 
     def _serving(self) -> str:
         return f" {self.label} keeps serving." if self.ready else ""
+
+    def load_default(self, model: str | None, **settings) -> None:
+        """Start-up: load the model given on the command line, else the bundled one, in the background."""
+        source, label = resolve_model(model)
+        self.load(source, label=label, **settings)
 
     def load(self, model: str, label: str | None = None, wait: bool = False, **settings) -> None:
         """Load `model` with engine settings; the current backend keeps serving until it is ready."""
@@ -72,17 +106,17 @@ class ModelHost:
     def _must_unload_first(self, settings: dict) -> bool:
         """Whether the model serving now must go before another loads: one GPU seldom holds two (an
         8 GB laptop card rarely holds one and a half). On the CPU the old one serves until the new is ready."""
-        return (self.engine is not None and self.engine.engine.device.type == "cuda"
+        return (self.engine is not None and self.engine.device.startswith("cuda")
                 and settings.get("device", "auto") != "cpu")
 
     def _load(self, model: str, label: str | None, settings: dict) -> None:
         unloaded = ""
         if self._must_unload_first(settings):
             with self._lock:
-                old_engine, self.engine = self.engine, None
-                unloaded, self.label = self.label, ""
+                old, self.backend = self.backend, None
+                unloaded = old.label
                 self.state.message = f"Loading {label or model}… ({unloaded} was unloaded to free the GPU.)"
-            _retire(old_engine, None)  # its replies still streaming end as stopped; its memory goes back
+            old.close()  # its replies still streaming end as stopped; its memory goes back
         try:
             engine = EngineThread(LLM(model, **settings))
         except Exception as e:  # any failure: say it, keep the previous backend
@@ -91,18 +125,18 @@ class ModelHost:
                      else self._serving())
             self.state = LoadState("error", f"Could not load {label or model}: {e}.{after}", model, settings)
             return
-        old_engine, old_remote = self.engine, self.remote
-        self.engine, self.remote = engine, None
-        self.label = label or model
+        old, self.backend = self.backend, LocalBackend(engine, label or model)
         s = engine.stats()
         took = time.time() - self.state.started
-        self.state = LoadState("ready", f"{self.label} is ready on {s['device']} ({s['dtype']}, context {s['max_model_len']:,} "
-                                        f"tokens, {s['num_blocks']:,} KV blocks) after {took:.0f} s.", model, settings)
-        _retire(old_engine, old_remote)
+        self.state = LoadState("ready", f"{self.label} is ready on {s.device} ({s.dtype}, context "
+                                        f"{s.max_model_len:,} tokens, {s.num_blocks:,} KV blocks) after {took:.0f} s.",
+                               model, settings)
+        if old is not None:
+            old.close()
 
-    def connect(self, base_url: str, api_key: str | None = None, model: str | None = None) -> str:
-        """Serve the chats from an OpenAI-compatible server. Returns the status message; raises RemoteError
-        (the previous backend keeps serving, and the status says so)."""
+    def connect(self, base_url: str, api_key: str | None = None, model: str | None = None) -> RemoteBackend:
+        """Serve the chats from an OpenAI-compatible server (returned; the status says it serves). Raises
+        RemoteError, and then the previous backend keeps serving and the status says so."""
         with self._lock:
             if self.state.status == "loading":
                 raise RemoteError(f"{self.state.model} is still loading; wait for it to finish")
@@ -113,44 +147,22 @@ class ModelHost:
                                    {"base_url": base_url})
             raise RemoteError(self.state.message, e.status) from None
         with self._lock:
-            old_engine, old_remote = self.engine, self.remote
-            self.engine, self.remote = None, remote
-            self.label = f"Remote: {remote.label}"
+            old, self.backend = self.backend, remote
             limit = f", context {remote.max_model_len:,} tokens" if remote.max_model_len else ""
             self.state = LoadState("ready", f"Connected to {remote.client.url}: {remote.model} serves the chats"
                                             f"{limit}. The server applies its own chat template.", remote.model,
                                    {"base_url": remote.client.url})
-        _retire(old_engine, None if old_remote is remote else old_remote)
-        return self.state.message
+        if old is not None:
+            old.close()  # its replies still streaming end as stopped, not hanging
+        return remote
 
     def disconnect(self) -> None:
-        if self.remote is not None:
+        if isinstance(self.backend, RemoteBackend):
             self.unload()
 
     def unload(self) -> None:
         with self._lock:
-            old_engine, self.engine = self.engine, None
-            old_remote, self.remote = self.remote, None
-            self.label = ""
+            old, self.backend = self.backend, None
             self.state = LoadState("idle", "No model loaded.")
-        _retire(old_engine, old_remote)
-
-    def device_label(self) -> str:
-        if self.remote is not None:
-            return "remote server"
-        if self.engine is None:
-            return "no model"
-        s = self.engine.engine.stats()
-        if s["device"].startswith("cuda"):
-            import torch
-
-            return torch.cuda.get_device_name()
-        return "CPU"
-
-
-def _retire(engine: EngineThread | None, remote: RemoteBackend | None) -> None:
-    """Stop a backend that no longer serves. Its replies still streaming end as stopped, not hanging."""
-    if engine is not None:
-        engine.shutdown()  # aborts what is still streaming, then releases the engine's memory
-    if remote is not None:
-        remote.close()
+        if old is not None:
+            old.close()

@@ -6,6 +6,7 @@ import gradio as gr
 
 from app.catalog import entry_for_repo, fit_report, format_gib, load_catalog
 from app.downloads import DownloadManager
+from app.model_host import resolve_model
 from app.remote import RemoteError
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
@@ -109,19 +110,12 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     delete_btn.click(delete, to_delete, [local, disk])
 
     def load(repo_id: str, dtype_name: str, ctx, kv):
-        entry = entry_for_repo(repo_id or "")
-        if entry is not None and entry.bundled:
-            from engine.bundled import bundled_model_path
-
-            source, label = str(bundled_model_path()), entry.name
-        elif Path(repo_id or "").expanduser().is_dir():
-            source, label = str(Path(repo_id).expanduser()), Path(repo_id).name
-        else:
-            local_paths = {m.repo_id: m.path for m in manager.local_models()}
-            if repo_id not in local_paths:
-                raise gr.Error(f"{repo_id} is not downloaded yet: press Download first.")
-            source, label = str(local_paths[repo_id]), repo_id
-        settings = {"dtype": dtype_name, "max_model_len": int(ctx) if ctx else None, "max_num_seqs": ui.max_concurrent_chats}
+        try:
+            source, label = resolve_model(repo_id, downloaded={m.repo_id: m.path for m in manager.local_models()})
+        except RuntimeError as e:
+            raise gr.Error(str(e)) from e
+        settings = {"dtype": dtype_name, "max_model_len": int(ctx) if ctx else None,
+                    "max_num_seqs": ui.max_concurrent_chats}
         if kv:
             settings["kv_cache_memory_bytes"] = int(float(kv) * 2**30)
         try:
@@ -135,12 +129,11 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
 
     def connect(url: str, key: str, model: str | None = None):
         try:
-            message = ui.host.connect(url, key or None, model)
+            remote = ui.host.connect(url, key or None, model)
         except RemoteError as e:  # the previous backend keeps serving; the status line says so too
             gr.Warning(str(e))
             return ui.host.state.message, gr.update()
-        remote = ui.host.remote
-        return message, gr.update(choices=remote.models, value=remote.model)
+        return ui.host.state.message, gr.update(choices=remote.models, value=remote.model)
 
     connect_btn.click(connect, [base_url, api_key], [status, served])
     served.input(connect, [base_url, api_key, served], [status, served])

@@ -26,8 +26,15 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import count
+from typing import TYPE_CHECKING
 
 import httpx
+
+from app.backend import DEFAULT_SETTINGS, ReplyDelta
+from app.visualizer import render_remote_notice
+
+if TYPE_CHECKING:
+    from app.store import Message
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0  # between two streamed chunks: a busy server may queue a request for a while
@@ -64,23 +71,6 @@ def split_base_url(url: str) -> tuple[str, str]:
 class RemoteModel:
     id: str
     max_model_len: int | None = None  # vLLM and Pagoda say it; others leave it unknown
-
-
-@dataclass
-class RemoteOutput:
-    """One increment of a remote reply, shaped like the engine's RequestOutput for app.chat.stream_reply.
-
-    A server sends text, not token ids: `new_token_ids` holds one placeholder per streamed chunk
-    (servers send about one token per chunk) until the last increment brings `usage`, the exact counts."""
-
-    request_id: str
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    usage: dict | None = None  # prompt_tokens, completion_tokens, cached_tokens: the server's own count
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -231,7 +221,7 @@ class ChatStream:
             except OSError:
                 pass
 
-    def __iter__(self) -> Iterator[RemoteOutput]:
+    def __iter__(self) -> Iterator[ReplyDelta]:
         reason, usage, done = None, None, False
         try:
             for line in self.response.iter_lines():
@@ -253,8 +243,8 @@ class ChatStream:
                 for choice in chunk.get("choices") or []:
                     text = (choice.get("delta") or {}).get("content") or ""
                     reason = choice.get("finish_reason") or reason
-                    if text:
-                        yield RemoteOutput(self.request_id, text, [0])
+                    if text:  # servers send about one token a chunk; `usage` brings the exact count at the end
+                        yield ReplyDelta(text, 1)
         except RemoteError:
             raise
         except Exception as e:  # the socket shut by cancel(), or the server gone
@@ -265,14 +255,14 @@ class ChatStream:
             self.response.close()  # also when the consumer stops early: the server sees the hang-up and aborts
         if self._cancelled.is_set() and not done:
             self.finished = True
-            yield RemoteOutput(self.request_id, "", [], True, "abort")
+            yield ReplyDelta("", 0, True, "abort")
             return
         if not done and reason is None:
             raise RemoteError(f"{self.client.api} closed the stream before the reply was finished.")
         self.finished = True
         counts = parse_usage(usage)
-        yield RemoteOutput(self.request_id, "", [], True, reason or "stop", counts.get("prompt_tokens", 0),
-                           counts.get("cached_tokens", 0), counts or None)
+        yield ReplyDelta("", 0, True, reason or "stop", counts.get("cached_tokens"), counts.get("prompt_tokens"),
+                         counts.get("completion_tokens"))
 
 
 def _json(data: str) -> dict:
@@ -356,26 +346,49 @@ def summarize_metrics(samples: dict[str, list[float]]) -> dict:
 # ---- the backend the app holds ---------------------------------------------------------------------
 @dataclass
 class RemoteBackend:
-    """A connected server and the model chosen on it: what ModelHost holds instead of an engine."""
+    """A connected server and the model chosen on it: app.backend's Backend, over HTTP."""
 
     client: RemoteClient
     model: str
     max_model_len: int | None = None
     models: list[str] = field(default_factory=list)
     _metrics: tuple[float, dict | None] = (0.0, None)
+    kind = "remote"
 
     @property
     def label(self) -> str:
-        return f"{self.model} at {self.client.url}"
+        return f"Remote: {self.model} at {self.client.url}"
 
-    def submit(self, messages: list[dict], settings: dict) -> ChatStream:
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    def submit(self, messages: list[dict], settings: dict) -> tuple[ChatStream, int]:
+        settings = {**DEFAULT_SETTINGS, **settings}
         top_k, min_p, penalty = int(settings["top_k"]), float(settings["min_p"]), float(settings["repetition_penalty"])
         extra = {"top_k": top_k if top_k > 0 else None, "min_p": min_p if min_p > 0 else None,
                  "repetition_penalty": penalty if penalty != 1.0 else None}
         seed = settings.get("seed")
-        return self.client.chat(self.model, messages, temperature=float(settings["temperature"]),
-                                top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),
-                                seed=None if seed in (None, "", -1) else int(seed), **extra)
+        stream = self.client.chat(self.model, messages, temperature=float(settings["temperature"]),
+                                  top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),
+                                  seed=None if seed in (None, "", -1) else int(seed), **extra)
+        return stream, 0  # the server counts the prompt with its own template; its usage says how many
+
+    def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
+        """A server tokenizes with its own template: only its count at the last reply is known."""
+        last = next((m for m in reversed(stored) if m.role == "assistant" and m.meta.get("prompt_tokens")), None)
+        of = f" / {self.max_model_len:,}" if self.max_model_len else ""
+        if last is None:
+            return f"Context: unknown{of} tokens (the remote server counts them; its count shows after a reply)"
+        used = last.meta["prompt_tokens"] + last.meta.get("output_tokens", 0)
+        more = " plus what came after" if last.id != stored[-1].id else ""
+        return f"Context: {used:,}{of} tokens at the last reply{more} (the server's count)"
+
+    def kv_panel(self, owners: dict[str, str]) -> str:
+        return render_remote_notice(self.metrics(), source=f"{self.model} at {self.client.url}")
+
+    def device_label(self) -> str:
+        return ""  # the label names the server
 
     def metrics(self) -> dict | None:
         """The server's metrics, asked at most once a second (a server without them: once in 30 s)."""

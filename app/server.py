@@ -4,7 +4,6 @@ import logging
 import os
 import secrets
 import sys
-from pathlib import Path
 
 log = logging.getLogger("pagoda")
 
@@ -40,12 +39,13 @@ def resolve_auth(args: argparse.Namespace) -> tuple[str, str] | None:
 
 def serve_openai_api(demo, host, api_key: str | None) -> None:
     """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
-    from engine.openai_server import APIError, ServedModel, create_metrics_router, create_router
+    from entrypoints.openai.protocol import APIError
+    from entrypoints.openai.server import ServedModel, create_metrics_router, create_router
 
     def served() -> ServedModel | None:
-        engine, remote = host.engine, host.remote
-        if remote is not None:
-            raise APIError(503, f"Pagoda's chats are served by the remote server {remote.client.url} right now; "
+        backend, engine = host.backend, host.engine
+        if backend is not None and engine is None:  # only the embedded engine answers /v1
+            raise APIError(503, f"Pagoda's chats are served by the remote server {backend.url} right now; "
                                 "send API requests to that server", type="server_error", code="model_not_loaded")
         if engine is None and host.state.status == "loading":
             raise APIError(503, f"Loading {host.state.label}; try again when it is ready", type="server_error",
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     auth = resolve_auth(args)
-    from engine.serve import resolve_api_key
+    from entrypoints.cli import resolve_api_key
 
     api_key = resolve_api_key(args.api_key, exposed=args.listen or args.share)
 
@@ -73,12 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     store = ConversationStore(default_db_path())
     host = ModelHost()
-    if args.model:
-        host.load(args.model, label=Path(args.model).name or args.model, max_num_seqs=args.max_chats)
-    else:
-        from engine.bundled import MODEL_NAME, bundled_model_path
-
-        host.load(str(bundled_model_path()), label=MODEL_NAME, max_num_seqs=args.max_chats)
+    host.load_default(args.model, max_num_seqs=args.max_chats)
     ui = PagodaUI(store, host, max_concurrent_chats=args.max_chats)
     demo = build(ui, models_tab=render_models_tab)
     demo.queue(default_concurrency_limit=4)

@@ -3,20 +3,21 @@
 Everything a chat shows lives in the store; the page only renders it. Replies stream from the
 one engine thread that all chats share, or from a remote OpenAI-compatible server (app/remote.py).
 """
+import dataclasses
+import logging
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-import logging
-import threading
-
 import gradio as gr
 
-from app.chat import DEFAULT_SETTINGS, ContextOverflow, ReplyTask, prompt_ids, start_reply, summary
-from app.model_host import ModelHost
+from app.backend import DEFAULT_SETTINGS, ContextOverflow, chat_messages
+from app.chat import ReplyTask, summary
+from app.model_host import ModelHost, resolve_model
 from app.remote import RemoteError
 from app.store import ConversationStore
-from app.visualizer import render_kv_cache, render_remote_notice, visualizer_css
+from app.visualizer import visualizer_css
 
 log = logging.getLogger("pagoda")
 UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
@@ -51,7 +52,6 @@ class PagodaUI:
         self.viewing: dict[str, int] = {}  # browser session -> the chat its page shows
         self.kv_tab_open: set[str] = set()  # browser sessions whose page shows the KV cache tab
         self.panels_sent: dict[str, tuple] = {}  # session -> (KV HTML, header, chat titles) its page has
-        self._last_rate = (time.time(), 0)
 
     # ---- conversations --------------------------------------------------------------------------
     def conversation_choices(self, query: str = "") -> list[tuple[str, int]]:
@@ -70,26 +70,11 @@ class PagodaUI:
         return rows
 
     def context_meter(self, conversation_id: int | None) -> str:
-        if conversation_id is None or not self.host.ready:
+        backend = self.host.backend
+        if conversation_id is None or backend is None:
             return ""
-        remote, engine = self.host.remote, self.host.engine
-        if remote is not None:
-            return self._remote_context_meter(conversation_id, remote.max_model_len)
         conv = self.store.get(conversation_id)
-        messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
-        used = len(prompt_ids(engine.engine.tokenizer, conv.system_prompt, messages))
-        return f"Context: {used:,} / {engine.engine.max_model_len:,} tokens"
-
-    def _remote_context_meter(self, conversation_id: int, limit: int | None) -> str:
-        """A remote server tokenizes with its own template: only its count at the last reply is known."""
-        msgs = self.store.messages(conversation_id)
-        last = next((m for m in reversed(msgs) if m.role == "assistant" and m.meta.get("prompt_tokens")), None)
-        of = f" / {limit:,}" if limit else ""
-        if last is None:
-            return f"Context: unknown{of} tokens (the remote server counts them; its count shows after a reply)"
-        used = last.meta["prompt_tokens"] + last.meta.get("output_tokens", 0)
-        more = " plus what came after" if last.id != msgs[-1].id else ""
-        return f"Context: {used:,}{of} tokens at the last reply{more} (the server's count)"
+        return backend.context_meter(conv.system_prompt, self.store.messages(conversation_id))
 
     def shows(self, request: gr.Request | None, conversation_id: int) -> bool:
         """Whether this session's page still shows the chat, so a stream may draw into its chatbot.
@@ -121,8 +106,10 @@ class PagodaUI:
         if conversation_id is None:
             conversation_id = self.store.create(system_prompt=system_prompt or "").id
         conversation_id, system_prompt = int(conversation_id), system_prompt or ""
-        if not self.host.ready:
-            raise gr.Error(self.host.state.message if self.host.state.status != "idle" else "Load a model in the Models tab first.")
+        backend = self.host.backend
+        if backend is None:
+            raise gr.Error(self.host.state.message if self.host.state.status != "idle"
+                           else "Load a model in the Models tab first.")
         running = self.tasks.get(conversation_id)
         if running is not None and not running.done.is_set():
             raise gr.Error("This chat is still answering: press Stop first, or open another chat.")
@@ -133,7 +120,7 @@ class PagodaUI:
             self._title_from_first_message(conversation_id, user_text)
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
         try:
-            stream, num_prompt_tokens = start_reply(self.host, system_prompt, messages, settings)
+            stream, num_prompt_tokens = backend.submit(chat_messages(system_prompt, messages), settings)
         except (ContextOverflow, RemoteError) as e:  # too long a chat, or the server refused: say so in the chat
             overflow = isinstance(e, ContextOverflow) or e.context_overflow
             if overflow and isinstance(e, RemoteError):
@@ -247,11 +234,11 @@ class PagodaUI:
 
     # ---- live panels ----------------------------------------------------------------------------
     def header(self) -> str:
-        if not self.host.ready:
+        backend = self.host.backend
+        if backend is None:
             return f"**Pagoda** · {self.host.status_message()}"
-        if self.host.remote is not None:
-            return f"**Pagoda** · {self.host.label}"
-        return f"**Pagoda** · {self.host.label} · {self.host.device_label()}"
+        device = backend.device_label()
+        return f"**Pagoda** · {backend.label}" + (f" · {device}" if device else "")
 
     def panels(self, query: str, request: gr.Request) -> tuple:
         """The timer's refresh of the KV grid, the header and the chat titles, for one page.
@@ -272,17 +259,8 @@ class PagodaUI:
         (self.kv_tab_open.add if shown else self.kv_tab_open.discard)(session)
 
     def kv_panel(self) -> str:
-        remote, engine = self.host.remote, self.host.engine
-        if remote is not None:
-            return render_remote_notice(remote.metrics(), source=remote.label)
-        if engine is None:
-            return "<p>No model loaded.</p>"
-        stats, blocks = engine.stats(), engine.kv_blocks()
-        now, generated = time.time(), stats["num_generated_tokens"]
-        then, before = self._last_rate
-        rate = (generated - before) / (now - then) if now > then else 0.0
-        self._last_rate = (now, generated)
-        return render_kv_cache(blocks, stats, owners=self.request_labels, tokens_per_s=rate)
+        backend = self.host.backend
+        return backend.kv_panel(self.request_labels) if backend is not None else "<p>No model loaded.</p>"
 
 
 def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
@@ -419,12 +397,13 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
         # of the Models tab (connect to a server, disconnect, load a local model folder).
         def engine_stats() -> dict:
             engine = ui.host.engine
-            return engine.stats() if engine is not None else {}
+            return dataclasses.asdict(engine.stats()) if engine is not None else {}
 
         def model_status() -> dict:
-            st, remote = ui.host.state, ui.host.remote
-            return {"status": st.status, "message": st.message, "model": st.model, "backend": ui.host.kind,
-                    "serving": remote.model if remote else ui.host.label or None, "url": remote.client.url if remote else None}
+            st, backend = ui.host.state, ui.host.backend
+            return {"status": st.status, "message": st.message, "model": st.model,
+                    "backend": backend.kind if backend else None, "serving": backend.model if backend else None,
+                    "url": backend.url if backend else None}
 
         def connect_remote(base_url: str, api_key: str = "", model: str = "") -> dict:
             """Serve the chats from an OpenAI-compatible server (model: empty = its first). A failure keeps the
@@ -433,7 +412,8 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
                 ui.host.connect(base_url, api_key or None, model or None)
             except RemoteError:
                 pass
-            return {**model_status(), "models": ui.host.remote.models if ui.host.remote else []}
+            backend = ui.host.backend
+            return {**model_status(), "models": backend.models if backend else []}
 
         def disconnect_remote() -> dict:
             ui.host.disconnect()
@@ -446,7 +426,8 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
         def load_model(model: str) -> dict:
             """Load a local model folder in the background (poll /model_status)."""
             try:
-                ui.host.load(model, label=Path(model).name or model, max_num_seqs=ui.max_concurrent_chats)
+                source, label = resolve_model(model)
+                ui.host.load(source, label=label, max_num_seqs=ui.max_concurrent_chats)
             except RuntimeError:
                 pass
             return model_status()

@@ -137,10 +137,10 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
     blocks = blocks or []
     bs = _int(stats, "block_size", 0)
     if bs <= 0:
-        bs = max((b["filled"] for b in blocks), default=0) or 1
+        bs = max((b.filled for b in blocks), default=0) or 1
 
     # Pass 1: the distinct owner lists (few, however many blocks) and who holds how many blocks.
-    groups: Counter[tuple] = Counter(map(tuple, filter(None, map(itemgetter("owners"), blocks))))
+    groups: Counter[tuple] = Counter(b.owners for b in blocks if b.owners)
 
     # Each request id -> its legend entry: ("c", label) for a known conversation, ("r", id) otherwise.
     entry: dict = {}
@@ -194,12 +194,12 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
     parts: list[str] = []
     add = parts.append
     for b in blocks:
-        ow = b["owners"]
-        key = (b["ref_count"], b["cached"], b["filled"], tuple(ow)) if ow else (b["ref_count"], b["cached"], b["filled"])
+        ow = b.owners
+        key = (b.ref_count, b.cached, b.filled, ow) if ow else (b.ref_count, b.cached, b.filled)
         t = templates.get(key)
         if t is None:
             t = templates[key] = template(key[0], key[1], key[2], ow)
-        add(f'{t[0]}{b["id"]}{t[1]}')
+        add(f"{t[0]}{b.id}{t[1]}")
     grid = "".join(parts)
 
     # Counters: from stats when present, from the blocks themselves otherwise.

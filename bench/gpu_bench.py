@@ -103,7 +103,7 @@ def profile_full_batch(llm, num_seqs: int, prompt_len: int, path: Path) -> None:
     ids = [llm.add_request([rand_token() for _ in range(prompt_len)], SamplingParams(temperature=0.6, max_tokens=400, ignore_eos=True))
            for _ in range(num_seqs)]
     try:
-        while llm.stats()["num_waiting"] or any(s.num_uncomputed_tokens > 1 for s in llm.scheduler.running):
+        while llm.stats().num_waiting or any(s.num_uncomputed_tokens > 1 for s in llm.scheduler.running):
             llm.step()
         for _ in range(3):
             llm.step()
@@ -277,9 +277,9 @@ def main() -> int:
     with section("engine load"):
         llm = LLM(str(folder), **settings)
         stats = llm.stats()
-        row("attention backend", stats["attention_backend"],
-            f"KV blocks {stats['num_blocks']}, matmul {stats['matmul']}, sampler {stats['sampler']}, "
-            f"async scheduling {stats['async_scheduling']}")
+        row("attention backend", stats.attention_backend,
+            f"KV blocks {stats.num_blocks}, matmul {stats.matmul}, sampler {stats.sampler}, "
+            f"async scheduling {stats.async_scheduling}")
         default_async = llm.async_scheduling
         gemv_rows()
 
@@ -344,8 +344,8 @@ def main() -> int:
                 elapsed = throughput()
             got["throughput"] = total_out / elapsed
             row(f"throughput, {n_req} req, {lo}-{hi} in/out", f"{total_out / elapsed:.0f} tok/s",
-                f"{total_out} output tokens in {elapsed:.1f} s, {llm.stats()['num_preemptions']} preemptions, "
-                f"sampler {llm.stats()['sampler']}; {clock.summary(elapsed)}")
+                f"{total_out} output tokens in {elapsed:.1f} s, {llm.stats().num_preemptions} preemptions, "
+                f"sampler {llm.stats().sampler}; {clock.summary(elapsed)}")
         with section("throughput, synchronous scheduling"):
             set_async_scheduling(llm, False)
             sync_elapsed = throughput()

@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     if args.model is None:
-        from engine.bundled import bundled_model_path
+        from engine.loader.bundled import bundled_model_path
 
         args.model = str(bundled_model_path())
     llm = LLM(args.model, dtype=args.dtype, device="cpu")

@@ -53,7 +53,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is None:
-        from engine.bundled import bundled_model_path
+        from engine.loader.bundled import bundled_model_path
 
         args.model = str(bundled_model_path())
     import transformers

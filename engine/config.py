@@ -1,32 +1,42 @@
 """Engine settings: one dataclass, validated with errors that say what to change."""
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 
 
+def setting(default, help: str, choices: tuple | None = None):
+    """A field of EngineConfig with the help text that `python -m engine.serve --help` shows for it."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
     model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None  # default: the model's context, capped by the KV cache
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: 2048 on CPU, 16384 on GPU
-    kvcache_block_size: int = 16
-    num_kvcache_blocks: int | None = None  # default: sized from memory (see kv_cache_memory_bytes)
-    kv_cache_memory_bytes: int | None = None  # CPU: explicit budget, default 1 GiB
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1  # split the model across this many GPUs (on CPU: processes, for tests)
-    attention_backend: str = "auto"
+    device: str = setting("auto", "where the model runs (auto: CUDA when there is a GPU)", DEVICES)
+    dtype: str = setting("auto", "weights and activations (auto: bf16/fp16 on a GPU, bf16 on a CPU that is "
+                                 "fast at it, else float32)", DTYPES)
+    max_model_len: int | None = setting(None, "longest prompt plus reply (default: the model's context, "
+                                              "capped by the KV cache)")
+    max_num_seqs: int = setting(256, "requests that run in one batch")
+    max_num_batched_tokens: int | None = setting(None, "tokens one step may process (default: 2048 on a CPU, "
+                                                       "16384 on a GPU)")
+    kvcache_block_size: int = setting(16, "tokens per KV block: the unit prefixes are shared in")
+    num_kvcache_blocks: int | None = setting(None, "KV blocks (default: sized from memory)")
+    kv_cache_memory_bytes: int | None = setting(None, "KV cache budget on a CPU, in bytes (default 1 GiB)")
+    gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
+    enable_prefix_caching: bool = setting(True, "share the KV blocks of identical prompt prefixes")
+    enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile (slower; for debugging)")
+    tensor_parallel_size: int = setting(1, "split the model across this many GPUs (on a CPU: processes, for tests)")
+    attention_backend: str = setting("auto", "attention kernels (auto: flash-attn where installed and the block "
+                                             "size allows, Triton on a GPU, torch elsewhere)", ATTENTION_BACKENDS)
     # Plan and launch each step while the device still runs the one before. Default: on CUDA with
     # one GPU and a kernel backend (on a CPU, or with the torch backend, which reads lengths on the
     # host every layer, nothing overlaps, so it would only add a step of lag).
-    async_scheduling: bool | None = None
-    seed: int = 0
+    async_scheduling: bool | None = setting(None, "plan each step while the GPU runs the one before "
+                                                  "(default: on for one GPU with a kernel backend)")
+    seed: int = setting(0, "seed of the random generator that requests without their own seed sample from")
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

@@ -12,7 +12,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from itertools import count
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, KVBlock, RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine")
@@ -20,6 +21,9 @@ _DONE = object()
 
 
 class EngineThread:
+    """Everything a server or the app needs of a loaded model; callers never reach into `engine`
+    (which tests and benchmarks may read), since only this thread may touch it between steps."""
+
     def __init__(self, engine: LLMEngine, name: str = "pagoda-engine"):
         self.engine = engine
         self._lock = FairLock()  # held while the engine changes: a step, an add, an abort
@@ -32,6 +36,25 @@ class EngineThread:
         self._thread.start()
 
     # ---- caller side ----------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus reply a request may have."""
+        return self.engine.max_model_len
+
+    @property
+    def device(self) -> str:
+        """Where the model runs: "cpu", "cuda:0", ..."""
+        return str(self.engine.device)
+
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """A conversation as prompt token ids, through the model's chat template (LLMEngine.encode_chat).
+        Tokenizing needs no lock: it runs in the caller's thread while the engine steps."""
+        return self.engine.encode_chat(messages, **template_kwargs)
+
+    def tokenize(self, text: str) -> list[int]:
+        """A plain prompt's token ids, as the engine would encode it (special tokens included)."""
+        return self.engine.tokenizer.encode(text)
+
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> "RequestStream":
         """Queue a request. Invalid input raises here, in the caller's thread."""
         request_id = f"chat-{next(self._ids)}"
@@ -60,11 +83,11 @@ class EngineThread:
         for request_id in request_ids:
             self.abort(request_id)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
 
-    def kv_blocks(self) -> list[dict]:
+    def kv_blocks(self) -> list[KVBlock]:
         with self._lock:
             return self.engine.kv_blocks()
 

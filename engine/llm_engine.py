@@ -13,7 +13,6 @@ With `tensor_parallel_size=N > 1`, this process is rank 0 and N-1 worker process
 of the model; `close()` stops them (garbage collection and interpreter exit do too).
 """
 import logging
-from dataclasses import dataclass, field
 from itertools import count
 
 import torch
@@ -24,25 +23,12 @@ from engine.detokenizer import Detokenizer
 from engine.distributed import check_tensor_parallel
 from engine.loader import checkpoint_dtype, pick_device, pick_dtype, resolve_model_path
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.outputs import EngineStats, KVBlock, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("engine")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    token_ids: list[int] = field(default_factory=list)  # all output tokens, once finished
 
 
 class LLMEngine:
@@ -140,6 +126,17 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                              "and at least one new token must fit; shorten the prompt or raise max_model_len")
         return token_ids
+
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """Token ids of a conversation through the model's own chat template, ending where the
+        assistant's reply starts. The one place a chat becomes tokens: the app's chats and the API's
+        requests go through it, so the same system prompt gives the same leading ids, and so the
+        same prefix-cache blocks. `template_kwargs` go to the template (e.g. enable_thinking)."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template, so it cannot take a conversation; send a plain prompt")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request and return its id. Invalid requests raise and change nothing."""
@@ -245,32 +242,32 @@ class LLMEngine:
         return "stop"
 
     # ---- introspection --------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
-        return {
-            "num_blocks": bm.num_blocks,
-            "free_blocks": bm.num_free_blocks,
-            "cached_blocks": bm.num_cached_free_blocks,
-            "used_blocks": bm.num_blocks - bm.num_free_blocks,
-            "block_size": bm.block_size,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            "num_preemptions": sched.num_preemptions,
-            "num_generated_tokens": self.num_generated_tokens,
-            "max_model_len": self.max_model_len,
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "attention_backend": self.model_runner.backend.name,
-            "matmul": self.model_runner.matmul_kind,
-            "sampler": self.model_runner.sampler.kind,
-            "async_scheduling": self.async_scheduling,
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-        }
+        return EngineStats(
+            num_blocks=bm.num_blocks,
+            free_blocks=bm.num_free_blocks,
+            cached_blocks=bm.num_cached_free_blocks,
+            used_blocks=bm.num_blocks - bm.num_free_blocks,
+            block_size=bm.block_size,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_preemptions=sched.num_preemptions,
+            num_generated_tokens=self.num_generated_tokens,
+            max_model_len=self.max_model_len,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.model_runner.backend.name,
+            matmul=self.model_runner.matmul_kind,
+            sampler=self.model_runner.sampler.kind,
+            async_scheduling=self.async_scheduling,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+        )
 
-    def kv_blocks(self) -> list[dict]:
-        """One entry per KV block: id, ref_count, cached (hash registered), filled tokens, owners."""
+    def kv_blocks(self) -> list[KVBlock]:
+        """One entry per KV block, in block id order (see KVBlock)."""
         bs = self.block_manager.block_size
         owners: dict[int, list[str]] = {}
         filled: dict[int, int] = {}
@@ -278,16 +275,8 @@ class LLMEngine:
             for i, block_id in enumerate(seq.block_table):
                 owners.setdefault(block_id, []).append(seq.request_id)
                 filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
-        return [
-            {
-                "id": b.block_id,
-                "ref_count": b.ref_count,
-                "cached": b.hash is not None,
-                "filled": bs if b.hash is not None else filled.get(b.block_id, 0),
-                "owners": owners.get(b.block_id, []),
-            }
-            for b in self.block_manager.blocks
-        ]
+        return [KVBlock(b.block_id, b.ref_count, b.hash is not None, bs if b.hash is not None else filled.get(b.block_id, 0),
+                        tuple(owners.get(b.block_id, ()))) for b in self.block_manager.blocks]
 
     # ---- offline API ----------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

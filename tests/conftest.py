@@ -129,7 +129,7 @@ def bundled_build(tmp_path_factory):
     Returns (folder, progress messages, seconds the build took)."""
     import time
 
-    from engine.bundled import bundled_model_path
+    from engine.loader.bundled import bundled_model_path
 
     home = tmp_path_factory.mktemp("pagoda_home")
     messages: list[str] = []

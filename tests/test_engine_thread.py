@@ -55,11 +55,11 @@ def test_leaving_a_stream_early_aborts_it_and_frees_its_blocks(front):
         if i == 3:
             break  # the caller goes away (e.g. the browser tab closed)
     deadline = time.time() + 10
-    while front.stats()["num_running"] and time.time() < deadline:
+    while front.stats().num_running and time.time() < deadline:
         time.sleep(0.01)
     s = front.stats()
-    assert s["num_running"] == 0 and s["num_waiting"] == 0
-    assert s["free_blocks"] == s["num_blocks"]
+    assert s.num_running == 0 and s.num_waiting == 0
+    assert s.free_blocks == s.num_blocks
 
 
 def test_cancel_ends_the_stream_with_abort(front):
@@ -96,7 +96,7 @@ def test_shutdown_releases_the_engines_memory(tiny_llama):
         thread.submit(PROMPTS[0])
     gc.collect()
     assert [ref() for ref in held] == [None, None, None]
-    assert llm.stats()["num_blocks"] == 64  # still answers, for a dashboard that looks once more
+    assert llm.stats().num_blocks == 64  # still answers, for a dashboard that looks once more
     with pytest.raises(RuntimeError, match="closed; create a new LLM"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()  # a second close is harmless

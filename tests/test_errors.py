@@ -21,7 +21,7 @@ def reference(llm):
 
 def still_serves(llm, reference):
     s = llm.stats()
-    assert (s["num_running"], s["num_waiting"], s["free_blocks"]) == (0, 0, s["num_blocks"])
+    assert (s.num_running, s.num_waiting, s.free_blocks) == (0, 0, s.num_blocks)
     assert llm.generate(["Hello world"], GREEDY, use_tqdm=False)[0]["token_ids"] == reference["token_ids"]
 
 
@@ -164,25 +164,25 @@ def test_abort_frees_blocks_and_other_requests_continue(llm, reference):
     llm.step()
     llm.step()
     s = llm.stats()
-    assert s["num_running"] == 2 and s["free_blocks"] < s["num_blocks"]
+    assert s.num_running == 2 and s.free_blocks < s.num_blocks
     assert llm.abort_request(drop) is True
     assert llm.abort_request(drop) is False
     assert llm.abort_request("no-such-request") is False
-    assert all(drop not in b["owners"] for b in llm.kv_blocks())
+    assert all(drop not in b.owners for b in llm.kv_blocks())
     outputs = []
     while llm.has_unfinished_requests():
         outputs += llm.step()
     assert {o.request_id for o in outputs} == {keep}
     assert outputs[-1].finished and outputs[-1].token_ids == reference["token_ids"]
     s = llm.stats()
-    assert s["free_blocks"] == s["num_blocks"] and s["used_blocks"] == 0
+    assert s.free_blocks == s.num_blocks and s.used_blocks == 0
 
 
 def test_abort_a_waiting_request(llm, reference):
     rid = llm.add_request("Hello world", GREEDY)
-    assert llm.stats()["num_waiting"] == 1
+    assert llm.stats().num_waiting == 1
     assert llm.abort_request(rid)
-    assert llm.stats()["num_waiting"] == 0 and not llm.has_unfinished_requests()
+    assert llm.stats().num_waiting == 0 and not llm.has_unfinished_requests()
     assert llm.step() == []
     still_serves(llm, reference)
 

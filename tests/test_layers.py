@@ -123,7 +123,7 @@ def test_without_onednn_support_for_the_dtype_the_engine_keeps_plain_weights(mon
     monkeypatch.setattr(linear_mod.torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
     assert not linear_mod.can_pack_for_cpu(torch.float32)
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kvcache_blocks=16)
-    assert llm.stats()["matmul"] == "torch"
+    assert llm.stats().matmul == "torch"
     model = llm.model_runner.model
     assert model.lm_head.packed_weight is None and model.lm_head.weight is model.model.embed_tokens.weight
     out = llm.generate([[3, 4, 5]], use_tqdm=False)[0]  # still serves, on F.linear
@@ -136,7 +136,7 @@ def test_engine_on_cpu_packs_its_weights_and_counts_the_tied_head_copy(tiny_llam
     from engine.loader import checkpoint_numel, safetensors_files
 
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kvcache_blocks=16)
-    assert llm.stats()["matmul"] == "onednn-packed"
+    assert llm.stats().matmul == "onednn-packed"
     model = llm.model_runner.model
     assert model.lm_head.weight is None and model.model.embed_tokens.weight is not None  # tied: lookups keep a table
     checkpoint = checkpoint_numel(safetensors_files(tiny_llama)) * 4  # the table once: the checkpoint is tied

@@ -7,7 +7,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from engine.serve import resolve_api_key  # noqa: E402
+from entrypoints.cli import resolve_api_key  # noqa: E402
 from tests.processes import ServeProcess, wait_until  # noqa: E402
 
 KEY = "sk-pagoda-test"

@@ -4,9 +4,10 @@ The cases are the ones where nano-vllm's prefix cache went wrong: a fully cached
 prompt that is an exact multiple of the block size, preemption of a request whose blocks are
 shared, and chunked prefill that continues over cached blocks.
 """
+import dataclasses
 import pytest
 
-from engine import SamplingParams
+from engine import KVBlock, SamplingParams
 
 BS = 16
 DESIGN_STATS_KEYS = {"num_blocks", "free_blocks", "cached_blocks", "used_blocks", "block_size", "prefix_cache_queries",
@@ -33,24 +34,24 @@ def test_shared_system_prompt_hits_its_full_blocks(tiny_qwen2, make_llm, system,
     llm = make_llm(tiny_qwen2)
     first = llm.generate([a], greedy(), use_tqdm=False)
     s = llm.stats()
-    assert (s["prefix_cache_queries"], s["prefix_cache_hits"]) == (50, 0)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (50, 0)
     assert first[0]["num_cached_tokens"] == 0
 
     rest = llm.generate([b, c], greedy(), use_tqdm=False)
     s = llm.stats()
     # Each of b and c finds the system prompt's two full blocks; the third block differs.
-    assert (s["prefix_cache_queries"], s["prefix_cache_hits"]) == (150, 64)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (150, 64)
     assert [r["num_cached_tokens"] for r in rest] == [32, 32]
 
     again = llm.generate([a], greedy(), use_tqdm=False)
     # a's third block (system[32:40] + 8 of its own tokens) was registered by the first run.
     assert again[0]["num_cached_tokens"] == 48
-    assert llm.stats()["prefix_cache_hits"] == 112
+    assert llm.stats().prefix_cache_hits == 112
 
     off = make_llm(tiny_qwen2, enable_prefix_caching=False)
     expected = token_ids(off.generate([a, b, c, a], greedy(), use_tqdm=False))
     assert token_ids(first + rest + again) == expected
-    assert off.stats()["prefix_cache_hits"] == 0
+    assert off.stats().prefix_cache_hits == 0
 
 
 @pytest.mark.parametrize("length", [16, 32, 40, 48])
@@ -63,11 +64,11 @@ def test_fully_cached_prompt_recomputes_its_last_block(length, tiny_qwen2, make_
     # The last prompt token is never served from the cache, so at most (length - 1) // 16 blocks hit.
     hit = (length - 1) // BS * BS
     assert [r["num_cached_tokens"] for r in results] == [0, hit, hit]
-    assert llm.stats()["prefix_cache_hits"] == 2 * hit
+    assert llm.stats().prefix_cache_hits == 2 * hit
     for r in results:
         assert r["token_ids"] == reference["token_ids"]
         assert r["text"] == reference["text"]
-    assert llm.stats()["used_blocks"] == 0
+    assert llm.stats().used_blocks == 0
 
 
 def test_identical_prompts_in_one_batch_and_queued(tiny_qwen2, make_llm, random_prompt):
@@ -77,7 +78,7 @@ def test_identical_prompts_in_one_batch_and_queued(tiny_qwen2, make_llm, random_
     # Admitted in the same step: nothing is registered yet, so no hits, and both compute the same blocks.
     together = make_llm(tiny_qwen2)
     assert token_ids(together.generate([prompt] * 3, greedy(), use_tqdm=False)) == [reference] * 3
-    assert together.stats()["prefix_cache_hits"] == 0
+    assert together.stats().prefix_cache_hits == 0
 
     # One at a time: each later copy finds the first copy's blocks.
     queued = make_llm(tiny_qwen2, max_num_seqs=1)
@@ -92,7 +93,7 @@ def test_preempting_a_request_whose_blocks_are_shared(tiny_qwen2, make_llm, syst
 
     roomy = make_llm(tiny_qwen2, num_kvcache_blocks=64)
     expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
-    assert roomy.stats()["num_preemptions"] == 0
+    assert roomy.stats().num_preemptions == 0
 
     # Each request needs 6 blocks at its end (88 tokens), 2 of them the shared system prompt:
     # 2 + 4 * 4 = 18 blocks for all four at once, but there are only 10.
@@ -100,10 +101,10 @@ def test_preempting_a_request_whose_blocks_are_shared(tiny_qwen2, make_llm, syst
     tight.generate([system + random_prompt(3, 299)], greedy(max_tokens=1), use_tqdm=False)  # warm the system prompt
     results = tight.generate(prompts, params, use_tqdm=False)
     s = tight.stats()
-    assert s["num_preemptions"] > 0
+    assert s.num_preemptions > 0
     assert token_ids(results) == expected
     assert all(r["num_cached_tokens"] >= 32 for r in results)
-    assert (s["used_blocks"], s["free_blocks"]) == (0, 10)
+    assert (s.used_blocks, s.free_blocks) == (0, 10)
 
 
 def test_chunked_prefill_continues_over_cached_blocks(tiny_qwen2, make_llm, system, random_prompt):
@@ -138,50 +139,49 @@ def test_second_copy_admitted_mid_chunked_prefill_hits_the_blocks_already_writte
 def test_kv_blocks_and_stats_while_two_requests_share_blocks(tiny_qwen2, make_llm, system, random_prompt):
     llm = make_llm(tiny_qwen2, num_kvcache_blocks=20)
     s = llm.stats()
-    assert DESIGN_STATS_KEYS <= set(s)
-    assert (s["num_blocks"], s["free_blocks"], s["used_blocks"], s["cached_blocks"], s["block_size"]) == (20, 20, 0, 0, BS)
+    assert DESIGN_STATS_KEYS <= {f.name for f in dataclasses.fields(s)}
+    assert (s.num_blocks, s.free_blocks, s.used_blocks, s.cached_blocks, s.block_size) == (20, 20, 0, 0, BS)
 
     llm.generate([system + random_prompt(4, 500)], greedy(max_tokens=1), use_tqdm=False)
     s = llm.stats()
-    assert (s["free_blocks"], s["used_blocks"]) == (20, 0)
-    assert s["cached_blocks"] == 2  # the two full blocks of the system prompt; the partial third is empty again
+    assert (s.free_blocks, s.used_blocks) == (20, 0)
+    assert s.cached_blocks == 2  # the two full blocks of the system prompt; the partial third is empty again
 
     r1 = llm.add_request(system + random_prompt(4, 501), greedy())
     r2 = llm.add_request(system + random_prompt(20, 502), greedy())
     llm.step()
     s = llm.stats()
-    assert (s["num_running"], s["num_waiting"]) == (2, 0)
+    assert (s.num_running, s.num_waiting) == (2, 0)
     seq1, seq2 = llm.requests[r1], llm.requests[r2]
     shared = seq1.block_table[:2]
     assert seq2.block_table[:2] == shared
 
     blocks = llm.kv_blocks()
     assert len(blocks) == 20
-    assert [b["id"] for b in blocks] == list(range(20))
-    assert all(set(b) >= {"id", "ref_count", "cached", "filled", "owners"} for b in blocks)
-    by_id = {b["id"]: b for b in blocks}
+    assert [b.id for b in blocks] == list(range(20))
+    by_id = {b.id: b for b in blocks}
     for block_id in shared:
-        assert by_id[block_id]["ref_count"] == 2
-        assert by_id[block_id]["cached"] is True
-        assert by_id[block_id]["filled"] == BS
-        assert sorted(by_id[block_id]["owners"]) == sorted([r1, r2])
+        assert by_id[block_id].ref_count == 2
+        assert by_id[block_id].cached is True
+        assert by_id[block_id].filled == BS
+        assert sorted(by_id[block_id].owners) == sorted([r1, r2])
     # r1: 44 tokens computed, 3 blocks; its third block holds 12 tokens and only r1 uses it.
-    assert by_id[seq1.block_table[2]] == {"id": seq1.block_table[2], "ref_count": 1, "cached": False, "filled": 12, "owners": [r1]}
+    assert by_id[seq1.block_table[2]] == KVBlock(seq1.block_table[2], ref_count=1, cached=False, filled=12, owners=(r1,))
     # r2: 60 tokens computed: 4 blocks, the third is full and now registered, the fourth holds 12.
-    assert by_id[seq2.block_table[2]]["cached"] is True and by_id[seq2.block_table[2]]["owners"] == [r2]
-    assert by_id[seq2.block_table[3]]["filled"] == 12
-    used = [b for b in blocks if b["ref_count"] > 0]
-    assert len(used) == s["used_blocks"] == 5
-    assert sum(b["ref_count"] for b in blocks) == len(seq1.block_table) + len(seq2.block_table)
-    idle = [b for b in blocks if b["ref_count"] == 0]
-    assert all(b["owners"] == [] for b in idle)
-    assert sum(b["cached"] for b in idle) == s["cached_blocks"]
-    assert s["free_blocks"] == len(idle) == 15
+    assert by_id[seq2.block_table[2]].cached is True and by_id[seq2.block_table[2]].owners == (r2,)
+    assert by_id[seq2.block_table[3]].filled == 12
+    used = [b for b in blocks if b.ref_count > 0]
+    assert len(used) == s.used_blocks == 5
+    assert sum(b.ref_count for b in blocks) == len(seq1.block_table) + len(seq2.block_table)
+    idle = [b for b in blocks if b.ref_count == 0]
+    assert all(b.owners == () for b in idle)
+    assert sum(b.cached for b in idle) == s.cached_blocks
+    assert s.free_blocks == len(idle) == 15
 
     while llm.has_unfinished_requests():
         llm.step()
     blocks = llm.kv_blocks()
-    assert all(b["ref_count"] == 0 and b["owners"] == [] for b in blocks)
+    assert all(b.ref_count == 0 and b.owners == () for b in blocks)
     s = llm.stats()
-    assert (s["free_blocks"], s["used_blocks"], s["num_running"]) == (20, 0, 0)
-    assert s["cached_blocks"] == sum(b["cached"] for b in blocks) > 2
+    assert (s.free_blocks, s.used_blocks, s.num_running) == (20, 0, 0)
+    assert s.cached_blocks == sum(b.cached for b in blocks) > 2

@@ -66,9 +66,9 @@ def test_preemption_completes_every_request_with_unchanged_outputs(tiny_qwen2, m
         log = BatchLog(llm, monkeypatch)
         assert drive(llm, prompts, params) == expected
         s = llm.stats()
-        assert s["num_preemptions"] > 0
-        assert (s["free_blocks"], s["num_running"], s["num_waiting"]) == (8, 0, 0)
-        assert log.recomputed >= s["num_preemptions"] > 0
+        assert s.num_preemptions > 0
+        assert (s.free_blocks, s.num_running, s.num_waiting) == (8, 0, 0)
+        assert log.recomputed >= s.num_preemptions > 0
 
 
 def test_preempted_request_goes_back_to_the_front_and_is_recomputed(tiny_qwen2, make_llm, random_prompt):
@@ -78,9 +78,9 @@ def test_preempted_request_goes_back_to_the_front_and_is_recomputed(tiny_qwen2, 
     d = llm.add_request(random_prompt(20, 3), greedy(30))  # needs two blocks: has to wait
     seqs = {rid: llm.requests[rid] for rid in (a, b, c, d)}
     llm.step()
-    assert [s.request_id for s in llm.scheduler.running] == [a, b, c] and llm.stats()["num_preemptions"] == 0
+    assert [s.request_id for s in llm.scheduler.running] == [a, b, c] and llm.stats().num_preemptions == 0
     llm.step()  # a takes the last free block for its 17th token; b's needs c's
-    assert llm.stats()["num_preemptions"] == 1
+    assert llm.stats().num_preemptions == 1
     assert [s.request_id for s in llm.scheduler.running] == [a, b]
     victim = seqs[c]
     assert [s.request_id for s in llm.scheduler.waiting] == [c, d]  # ahead of the request that never ran

@@ -165,7 +165,7 @@ def test_smollm2_tp3_greedy_tokens_and_weight_shares(bundled_model):
         assert len(per_rank) == 3
         for b in per_rank:
             assert abs(b / total - 1 / 3) < 0.005, (per_rank, total)
-        assert llm.stats()["num_blocks"] == 32
+        assert llm.stats().num_blocks == 32
     finally:
         llm.close()
 

@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from app.chat import DEFAULT_SETTINGS, stream_reply
+from app.backend import DEFAULT_SETTINGS
+from app.chat import stream_reply
 from app.remote import (RemoteClient, RemoteError, connect, parse_prometheus, parse_usage, split_base_url,
                         summarize_metrics)
 from tests.processes import ServeProcess, free_port, wait_until
@@ -61,11 +62,11 @@ def test_a_streamed_reply_becomes_increments_with_the_servers_counts():
     seen = []
     client = RemoteClient("http://srv/v1", "sk-test", transport=answering(body=REPLY, content_type="text/event-stream", seen=seen))
     outs = list(client.chat("m", [{"role": "user", "content": "Hi"}], temperature=0.0, top_p=1.0, max_tokens=8))
-    assert "".join(o.new_text for o in outs) == "Hello!"
+    assert "".join(o.text for o in outs) == "Hello!"
     assert [o.finished for o in outs] == [False, False, False, True]
     last = outs[-1]
-    assert last.finish_reason == "stop" and last.num_prompt_tokens == 40 and last.num_cached_tokens == 32
-    assert last.usage == {"prompt_tokens": 40, "completion_tokens": 3, "cached_tokens": 32}
+    assert last.finish_reason == "stop"
+    assert (last.prompt_tokens, last.completion_tokens, last.cached_tokens) == (40, 3, 32)  # the server's usage
     request = seen[0]
     assert request.url == "http://srv/v1/chat/completions" and request.headers["authorization"] == "Bearer sk-test"
     body = json.loads(request.content)
@@ -78,12 +79,14 @@ def test_only_standard_fields_unless_the_nonstandard_ones_are_switched_on():
 
     seen = []
     backend = RemoteBackend(RemoteClient("http://srv", transport=answering(body=REPLY, seen=seen)), "m")
-    list(backend.submit([{"role": "user", "content": "Hi"}], DEFAULT_SETTINGS))
+    stream, num_prompt_tokens = backend.submit([{"role": "user", "content": "Hi"}], DEFAULT_SETTINGS)
+    assert num_prompt_tokens == 0  # only the server knows, and says so in its usage
+    list(stream)
     body = json.loads(seen[-1].content)
     assert set(body) == {"model", "messages", "stream", "stream_options", "temperature", "top_p", "max_tokens"}
     assert "authorization" not in seen[-1].headers
     list(backend.submit([{"role": "user", "content": "Hi"}],
-                        {**DEFAULT_SETTINGS, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7}))
+                        {**DEFAULT_SETTINGS, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7})[0])
     body = json.loads(seen[-1].content)
     assert (body["top_k"], body["min_p"], body["repetition_penalty"], body["seed"]) == (40, 0.05, 1.1, 7)
 
@@ -94,7 +97,8 @@ def test_usage_may_lack_cached_tokens_and_a_stream_may_lack_usage():
     assert parse_usage(None) == {}
     body = b": keep-alive\n\n" + sse(chunk("Hi", finish="length"), "[DONE]")  # no usage chunk at all
     outs = list(RemoteClient("http://srv", transport=answering(body=body)).chat("m", []))
-    assert outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].usage is None
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert (outs[-1].prompt_tokens, outs[-1].completion_tokens, outs[-1].cached_tokens) == (None, None, None)
 
 
 class FakeStore:
@@ -153,7 +157,7 @@ def test_connect_lists_the_models_and_picks_one():
     models = {"object": "list", "data": [{"id": "big", "object": "model", "max_model_len": 8192}, {"id": "small"}]}
     backend = connect("http://srv", transport=answering(body=models))
     assert (backend.model, backend.max_model_len, backend.models) == ("big", 8192, ["big", "small"])
-    assert backend.label == "big at http://srv/v1"
+    assert backend.label == "Remote: big at http://srv/v1"  # as the header shows it
     assert connect("http://srv", model="small", transport=answering(body=models)).max_model_len is None
     with pytest.raises(RemoteError, match="does not serve 'huge'; it serves big, small"):
         connect("http://srv", model="huge", transport=answering(body=models))
@@ -218,8 +222,7 @@ def remote_ui(tmp_path, handler):
     from app.ui import PagodaUI
 
     host = ModelHost()
-    host.remote = connect_to("http://srv/v1", transport=mock(handler))
-    host.label = f"Remote: {host.remote.label}"
+    host.backend = connect_to("http://srv/v1", transport=mock(handler))
     return PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
 
 

@@ -48,7 +48,7 @@ def test_prefix_cache_and_chunked_prefill_on_triton(tiny_llama):
                   max_num_batched_tokens=23, enable_prefix_caching=caching)
         outs[caching] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         if caching:  # requests admitted after the first one registered its 3 full system-prompt blocks hit them
-            assert llm.stats()["prefix_cache_hits"] >= 48
+            assert llm.stats().prefix_cache_hits >= 48
     assert outs[True] == outs[False]
 
 
@@ -71,7 +71,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_qwen2):
                   max_num_batched_tokens=40, async_scheduling=mode)
         outs[mode] = [(o["token_ids"], o["finish_reason"]) for o in llm.generate(prompts, params, use_tqdm=False)]
         if mode:
-            assert llm.stats()["num_preemptions"] > 0 and llm.stats()["async_scheduling"]
+            assert llm.stats().num_preemptions > 0 and llm.stats().async_scheduling
         del llm
     assert outs[True] == outs[False]
 
@@ -82,7 +82,7 @@ def test_async_steps_never_wait_for_the_device(tiny_qwen2):
     prefill to the end, with requests added and aborted on the way. Then, with each forward
     preceded by a long GPU sleep, step() must return while the device is still busy."""
     llm = LLM(str(tiny_qwen2), device="cuda", dtype="float32", num_kvcache_blocks=64, max_num_seqs=8)
-    assert llm.stats()["async_scheduling"]  # the default on CUDA
+    assert llm.stats().async_scheduling  # the default on CUDA
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -210,7 +210,7 @@ def test_flash_attn_engine_follows_the_triton_engine(tiny_llama):
     for backend in ("flash-attn", "triton"):
         llm = LLM(str(tiny_llama), device="cuda", dtype="bfloat16", attention_backend=backend, kvcache_block_size=256,
                   num_kvcache_blocks=16, max_num_seqs=8)
-        assert llm.stats()["attention_backend"] == backend
+        assert llm.stats().attention_backend == backend
         outs[backend] = [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         del llm
     assert outs["flash-attn"] == outs["triton"]
@@ -239,7 +239,7 @@ def test_bf16_logits_close_to_transformers_on_qwen3_06b_shape(tmp_path_factory):
     for name, ours, ref in (("prefill", captured[0][0], refs[0]), ("decode", captured[1][0], refs[1])):
         rel = ((ours - ref).norm() / ref.norm()).item()
         cos = torch.nn.functional.cosine_similarity(ours, ref, dim=0).item()
-        print(f"bf16 0.6B-shape {name} logits ({llm.stats()['matmul']}): relative error {rel:.4f}, cosine {cos:.5f}")
+        print(f"bf16 0.6B-shape {name} logits ({llm.stats().matmul}): relative error {rel:.4f}, cosine {cos:.5f}")
         assert rel < 0.05 and cos > 0.995, name
 
 
@@ -306,7 +306,7 @@ def test_engine_with_gemv_forced_matches_cublas_logits(tiny_models, monkeypatch)
         monkeypatch.setattr(normed_module, "_CHOICES", {})
         monkeypatch.setattr(gemv_module, "cuda_timer", lambda fn: 0.1 if force and "gemv" in fn.__code__.co_names else 1.0)
         llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
-        assert llm.stats()["matmul"] == ("torch+triton-gemv" if force else "torch")
+        assert llm.stats().matmul == ("torch+triton-gemv" if force else "torch")
         captured = []
         original = llm.model_runner.model.compute_logits
         llm.model_runner.model.compute_logits = lambda h: captured.append(original(h).float()) or captured[-1]

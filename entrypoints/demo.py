@@ -1,22 +1,20 @@
 """A terminal chat with the engine, on the bundled model unless told otherwise.
 
-    python -m engine.demo [model]
+    python -m entrypoints.demo [model]
 """
 import logging
 import sys
 
 from engine import LLM, SamplingParams
+from entrypoints.cli import default_model
 
 
 def main(model: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if model is None:
-        from engine.bundled import bundled_model_path
-
-        model = str(bundled_model_path())
+    model, name = default_model(model)
     llm = LLM(model)
     s = llm.stats()
-    print(f"Loaded {model} on {s['device']} ({s['dtype']}), {s['num_blocks']} KV blocks. Empty line or Ctrl-D quits.")
+    print(f"Loaded {name} on {s.device} ({s.dtype}), {s.num_blocks} KV blocks. Empty line or Ctrl-D quits.")
     messages = [{"role": "system", "content": "You are a helpful assistant."}]
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=256, seed=0)
     interactive = sys.stdin.isatty()
@@ -35,8 +33,7 @@ def main(model: str | None = None) -> int:
             if not user:
                 return 0
         messages.append({"role": "user", "content": user})
-        chat = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        request_id = llm.add_request(llm.tokenizer.encode(chat, add_special_tokens=False), params)
+        request_id = llm.add_request(llm.encode_chat(messages), params)
         text = ""
         while llm.has_unfinished_requests():
             for out in llm.step():

@@ -1,9 +1,9 @@
 """An OpenAI-compatible HTTP API on an EngineThread: /v1/chat/completions, /v1/completions, /v1/models.
 
 The routes are a FastAPI router, so the chat app mounts them on its own port (its chats and API
-calls then share one batch) and `python -m engine.serve` runs them headless. `/metrics` reports
-vLLM's metric names, so dashboards and clients written for vLLM read Pagoda's prefix-cache
-counters too.
+calls then share one batch) and `python -m engine.serve` runs them headless (`create_app`).
+`/metrics` reports vLLM's metric names, so dashboards and clients written for vLLM read Pagoda's
+prefix-cache counters too.
 """
 import json
 import secrets
@@ -11,15 +11,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.engine_thread import EngineThread, RequestStream
-from engine.sampling_params import SamplingParams
+from engine import EngineThread, RequestStream, SamplingParams
+from entrypoints.openai.protocol import APIError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 
 
 @dataclass
@@ -32,95 +30,6 @@ class ServedModel:
 
 # None: no model is loaded (the app between models); it may also raise APIError to say why not.
 ModelSource = Callable[[], ServedModel | None]
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-# ---- request bodies (OpenAI's fields, plus vLLM's top_k / min_p / repetition_penalty) --------------
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # e.g. `user`, which changes nothing here
-
-    model: str | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = 1
-    top_k: int = -1
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
-
-    def check_supported(self) -> None:
-        """Fields Pagoda would otherwise ignore: refuse them rather than answer something else."""
-        if self.n != 1:
-            raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported; use repetition_penalty (vLLM's name) instead", param=name)
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatCompletionBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
-    suffix: str | None = None
-
-
-async def parse_body(request: Request, kind: type[_Body]) -> _Body:
-    try:
-        raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON") from None
-    if not isinstance(raw, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        body = kind.model_validate(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
-    body.check_supported()
-    return body
 
 
 # ---- the routes ------------------------------------------------------------------------------------
@@ -159,7 +68,7 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
         async def handler():
             model = models()
             data = [] if model is None else [{"id": model.name, "object": "model", "created": 0, "owned_by": "pagoda",
-                                               "max_model_len": model.engine.engine.max_model_len}]
+                                               "max_model_len": model.engine.max_model_len}]
             return {"object": "list", "data": data}
         return await guarded(request, handler)
 
@@ -169,7 +78,7 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
             body = await parse_body(request, ChatCompletionBody)
             model = served(body.model)
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-            token_ids = await anyio.to_thread.run_sync(chat_token_ids, model.engine, messages)
+            token_ids = await anyio.to_thread.run_sync(encode_chat, model.engine, messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await complete(request, model, body, token_ids, max_tokens, chat=True)
         return await guarded(request, handler)
@@ -187,7 +96,7 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
                     raise APIError(400, "send one prompt per request (a list of several prompts is not supported)", param="prompt")
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                token_ids = await anyio.to_thread.run_sync(model.engine.engine.tokenizer.encode, prompt)
+                token_ids = await anyio.to_thread.run_sync(model.engine.tokenize, prompt)
             else:
                 token_ids = list(prompt)
             return await complete(request, model, body, token_ids, body.max_tokens, chat=False)
@@ -196,16 +105,15 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
     return router
 
 
-def chat_token_ids(engine: EngineThread, messages: list[dict]) -> list[int]:
-    """The conversation through the model's own chat template, as the app's chats do."""
-    tokenizer = engine.engine.tokenizer
-    if tokenizer.chat_template is None:
-        raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+def encode_chat(engine: EngineThread, messages: list[dict]) -> list[int]:
+    """The conversation through the engine's one chat encoder, which the app's chats use too."""
+    try:
+        return engine.encode_chat(messages)
+    except ValueError as e:  # e.g. a model without a chat template
+        raise APIError(400, f"{e}; use /v1/completions with a plain prompt") from None
 
 
-def sampling_params(body: _Body, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> SamplingParams:
+def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> SamplingParams:
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
@@ -223,10 +131,10 @@ def sampling_params(body: _Body, num_prompt_tokens: int, max_tokens: int | None,
         raise APIError(400, str(e)) from None
 
 
-async def complete(request: Request, model: ServedModel, body: _Body, token_ids: list[int], max_tokens: int | None,
+async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int], max_tokens: int | None,
                    chat: bool) -> object:
     engine = model.engine
-    params = sampling_params(body, len(token_ids), max_tokens, engine.engine.max_model_len)
+    params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len)
     try:
         stream = await anyio.to_thread.run_sync(engine.submit, token_ids, params)
     except (ValueError, TypeError) as e:
@@ -335,10 +243,18 @@ def create_metrics_router(models: ModelSource) -> APIRouter:
         lines = []
         for name, kind, text, key in METRICS:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}",
-                      f"{name}{'_total' if kind == 'counter' else ''}{label} {stats[key]}"]
-        usage = stats["used_blocks"] / stats["num_blocks"] if stats["num_blocks"] else 0.0
+                      f"{name}{'_total' if kind == 'counter' else ''}{label} {getattr(stats, key)}"]
         lines += ["# HELP vllm:kv_cache_usage_perc KV-cache usage (1 = full).", "# TYPE vllm:kv_cache_usage_perc gauge",
-                  f"vllm:kv_cache_usage_perc{label} {usage:.6f}"]
+                  f"vllm:kv_cache_usage_perc{label} {stats.kv_cache_usage:.6f}"]
         return "\n".join(lines) + "\n"
 
     return router
+
+
+def create_app(engine: EngineThread, model_name: str, api_key: str | None) -> FastAPI:
+    """A FastAPI app serving one EngineThread: the headless server."""
+    served = ServedModel(engine, model_name)
+    app = FastAPI(title="Pagoda OpenAI-compatible API")
+    app.include_router(create_router(lambda: served, api_key))
+    app.include_router(create_metrics_router(lambda: served))
+    return app

@@ -1,0 +1,157 @@
+"""What answers the chats: the Backend protocol, its one kind of reply increment, and the local
+implementation over the embedded engine (the remote one, over an OpenAI-compatible server, is in
+app/remote.py).
+
+The page and the chat flow talk to a Backend only: they never ask which kind it is. A local
+backend turns a chat into token ids through the engine's one chat encoder (so chats and /v1 calls
+with the same system prompt share KV blocks); a remote server applies its own template.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from engine import EngineThread, RequestStream, SamplingParams
+
+from app.visualizer import render_kv_cache
+
+if TYPE_CHECKING:
+    from app.store import Message
+
+DEFAULT_SETTINGS = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "max_tokens": 512, "seed": None}
+MIN_REPLY_ROOM = 64  # tokens of room a chat needs for its reply before it is refused as too long
+
+
+@dataclass
+class ReplyDelta:
+    """One increment of a reply, from either backend."""
+
+    text: str
+    num_tokens: int  # tokens this increment brings (a remote server: one per streamed chunk, about right)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort", on the last increment
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served, once known
+    prompt_tokens: int | None = None  # the server's own count, on a remote reply's last increment
+    completion_tokens: int | None = None  # likewise
+
+
+class ReplyStream(Protocol):
+    """The increments of one reply. Iterate it; stop early or call cancel() to abort it."""
+
+    request_id: str
+
+    def __iter__(self) -> Iterator[ReplyDelta]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Backend(Protocol):
+    kind: str  # "local" or "remote": for status reports only, never for branching
+    label: str  # what the header and status lines call it
+    model: str  # the served model's name
+    models: list[str]  # every model it could serve (a server may have several)
+    url: str | None  # a server's API address; None for the embedded engine
+
+    def submit(self, messages: list[dict], settings: dict) -> tuple[ReplyStream, int]:
+        """Start the assistant's reply to `messages` (system prompt included) with the chat's sampling
+        settings: (its stream, prompt tokens, or 0 when only a server knows). Raises ContextOverflow or
+        RemoteError before anything streams when the chat cannot be answered."""
+
+    def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
+        """The line under a chat: how much of the context its messages use."""
+
+    def kv_panel(self, owners: dict[str, str]) -> str:
+        """The KV cache tab's HTML (owners: request id -> conversation label)."""
+
+    def device_label(self) -> str:
+        """The processor the replies are computed on, for the header ("" when the label says it all)."""
+
+    def close(self) -> None:
+        """Stop serving: replies still streaming end as stopped, memory and connections go back."""
+
+
+class ContextOverflow(Exception):
+    """The conversation plus the reply would not fit the model's context."""
+
+    def __init__(self, needed: int, limit: int):
+        self.needed, self.limit = needed, limit
+        super().__init__(f"This chat needs {needed:,} tokens (history plus room for the reply) but the model's context "
+                         f"holds {limit:,}. Drop the oldest messages, lower the reply length, or start a new chat.")
+
+
+def chat_messages(system_prompt: str, messages: list[dict]) -> list[dict]:
+    """The conversation a backend answers: the chat's system prompt (when it has one) first."""
+    return ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + messages
+
+
+def sampling_params(settings: dict) -> SamplingParams:
+    s = {**DEFAULT_SETTINGS, **(settings or {})}
+    seed = s["seed"]
+    return SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
+                          min_p=float(s["min_p"]), repetition_penalty=float(s["repetition_penalty"]),
+                          max_tokens=int(s["max_tokens"]), seed=None if seed in (None, "", -1) else int(seed))
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    # The reply needs at least one token of room; ask for a little more so answers aren't cut at once.
+    needed = num_prompt_tokens + min(max_tokens, MIN_REPLY_ROOM)
+    if needed > max_model_len:
+        raise ContextOverflow(needed, max_model_len)
+
+
+class LocalReplyStream:
+    """An engine request's increments as ReplyDeltas."""
+
+    def __init__(self, stream: RequestStream):
+        self._stream = stream
+        self.request_id = stream.request_id
+
+    def __iter__(self) -> Iterator[ReplyDelta]:
+        for out in self._stream:
+            yield ReplyDelta(out.new_text, len(out.new_token_ids), out.finished, out.finish_reason,
+                             cached_tokens=out.num_cached_tokens)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
+class LocalBackend:
+    """The embedded engine: one EngineThread that every chat (and the /v1 API) shares."""
+
+    kind = "local"
+    url = None
+
+    def __init__(self, engine: EngineThread, label: str):
+        self.engine, self.label, self.model, self.models = engine, label, label, [label]
+        self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
+
+    def submit(self, messages: list[dict], settings: dict) -> tuple[LocalReplyStream, int]:
+        ids = self.engine.encode_chat(messages)
+        params = sampling_params(settings)
+        check_fits(len(ids), params.max_tokens, self.engine.max_model_len)
+        return LocalReplyStream(self.engine.submit(ids, params)), len(ids)
+
+    def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
+        used = len(self.engine.encode_chat(chat_messages(system_prompt, [m.as_chat() for m in stored])))
+        return f"Context: {used:,} / {self.engine.max_model_len:,} tokens"
+
+    def kv_panel(self, owners: dict[str, str]) -> str:
+        stats, blocks = self.engine.stats(), self.engine.kv_blocks()
+        now = time.time()
+        then, before = self._last_rate
+        rate = (stats.num_generated_tokens - before) / (now - then) if now > then else 0.0
+        self._last_rate = (now, stats.num_generated_tokens)
+        return render_kv_cache(blocks, stats, owners=owners, tokens_per_s=rate)
+
+    def device_label(self) -> str:
+        if self.engine.device.startswith("cuda"):
+            import torch
+
+            return torch.cuda.get_device_name(self.engine.device)
+        return "CPU"
+
+    def close(self) -> None:
+        self.engine.shutdown()  # aborts what is still streaming, then releases the engine's memory

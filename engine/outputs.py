@@ -1,0 +1,61 @@
+"""What the engine reports: each request's increments, its counters, and the state of every KV block.
+
+Small typed contracts in the form of vLLM v1's `RequestOutput` and `SchedulerStats`: the app, the
+API server and the benchmarks read these fields, never a dict whose keys might be missing.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    token_ids: list[int] = field(default_factory=list)  # all output tokens, once finished
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters and settings at one moment (`LLMEngine.stats()`)."""
+
+    num_blocks: int  # KV blocks in the cache
+    free_blocks: int  # blocks no running request holds (empty or cached)
+    cached_blocks: int  # free blocks that still hold a registered prefix hash (evicted last, LRU)
+    used_blocks: int  # blocks held by at least one running request
+    block_size: int  # tokens per block
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int  # of those, tokens served from the cache (hit rate = hits / queries)
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued, not yet admitted (or preempted, to be recomputed)
+    num_preemptions: int  # times a running request gave up its blocks for lack of room, since start
+    num_generated_tokens: int  # tokens sampled, since start
+    max_model_len: int  # longest prompt plus output one request may have
+    device: str  # "cpu", "cuda:0", ...
+    dtype: str  # "float32", "bfloat16", ...
+    attention_backend: str  # "torch", "triton" or "flash-attn"
+    matmul: str  # "onednn-packed", "torch", "torch+triton-gemv", with any fused norm projections
+    sampler: str  # "compiled" (large GPU batches through torch.compile) or "eager"
+    async_scheduling: bool  # the host plans step N+1 while the device runs step N
+    tensor_parallel_size: int  # processes (GPUs) the model is split across
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of blocks in use, 0..1 (vLLM's kv_cache_usage_perc)."""
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """One block of the paged KV cache, as `LLMEngine.kv_blocks()` reports it to the visualizer."""
+
+    id: int  # the block's index in the cache
+    ref_count: int  # running requests that use it; 0 for a free block
+    cached: bool  # it holds a registered prefix hash, so a request with the same prefix can reuse it
+    filled: int  # tokens written into it (block_size once full)
+    owners: tuple[str, ...]  # ids of the running requests that use it

@@ -1,0 +1,99 @@
+"""OpenAI's request bodies and error shape, as Pagoda accepts them.
+
+The fields are OpenAI's, plus vLLM's `top_k`, `min_p` and `repetition_penalty`. A field Pagoda
+cannot honour is refused with a 400 that names it, never silently ignored.
+"""
+import json
+from typing import Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class RequestBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # e.g. `user`, which changes nothing here
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = 1
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+
+    def check_supported(self) -> None:
+        """Fields Pagoda would otherwise ignore: refuse them rather than answer something else."""
+        if self.n != 1:
+            raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported; use repetition_penalty (vLLM's name) instead", param=name)
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionBody(RequestBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionBody(RequestBody):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    suffix: str | None = None
+
+
+async def parse_body(request: Request, kind: type[RequestBody]) -> RequestBody:
+    try:
+        raw = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        body = kind.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+    body.check_supported()
+    return body
