@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_hub import FakeHub  # noqa: E402
 
-from app.downloads import DownloadError, DownloadManager, explain_error  # noqa: E402
+from app.download_jobs import DownloadError, DownloadManager, explain_error  # noqa: E402
 
 REPO = "pagoda-test/tiny-chat"
 BIG = 4 * 1024 * 1024
