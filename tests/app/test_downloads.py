@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_hub import FakeHub  # noqa: E402
 
-from app.download_jobs import DownloadError, DownloadManager, explain_error  # noqa: E402
+from app.download_jobs import DownloadManager  # noqa: E402
+from app.hub_errors import DownloadError, explain_error  # noqa: E402
 
 REPO = "pagoda-test/tiny-chat"
 BIG = 4 * 1024 * 1024
