@@ -5,7 +5,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.catalog import entry_for_repo, fit_report, format_gib, load_catalog
-from app.downloads import DownloadManager
+from app.download_jobs import DownloadManager
 from app.model_host import resolve_model
 from app.remote import RemoteError
 

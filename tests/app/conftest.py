@@ -1,4 +1,5 @@
 import pytest
+from hub_fixtures import hub, manager  # noqa: F401 - fixtures of the download and hub-error tests
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,14 +1,16 @@
-"""Model downloads from the Hugging Face hub: background jobs with byte progress, cancel, and the local cache.
+"""Model downloads from the Hugging Face hub: background jobs with byte progress, cancel, and a disk check first.
 
 Downloads go through `huggingface_hub.snapshot_download` with the engine's own file patterns
 (`engine.loader.HUB_PATTERNS`), into the standard HF cache unless a folder is given, so a model downloaded here is
-the same files `LLM("org/name")` would load. Each job runs in its own thread; the UI polls `jobs()`.
+the same files `LLM("org/name")` would load. Each job runs in its own thread; the UI polls `jobs()`. The cache
+itself (listing, completeness, delete) is `app.hub_cache`, and the sentences for hub failures are `app.hub_errors`;
+`DownloadManager.local_models()` and `delete()` wrap the cache functions so that they take running jobs into account.
 
 How byte progress is obtained: `snapshot_download(tqdm_class=...)` gets a tqdm subclass made for the job.
 huggingface_hub 2.4 (checked against its source) builds two aggregate *byte* bars from that class (unit "B": bytes
 written, bytes received) and feeds every file's chunks into them; older versions build only the "Fetching N files"
-bar from it. The job counts bytes from the unit-"B" bars when there are any and otherwise measures the repo's blob folder on
-disk (including `*.incomplete` files), so progress works either way. huggingface_hub reads responses in
+bar from it. The job counts bytes from the unit-"B" bars when there are any and otherwise measures the repo's blob
+folder on disk (including `*.incomplete` files), so progress works either way. huggingface_hub reads responses in
 DOWNLOAD_CHUNK_SIZE pieces (10 MiB) and reports once per piece; the manager lowers that to 1 MiB. The bar's
 `update()` is also where a cancelled job stops: it raises a private exception inside the download thread. Xet
 transfers report from a thread hf_xet owns and ignore that exception, so downloads use plain HTTP unless the
@@ -17,14 +19,12 @@ manager is built with `use_xet=True` (see DownloadManager).
 After a cancel (or a failure) the files that finished stay in the cache and are reused by the next start; the file
 in flight is dropped (huggingface_hub 2.x writes each download to a uniquely named `*.incomplete` file and deletes it
 on failure; older versions keep `<etag>.incomplete` and resume it with a Range request). Either way the snapshot
-lacks weights: `local_models()` lists only complete snapshots (`include_partial=True` shows the rest), and
-`delete()` removes partial repos too.
+lacks weights, so the cache listing shows it as partial.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import re
@@ -35,12 +35,19 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm as _std_tqdm
 
+from app import hub_cache
+from app.hub_cache import LocalModel, folder_bytes, snapshot_complete
+from app.hub_errors import DownloadError, explain_error
 from engine.loader import HUB_PATTERNS
 
-__all__ = ["DownloadManager", "DownloadJob", "LocalModel", "DiskCheck", "DownloadError", "explain_error", "HUB_PATTERNS"]
+if TYPE_CHECKING:  # imported where used: app.catalog is only needed by inspect()
+    from app.catalog import CatalogEntry
+
+__all__ = ["DownloadManager", "DownloadJob", "DiskCheck"]
 
 GiB = 1024**3
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -48,10 +55,6 @@ _ACTIVE = ("queued", "running")
 # huggingface_hub reads the response in DOWNLOAD_CHUNK_SIZE pieces (10 MiB) and reports progress once per piece; the
 # progress bar is also where a cancel takes effect. 1 MiB pieces give smooth progress and a prompt cancel.
 _PROGRESS_CHUNK = 1024 * 1024
-
-
-class DownloadError(Exception):
-    """A hub operation failed; str(e) is a sentence for the user, e.__cause__ the original exception."""
 
 
 class _Cancelled(BaseException):
@@ -84,16 +87,6 @@ class DownloadJob:
     @property
     def active(self) -> bool:
         return self.status in _ACTIVE
-
-
-@dataclass
-class LocalModel:
-    repo_id: str
-    path: Path                      # the snapshot folder (what LLM(...) takes); the repo folder if no snapshot yet
-    size_bytes: int                 # on disk, all revisions and partial files of the repo
-    complete: bool = True           # False: an interrupted download (listed only with include_partial=True)
-    revision: str = ""              # commit hash of the snapshot
-    architectures: tuple[str, ...] = ()
 
 
 @dataclass
@@ -170,7 +163,8 @@ class _JobState:
                 rate = (job.bytes_done - self.sample_bytes) / dt
                 job.speed = rate if job.speed <= 0 else 0.3 * rate + 0.7 * job.speed
                 self.sample_t, self.sample_bytes = now, job.bytes_done
-                job.eta_s = (job.bytes_total - job.bytes_done) / job.speed if job.speed > 0 and job.bytes_total else None
+                left = job.bytes_total - job.bytes_done
+                job.eta_s = left / job.speed if job.speed > 0 and job.bytes_total else None
 
     def bars_seen_bytes(self) -> bool:
         with self.lock:
@@ -205,14 +199,10 @@ class DownloadManager:
     @property
     def cache_path(self) -> Path:
         """The hub cache folder downloads go to."""
-        if self.cache_dir is not None:
-            return self.cache_dir
-        from huggingface_hub import constants
-
-        return Path(constants.HF_HUB_CACHE)
+        return self.cache_dir if self.cache_dir is not None else hub_cache.default_cache_path()
 
     def storage_folder(self, repo_id: str) -> Path:
-        return self.cache_path / ("models--" + repo_id.replace("/", "--"))
+        return hub_cache.repo_folder(self.cache_path, repo_id)
 
     def free_disk_bytes(self) -> int:
         """Free bytes on the disk that holds the cache (its nearest existing parent while it does not exist)."""
@@ -234,7 +224,8 @@ class DownloadManager:
         from huggingface_hub.utils import filter_repo_objects
 
         info = self._api().model_info(repo_id, files_metadata=True)
-        siblings = list(filter_repo_objects(info.siblings or [], allow_patterns=HUB_PATTERNS, key=lambda s: s.rfilename))
+        siblings = list(filter_repo_objects(info.siblings or [], allow_patterns=HUB_PATTERNS,
+                                            key=lambda s: s.rfilename))
         files = []
         for s in siblings:
             lfs = getattr(s, "lfs", None)
@@ -269,7 +260,7 @@ class DownloadManager:
                        f"in {self.cache_path}. Free some space or delete a model you no longer use.")
         return DiskCheck(repo_id, size, needed, free, fits, message)
 
-    def inspect(self, repo_id: str):
+    def inspect(self, repo_id: str) -> CatalogEntry:
         """A catalog entry for any hub repo (its catalog entry when it has one), from config.json and the file sizes.
 
         Fetches only config.json, into a temporary folder. Raises DownloadError with a sentence for the user."""
@@ -378,7 +369,7 @@ class DownloadManager:
         try:
             files = self._repo_files(job.repo_id, refresh=True)
             state.cached_bytes = self._cached_bytes(job.repo_id)
-            state.disk_baseline = _folder_bytes(state.storage / "blobs") if state.storage else 0
+            state.disk_baseline = folder_bytes(state.storage / "blobs") if state.storage else 0
             with state.lock:
                 job.bytes_total = files.size_bytes
                 job.bytes_done = min(state.cached_bytes, files.size_bytes)
@@ -403,9 +394,9 @@ class DownloadManager:
                 job.repo_id, allow_patterns=HUB_PATTERNS, cache_dir=self.cache_dir, endpoint=self.endpoint,
                 token=self.token, max_workers=self.max_workers, tqdm_class=self._bar_class(state),
             )
-            if state.cancel.is_set() and not _snapshot_complete(Path(path), state.storage):
+            if state.cancel.is_set() and not snapshot_complete(Path(path), state.storage):
                 raise _Cancelled()
-            if not _snapshot_complete(Path(path), state.storage):
+            if not snapshot_complete(Path(path), state.storage):
                 self._finish(state, "error", error=f"The download of {job.repo_id} ended without all of its files; "
                                                    "start it again to resume.")
                 return
@@ -475,7 +466,7 @@ class DownloadManager:
         """Fallback progress from the bytes in the repo's blob folder (huggingface_hub versions without byte bars)."""
         if state.storage is None:
             return
-        grown = _folder_bytes(state.storage / "blobs") - state.disk_baseline
+        grown = folder_bytes(state.storage / "blobs") - state.disk_baseline
         state.set_done(state.cached_bytes + max(0, grown))
 
     def _cached_bytes(self, repo_id: str) -> int:
@@ -492,62 +483,21 @@ class DownloadManager:
 
         An interrupted download is listed only with `include_partial=True` (with complete=False); a repo with
         an active job counts as partial."""
-        from huggingface_hub import CacheNotFound, scan_cache_dir
-
-        try:
-            info = scan_cache_dir(self.cache_path)
-        except (CacheNotFound, FileNotFoundError):
-            return []
         with self._lock:
             busy = {s.job.repo_id for s in self._jobs.values() if s.job.active}
-        models = []
-        for repo in info.repos:
-            if repo.repo_type != "model" or not repo.revisions:
-                continue
-            revision = _newest_revision(repo)
-            path = Path(revision.snapshot_path)
-            if not (path / "config.json").is_file():
-                continue
-            complete = repo.repo_id not in busy and _snapshot_complete(path, Path(repo.repo_path))
-            if not complete and not include_partial:
-                continue
-            models.append(LocalModel(repo.repo_id, path, int(repo.size_on_disk), complete, revision.commit_hash,
-                                     _architectures(path)))
-        if include_partial:  # repos cut off before their first file finished have no snapshot to scan
-            listed = {m.repo_id for m in models}
-            for folder in sorted(self.cache_path.glob("models--*--*")):
-                repo_id = folder.name[len("models--"):].replace("--", "/", 1)
-                if repo_id not in listed and not (folder / "snapshots").is_dir() and (folder / "blobs").is_dir():
-                    models.append(LocalModel(repo_id, folder, _folder_bytes(folder), False))
-        return sorted(models, key=lambda m: m.repo_id.lower())
+        return hub_cache.local_models(self.cache_path, include_partial, busy)
 
     def delete(self, repo_id: str) -> int:
         """Remove a repo from the cache (all revisions and partial files) and return the bytes freed.
 
         An active download of it is cancelled first. Returns 0 when nothing was there."""
-        from huggingface_hub import CacheNotFound, scan_cache_dir
-
         with self._lock:
             active = [s for s in self._jobs.values() if s.job.repo_id == repo_id and s.job.active]
         for state in active:
             self.cancel(state.job.id)
             if state.thread is not None:
                 state.thread.join(30)
-        freed = 0
-        try:
-            info = scan_cache_dir(self.cache_path)
-        except (CacheNotFound, FileNotFoundError):
-            info = None
-        if info is not None:
-            for repo in info.repos:
-                if repo.repo_type == "model" and repo.repo_id == repo_id and repo.revisions:
-                    strategy = info.delete_revisions(*[r.commit_hash for r in repo.revisions])
-                    freed = int(strategy.expected_freed_size)
-                    strategy.execute()
-        folder = self.storage_folder(repo_id)
-        if folder.is_dir():  # partial downloads without a snapshot are invisible to scan_cache_dir
-            freed += _folder_bytes(folder)
-            shutil.rmtree(folder, ignore_errors=True)
+        freed = hub_cache.delete_repo(self.cache_path, repo_id)
         self._sizes.pop(repo_id, None)
         return freed
 
@@ -561,171 +511,3 @@ def _check_repo_id(repo_id: str) -> None:
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 1024**2:.0f} MiB"
-
-
-def _folder_bytes(folder: Path) -> int:
-    total = 0
-    try:
-        for root, _dirs, names in os.walk(folder):
-            for name in names:
-                try:
-                    st = os.lstat(os.path.join(root, name))
-                except OSError:
-                    continue
-                if not os.path.islink(os.path.join(root, name)):
-                    total += st.st_size
-    except OSError:
-        pass
-    return total
-
-
-def _newest_revision(repo):
-    """The revision `main` points at when there is one, else the most recently modified."""
-    for revision in repo.revisions:
-        if "main" in revision.refs:
-            return revision
-    return max(repo.revisions, key=lambda r: r.last_modified)
-
-
-def _architectures(path: Path) -> tuple[str, ...]:
-    try:
-        return tuple(json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or ())
-    except (OSError, ValueError, AttributeError):
-        return ()
-
-
-def _snapshot_complete(path: Path, storage: Path | None) -> bool:
-    """Whether a snapshot folder holds a whole model: config.json, every weight shard, and, when huggingface_hub
-    cached the commit's file listing (trees/<commit>.json, 2.x), every listed file the engine patterns select."""
-    if not (path / "config.json").is_file():
-        return False
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (OSError, ValueError, KeyError, AttributeError):
-            return False
-        if not shards or not all((path / s).is_file() for s in shards):
-            return False
-    elif not any(p.is_file() for p in path.glob("*.safetensors")):
-        return False
-    tree = (storage / "trees" / f"{path.name}.json") if storage is not None else None
-    if tree is not None and tree.is_file():
-        try:
-            from huggingface_hub.utils import filter_repo_objects
-
-            listed = json.loads(tree.read_text(encoding="utf-8")).get("files") or {}
-            wanted = filter_repo_objects(list(listed), allow_patterns=HUB_PATTERNS)
-            return all((path / name).is_file() for name in wanted)
-        except (OSError, ValueError, AttributeError):
-            pass
-    return True
-
-
-# ---- errors as sentences ----------------------------------------------------------------------------------------
-
-def explain_error(exc: BaseException, repo_id: str, endpoint: str | None = None) -> str:
-    """One sentence a user can act on, for an exception from a hub call."""
-    from huggingface_hub import constants
-    from huggingface_hub import errors as hub_errors
-
-    endpoint = endpoint or constants.ENDPOINT
-    chain = _chain(exc)
-    page = f"{endpoint}/{repo_id}"
-
-    def find(*types):
-        return next((e for e in chain if isinstance(e, types)), None)
-
-    login = "log in with `huggingface-cli login` (or `hf auth login`)"
-    if find(hub_errors.GatedRepoError):
-        return (f"{repo_id} is a gated model: open {page}, accept its license, then {login} with a token of the "
-                "account that accepted it. Access is usually granted within minutes.")
-    if find(hub_errors.RepositoryNotFoundError):
-        return (f"The repo {repo_id} was not found on the Hugging Face hub. Check the spelling (for example "
-                f"Qwen/Qwen3-0.6B); if it is private, {login}.")
-    if find(hub_errors.RevisionNotFoundError):
-        return f"The requested revision of {repo_id} does not exist on the Hugging Face hub."
-    if find(hub_errors.DisabledRepoError):
-        return f"The repo {repo_id} has been disabled on the Hugging Face hub."
-    status = next((getattr(getattr(e, "response", None), "status_code", None) for e in chain
-                   if isinstance(e, hub_errors.HfHubHTTPError) and getattr(e, "response", None) is not None), None)
-    if status == 401:
-        return f"The Hugging Face hub refused access to {repo_id} (401): {login}."
-    if status == 403:
-        return (f"The Hugging Face hub refused access to {repo_id} (403). If it is gated, accept its license at "
-                f"{page}; make sure your token may read gated repos, then {login}.")
-    if status == 404:
-        return f"The repo {repo_id} or one of its files was not found on the Hugging Face hub (404)."
-    if status == 429:
-        return "The Hugging Face hub is rate-limiting this computer (429). Wait a few minutes and try again."
-    if status is not None and status >= 500:
-        return f"The Hugging Face hub answered with a server error ({status}). Try again later."
-    offline_types = tuple(t for t in (getattr(hub_errors, "OfflineModeIsEnabled", None),) if t)
-    if (offline_types and find(*offline_types)) or constants.HF_HUB_OFFLINE:
-        return ("Downloads are switched off (HF_HUB_OFFLINE is set). Unset it to download models; "
-                "the bundled model works offline.")
-    disk = next((e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC), None)
-    if disk is not None:
-        return "The disk ran out of space during the download. Free some space and start it again to resume."
-    if _is_connection_error(chain, hub_errors):
-        reason = _connection_reason(chain)
-        return (f"Could not reach the Hugging Face hub ({endpoint}: {reason}). Check your connection; "
-                "the bundled model works offline.")
-    if isinstance(exc, hub_errors.HfHubHTTPError):
-        return f"The Hugging Face hub returned an error for {repo_id}: {_first_line(exc)}"
-    return f"Downloading {repo_id} failed: {type(exc).__name__}: {_first_line(exc)}"
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    seen, out, todo = set(), [], [exc]
-    while todo and len(out) < 20:
-        e = todo.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        out.append(e)
-        todo.extend([e.__cause__, e.__context__])
-    return out
-
-
-def _http_errors() -> tuple[type, ...]:
-    types: list[type] = []
-    for module in ("httpx2", "httpx", "requests"):
-        try:
-            mod = __import__(module)
-        except ImportError:
-            continue
-        for name in ("ConnectError", "ConnectTimeout", "TimeoutException", "NetworkError", "ConnectionError",
-                     "Timeout", "ProxyError", "RemoteProtocolError"):
-            t = getattr(getattr(mod, "exceptions", mod), name, None) or getattr(mod, name, None)
-            if isinstance(t, type):
-                types.append(t)
-    return tuple(types)
-
-
-def _is_connection_error(chain: list[BaseException], hub_errors) -> bool:
-    local_entry = getattr(hub_errors, "LocalEntryNotFoundError", None)
-    incomplete = getattr(hub_errors, "IncompleteSnapshotError", None)
-    types = _http_errors() + (ConnectionError, TimeoutError, __import__("socket").gaierror)
-    types += tuple(t for t in (local_entry, incomplete) if t)
-    return any(isinstance(e, types) for e in chain)
-
-
-def _connection_reason(chain: list[BaseException]) -> str:
-    """The most specific short reason in the chain, e.g. "connection refused" or "name resolution failed"."""
-    text = " ".join(str(e) for e in chain).lower()
-    for needle, reason in (("refused", "connection refused"), ("name or service not known", "name resolution failed"),
-                           ("nodename nor servname", "name resolution failed"),
-                           ("temporary failure in name resolution", "name resolution failed"),
-                           ("getaddrinfo", "name resolution failed"), ("timed out", "timed out"),
-                           ("timeout", "timed out"), ("network is unreachable", "network unreachable"),
-                           ("ssl", "TLS/SSL error"), ("proxy", "proxy error")):
-        if needle in text:
-            return reason
-    inner = chain[-1]
-    return f"{type(inner).__name__}: {_first_line(inner)}" if str(inner) else type(inner).__name__
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__

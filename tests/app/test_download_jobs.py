@@ -1,8 +1,6 @@
-"""The download manager against a local fake hub: sizes, byte progress, cancel and resume, errors, the cache."""
+"""The download manager against a local fake hub: sizes, byte progress, cancel and resume, the disk check, and the
+cache listing and delete as the manager sees them. The `hub` and `manager` fixtures are in hub_fixtures.py."""
 
-import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -10,53 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_hub import FakeHub  # noqa: E402
-
-from app.downloads import DownloadError, DownloadManager, explain_error  # noqa: E402
-
-REPO = "pagoda-test/tiny-chat"
-BIG = 4 * 1024 * 1024
-CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "vocab_size": 320,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
-          "max_position_embeddings": 512, "torch_dtype": "bfloat16", "tie_word_embeddings": True}
-
-
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    """A fake hub with one small repo; huggingface_hub pointed at it, its cache under tmp_path."""
-    from huggingface_hub import constants
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    if hasattr(constants, "AGENT_HARNESSES_PATH"):  # 2.x fetches a small registry once a day: keep it out of ~
-        monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agent_harnesses.json"))
-    # 128 KiB pieces: several progress updates for a 4 MiB file (the manager lowers 10 MiB to 1 MiB, never raises).
-    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 128 * 1024)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)  # the manager sets it; restore it afterwards
-    fake = FakeHub(chunk_size=32 * 1024)
-    fake.add_repo(REPO, {
-        "config.json": json.dumps(CONFIG).encode(),
-        "tokenizer.json": json.dumps({"model": {"type": "BPE"}}).encode(),
-        "model.safetensors": os.urandom(BIG),
-        "README.md": b"# not downloaded: the engine patterns skip it\n",
-    })
-    with fake:
-        # HF_ENDPOINT is read at import time into these two constants; the manager also passes endpoint= itself.
-        monkeypatch.setattr(constants, "ENDPOINT", fake.url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}")
-        yield fake
-
-
-@pytest.fixture
-def manager(hub, tmp_path):
-    return DownloadManager(tmp_path / "hub", endpoint=hub.url, token=False)
-
-
-def expected_size(hub) -> int:
-    files = hub.repos[REPO].files
-    return sum(len(files[n]) for n in ("config.json", "tokenizer.json", "model.safetensors"))
+from hub_fixtures import REPO, expected_size  # noqa: E402
 
 
 def watch(manager, job_id, timeout=20.0, on_sample=None):
@@ -160,42 +112,6 @@ def test_cancel_mid_download_then_resume(manager, hub):
     assert [j.id for j in manager.jobs()] == [job2.id]
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_unreachable_hub_gives_the_offline_message(hub, tmp_path):
-    endpoint = f"http://127.0.0.1:{closed_port()}"
-    manager = DownloadManager(tmp_path / "hub", endpoint=endpoint, token=False)
-    started = time.monotonic()
-    job = manager.wait(manager.start(REPO), timeout=30)
-    assert job.status == "error"
-    assert job.error.startswith("Could not reach the Hugging Face hub")
-    assert endpoint in job.error and "connection refused" in job.error
-    assert "bundled model works offline" in job.error
-    assert time.monotonic() - started < 10
-    with pytest.raises(DownloadError, match="Could not reach the Hugging Face hub"):
-        manager.repo_files_size(REPO)
-
-
-def test_missing_repo_is_named(manager):
-    job = manager.wait(manager.start("pagoda-test/no-such-model"), timeout=20)
-    assert job.status == "error"
-    assert "pagoda-test/no-such-model was not found" in job.error
-    with pytest.raises(DownloadError, match="not found"):
-        manager.repo_files_size("pagoda-test/no-such-model")
-
-
-def test_gated_repo_says_accept_license_and_log_in(manager, hub):
-    hub.add_repo("pagoda-test/gated", {"config.json": b"{}", "model.safetensors": b"x" * 100}, gated=True)
-    job = manager.wait(manager.start("pagoda-test/gated"), timeout=30)
-    assert job.status == "error"
-    assert "gated" in job.error and "accept its license" in job.error and "huggingface-cli login" in job.error
-    assert manager.local_models(include_partial=False) == []
-
-
 def test_not_enough_disk_is_refused_before_downloading(manager, hub, monkeypatch):
     monkeypatch.setattr(manager, "free_disk_bytes", lambda: 1024 * 1024)
     check = manager.check_disk(REPO)
@@ -222,12 +138,3 @@ def test_inspect_estimates_an_arbitrary_repo(manager, hub):
     assert entry.download_bytes == expected_size(hub) and not entry.size_is_approximate
     assert manager.local_models(include_partial=True) == [], "inspect must not leave files in the cache"
     assert manager.inspect("qwen/qwen3-0.6b").repo_id == "Qwen/Qwen3-0.6B", "catalog repos need no hub call"
-
-
-def test_explain_error_for_offline_mode(monkeypatch):
-    from huggingface_hub import constants
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    message = explain_error(OfflineModeIsEnabled("offline"), REPO)
-    assert "HF_HUB_OFFLINE" in message and "bundled model works offline" in message
