@@ -7,6 +7,8 @@ Tensor parallelism: with `tp` of size N, each rank holds 1/N of the attention he
 columns, and the row-parallel o_proj and down_proj add up the ranks' partial sums. The network
 code is the same for every N; the layers in engine/layers do the splitting.
 """
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,6 +20,16 @@ from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    """Where the families' decoders differ: each family's `flags(config)` says."""
+
+    qkv_bias: bool  # biases on the q, k and v projections (Qwen2 always; Llama and Qwen3 as configured)
+    o_bias: bool  # a bias on the attention's output projection
+    qk_norm: bool  # RMSNorm over each head of q and k before rotary (Qwen3)
+    mlp_bias: bool  # biases on gate/up and down
 
 
 class DecoderAttention(nn.Module):
@@ -61,10 +73,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, flags: dict, tp: TPGroup):
+    def __init__(self, config, rotary: RotaryEmbedding, flags: ModelFlags, tp: TPGroup):
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"], tp)
-        self.mlp = DecoderMLP(config, flags["mlp_bias"], tp)
+        self.self_attn = DecoderAttention(config, rotary, flags.qkv_bias, flags.o_bias, flags.qk_norm, tp)
+        self.mlp = DecoderMLP(config, flags.mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -76,7 +88,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, max_position: int, flags: dict, tp: TPGroup):
+    def __init__(self, config, max_position: int, flags: ModelFlags, tp: TPGroup):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
@@ -103,9 +115,9 @@ class LlamaForCausalLM(nn.Module):
     }
 
     @staticmethod
-    def flags(config) -> dict:
+    def flags(config) -> ModelFlags:
         bias = bool(getattr(config, "attention_bias", False))
-        return dict(qkv_bias=bias, o_bias=bias, qk_norm=False, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+        return ModelFlags(qkv_bias=bias, o_bias=bias, qk_norm=False, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
     def __init__(self, config, max_position: int, tp: TPGroup = SINGLE):
         super().__init__()
