@@ -7,6 +7,7 @@ Later starts find everything in place and go straight to the app.
 
     python launcher.py            start (see --help for --model, --port, --listen, --share, --auth)
     python launcher.py --test     install the test extras and run the test suite (extra arguments go to pytest)
+    python launcher.py --lint     install the test extras and run the linter (ruff, configured in pyproject.toml)
 """
 import hashlib
 import os
@@ -69,17 +70,19 @@ def ensure_installed(extras: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    test = "--test" in argv
-    rest = [a for a in argv if a != "--test"]
-    if not test:
+    test, lint = "--test" in argv, "--lint" in argv
+    rest = [a for a in argv if a not in ("--test", "--lint")]
+    if not (test or lint):
         sys.path.insert(0, str(ROOT))
         from app.server import parse_args  # argparse only: checks the options (and answers --help) before any install
 
         parse_args(rest)
     if Path(sys.prefix).resolve() != VENV.resolve():
-        ensure_installed(["test"] if test else ["bundled"])
+        ensure_installed(["test"] if test or lint else ["bundled"])
         return subprocess.run([str(venv_python()), str(Path(__file__).resolve()), *argv]).returncode
     os.chdir(ROOT)
+    if lint:
+        return subprocess.run([sys.executable, "-m", "ruff", "check", ".", *rest]).returncode
     if test:
         return subprocess.run([sys.executable, "-m", "pytest", *rest]).returncode
     from app.server import main as app_main

@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine import EngineThread, RequestStream, SamplingParams
-
 from app.visualizer import render_kv_cache
+from engine import EngineThread, RequestStream, SamplingParams
 
 if TYPE_CHECKING:
     from app.store import Message

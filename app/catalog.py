@@ -210,7 +210,8 @@ def estimate_memory(entry: CatalogEntry, context_len: int, dtype: str = "bfloat1
     weights = entry.params * dtype_bytes(dtype, entry)
     # Only float32 is counted: half-precision packing needs AVX-512 class CPUs, and where it happens
     # the runtime overhead below covers most of the copy.
-    if on_cpu and entry.tie_word_embeddings and dtype_bytes(dtype, entry) == 4 and entry.vocab_size and entry.hidden_size:
+    if (on_cpu and entry.tie_word_embeddings and dtype_bytes(dtype, entry) == 4 and entry.vocab_size
+            and entry.hidden_size):
         weights += entry.vocab_size * entry.hidden_size * 4
     kv = entry.kv_bytes_per_token(dtype) * int(context_len) * int(num_seqs)
     overhead = _OVERHEAD_FIXED + int(_OVERHEAD_WEIGHT_FRACTION * weights)
@@ -311,7 +312,8 @@ def fit_report(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", d
 
     seqs = f" x {est.num_seqs} chats" if est.num_seqs > 1 else ""
     head = (f"{entry.name} needs about {format_gib(est.total_bytes)} GiB (weights {format_gib(est.weights_bytes)} + "
-            f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs} + {format_gib(est.overhead_bytes)} runtime, "
+            f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs} + "
+            f"{format_gib(est.overhead_bytes)} runtime, "
             f"{est.dtype}); {format_gib(free_bytes)} GiB free on {device_name}")
     tight = False
     if est.total_bytes <= budget:

@@ -10,14 +10,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-
 from pathlib import Path
-
-from engine import LLM, EngineThread
-from entrypoints.cli import default_model
 
 from app.backend import Backend, LocalBackend
 from app.remote import RemoteBackend, RemoteError, connect
+from engine import LLM, EngineThread
+from entrypoints.cli import default_model
 
 log = logging.getLogger("pagoda")
 
@@ -95,7 +93,8 @@ class ModelHost:
         with self._lock:
             if self.state.status == "loading":
                 raise RuntimeError(f"{self.state.model} is still loading; wait for it to finish")
-            self.state = LoadState("loading", f"Loading {label or model}…", model, settings, time.time(), label or model)
+            self.state = LoadState("loading", f"Loading {label or model}…", model, settings, time.time(),
+                                   label or model)
         thread = threading.Thread(target=self._load, args=(model, label, settings), name="pagoda-load", daemon=True)
         thread.start()
         if wait:

@@ -147,10 +147,11 @@ class RemoteClient:
             raise self._status_error(response)
         try:
             data = response.json()["data"]
-            return [RemoteModel(str(m["id"]), m.get("max_model_len") if isinstance(m.get("max_model_len"), int) else None)
+            return [RemoteModel(str(m["id"]), m["max_model_len"] if isinstance(m.get("max_model_len"), int) else None)
                     for m in data]
         except (ValueError, KeyError, TypeError):
-            raise RemoteError(f"{self.api}/models did not answer with an OpenAI model list: is the URL right?") from None
+            raise RemoteError(f"{self.api}/models did not answer with an OpenAI model list: "
+                              "is the URL right?") from None
 
     def chat(self, model: str, messages: list[dict], temperature: float = 0.7, top_p: float = 1.0,
              max_tokens: int | None = None, seed: int | None = None, **extra) -> ChatStream:
@@ -237,7 +238,8 @@ class ChatStream:
                 if chunk.get("error"):
                     err = chunk["error"]
                     message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-                    raise RemoteError(f"The server stopped the reply: {message}", context_overflow=bool(_OVERFLOW.search(message)))
+                    raise RemoteError(f"The server stopped the reply: {message}",
+                                      context_overflow=bool(_OVERFLOW.search(message)))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:

@@ -397,7 +397,8 @@ class ConversationStore:
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
             for message_id in message_ids:
-                cur = conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id = ?", (conversation_id, message_id))
+                cur = conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id = ?",
+                                   (conversation_id, message_id))
                 if cur.rowcount != 1:
                     raise NotFound(f"Chat {conversation_id} has no message with id {message_id!r}. "
                                    f"Use an id from messages({conversation_id}).")
@@ -482,7 +483,8 @@ class ConversationStore:
                 "INSERT INTO conversations(title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?)",
                 (title, system_prompt, settings_json, created, now))
             cid = cur.lastrowid
-            conn.executemany("INSERT INTO messages(conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
+            conn.executemany("INSERT INTO messages(conversation_id, role, content, meta, created) VALUES "
+                             "(?, ?, ?, ?, ?)",
                              [(cid, *r) for r in rows])
         return self.get(cid)
 

@@ -4,8 +4,9 @@
 
 Each option is timed as `choose_gemv` times it (`cuda_timer`): back to back inside a CUDA graph,
 cycling through weight copies that fill twice the L2 cache, as in a real step. Before 2026-11-30,
-triton's do_bench timed one launch at a time, gaps included, and misled the choice. Options: cuBLAS through F.linear, cuBLAS's GEMV through torch.mv, and the Triton
-kernel over tiles and warp counts. Prints GB/s of weights read.
+triton's do_bench timed one launch at a time, gaps included, and misled the choice. Options:
+cuBLAS through F.linear, cuBLAS's GEMV through torch.mv, and the Triton kernel over tiles and
+warp counts. Prints GB/s of weights read.
 """
 import itertools
 
@@ -36,7 +37,8 @@ def main() -> None:
             def run(bn=bn, bk=bk, warps=warps):
                 w = next(turns)
                 _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, out, 1, n, k, x.stride(0), k, out.stride(0),
-                                                    HAS_BIAS=False, EVEN_K=k % bk == 0, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk,
+                                                    HAS_BIAS=False, EVEN_K=k % bk == 0, BLOCK_M=1, BLOCK_N=bn,
+                                                    BLOCK_K=bk,
                                                     num_warps=warps)
             try:
                 us[f"gemv {bn}x{bk} w{warps}"] = 1000 * cuda_timer(run)
@@ -44,7 +46,8 @@ def main() -> None:
                 print(f"  {n}x{k} gemv {bn}x{bk} w{warps}: {type(e).__name__}")
         best = sorted(us.items(), key=lambda kv: kv[1])
         line = ", ".join(f"{name} {t:.1f}us ({nbytes / t / 1e3:.0f} GB/s)" for name, t in best[:6])
-        print(f"{n}x{k} ({nbytes / 2**20:.1f} MiB): F.linear {us['F.linear']:.1f}us, torch.mv {us['torch.mv']:.1f}us; best: {line}", flush=True)
+        print(f"{n}x{k} ({nbytes / 2**20:.1f} MiB): F.linear {us['F.linear']:.1f}us, torch.mv {us['torch.mv']:.1f}us; "
+              f"best: {line}", flush=True)
         del weights
 
 

@@ -4,8 +4,9 @@
 
 On a GPU this work runs between the graph replays, so it adds to every step. Here the model
 runner's `execute` (moving the inputs to the device, the forward, the logits) is replaced by
-zero logits, so what is timed is the Python around it, at a batch of running requests. Prints the fastest and the median of `repeats` rounds of 40 steps (the
-fastest is the least disturbed by other processes), and the garbage collector's pauses.
+zero logits, so what is timed is the Python around it, at a batch of running requests. Prints
+the fastest and the median of `repeats` rounds of 40 steps (the fastest is the least disturbed
+by other processes), and the garbage collector's pauses.
 """
 import argparse
 import gc
@@ -31,14 +32,16 @@ def main() -> None:
     folder = Path(tempfile.gettempdir()) / "pagoda-bench-tiny-qwen3"
     if not (folder / "config.json").is_file():
         build_model(folder, "qwen3")
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_num_seqs=args.batch, num_kvcache_blocks=40000, max_model_len=4096,
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_num_seqs=args.batch, num_kvcache_blocks=40000,
+              max_model_len=4096,
               async_scheduling=args.async_scheduling)
     runner = llm.model_runner
     runner.execute = lambda step: torch.zeros(len(step.logits_index), runner.vocab_size)
     mode = "async" if args.async_scheduling else "sync"
     rng = random.Random(0)
     for _ in range(args.batch):
-        rid = llm.add_request([rng.randrange(5, 200) for _ in range(500)], SamplingParams(temperature=0, max_tokens=10**5, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=10**5, ignore_eos=True)
+        rid = llm.add_request([rng.randrange(5, 200) for _ in range(500)], params)
         llm.requests[rid].stream_text = False  # as in generate(): text is decoded once, at the end
     while llm.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in llm.scheduler.running):
         llm.step()
@@ -59,8 +62,9 @@ def main() -> None:
             llm.step()
         rounds.append((time.perf_counter() - t) / 40 * 1000)
     rounds.sort()
-    print(f"decode step host work at batch {args.batch} ({mode}): fastest {rounds[0]:.2f} ms, median {rounds[len(rounds) // 2]:.2f} ms "
-          f"({1000 * rounds[0] / args.batch:.1f} us a request); {len(pauses)} GC pauses, longest {1000 * max(pauses, default=0):.1f} ms")
+    print(f"decode step host work at batch {args.batch} ({mode}): fastest {rounds[0]:.2f} ms, median "
+          f"{rounds[len(rounds) // 2]:.2f} ms ({1000 * rounds[0] / args.batch:.1f} us a request); "
+          f"{len(pauses)} GC pauses, longest {1000 * max(pauses, default=0):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -186,7 +186,8 @@ def main() -> None:
         ("Output token throughput (tok/s)", f"{output / duration:.1f}"),
         ("Total token throughput (tok/s)", f"{(prompt + output) / duration:.1f}"),
     ]
-    for label, values in (("TTFT", [r.ttft_s for r in done]), ("TPOT", tpot), ("ITL", [x for r in done for x in r.itl_s])):
+    for label, values in (("TTFT", [r.ttft_s for r in done]), ("TPOT", tpot),
+                          ("ITL", [x for r in done for x in r.itl_s])):
         mean, p50, p99 = percentiles(values)
         rows.append((f"{label} mean / p50 / p99 (ms)", f"{mean * 1e3:.1f} / {p50 * 1e3:.1f} / {p99 * 1e3:.1f}"))
     rows.append(("Prefix cache hit rate (usage)", f"{cached / prompt:.1%} of prompt tokens" if prompt else "n/a"))

@@ -26,7 +26,8 @@ def hf_static_batches(model, prompts, outputs, batch_size, pad_id) -> float:
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         n = max(lens)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=pad_id)
     return time.perf_counter() - start
 
 
@@ -45,7 +46,8 @@ def main() -> None:
     ap.add_argument("--input", type=int, nargs=2, default=(32, 384), metavar=("MIN", "MAX"))
     ap.add_argument("--output", type=int, nargs=2, default=(16, 160), metavar=("MIN", "MAX"))
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--hf-batch-size", type=int, default=None, help="static batch size for transformers (default: all requests)")
+    ap.add_argument("--hf-batch-size", type=int, default=None,
+                    help="static batch size for transformers (default: all requests)")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -82,7 +84,8 @@ def main() -> None:
         hf_s = hf_static_batches(hf, prompts, outputs, args.hf_batch_size or args.num_requests, pad_id)
 
     print(f"engine:       {total / engine_s:8.1f} output tok/s ({engine_s:.1f} s)")
-    print(f"transformers: {total / hf_s:8.1f} output tok/s ({hf_s:.1f} s, static batches of {args.hf_batch_size or args.num_requests})")
+    print(f"transformers: {total / hf_s:8.1f} output tok/s ({hf_s:.1f} s, static batches of "
+          f"{args.hf_batch_size or args.num_requests})")
     print(f"throughput ratio engine / transformers: {hf_s / engine_s:.2f}x")
 
     prompt = prompts[0][:128]
@@ -95,7 +98,8 @@ def main() -> None:
     def hf_run(n):
         t = time.perf_counter()
         with torch.inference_mode():
-            hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+            hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                        pad_token_id=pad_id)
         return time.perf_counter() - t
 
     ours, theirs = decode_rate(engine_run, args.decode_tokens), decode_rate(hf_run, args.decode_tokens)

@@ -32,7 +32,8 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and "
+                             f"{block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -95,7 +96,8 @@ class BlockManager:
     def can_admit(self, seq: Sequence, cached_block_ids: list[int], num_new_tokens: int) -> bool:
         # Matched blocks that sit in the free pool stop being free once taken.
         reclaimed = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
-        needed = -(-(len(cached_block_ids) * self.block_size + num_new_tokens) // self.block_size) - len(cached_block_ids)
+        num_tokens = len(cached_block_ids) * self.block_size + num_new_tokens
+        needed = -(-num_tokens // self.block_size) - len(cached_block_ids)
         return needed <= self.num_free_blocks - reclaimed
 
     def admit(self, seq: Sequence, cached_block_ids: list[int]) -> None:

@@ -45,16 +45,22 @@ class EngineConfig:
 
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        check(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        check(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        check(self.attention_backend in ATTENTION_BACKENDS,
+              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.max_model_len is None or self.max_model_len >= 2,
+              f"max_model_len must be >= 2, got {self.max_model_len}")
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        check(1 <= self.kvcache_block_size <= 1024, f"kvcache_block_size must be in 1..1024, got {self.kvcache_block_size}")
-        check(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        check(1 <= self.kvcache_block_size <= 1024,
+              f"kvcache_block_size must be in 1..1024, got {self.kvcache_block_size}")
+        check(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
+              f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
-        check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
+        check(0 < self.gpu_memory_utilization <= 1,
+              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+              f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be a whole number >= 1 (the number of GPUs to split the model across), "
               f"got {self.tensor_parallel_size!r}")

@@ -19,7 +19,8 @@ class Detokenizer:
         # of running requests that is milliseconds per step. Call the Rust one directly where it
         # gives the same text (no extra clean-up pass).
         fast = getattr(tokenizer, "_tokenizer", None)
-        self._fast_decode = fast.decode if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
+        cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._fast_decode = fast.decode if fast is not None and not cleans_up else None
 
     def decode(self, token_ids: list[int]) -> str:
         if self._fast_decode is not None:

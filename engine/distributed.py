@@ -100,4 +100,5 @@ def check_tensor_parallel(size: int, hf_config, device: torch.device) -> None:
     if problems:
         limit = torch.cuda.device_count() if device.type == "cuda" else heads
         raise ValueError(f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}. "
-                         f"Use a tensor_parallel_size that divides the heads, one of {sizes_that_fit(hf_config, limit)}")
+                         "Use a tensor_parallel_size that divides the heads, one of "
+                         f"{sizes_that_fit(hf_config, limit)}")

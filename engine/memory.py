@@ -26,5 +26,5 @@ def available_host_memory() -> int | None:
 def check_host_memory(needed: int, what: str, advice: str) -> None:
     available = available_host_memory()
     if available is not None and needed > available * HEADROOM:
-        raise MemoryError(f"{what} would take {needed / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB of memory is "
-                          f"available; {advice}")
+        raise MemoryError(f"{what} would take {needed / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB "
+                          f"of memory is available; {advice}")

@@ -26,7 +26,8 @@ class SamplingParams:
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or >= 0, got {self.top_k}")
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+              f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check(all(isinstance(s, str) and s for s in stop), f"stop must be non-empty strings, got {self.stop!r}")

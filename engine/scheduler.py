@@ -61,7 +61,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending_tokens and len(seq) >= seq.max_len:  # its last token is pending: it finishes once read back
+            # Its last token is pending: it finishes once read back.
+            if seq.num_pending_tokens and len(seq) >= seq.max_len:
                 i += 1
                 continue
             n = min(seq.num_uncomputed_tokens, budget)

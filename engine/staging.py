@@ -43,7 +43,8 @@ class StagingBuffer:
             self.copies_done[turn].synchronize()  # its last copy may still be reading this buffer
         host = self.hosts[turn]
         if total > host.numel():
-            host = self.hosts[turn] = torch.empty(max(total, 2 * host.numel(), 1024), dtype=self.dtype, pin_memory=self.pinned)
+            host = self.hosts[turn] = torch.empty(max(total, 2 * host.numel(), 1024), dtype=self.dtype,
+                                                  pin_memory=self.pinned)
         flat = host.numpy()
         for a, start in zip(arrays, starts):
             flat[start : start + a.size] = a.reshape(-1)

@@ -36,7 +36,8 @@ class ServeProcess:
         self.url = f"{self.base}/v1"
         self.log = log
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--model", str(model), "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--model", str(model), "--port",
+                                      str(self.port),
                                       *args], env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 120.0) -> "ServeProcess":

@@ -64,7 +64,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del self.pending[seq.seq_id]
 
     # ---- rules -------------------------------------------------------------------------------------
-    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), min_size=1, max_size=7), chunk=st.integers(1, 24))
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), min_size=1, max_size=7),
+          chunk=st.integers(1, 24))
     def add(self, prefix, tail, chunk):
         self._try_admit(Sequence(prefix + tail, SamplingParams()), chunk)
 
@@ -185,7 +186,8 @@ def test_equal_tokens_after_another_prefix_are_a_miss_even_when_hashes_collide(m
     assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == a.block_table[:2]
 
 
-_settings = settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = _settings
 TestBlockManagerWithoutCachingStateful = BlockManagerWithoutCachingMachine.TestCase

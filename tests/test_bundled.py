@@ -29,7 +29,8 @@ def test_build_writes_a_complete_hf_folder(built: tuple[pathlib.Path, list[str],
     path, messages, _ = built
     assert path.name == MODEL_NAME
     assert path.parent.name == "models"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
         assert (path / name).is_file(), name
     assert not list(path.parent.glob(f".{MODEL_NAME}.tmp-*")), "temporary build folder left behind"
 
@@ -87,7 +88,8 @@ def test_tokenizer_round_trips_and_splits_digits(built: tuple[pathlib.Path, list
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(built[0])
-    for text in ("你好，世界！今天天气很好。", "Hello 👋🏽 world 🚀🇯🇵 👨\u200d👩\u200d👧\u200d👦", "café naïve", "  leading\n\ttabs"):
+    for text in ("你好，世界！今天天气很好。", "Hello 👋🏽 world 🚀🇯🇵 👨\u200d👩\u200d👧\u200d👦", "café naïve",
+                 "  leading\n\ttabs"):
         assert tokenizer.decode(tokenizer.encode(text)) == text
     # SmolLM2 isolates every digit before byte-level BPE, so runs of spaces stay whole.
     assert tokenizer.tokenize("    10 items") == ["ĠĠĠĠ", "1", "0", "Ġitems"]
@@ -130,7 +132,8 @@ def test_second_call_is_instant(built: tuple[pathlib.Path, list[str], float], mo
     assert pathlib.Path(printed.strip()) == path
 
 
-def test_waiter_reuses_a_folder_finished_while_it_waited(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_waiter_reuses_a_folder_finished_while_it_waited(tmp_path: pathlib.Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     fcntl = pytest.importorskip("fcntl")
     monkeypatch.setenv("PAGODA_HOME", str(tmp_path))
     models = tmp_path / "models"

@@ -55,7 +55,8 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     """The shell script itself (here its GPU tests all skip, and the benchmarks are skipped as on a rerun)."""
     import os
 
-    env = {**os.environ, "SKIP_BENCH": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    env = {**os.environ, "SKIP_BENCH": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
     result = subprocess.run(["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True,
                             capture_output=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -34,7 +34,8 @@ def copy_model(src, dst):
 def test_missing_model_folder(tmp_path, tiny_llama):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "nowhere"), dtype="float32", num_kvcache_blocks=8)
-    assert LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=8).generate(["Hi"], GREEDY, use_tqdm=False)[0]["token_ids"]
+    assert LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=8).generate(["Hi"], GREEDY,
+                                                                                use_tqdm=False)[0]["token_ids"]
 
 
 def test_folder_without_config(tmp_path):
@@ -48,7 +49,8 @@ def test_unsupported_architecture(tmp_path, tiny_llama):
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM"):
+    with pytest.raises(ValueError,
+                       match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM"):
         LLM(str(folder), dtype="float32", num_kvcache_blocks=8)
 
 
@@ -90,7 +92,8 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(tiny_llama):
     from engine.memory import available_host_memory
 
     too_much = 2 * available_host_memory()
-    with pytest.raises(MemoryError, match=r"the KV cache would take .* GiB, but only .* GiB of memory is available; give it less"):
+    with pytest.raises(MemoryError,
+                       match=r"the KV cache would take .* GiB, but only .* GiB of memory is available; give it less"):
         LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=too_much)
 
 

@@ -54,17 +54,20 @@ def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         length = int(cu_seqlens_k[i + 1] - cu_seqlens_k[i])
         if end - start > max_seqlen_q or length > max_seqlen_k:
             raise AssertionError("max_seqlen_q / max_seqlen_k below a sequence's length")
-        out[start:end] = attend(q[start:end], pages(k, block_table[i], length), pages(v, block_table[i], length), softmax_scale)
+        out[start:end] = attend(q[start:end], pages(k, block_table[i], length), pages(v, block_table[i], length),
+                                softmax_scale)
     return out
 
 
-def fake_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False, **unused):
+def fake_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
+                      causal=False, **unused):
     if not causal or block_table is None or q.dim() != 4 or unused:
         raise AssertionError("the backend should pass q as [batch, 1, heads, dim] to the causal paged kernel")
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         length = int(cache_seqlens[b])
-        out[b] = attend(q[b], pages(k_cache, block_table[b], length), pages(v_cache, block_table[b], length), softmax_scale)
+        out[b] = attend(q[b], pages(k_cache, block_table[b], length), pages(v_cache, block_table[b], length),
+                        softmax_scale)
     return out
 
 

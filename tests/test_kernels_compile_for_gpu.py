@@ -39,7 +39,8 @@ def launch_everything() -> None:
     for silu_mul in (False, True):
         for tile in normed_tile_candidates(silu_mul):
             normed_gemv(bf16(1, 1024), bf16(1, 1024), bf16(1024), 1e-6, bf16(16, 1024), None, *tile, silu_mul=silu_mul)
-        normed_gemv(bf16(1, 1300), None, bf16(1300), 1e-6, bf16(16, 1300), bf16(16), *normed_tile_candidates(silu_mul)[0],
+        normed_gemv(bf16(1, 1300), None, bf16(1300), 1e-6, bf16(16, 1300), bf16(16),
+                    *normed_tile_candidates(silu_mul)[0],
                     silu_mul=silu_mul)  # the first layer (no residual), a partial chunk, a bias
     shape = dict(num_kv_heads=8, group=2, head_dim=128, dtype=torch.bfloat16)
     query, k_cache, v_cache, meta = make_batch([1, 1], [40, 17], **shape)

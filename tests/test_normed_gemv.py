@@ -160,15 +160,15 @@ def test_choose_never_takes_a_kernel_that_disagrees(monkeypatch):
 def test_a_decoder_with_every_norm_fused_gives_the_same_tokens_and_close_logits(tiny_llama, monkeypatch):
     """The engine in half precision, with the kernel forced on for every q/k/v and gate/up: the
     decoder hands each norm to the right projection and carries the residual through."""
-    from engine import LLM, SamplingParams
-    from engine import model_runner
+    from engine import LLM, SamplingParams, model_runner
 
     monkeypatch.setattr(model_runner, "can_pack_for_cpu", lambda dtype: False)  # keep the plain weights
     llm = LLM(str(tiny_llama), dtype="float16", num_kvcache_blocks=32, max_num_seqs=2, enable_prefix_caching=False)
     model = llm.model_runner.model
     logits_by_row = []
     real_logits = model.compute_logits
-    monkeypatch.setattr(model, "compute_logits", lambda hidden: logits_by_row.append(real_logits(hidden)) or logits_by_row[-1])
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: logits_by_row.append(real_logits(hidden))
+                        or logits_by_row[-1])
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = [5, 17, 33, 100, 7, 9]
     unfused = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
@@ -202,4 +202,5 @@ def test_choose_skips_a_tile_this_gpu_cannot_run_and_says_so(monkeypatch, caplog
     with torch.no_grad(), caplog.at_level("WARNING", logger="engine"):
         assert choose_normed([(layer, norm, None)], ScriptedTimer(unfused_ms=1.0, fused_ms=0.5)) == 1
     assert layer.normed_tile is not None and layer.normed_tile[0] != 2
-    assert "fused norm+GEMV tile 2x1024 failed on (48, 256) and is not used: out of resources: shared memory" in caplog.text
+    assert ("fused norm+GEMV tile 2x1024 failed on (48, 256) and is not used: out of resources: shared memory"
+            in caplog.text)

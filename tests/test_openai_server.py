@@ -45,7 +45,8 @@ def test_a_greedy_chat_reply_is_the_engines_own_greedy_reply(client, bundled_mod
     messages = chat("What is the capital of France?")
     reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     tok = AutoTokenizer.from_pretrained(bundled_model)
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
     llm = LLM(str(bundled_model), max_model_len=2048, num_kvcache_blocks=160)
     expected = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     choice = reply.choices[0]
@@ -60,7 +61,8 @@ def test_a_greedy_chat_reply_is_the_engines_own_greedy_reply(client, bundled_mod
 def test_streaming_gives_the_same_text_with_usage_last(client):
     messages = chat("Name three colours.")
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32, stream=True,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32,
+                                                 stream=True,
                                                  stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # it really streamed
@@ -149,7 +151,8 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(client, server)
 @pytest.mark.parametrize("body, status, code", [
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context_length_exceeded"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400, "context_length_exceeded"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400,
+     "context_length_exceeded"),
     ({"model": MODEL}, 400, None),
     ({"model": MODEL, "messages": []}, 400, None),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
@@ -157,7 +160,8 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(client, server)
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
 ])
 def test_bad_requests_get_openai_style_errors(server, body, status, code):
-    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=30)
+    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json=body, timeout=30)
     assert r.status_code == status
     error = r.json()["error"]
     assert error["message"] and error["type"]
@@ -182,7 +186,8 @@ def test_the_client_sees_errors_as_its_own_exceptions(client):
                                           ("POST", "/v1/completions")])
 def test_every_v1_route_wants_the_key(server, headers, method, path):
     body = {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    r = httpx.request(method, f"{server.base}{path}", headers=headers, json=body if method == "POST" else None, timeout=30)
+    r = httpx.request(method, f"{server.base}{path}", headers=headers,
+                      json=body if method == "POST" else None, timeout=30)
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
 

@@ -58,7 +58,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[i
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_transformers_at_prefill_and_every_decode_step(family, tiny_models, make_llm, hf_model, random_prompt, monkeypatch):
+def test_logits_match_transformers_at_prefill_and_every_decode_step(family, tiny_models, make_llm, hf_model,
+                                                                    random_prompt, monkeypatch):
     path = tiny_models[family]
     llm = make_llm(path, num_kvcache_blocks=32)
     recorder = LogitRecorder(llm, monkeypatch)
@@ -76,7 +77,8 @@ def test_logits_match_transformers_at_prefill_and_every_decode_step(family, tiny
             if out.finished:
                 outputs[out.request_id] = out.token_ids
         num_steps += 1
-    assert any(len(ids) == 3 for ids, _ in recorder.records), "expected a batch mixing c's prefill with a and b's decodes"
+    assert any(len(ids) == 3 for ids, _ in recorder.records), \
+        "expected a batch mixing c's prefill with a and b's decodes"
 
     model = hf_model(path)
     captured = recorder.per_request()

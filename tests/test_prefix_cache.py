@@ -5,6 +5,7 @@ prompt that is an exact multiple of the block size, preemption of a request whos
 shared, and chunked prefill that continues over cached blocks.
 """
 import dataclasses
+
 import pytest
 
 from engine import KVBlock, SamplingParams
@@ -73,7 +74,8 @@ def test_fully_cached_prompt_recomputes_its_last_block(length, tiny_qwen2, make_
 
 def test_identical_prompts_in_one_batch_and_queued(tiny_qwen2, make_llm, random_prompt):
     prompt = random_prompt(48, 7)
-    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(), use_tqdm=False)[0]["token_ids"]
+    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(),
+                                                                           use_tqdm=False)[0]["token_ids"]
 
     # Admitted in the same step: nothing is registered yet, so no hits, and both compute the same blocks.
     together = make_llm(tiny_qwen2)
@@ -127,7 +129,8 @@ def test_chunked_prefill_continues_over_cached_blocks(tiny_qwen2, make_llm, syst
 
 def test_second_copy_admitted_mid_chunked_prefill_hits_the_blocks_already_written(tiny_qwen2, make_llm, random_prompt):
     prompt = random_prompt(40, 400)
-    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(), use_tqdm=False)[0]["token_ids"]
+    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(),
+                                                                           use_tqdm=False)[0]["token_ids"]
     llm = make_llm(tiny_qwen2, max_num_batched_tokens=7)
     # Chunks of 7: the first copy's last chunk (35..40) leaves 2 tokens of budget, which admits the
     # second copy on the two blocks registered after earlier chunks.
@@ -166,7 +169,8 @@ def test_kv_blocks_and_stats_while_two_requests_share_blocks(tiny_qwen2, make_ll
         assert by_id[block_id].filled == BS
         assert sorted(by_id[block_id].owners) == sorted([r1, r2])
     # r1: 44 tokens computed, 3 blocks; its third block holds 12 tokens and only r1 uses it.
-    assert by_id[seq1.block_table[2]] == KVBlock(seq1.block_table[2], ref_count=1, cached=False, filled=12, owners=(r1,))
+    assert by_id[seq1.block_table[2]] == KVBlock(seq1.block_table[2], ref_count=1, cached=False, filled=12,
+                                                 owners=(r1,))
     # r2: 60 tokens computed: 4 blocks, the third is full and now registered, the fourth holds 12.
     assert by_id[seq2.block_table[2]].cached is True and by_id[seq2.block_table[2]].owners == (r2,)
     assert by_id[seq2.block_table[3]].filled == 12

@@ -18,7 +18,8 @@ def make_batch(rows, temperature=1.0, top_k=None, top_p=None, min_p=None, penalt
 
     temps = torch.full((rows,), float(temperature))
     return SamplingBatch(temperatures=temps, top_k=col(top_k, torch.int64), top_p=col(top_p, torch.float32),
-                         min_p=col(min_p, torch.float32), repetition_penalties=col(penalty, torch.float32), seen_tokens=seen,
+                         min_p=col(min_p, torch.float32), repetition_penalties=col(penalty, torch.float32),
+                         seen_tokens=seen,
                          generators=generators or [None] * rows, all_greedy=bool((temps == 0).all()))
 
 
@@ -106,7 +107,8 @@ COMPILED_CASES = {
 def compiled_case_batch(rows, vocab, top_k=None, top_p=None, min_p=None, penalty=None, greedy=False, greedy_rows=False):
     g = torch.Generator().manual_seed(5)
     seen = torch.rand(rows, vocab, generator=g) < 0.05 if penalty else None
-    batch = make_batch(rows, temperature=0.0 if greedy else 0.8, top_k=top_k, top_p=top_p, min_p=min_p, penalty=penalty, seen=seen)
+    batch = make_batch(rows, temperature=0.0 if greedy else 0.8, top_k=top_k, top_p=top_p, min_p=min_p,
+                       penalty=penalty, seen=seen)
     if greedy_rows:
         batch.temperatures[::3] = 0.0
     return batch
@@ -202,12 +204,14 @@ def test_repetition_penalty_end_to_end_matches_transformers_generate(tiny_qwen2,
     prompt = random_prompt(12, 40)
     llm = make_llm(tiny_qwen2)
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[0]
-    penalized = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.5),
+    penalized = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                                                      repetition_penalty=1.5),
                              use_tqdm=False)[0]
     assert penalized["token_ids"] != plain["token_ids"]
     model = hf_model(tiny_qwen2)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False,
                              max_new_tokens=32, eos_token_id=[], pad_token_id=0, repetition_penalty=1.5)
     assert penalized["token_ids"] == out[0, len(prompt):].tolist()
 
@@ -248,9 +252,11 @@ def test_greedy_is_temperature_zero_and_ignores_filters(tiny_qwen2, make_llm, ra
     llm = make_llm(tiny_qwen2)
     prompt = random_prompt(9, 70)
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
-    filtered = llm.generate([prompt], SamplingParams(temperature=0, top_p=0.3, top_k=3, min_p=0.2, max_tokens=24, ignore_eos=True,
+    filtered = llm.generate([prompt], SamplingParams(temperature=0, top_p=0.3, top_k=3, min_p=0.2, max_tokens=24,
+                                                     ignore_eos=True,
                                                      seed=5), use_tqdm=False)[0]
-    top1 = llm.generate([prompt], SamplingParams(temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    top1 = llm.generate([prompt], SamplingParams(temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0]
     assert greedy["token_ids"] == filtered["token_ids"] == top1["token_ids"]
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.1).greedy
 
@@ -274,7 +280,8 @@ def test_stop_string_is_trimmed_and_finishes_with_stop(tiny_qwen2, make_llm):
     assert stop is not None, f"no usable stop string in {full['text']!r}"
     cut = full["text"].index(stop)
 
-    rid = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop, "\x00never"]))
+    rid = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                                                 stop=[stop, "\x00never"]))
     increments, last = [], None
     while llm.has_unfinished_requests():
         for out in llm.step():
@@ -286,7 +293,8 @@ def test_stop_string_is_trimmed_and_finishes_with_stop(tiny_qwen2, make_llm):
     assert all(stop not in inc for inc in increments)
     assert last.token_ids == full["token_ids"][: len(last.token_ids)] and len(last.token_ids) < 48
 
-    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=stop), use_tqdm=False)[0]
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=stop),
+                         use_tqdm=False)[0]
     assert (again["text"], again["finish_reason"]) == (full["text"][:cut], "stop")
 
 
@@ -297,7 +305,8 @@ def test_stop_token_ids_and_max_tokens(tiny_qwen2, make_llm, random_prompt):
     assert full["finish_reason"] == "length" and len(full["token_ids"]) == 40
     stop_token = full["token_ids"][5]
     first = full["token_ids"].index(stop_token)
-    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]),
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                    stop_token_ids=[stop_token]),
                            use_tqdm=False)[0]
     assert stopped["finish_reason"] == "stop"
     assert stopped["token_ids"] == full["token_ids"][: first + 1]

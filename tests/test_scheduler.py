@@ -173,7 +173,8 @@ def test_a_request_that_cannot_fit_alone_is_refused_up_front(tiny_qwen2, make_ll
     with pytest.raises(ValueError, match="max_model_len"):
         llm.add_request(list(range(3, 35)), greedy(4))
     # The longest allowed request runs to max_model_len and stops with "length" without deadlock.
-    result = llm.generate([list(range(3, 34))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    result = llm.generate([list(range(3, 34))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                          use_tqdm=False)[0]
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 1
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         make_llm(tiny_qwen2, num_kvcache_blocks=2, max_model_len=33)

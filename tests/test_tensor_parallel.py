@@ -221,7 +221,8 @@ time.sleep(600)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_exit_when_the_parent_is_killed(tiny_llama):
     root = Path(__file__).resolve().parents[1]
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_llama)], cwd=root, stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_llama)], cwd=root,
+                              stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 1 and not process_gone(pids[0])

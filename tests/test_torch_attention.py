@@ -54,7 +54,8 @@ def batch(q_lens, seq_lens, num_kv_heads=3, group=3, head_dim=32, seed=0):
     return query, k_cache, v_cache, meta, tables
 
 
-@pytest.mark.parametrize("case", ["decode only", "decode and prefills", "few decode rows", "one decode row", "equal lengths"])
+@pytest.mark.parametrize("case", ["decode only", "decode and prefills", "few decode rows", "one decode row",
+                                  "equal lengths"])
 def test_matches_attention_written_out_per_sequence(case):
     rng = torch.Generator().manual_seed(1)
     rows = {"few decode rows": 3, "one decode row": 1, "equal lengths": 5}.get(case, 27)

@@ -83,7 +83,8 @@ def _decode_plan(meta: AttentionMetadata, rows: list[int], block_size: int, ever
     num_blocks = min(-(-max(lens) // block_size), meta.block_tables.shape[1])
     blocks = pick(meta.block_tables)[:, :num_blocks].clamp(min=0).long()
     token_idx = None if every_row else meta.query_start_loc[rows_t].long()
-    if meta.host_lens_exact and min(lens) == max(lens) > 0:  # one length (always so at batch 1): no mask, no padding rows
+    # One length (always so at batch 1): no mask, no padding rows.
+    if meta.host_lens_exact and min(lens) == max(lens) > 0:
         return _Decode(token_idx, blocks, lens[0], None, None)
     seq_lens = pick(meta.seq_lens).long()
     valid = torch.arange(num_blocks * block_size, device=dev)[None, :] < seq_lens[:, None]
@@ -139,13 +140,16 @@ def paged_attention(
         q = query[p.start : p.start + p.q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
         k = _gather(k_cache, p.blocks)[: p.kv_len].transpose(0, 1)[None].to(q.dtype)
         v = _gather(v_cache, p.blocks)[: p.kv_len].transpose(0, 1)[None].to(q.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+                                           enable_gqa=True)
         out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     return out
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Decode, scale: float) -> torch.Tensor:
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Decode,
+            scale: float) -> torch.Tensor:
     k = _gather(k_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
     v = _gather(v_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)
-    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True).squeeze(2)
+    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale,
+                                       enable_gqa=True).squeeze(2)
     return o if plan.live is None else torch.where(plan.live, o, 0.0)

@@ -8,9 +8,10 @@ hundred programs), streams them in wide loads along K, and reduces in fp32 once,
 
 Whether it is faster depends on the GPU, the weight's shape and the row count, so nothing is
 assumed: when a model loads on CUDA, `choose_gemv` times cuBLAS and a few tile shapes of the
-kernel on each distinct weight shape (inside a CUDA graph, with the L2 cache cold), for 1, 2 and 4 rows, checks the kernel's result, and
-keeps the kernel only where it is clearly faster. Half precision only: float32 keeps cuBLAS,
-whose sums the exact-match tests against transformers rely on.
+kernel on each distinct weight shape (inside a CUDA graph, with the L2 cache cold), for 1, 2
+and 4 rows, checks the kernel's result, and keeps the kernel only where it is clearly faster.
+Half precision only: float32 keeps cuBLAS, whose sums the exact-match tests against transformers
+rely on.
 """
 import itertools
 import logging
@@ -118,7 +119,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     block_m = row_bucket(rows) if rows >= 1 else None
     if block_m is None or weight.shape[1] != k or weight.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError(f"gemv takes 1 to {ROW_BUCKETS[-1]} rows and a [N, {k}] weight of the same dtype with "
-                         f"unit-stride rows; got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
+                         f"unit-stride rows; got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv's bias must have shape ({n},), got {tuple(bias.shape)}")
     if x.stride(1) != 1:

@@ -85,7 +85,8 @@ class ColumnParallelLinear(nn.Linear, PackableLinear):
         self.output_sizes = [count for _, _, count in slices]
 
     @classmethod
-    def split(cls, in_features: int, output_sizes: list[int], tp: TPGroup = SINGLE, bias: bool = False) -> "ColumnParallelLinear":
+    def split(cls, in_features: int, output_sizes: list[int], tp: TPGroup = SINGLE,
+              bias: bool = False) -> "ColumnParallelLinear":
         """Each projection cut into tp.size equal row blocks; this rank takes block tp.rank."""
         return cls(in_features, [(n, tp.rank * (n // tp.size), n // tp.size) for n in output_sizes], bias)
 

@@ -341,7 +341,8 @@ def _check_folder(out: pathlib.Path) -> None:
 
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
     if config.get("architectures") != _ARCHITECTURES:
-        raise RuntimeError(f"Converted config has architectures {config.get('architectures')}, expected {_ARCHITECTURES}.")
+        raise RuntimeError(f"Converted config has architectures {config.get('architectures')}, expected "
+                           f"{_ARCHITECTURES}.")
     if "quantization_config" in config:
         raise RuntimeError("Converted config still carries a quantization_config.")
     generation = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))

@@ -18,7 +18,8 @@ def resolve_model_path(model: str) -> Path:
         return path
     looks_like_repo_id = model.count("/") == 1 and not model.startswith((".", "/", "~")) and not path.exists()
     if not looks_like_repo_id:
-        raise FileNotFoundError(f"model folder {model!r} does not exist; give a local HF model folder or a hub repo id like 'Qwen/Qwen3-0.6B'")
+        raise FileNotFoundError(f"model folder {model!r} does not exist; give a local HF model folder or a hub repo id "
+                                "like 'Qwen/Qwen3-0.6B'")
     from huggingface_hub import snapshot_download
 
     try:
@@ -109,7 +110,8 @@ def _load_one(model, params, packed, name, tensor, loaded) -> None:
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
     elif param.shape != tensor.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                         f"{tuple(param.shape)}")
     else:
         param.data.copy_(tensor)
     loaded.add(name)
@@ -143,5 +145,6 @@ def pick_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu' or install a CUDA build of torch")
+        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu' or install a CUDA "
+                           "build of torch")
     return torch.device(requested)

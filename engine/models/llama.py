@@ -38,9 +38,11 @@ class DecoderAttention(nn.Module):
         num_heads = config.num_attention_heads
         num_kv_heads = config.num_key_value_heads or num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.qkv_proj = ColumnParallelLinear.qkv(config.hidden_size, self.head_dim, num_heads, num_kv_heads, tp, qkv_bias)
+        self.qkv_proj = ColumnParallelLinear.qkv(config.hidden_size, self.head_dim, num_heads, num_kv_heads, tp,
+                                                 qkv_bias)
         self.split = self.qkv_proj.output_sizes
-        self.num_heads, self.num_kv_heads = self.split[0] // self.head_dim, self.split[1] // self.head_dim  # on this rank
+        # Heads on this rank.
+        self.num_heads, self.num_kv_heads = self.split[0] // self.head_dim, self.split[1] // self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=o_bias, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None

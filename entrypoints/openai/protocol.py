@@ -44,10 +44,12 @@ class RequestBody(BaseModel):
     def check_supported(self) -> None:
         """Fields Pagoda would otherwise ignore: refuse them rather than answer something else."""
         if self.n != 1:
-            raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead", param="n")
+            raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead",
+                           param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise APIError(400, f"{name} is not supported; use repetition_penalty (vLLM's name) instead", param=name)
+                raise APIError(400, f"{name} is not supported; use repetition_penalty (vLLM's name) instead",
+                               param=name)
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
 
@@ -66,7 +68,8 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages")
+                raise APIError(400, f"only text content parts are supported, got type {part.get('type')!r}",
+                               param="messages")
             parts.append(part["text"])
         return "".join(parts)
 

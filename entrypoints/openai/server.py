@@ -77,7 +77,8 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
         async def handler():
             body = await parse_body(request, ChatCompletionBody)
             model = served(body.model)
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages]
             token_ids = await anyio.to_thread.run_sync(encode_chat, model.engine, messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await complete(request, model, body, token_ids, max_tokens, chat=True)
@@ -93,7 +94,8 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
             prompt = body.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
                 if len(prompt) != 1:
-                    raise APIError(400, "send one prompt per request (a list of several prompts is not supported)", param="prompt")
+                    raise APIError(400, "send one prompt per request (a list of several prompts is not supported)",
+                                   param="prompt")
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 token_ids = await anyio.to_thread.run_sync(model.engine.tokenize, prompt)
@@ -113,14 +115,17 @@ def encode_chat(engine: EngineThread, messages: list[dict]) -> list[int]:
         raise APIError(400, f"{e}; use /v1/completions with a plain prompt") from None
 
 
-def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> SamplingParams:
+def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int | None,
+                    max_model_len: int) -> SamplingParams:
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                            f"{num_prompt_tokens}. Shorten the messages.", code="context_length_exceeded", param="messages")
+                            f"{num_prompt_tokens}. Shorten the messages.", code="context_length_exceeded",
+                                param="messages")
     if max_tokens is not None and max_tokens > room:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
+                            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                            f"{max_tokens} for "
                             f"the completion). Reduce the prompt or max_tokens.",
                        code="context_length_exceeded", param="max_tokens")
     try:
@@ -131,7 +136,8 @@ def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int |
         raise APIError(400, str(e)) from None
 
 
-async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int], max_tokens: int | None,
+async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int],
+                   max_tokens: int | None,
                    chat: bool) -> object:
     engine = model.engine
     params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len)

@@ -21,7 +21,7 @@ class AppProcess:
         self.proc = None
 
     def start(self):
-        for attempt in range(3):
+        for _attempt in range(3):
             try:
                 return self._start()
             except PortTaken:  # another process took the free port between free_port() and the bind

@@ -66,7 +66,8 @@ class FakeHub:
         self._thread: threading.Thread | None = None
 
     def add_repo(self, repo_id: str, files: dict[str, bytes], gated: bool = False) -> FakeRepo:
-        sha = hashlib.sha1(repo_id.encode() + b"".join(sorted(hashlib.sha1(v).digest() for v in files.values()))).hexdigest()
+        sha = hashlib.sha1(repo_id.encode() + b"".join(sorted(hashlib.sha1(v).digest()
+                                                              for v in files.values()))).hexdigest()
         repo = FakeRepo(repo_id, dict(files), sha, gated)
         self.repos[repo_id] = repo
         return repo

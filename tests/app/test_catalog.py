@@ -5,8 +5,18 @@ import sys
 
 import pytest
 
-from app.catalog import (GiB, MiB, CatalogEntry, available_memory, count_params, entry_for_repo, entry_from_config,
-                         estimate_memory, fit_report, load_catalog)
+from app.catalog import (
+    CatalogEntry,
+    GiB,
+    MiB,
+    available_memory,
+    count_params,
+    entry_for_repo,
+    entry_from_config,
+    estimate_memory,
+    fit_report,
+    load_catalog,
+)
 
 REQUESTED = {
     "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct",
@@ -42,12 +52,14 @@ def test_catalog_has_the_requested_models_once(catalog):
 def test_every_entry_is_consistent(catalog):
     for e in catalog:
         assert e.supported, e.repo_id
-        assert e.family == {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[e.architecture]
+        assert e.family == {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                            "Qwen3ForCausalLM": "qwen3"}[e.architecture]
         assert e.checkpoint_dtype == "bfloat16"
         assert e.num_attention_heads % e.num_key_value_heads == 0, e.repo_id
         assert e.head_dim * e.num_attention_heads == e.hidden_size or e.family == "qwen3", e.repo_id
         # The parameter count follows from the architecture numbers (tied embeddings counted once).
-        counted = count_params(hidden_size=e.hidden_size, intermediate_size=e.intermediate_size, vocab_size=e.vocab_size,
+        counted = count_params(hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,
+                               vocab_size=e.vocab_size,
                                num_hidden_layers=e.num_hidden_layers, num_attention_heads=e.num_attention_heads,
                                num_key_value_heads=e.num_key_value_heads, head_dim=e.head_dim,
                                tie_word_embeddings=e.tie_word_embeddings, family=e.family)
@@ -111,7 +123,8 @@ def test_fit_report_does_not_fit_suggests_a_context():
     e = entry_for_repo("Qwen/Qwen3-0.6B")
     r = fit_report(e, 32768, "bfloat16", free_bytes=3 * GiB, device_name="NVIDIA Test GPU (4.0 GiB)")
     assert not r.fits
-    assert "KV 3.5 at 32,768 tokens" in r.message and "3.0 GiB free on NVIDIA Test GPU (4.0 GiB): does not fit" in r.message
+    assert "KV 3.5 at 32,768 tokens" in r.message
+    assert "3.0 GiB free on NVIDIA Test GPU (4.0 GiB): does not fit" in r.message
     assert r.max_context_len is not None and 4096 <= r.max_context_len < 32768
     assert f"about {r.max_context_len:,} tokens would fit" in r.message
     assert fit_report(e, r.max_context_len, free_bytes=3 * GiB, device_name="x").fits  # the suggestion holds

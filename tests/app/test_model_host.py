@@ -60,7 +60,8 @@ def test_a_failed_load_after_unloading_says_what_was_unloaded(host, tiny_qwen2, 
     recording_llm(monkeypatch, host, fail=True)
     with pytest.raises(RuntimeError) as failure:
         host.load(str(tiny_qwen2), label="tiny qwen2", wait=True, **SETTINGS)
-    assert str(failure.value) == ("Could not load tiny qwen2: the checkpoint is damaged. tiny llama was unloaded to free "
+    assert str(failure.value) == ("Could not load tiny qwen2: the checkpoint is damaged. tiny llama was "
+                                  "unloaded to free "
                                   "the GPU; load it again from the Models tab.")
     assert not host.ready and host.label == ""
 
@@ -73,5 +74,6 @@ def test_the_status_line_counts_the_seconds_of_a_load():
     host = ModelHost()
     host.state = LoadState("loading", "Loading Qwen3-0.6B…", "Qwen/Qwen3-0.6B", {}, time.time() - 42.2)
     assert host.status_message() == "Loading Qwen3-0.6B… 42 s so far."
-    host.state = LoadState("ready", "Qwen3-0.6B is ready on cuda (bfloat16, context 40,960 tokens, 9,000 KV blocks) after 61 s.")
+    host.state = LoadState("ready", "Qwen3-0.6B is ready on cuda (bfloat16, context 40,960 tokens, 9,000 KV "
+                           "blocks) after 61 s.")
     assert host.status_message() == host.state.message

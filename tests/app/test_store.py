@@ -274,7 +274,8 @@ def test_presets_seeded_saved_replaced_deleted(store):
 def _filled(store):
     c = store.create("Trip plan", system_prompt="You plan trips.", settings={"temperature": 0.5})
     store.add_message(c.id, "user", "Three days in Kyoto?")
-    store.add_message(c.id, "assistant", "Day 1: **Fushimi Inari**.\n\n```\nnot a heading\n```", {"finish_reason": "stop"})
+    store.add_message(c.id, "assistant", "Day 1: **Fushimi Inari**.\n\n```\nnot a heading\n```",
+                      {"finish_reason": "stop"})
     return store.get(c.id)
 
 

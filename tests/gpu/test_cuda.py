@@ -20,7 +20,8 @@ def hf_greedy(path, prompts, n, dtype=torch.float32):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     outs = []
     for p in prompts:
-        ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
         outs.append(ids[0, len(p):].tolist())
     return outs
 
@@ -178,7 +179,8 @@ def test_triton_kernels_match_reference_on_gpu(dtype, shape):
     from engine.attention import triton_kernels
 
     heads, kv_heads, dim = shape
-    for q_lens, kv_lens in [([1] * 7, [1, 17, 300, 2048, 16, 33, 900]), ([37, 1, 200, 5], [37, 50, 1000, 5]), ([64, 1], [64, 2])]:
+    for q_lens, kv_lens in [([1] * 7, [1, 17, 300, 2048, 16, 33, 900]), ([37, 1, 200, 5], [37, 50, 1000, 5]),
+                            ([64, 1], [64, 2])]:
         q, k, v, cache, meta = random_case(len(q_lens), q_lens, kv_lens, heads, kv_heads, dim, 16, dtype)
         ref_cache, tri_cache = cache.clone(), cache.clone()
         torch_backend.store_kvcache(k, v, ref_cache[0], ref_cache[1], meta.slot_mapping)
@@ -224,7 +226,8 @@ def test_bf16_logits_close_to_transformers_on_qwen3_06b_shape(tmp_path_factory):
 
     from bench.common import qwen3_06b_config, save_random_model
 
-    folder = save_random_model(qwen3_06b_config(), Path(tempfile.gettempdir()) / "pagoda-qwen3-0.6b", torch.bfloat16, "cuda")
+    folder = save_random_model(qwen3_06b_config(), Path(tempfile.gettempdir()) / "pagoda-qwen3-0.6b",
+                               torch.bfloat16, "cuda")
     prompt = [random.Random(0).randrange(100, 100000) for _ in range(100)]
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
     captured = []
@@ -295,7 +298,6 @@ def test_gemv_every_tile_matches_cublas_on_gpu(n, k, with_bias):
 def test_engine_with_gemv_forced_matches_cublas_logits(tiny_models, monkeypatch):
     """Every layer on the Triton kernel (graphs on) against every layer on cuBLAS, bf16."""
     from engine.layers import gemv as gemv_module
-
     from engine.layers import normed_gemv as normed_module
 
     monkeypatch.setattr(normed_module, "cuda_timer", lambda fn: 1.0)  # the norms stay unfused here
@@ -304,7 +306,8 @@ def test_engine_with_gemv_forced_matches_cublas_logits(tiny_models, monkeypatch)
         monkeypatch.setattr(gemv_module, "_CHOICES", {})
         monkeypatch.setattr(gemv_module, "TIMINGS", {})
         monkeypatch.setattr(normed_module, "_CHOICES", {})
-        monkeypatch.setattr(gemv_module, "cuda_timer", lambda fn: 0.1 if force and "gemv" in fn.__code__.co_names else 1.0)
+        monkeypatch.setattr(gemv_module, "cuda_timer",
+                            lambda fn: 0.1 if force and "gemv" in fn.__code__.co_names else 1.0)
         llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
         assert llm.stats().matmul == ("torch+triton-gemv" if force else "torch")
         captured = []
@@ -355,7 +358,8 @@ def test_engine_with_norms_fused_matches_unfused_logits(tiny_models, monkeypatch
 
     def logits_of(force: bool):
         monkeypatch.setattr(normed_module, "_CHOICES", {})
-        monkeypatch.setattr(normed_module, "cuda_timer", lambda fn: 0.1 if force and "normed_gemv" in fn.__code__.co_names else 1.0)
+        monkeypatch.setattr(normed_module, "cuda_timer",
+                            lambda fn: 0.1 if force and "normed_gemv" in fn.__code__.co_names else 1.0)
         llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
         assert llm.model_runner.normed_layers == (2 * len(llm.model_runner.model.model.layers) if force else 0)
         captured = []
