@@ -19,9 +19,13 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections import Counter
+from collections.abc import Iterable
 from html import escape
-from operator import itemgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats, KVBlock
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "visualizer.css"
 PALETTE_SIZE = 12
@@ -50,7 +54,7 @@ def colour_index(label: str) -> int:
     return _digest(label) % PALETTE_SIZE
 
 
-def assign_colours(labels) -> dict[str, int]:
+def assign_colours(labels: Iterable[str]) -> dict[str, int]:
     """A palette slot per label: its preferred one, or the next free one when another label present took it.
 
     Labels are settled in digest order, so the outcome does not depend on the order they are given in.
@@ -69,7 +73,7 @@ def assign_colours(labels) -> dict[str, int]:
 
 
 # ---- formatting ----------------------------------------------------------------------------------
-def format_hit_rate(hits, queries) -> str:
+def format_hit_rate(hits: float | None, queries: float | None) -> str:
     """Prefix cache hit rate in tokens as a percentage; an em dash before the first query."""
     try:
         hits, queries = float(hits or 0), float(queries or 0)
@@ -100,14 +104,6 @@ def _ascii(s: str) -> str:
     return s if s.isascii() else s.encode("latin-1", "xmlcharrefreplace").decode("latin-1")
 
 
-def _int(stats: dict, key: str, default: int) -> int:
-    v = stats.get(key)
-    try:
-        return int(v) if v is not None else default
-    except (TypeError, ValueError):
-        return default
-
-
 def _chip(value: str, label: str, tip: str = "", cls: str = "") -> str:
     t = f' title="{escape(tip)}"' if tip else ""
     c = f" {cls}" if cls else ""
@@ -125,7 +121,7 @@ def _grid_size_class(n: int) -> str:
 
 
 # ---- the grid ------------------------------------------------------------------------------------
-def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | None = None,
+def render_kv_cache(blocks: list[KVBlock], stats: EngineStats, owners: dict[str, str] | None = None,
                     tokens_per_s: float | None = None) -> str:
     """HTML for the KV cache panel: counters, a legend, and a grid with one element per block.
 
@@ -133,11 +129,7 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
     conversation label (user text: escaped here); tokens_per_s: shown when given.
     """
     owners = owners or {}
-    stats = stats or {}
-    blocks = blocks or []
-    bs = _int(stats, "block_size", 0)
-    if bs <= 0:
-        bs = max((b.filled for b in blocks), default=0) or 1
+    bs = stats.block_size
 
     # Pass 1: the distinct owner lists (few, however many blocks) and who holds how many blocks.
     groups: Counter[tuple] = Counter(b.owners for b in blocks if b.owners)
@@ -181,7 +173,7 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
             if cached:
                 return '<i class="h" title="Block ', f' · free, cached&#10;ref count {rc} · {m}"></i>'
             return '<i title="Block ', f' · empty&#10;ref count {rc} · {m}"></i>'
-        one, two, who = group_info[tuple(ow)] if ow else no_owner
+        one, two, who = group_info[ow] if ow else no_owner
         if rc > 1:
             return (f'<i class="s{two}" title="Block ',
                     f' · shared by {rc}&#10;ref count {rc} · {m}{who}">{rc if rc < 100 else "99+"}</i>')
@@ -202,17 +194,9 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
         add(f"{t[0]}{b.id}{t[1]}")
     grid = "".join(parts)
 
-    # Counters: from stats when present, from the blocks themselves otherwise.
-    num_blocks = _int(stats, "num_blocks", len(blocks))
-    used = _int(stats, "used_blocks", -1)
-    if used < 0:
-        used = sum(1 for b in blocks if b["ref_count"] > 0)
-    cached_free = _int(stats, "cached_blocks", -1)
-    if cached_free < 0:
-        cached_free = sum(1 for b in blocks if b["ref_count"] <= 0 and b["cached"])
-    free = _int(stats, "free_blocks", num_blocks - used)
-    empty = max(0, free - cached_free)
-    hits, queries = stats.get("prefix_cache_hits", 0), stats.get("prefix_cache_queries", 0)
+    num_blocks, used, cached_free, free = stats.num_blocks, stats.used_blocks, stats.cached_blocks, stats.free_blocks
+    empty = free - cached_free
+    hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
     rate = format_hit_rate(hits, queries)
 
     chips = [
@@ -221,14 +205,11 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
         _chip(f"{empty:,}", "empty", "free blocks holding nothing", "ce"),
         _chip(f"{num_blocks:,}", f"blocks × {bs} tokens", f"{free:,} free in all"),
         _chip(rate, "prefix hits", f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}"),
-        _chip(f"{_int(stats, 'num_preemptions', 0):,}", "preemptions"),
-        _chip(f"{_int(stats, 'num_running', 0)} / {_int(stats, 'num_waiting', 0)}", "running / waiting"),
+        _chip(f"{stats.num_preemptions:,}", "preemptions"),
+        _chip(f"{stats.num_running} / {stats.num_waiting}", "running / waiting"),
     ]
     if tokens_per_s is not None:
-        try:
-            chips.append(_chip(f"{float(tokens_per_s):.1f}", "tok/s", "generated tokens per second"))
-        except (TypeError, ValueError):
-            pass
+        chips.append(_chip(f"{tokens_per_s:.1f}", "tok/s", "generated tokens per second"))
 
     total = max(num_blocks, 1)
     bar = (f'<div class="bar" title="used {used:,} · cached {cached_free:,} · empty {empty:,}">'
@@ -298,8 +279,8 @@ def render_remote_notice(metrics: dict | None, source: str = "") -> str:
     table); None or {} when the server has none. source: "model at url", shown in the notice."""
     rows = _flatten(metrics) if isinstance(metrics, dict) else []
     where = f" ({_ascii(escape(source))})" if source else ""
-    parts = [f'<div class="pgd-kv remote"><p class="note"><b>Remote server</b>{where}. Block-level KV cache data is not '
-             "available from a remote OpenAI-compatible server, so there is no block grid here."]
+    parts = [f'<div class="pgd-kv remote"><p class="note"><b>Remote server</b>{where}. Block-level KV cache data is '
+             "not available from a remote OpenAI-compatible server, so there is no block grid here."]
     if not rows:
         parts.append(" This server exposes no metrics (Pagoda reads vLLM's, SGLang's and llama.cpp's from /metrics)."
                      "</p></div>")
@@ -319,7 +300,8 @@ def render_remote_notice(metrics: dict | None, source: str = "") -> str:
                            f"{_fmt_num(waiting) if waiting is not None else '—'}", "running / waiting"))
     usage = _find(rows, "kv_cache_usage")
     if usage is not None:
-        chips.append(_chip(_percent(usage), "KV cache in use", "the share of the server's KV cache that holds requests"))
+        chips.append(_chip(_percent(usage), "KV cache in use",
+                           "the share of the server's KV cache that holds requests"))
     if chips:
         parts.append(f'<div class="stats">{"".join(chips)}</div>')
     parts.append('<table class="mt">')

@@ -1,10 +1,17 @@
 """The KV cache visualizer renders kv_blocks()/stats() into HTML: parse it back and check what it says."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
 from app.visualizer import (assign_colours, colour_index, format_hit_rate, render_kv_cache, render_remote_notice,
                             visualizer_css)
+from engine.outputs import EngineStats, KVBlock
 
 BS = 16
 
@@ -59,17 +66,25 @@ def colour_of(classes: set[str]) -> str:
 
 
 def block(i, ref_count=0, cached=False, filled=0, owners=()):
-    return {"id": i, "ref_count": ref_count, "cached": cached, "filled": filled, "owners": list(owners)}
+    return KVBlock(id=i, ref_count=ref_count, cached=cached, filled=filled, owners=tuple(owners))
 
 
-def stats_for(blocks, **extra):
-    used = sum(b["ref_count"] > 0 for b in blocks)
-    cached = sum(b["ref_count"] == 0 and b["cached"] for b in blocks)
-    s = {"num_blocks": len(blocks), "free_blocks": len(blocks) - used, "cached_blocks": cached, "used_blocks": used,
-         "block_size": BS, "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_running": 2, "num_waiting": 0,
-         "num_preemptions": 0}
-    s.update(extra)
-    return s
+def engine_stats(**fields) -> EngineStats:
+    """An EngineStats with an empty 12-block cache's counters, and the given fields instead."""
+    defaults = dict(num_blocks=12, free_blocks=12, cached_blocks=0, used_blocks=0, block_size=BS,
+                    prefix_cache_queries=0, prefix_cache_hits=0, num_running=2, num_waiting=0, num_preemptions=0,
+                    num_generated_tokens=0, max_model_len=2048, device="cpu", dtype="float32",
+                    attention_backend="torch", matmul="torch", sampler="eager", async_scheduling=False,
+                    tensor_parallel_size=1)
+    return EngineStats(**{**defaults, **fields})
+
+
+def stats_for(blocks, **extra) -> EngineStats:
+    """The counters the engine would report for these blocks."""
+    used = sum(b.ref_count > 0 for b in blocks)
+    cached = sum(b.ref_count == 0 and b.cached for b in blocks)
+    return engine_stats(**{"num_blocks": len(blocks), "free_blocks": len(blocks) - used, "cached_blocks": cached,
+                           "used_blocks": used, **extra})
 
 
 def two_chats():
@@ -91,13 +106,13 @@ def test_one_element_per_block_in_order():
     blocks, owners = two_chats()
     g = render(blocks, owners)
     assert len(g.blocks) == len(blocks)
-    for b, el in zip(blocks, g.blocks):
-        assert el["title"].startswith(f"Block {b['id']} ")
+    for b, el in zip(blocks, g.blocks, strict=True):
+        assert el["title"].startswith(f"Block {b.id} ")
 
 
 def test_shared_blocks_show_ref_count_and_marker():
     blocks, owners = two_chats()
-    blocks[1]["ref_count"] = 5
+    blocks[1] = dataclasses.replace(blocks[1], ref_count=5)
     g = render(blocks, owners)
     for i, rc in [(0, 2), (1, 5), (2, 2)]:
         el = g.blocks[i]
@@ -147,10 +162,25 @@ def test_colours_are_stable_and_distinct_among_labels_present():
     slots = assign_colours(labels)
     assert sorted(slots.values()) == list(range(12))  # 12 labels, 12 colours: no collision survives
     assert assign_colours(reversed(labels)) == slots  # independent of order
-    assert colour_index("chat 0") == colour_index("chat 0")
     # a label alone always gets its preferred colour, in every render
     g1 = render([block(0, 1, False, 3, ["x"])], {"x": "Solo"})
     assert colour_of(g1.blocks[0]["classes"]) == f"c{colour_index('Solo')}"
+
+
+# Palette slots that must never change: a chat keeps its colour across restarts and machines. Python's str hash()
+# is salted per process (PYTHONHASHSEED), so a digest built on it would break these.
+PINNED_SLOTS = {"Solo": 5, "Trip planning": 0, "Rust questions": 9, "chat 0": 6, "chat 7": 10, "旅行の計画 🗾": 9}
+
+
+def test_colour_slots_are_pinned_in_this_and_other_processes():
+    assert {label: colour_index(label) for label in PINNED_SLOTS} == PINNED_SLOTS
+    code = ("import json, sys; from app.visualizer import colour_index; "
+            "print(json.dumps({s: colour_index(s) for s in json.loads(sys.argv[1])}))")
+    for seed in ("0", "271828"):
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(list(PINNED_SLOTS))], capture_output=True,
+                             text=True, check=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert json.loads(out.stdout) == PINNED_SLOTS, seed
 
 
 def test_partly_filled_blocks_show_their_fill_level():
@@ -179,7 +209,8 @@ def test_labels_are_escaped():
     assert evil in g.blocks[1]["title"]
     assert any(e["text"] == evil for e in g.legend)
     # request ids are user-reachable through the API: escaped too
-    html = render_kv_cache([block(0, 1, False, 1, ["<b>id</b>"])], {"block_size": BS}, {})
+    blocks = [block(0, 1, False, 1, ["<b>id</b>"])]
+    html = render_kv_cache(blocks, stats_for(blocks), {})
     assert "<b>id" not in html and "request <b>id</b>" in Grid(html).blocks[0]["title"]
 
 
@@ -227,14 +258,16 @@ def test_header_counts():
     assert "— prefix hits" in text and "tok/s" not in text
 
 
-def test_counts_fall_back_to_the_blocks_when_stats_lack_them():
+def test_counters_come_from_stats_not_from_recounting_blocks():
+    # kv_blocks() and stats() are two calls: the header shows the engine's counters even if the blocks moved between.
     blocks, owners = two_chats()
-    text = " ".join(Grid(render_kv_cache(blocks, {"block_size": BS}, owners)).all_text.split())
-    assert "6 used" in text and "2 cached" in text and "4 empty" in text
+    stats = engine_stats(num_blocks=12, free_blocks=5, cached_blocks=3, used_blocks=7)
+    text = " ".join(Grid(render_kv_cache(blocks, stats, owners)).all_text.split())
+    assert "7 used" in text and "3 cached" in text and "2 empty" in text
 
 
 def test_no_blocks():
-    html = render_kv_cache([], {}, None)
+    html = render_kv_cache([], engine_stats(num_blocks=0, free_blocks=0, num_running=0), None)
     g = Grid(html)
     assert g.blocks == [] and "No KV cache yet" in g.all_text
 
