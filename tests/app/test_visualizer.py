@@ -17,7 +17,7 @@ BS = 16
 
 
 class Grid(HTMLParser):
-    """Collects the grid's blocks (the <i> children of div.g), the legend entries and all text."""
+    """Collects the grid's blocks (the <i> children of div.grid), the legend entries and all text."""
 
     def __init__(self, html: str):
         super().__init__()
@@ -32,11 +32,11 @@ class Grid(HTMLParser):
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         classes = set((a.get("class") or "").split())
-        in_grid = any(t == "div" and "g" in c for t, c in self.stack)
+        in_grid = any(t == "div" and "grid" in c for t, c in self.stack)
         if tag == "i" and in_grid:
             self.current = {"classes": classes, "title": a.get("title", ""), "text": "", "attrs": a}
             self.blocks.append(self.current)
-        elif tag == "span" and "le" in classes:
+        elif tag == "span" and "legend-entry" in classes:
             self.current = {"classes": classes, "title": a.get("title", ""), "text": "", "swatch": None}
             self.legend.append(self.current)
         elif tag == "i" and self.legend and self.current is self.legend[-1]:
@@ -62,7 +62,8 @@ class Grid(HTMLParser):
 
 
 def colour_of(classes: set[str]) -> str:
-    return next(c for c in classes if c.startswith("c") and c[1:].isdigit() or c == "cx")
+    """The owner colour class of an element: own0..own11, or own-none."""
+    return next(c for c in classes if c.startswith("own") and (c[3:].isdigit() or c == "own-none"))
 
 
 def block(i, ref_count=0, cached=False, filled=0, owners=()):
@@ -116,11 +117,11 @@ def test_shared_blocks_show_ref_count_and_marker():
     g = render(blocks, owners)
     for i, rc in [(0, 2), (1, 5), (2, 2)]:
         el = g.blocks[i]
-        assert "s" in el["classes"], el
+        assert "shared" in el["classes"], el
         assert el["text"] == str(rc)
         assert f"shared by {rc}" in el["title"] and f"ref count {rc}" in el["title"]
     for el in g.blocks[3:]:  # nothing else is marked shared or carries a number
-        assert "s" not in el["classes"] and el["text"] == ""
+        assert "shared" not in el["classes"] and el["text"] == ""
 
 
 def test_huge_ref_count_stays_short_in_the_square():
@@ -134,8 +135,8 @@ def test_cached_free_and_empty_look_different():
     g = render(blocks, owners)
     cached_free, empty = g.blocks[6], g.blocks[8]
     assert cached_free["classes"] != empty["classes"]
-    assert "h" in cached_free["classes"] and "free, cached" in cached_free["title"]
-    assert not empty["classes"] & {"h", "u", "s"} and "empty" in empty["title"]
+    assert "cached" in cached_free["classes"] and "free, cached" in cached_free["title"]
+    assert not empty["classes"] & {"cached", "used", "shared"} and "empty" in empty["title"]
     assert "not cached" in empty["title"]
 
 
@@ -143,14 +144,14 @@ def test_two_conversations_get_different_colours_and_shared_block_names_both():
     blocks, owners = two_chats()
     g = render(blocks, owners)
     a, b = colour_of(g.blocks[3]["classes"]), colour_of(g.blocks[5]["classes"])
-    assert a != b and "cx" not in (a, b)
-    assert "u" in g.blocks[3]["classes"] and "u" in g.blocks[5]["classes"]
+    assert a != b and "own-none" not in (a, b)
+    assert "used" in g.blocks[3]["classes"] and "used" in g.blocks[5]["classes"]
     shared = g.blocks[0]
-    assert "s" in shared["classes"]
+    assert "shared" in shared["classes"]
     assert "Trip planning" in shared["title"] and "Rust questions" in shared["title"]
     # the shared block stripes both conversations' colours
     assert colour_of(shared["classes"]) in (a, b)
-    assert {"d" + a[1:], "d" + b[1:]} & shared["classes"]
+    assert {"also" + a[3:], "also" + b[3:]} & shared["classes"]
     # the legend lists both conversations with their colours, plus the block kinds
     legend = {e["text"]: e["swatch"] for e in g.legend}
     assert colour_of(legend["Trip planning"]) == a and colour_of(legend["Rust questions"]) == b
@@ -164,7 +165,7 @@ def test_colours_are_stable_and_distinct_among_labels_present():
     assert assign_colours(reversed(labels)) == slots  # independent of order
     # a label alone always gets its preferred colour, in every render
     g1 = render([block(0, 1, False, 3, ["x"])], {"x": "Solo"})
-    assert colour_of(g1.blocks[0]["classes"]) == f"c{colour_index('Solo')}"
+    assert colour_of(g1.blocks[0]["classes"]) == f"own{colour_index('Solo')}"
 
 
 # Palette slots that must never change: a chat keeps its colour across restarts and machines. Python's str hash()
@@ -187,16 +188,16 @@ def test_partly_filled_blocks_show_their_fill_level():
     blocks = [block(0, 1, False, 1, ["r"]), block(1, 1, False, 8, ["r"]), block(2, 1, False, 15, ["r"]),
               block(3, 1, False, BS, ["r"]), block(4, 1, False, 0, ["r"])]
     g = render(blocks, {"r": "chat"})
-    fills = [{c for c in el["classes"] if c.startswith("f")} for el in g.blocks]
-    assert fills == [{"f1"}, {"f4"}, {"f7"}, set(), {"f0"}]
+    fills = [{c for c in el["classes"] if c.startswith("fill")} for el in g.blocks]
+    assert fills == [{"fill1"}, {"fill4"}, {"fill7"}, set(), {"fill0"}]
 
 
 def test_unknown_request_ids_are_neutral_and_labelled_by_id():
     g = render([block(0, 1, False, 4, ["cmpl-42"]), block(1, 1, False, 4, ["req-a"])], {"req-a": "Known"})
-    assert colour_of(g.blocks[0]["classes"]) == "cx"
+    assert colour_of(g.blocks[0]["classes"]) == "own-none"
     assert "request cmpl-42" in g.blocks[0]["title"]
-    assert colour_of(g.blocks[1]["classes"]) != "cx"
-    assert any(e["text"] == "request cmpl-42" and colour_of(e["swatch"]) == "cx" for e in g.legend)
+    assert colour_of(g.blocks[1]["classes"]) != "own-none"
+    assert any(e["text"] == "request cmpl-42" and colour_of(e["swatch"]) == "own-none" for e in g.legend)
 
 
 def test_labels_are_escaped():
@@ -237,7 +238,7 @@ def test_tooltip_content():
 
 def test_blocks_in_use_without_a_running_owner():
     g = render([block(0, 1, True, BS)])
-    assert colour_of(g.blocks[0]["classes"]) == "cx" and "owner: none running" in g.blocks[0]["title"]
+    assert colour_of(g.blocks[0]["classes"]) == "own-none" and "owner: none running" in g.blocks[0]["title"]
 
 
 @pytest.mark.parametrize("hits,queries,expected", [(0, 0, "—"), (5, 0, "—"), (0, 100, "0.0%"), (1, 3, "33.3%"),
@@ -290,7 +291,7 @@ def test_output_per_block_is_small_for_20000_blocks():
     g = Grid(html)
     assert len(g.blocks) == n
     assert len(html) / n < 200, len(html) / n
-    assert "style=" not in html.split('class="g ')[1]  # no per-block inline styles
+    assert "style=" not in html.split('class="grid ')[1]  # no per-block inline styles
     # the markup is tiny: <i class="..." title="...">n</i> and nothing else per block
     assert all(set(el["attrs"]) <= {"class", "title"} for el in g.blocks[:200])
 
@@ -298,7 +299,8 @@ def test_output_per_block_is_small_for_20000_blocks():
 def test_css_asset():
     css = visualizer_css()
     assert ".pgd-kv" in css and ".dark .pgd-kv" in css
-    for cls in ["i.h", "i.u", "i.s", ".c0", ".c11", ".cx", ".d11", ".f7"]:
+    for cls in ["i.cached", "i.used", "i.shared", ".own0", ".own11", ".own-none", ".also11", ".also-none", ".fill7",
+                ".grid.size1", ".grid.size4", ".legend-entry"]:
         assert cls in css, cls
 
 
