@@ -3,13 +3,17 @@
 No Gradio here: the UI puts the string in a `gr.HTML` that a `gr.Timer` refreshes, and passes
 `visualizer_css()` once to `gr.Blocks(css=...)`.
 
-Every block is one tiny element, `<i class="u c3 f4" title="...">`, styled by classes only:
+Every block is one tiny element, `<i class="used own3 fill4" title="...">`, styled by classes only:
 
-  kind   (none) empty        `h` free but cached (holds a prefix hash)
-         `u` in use by one request     `s` shared (ref count > 1; the count is drawn in it)
-  colour `c0`..`c11` the owning conversation (`cx`: a request id no conversation claims);
-         `d0`..`d11` a second conversation's colour, striped into shared blocks
-  fill   `f0`..`f7` a partly written block, in eighths (a full block has no fill class)
+  kind    (none) empty           `cached` free, but still holds a prefix hash (reused on a hit)
+          `used` in use by one request      `shared` ref count > 1 (the count is drawn in it)
+  owner   `own0`..`own11` the owning conversation's colour (`own-none`: a request id no conversation
+          claims); `also0`..`also11` (`also-none`) a second owner's colour, striped into shared blocks
+  fill    `fill0`..`fill7` a partly written block, in eighths (a full block has no fill class)
+
+Blocks sit in `div.grid` with `size1`..`size4` (smaller squares for bigger caches). Above the grid,
+`div.header` holds the `.chip` counters, the usage `.bar` and two `.legend` rows of `.legend-entry`.
+A cache can have 10,000+ blocks redrawn twice a second, so block classes are short whole words.
 
 Colours come from a hash of the conversation label, so a chat keeps its colour from poll to poll;
 labels that collide in one render are moved to the next free colour, in a fixed order.
@@ -19,9 +23,13 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections import Counter
+from collections.abc import Iterable
 from html import escape
-from operator import itemgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats, KVBlock
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "visualizer.css"
 PALETTE_SIZE = 12
@@ -50,7 +58,7 @@ def colour_index(label: str) -> int:
     return _digest(label) % PALETTE_SIZE
 
 
-def assign_colours(labels) -> dict[str, int]:
+def assign_colours(labels: Iterable[str]) -> dict[str, int]:
     """A palette slot per label: its preferred one, or the next free one when another label present took it.
 
     Labels are settled in digest order, so the outcome does not depend on the order they are given in.
@@ -69,7 +77,7 @@ def assign_colours(labels) -> dict[str, int]:
 
 
 # ---- formatting ----------------------------------------------------------------------------------
-def format_hit_rate(hits, queries) -> str:
+def format_hit_rate(hits: float | None, queries: float | None) -> str:
     """Prefix cache hit rate in tokens as a percentage; an em dash before the first query."""
     try:
         hits, queries = float(hits or 0), float(queries or 0)
@@ -100,14 +108,6 @@ def _ascii(s: str) -> str:
     return s if s.isascii() else s.encode("latin-1", "xmlcharrefreplace").decode("latin-1")
 
 
-def _int(stats: dict, key: str, default: int) -> int:
-    v = stats.get(key)
-    try:
-        return int(v) if v is not None else default
-    except (TypeError, ValueError):
-        return default
-
-
 def _chip(value: str, label: str, tip: str = "", cls: str = "") -> str:
     t = f' title="{escape(tip)}"' if tip else ""
     c = f" {cls}" if cls else ""
@@ -116,16 +116,16 @@ def _chip(value: str, label: str, tip: str = "", cls: str = "") -> str:
 
 def _grid_size_class(n: int) -> str:
     if n <= 600:
-        return "z1"
+        return "size1"
     if n <= 2500:
-        return "z2"
+        return "size2"
     if n <= 10000:
-        return "z3"
-    return "z4"
+        return "size3"
+    return "size4"
 
 
 # ---- the grid ------------------------------------------------------------------------------------
-def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | None = None,
+def render_kv_cache(blocks: list[KVBlock], stats: EngineStats, owners: dict[str, str] | None = None,
                     tokens_per_s: float | None = None) -> str:
     """HTML for the KV cache panel: counters, a legend, and a grid with one element per block.
 
@@ -133,11 +133,7 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
     conversation label (user text: escaped here); tokens_per_s: shown when given.
     """
     owners = owners or {}
-    stats = stats or {}
-    blocks = blocks or []
-    bs = _int(stats, "block_size", 0)
-    if bs <= 0:
-        bs = max((b.filled for b in blocks), default=0) or 1
+    bs = stats.block_size
 
     # Pass 1: the distinct owner lists (few, however many blocks) and who holds how many blocks.
     groups: Counter[tuple] = Counter(b.owners for b in blocks if b.owners)
@@ -156,7 +152,8 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
         for e in ents:
             entry_blocks[e] = entry_blocks.get(e, 0) + count
     slots = assign_colours(name for kind, name in entry_blocks if kind == "c")
-    colour = {e: (str(slots[e[1]]) if e[0] == "c" else "x") for e in entry_blocks}
+    # The suffix of the colour classes: own3/also3, or own-none/also-none for a request no conversation claims.
+    colour = {e: (str(slots[e[1]]) if e[0] == "c" else "-none") for e in entry_blocks}
     display = {e: _ascii(escape(e[1]) if e[0] == "c" else f"request {escape(e[1])}") for e in entry_blocks}
 
     # Per owner list: colour classes and the escaped owner line of the tooltip, computed once.
@@ -168,9 +165,9 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
         if len(ents) > MAX_LABELS_IN_TITLE:
             names.append(f"+{len(ents) - MAX_LABELS_IN_TITLE} more")
         label_word = "owner" if len(ents) == 1 else "owners"
-        group_info[key] = (f" c{first}", f" c{first} d{second}" if second else f" c{first}",
+        group_info[key] = (f" own{first}", f" own{first} also{second}" if second else f" own{first}",
                            f"&#10;{label_word}: {', '.join(names)}")
-    no_owner = (" cx", " cx", "&#10;owner: none running")
+    no_owner = (" own-none", " own-none", "&#10;owner: none running")
 
     # Pass 2: the markup. This runs a few times a second over every block, so the loop only looks
     # up a (prefix, suffix) pair per block kind and puts the block id between them. Kinds are few:
@@ -179,16 +176,16 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
         m = f"{filled}/{bs} tokens · {'cached' if cached else 'not cached'}"
         if rc <= 0:
             if cached:
-                return '<i class="h" title="Block ', f' · free, cached&#10;ref count {rc} · {m}"></i>'
+                return '<i class="cached" title="Block ', f' · free, cached&#10;ref count {rc} · {m}"></i>'
             return '<i title="Block ', f' · empty&#10;ref count {rc} · {m}"></i>'
-        one, two, who = group_info[tuple(ow)] if ow else no_owner
+        one, two, who = group_info[ow] if ow else no_owner
         if rc > 1:
-            return (f'<i class="s{two}" title="Block ',
+            return (f'<i class="shared{two}" title="Block ',
                     f' · shared by {rc}&#10;ref count {rc} · {m}{who}">{rc if rc < 100 else "99+"}</i>')
         f = ""
         if filled < bs:  # partly written: fill level in eighths, rounded up so one token shows
-            f = f" f{min(FILL_LEVELS - 1, max(0, -(-filled * FILL_LEVELS // bs)))}"
-        return f'<i class="u{one}{f}" title="Block ', f' · in use&#10;ref count {rc} · {m}{who}"></i>'
+            f = f" fill{min(FILL_LEVELS - 1, max(0, -(-filled * FILL_LEVELS // bs)))}"
+        return f'<i class="used{one}{f}" title="Block ', f' · in use&#10;ref count {rc} · {m}{who}"></i>'
 
     templates: dict[tuple, tuple[str, str]] = {}
     parts: list[str] = []
@@ -202,57 +199,47 @@ def render_kv_cache(blocks: list[dict], stats: dict, owners: dict[str, str] | No
         add(f"{t[0]}{b.id}{t[1]}")
     grid = "".join(parts)
 
-    # Counters: from stats when present, from the blocks themselves otherwise.
-    num_blocks = _int(stats, "num_blocks", len(blocks))
-    used = _int(stats, "used_blocks", -1)
-    if used < 0:
-        used = sum(1 for b in blocks if b["ref_count"] > 0)
-    cached_free = _int(stats, "cached_blocks", -1)
-    if cached_free < 0:
-        cached_free = sum(1 for b in blocks if b["ref_count"] <= 0 and b["cached"])
-    free = _int(stats, "free_blocks", num_blocks - used)
-    empty = max(0, free - cached_free)
-    hits, queries = stats.get("prefix_cache_hits", 0), stats.get("prefix_cache_queries", 0)
+    num_blocks, used, cached_free, free = stats.num_blocks, stats.used_blocks, stats.cached_blocks, stats.free_blocks
+    empty = free - cached_free
+    hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
     rate = format_hit_rate(hits, queries)
 
     chips = [
-        _chip(f"{used:,}", "used", "blocks held by running requests", "cu"),
-        _chip(f"{cached_free:,}", "cached", "free blocks that still hold a prefix; reused on a hit, evicted last", "cc"),
-        _chip(f"{empty:,}", "empty", "free blocks holding nothing", "ce"),
+        _chip(f"{used:,}", "used", "blocks held by running requests", "used"),
+        _chip(f"{cached_free:,}", "cached", "free blocks that still hold a prefix; reused on a hit, evicted last",
+              "cached"),
+        _chip(f"{empty:,}", "empty", "free blocks holding nothing", "empty"),
         _chip(f"{num_blocks:,}", f"blocks × {bs} tokens", f"{free:,} free in all"),
         _chip(rate, "prefix hits", f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}"),
-        _chip(f"{_int(stats, 'num_preemptions', 0):,}", "preemptions"),
-        _chip(f"{_int(stats, 'num_running', 0)} / {_int(stats, 'num_waiting', 0)}", "running / waiting"),
+        _chip(f"{stats.num_preemptions:,}", "preemptions"),
+        _chip(f"{stats.num_running} / {stats.num_waiting}", "running / waiting"),
     ]
     if tokens_per_s is not None:
-        try:
-            chips.append(_chip(f"{float(tokens_per_s):.1f}", "tok/s", "generated tokens per second"))
-        except (TypeError, ValueError):
-            pass
+        chips.append(_chip(f"{tokens_per_s:.1f}", "tok/s", "generated tokens per second"))
 
     total = max(num_blocks, 1)
     bar = (f'<div class="bar" title="used {used:,} · cached {cached_free:,} · empty {empty:,}">'
-           f'<span class="bu" style="width:{min(100.0, 100 * used / total):.2f}%"></span>'
-           f'<span class="bc" style="width:{min(100.0, 100 * cached_free / total):.2f}%"></span></div>')
+           f'<span class="used" style="width:{min(100.0, 100 * used / total):.2f}%"></span>'
+           f'<span class="cached" style="width:{min(100.0, 100 * cached_free / total):.2f}%"></span></div>')
 
     legend = []
     # The conversations holding the most blocks, listed in a steady order so polls do not reshuffle them.
     ranked = sorted(entry_blocks.items(), key=lambda kv: (-kv[1], kv[0]))
     for e, count in sorted(ranked[:MAX_LEGEND_ENTRIES], key=lambda kv: (kv[0][0], kv[0][1].casefold(), kv[0][1])):
         name = display[e]
-        legend.append(f'<span class="le" title="{name} · {count:,} blocks"><i class="u c{colour[e]}"></i>'
-                      f'<span class="ln">{name}</span></span>')
+        legend.append(f'<span class="legend-entry" title="{name} · {count:,} blocks">'
+                      f'<i class="used own{colour[e]}"></i><span class="legend-name">{name}</span></span>')
     if len(ranked) > MAX_LEGEND_ENTRIES:
-        legend.append(f'<span class="le more">+{len(ranked) - MAX_LEGEND_ENTRIES} more</span>')
-    kinds = ('<span class="le"><i class="u cx f3"></i>in use (fill = tokens written)</span>'
-             '<span class="le"><i class="s cx">2</i>shared (ref count)</span>'
-             '<span class="le"><i class="h"></i>free, cached</span>'
-             '<span class="le"><i></i>empty</span>')
+        legend.append(f'<span class="legend-entry more">+{len(ranked) - MAX_LEGEND_ENTRIES} more</span>')
+    kinds = ('<span class="legend-entry"><i class="used own-none fill3"></i>in use (fill = tokens written)</span>'
+             '<span class="legend-entry"><i class="shared own-none">2</i>shared (ref count)</span>'
+             '<span class="legend-entry"><i class="cached"></i>free, cached</span>'
+             '<span class="legend-entry"><i></i>empty</span>')
 
-    body = (f'<div class="g {_grid_size_class(len(blocks))}">{grid}</div>' if blocks
+    body = (f'<div class="grid {_grid_size_class(len(blocks))}">{grid}</div>' if blocks
             else '<p class="none">No KV cache yet: load a model to see its blocks.</p>')
-    head = _ascii(f'<div class="pgd-kv"><div class="hd"><div class="stats">{"".join(chips)}</div>{bar}'
-                  f'<div class="lg">{"".join(legend)}</div><div class="lg kinds">{kinds}</div></div>')
+    head = _ascii(f'<div class="pgd-kv"><div class="header"><div class="stats">{"".join(chips)}</div>{bar}'
+                  f'<div class="legend">{"".join(legend)}</div><div class="legend kinds">{kinds}</div></div>')
     return f"{head}{body}</div>"
 
 
@@ -298,8 +285,8 @@ def render_remote_notice(metrics: dict | None, source: str = "") -> str:
     table); None or {} when the server has none. source: "model at url", shown in the notice."""
     rows = _flatten(metrics) if isinstance(metrics, dict) else []
     where = f" ({_ascii(escape(source))})" if source else ""
-    parts = [f'<div class="pgd-kv remote"><p class="note"><b>Remote server</b>{where}. Block-level KV cache data is not '
-             "available from a remote OpenAI-compatible server, so there is no block grid here."]
+    parts = [f'<div class="pgd-kv remote"><p class="note"><b>Remote server</b>{where}. Block-level KV cache data is '
+             "not available from a remote OpenAI-compatible server, so there is no block grid here."]
     if not rows:
         parts.append(" This server exposes no metrics (Pagoda reads vLLM's, SGLang's and llama.cpp's from /metrics)."
                      "</p></div>")
@@ -319,10 +306,11 @@ def render_remote_notice(metrics: dict | None, source: str = "") -> str:
                            f"{_fmt_num(waiting) if waiting is not None else '—'}", "running / waiting"))
     usage = _find(rows, "kv_cache_usage")
     if usage is not None:
-        chips.append(_chip(_percent(usage), "KV cache in use", "the share of the server's KV cache that holds requests"))
+        chips.append(_chip(_percent(usage), "KV cache in use",
+                           "the share of the server's KV cache that holds requests"))
     if chips:
         parts.append(f'<div class="stats">{"".join(chips)}</div>')
-    parts.append('<table class="mt">')
+    parts.append('<table class="metrics">')
     for k, v in rows[:MAX_REMOTE_ROWS]:
         label = REMOTE_LABELS.get(k, k)
         value = _percent(v) if k in ("prefix_cache_hit_rate", "kv_cache_usage") else _fmt_num(v)

@@ -131,8 +131,8 @@ def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(ses
     page.get_by_role("tab", name="KV cache").click()
     grid = page.locator("#kv-cache")
     # The system prompt's full blocks are shared (ref count 2) while both chats answer.
-    wait_for_js(page, "() => document.querySelector('#kv-cache .g i.s') !== null", timeout=30000)
-    assert grid.locator(".g i.s").first.inner_text() == "2"
+    wait_for_js(page, "() => document.querySelector('#kv-cache .grid i.shared') !== null", timeout=30000)
+    assert grid.locator(".grid i.shared").first.inner_text() == "2"
     shot(page, "kv-cache-shared.png")
     page.get_by_role("tab", name="Chat").click()
     time.sleep(3)

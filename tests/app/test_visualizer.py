@@ -1,16 +1,23 @@
 """The KV cache visualizer renders kv_blocks()/stats() into HTML: parse it back and check what it says."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
 from app.visualizer import (assign_colours, colour_index, format_hit_rate, render_kv_cache, render_remote_notice,
                             visualizer_css)
+from engine.outputs import EngineStats, KVBlock
 
 BS = 16
 
 
 class Grid(HTMLParser):
-    """Collects the grid's blocks (the <i> children of div.g), the legend entries and all text."""
+    """Collects the grid's blocks (the <i> children of div.grid), the legend entries and all text."""
 
     def __init__(self, html: str):
         super().__init__()
@@ -25,11 +32,11 @@ class Grid(HTMLParser):
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         classes = set((a.get("class") or "").split())
-        in_grid = any(t == "div" and "g" in c for t, c in self.stack)
+        in_grid = any(t == "div" and "grid" in c for t, c in self.stack)
         if tag == "i" and in_grid:
             self.current = {"classes": classes, "title": a.get("title", ""), "text": "", "attrs": a}
             self.blocks.append(self.current)
-        elif tag == "span" and "le" in classes:
+        elif tag == "span" and "legend-entry" in classes:
             self.current = {"classes": classes, "title": a.get("title", ""), "text": "", "swatch": None}
             self.legend.append(self.current)
         elif tag == "i" and self.legend and self.current is self.legend[-1]:
@@ -55,21 +62,30 @@ class Grid(HTMLParser):
 
 
 def colour_of(classes: set[str]) -> str:
-    return next(c for c in classes if c.startswith("c") and c[1:].isdigit() or c == "cx")
+    """The owner colour class of an element: own0..own11, or own-none."""
+    return next(c for c in classes if c.startswith("own") and (c[3:].isdigit() or c == "own-none"))
 
 
 def block(i, ref_count=0, cached=False, filled=0, owners=()):
-    return {"id": i, "ref_count": ref_count, "cached": cached, "filled": filled, "owners": list(owners)}
+    return KVBlock(id=i, ref_count=ref_count, cached=cached, filled=filled, owners=tuple(owners))
 
 
-def stats_for(blocks, **extra):
-    used = sum(b["ref_count"] > 0 for b in blocks)
-    cached = sum(b["ref_count"] == 0 and b["cached"] for b in blocks)
-    s = {"num_blocks": len(blocks), "free_blocks": len(blocks) - used, "cached_blocks": cached, "used_blocks": used,
-         "block_size": BS, "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_running": 2, "num_waiting": 0,
-         "num_preemptions": 0}
-    s.update(extra)
-    return s
+def engine_stats(**fields) -> EngineStats:
+    """An EngineStats with an empty 12-block cache's counters, and the given fields instead."""
+    defaults = dict(num_blocks=12, free_blocks=12, cached_blocks=0, used_blocks=0, block_size=BS,
+                    prefix_cache_queries=0, prefix_cache_hits=0, num_running=2, num_waiting=0, num_preemptions=0,
+                    num_generated_tokens=0, max_model_len=2048, device="cpu", dtype="float32",
+                    attention_backend="torch", matmul="torch", sampler="eager", async_scheduling=False,
+                    tensor_parallel_size=1)
+    return EngineStats(**{**defaults, **fields})
+
+
+def stats_for(blocks, **extra) -> EngineStats:
+    """The counters the engine would report for these blocks."""
+    used = sum(b.ref_count > 0 for b in blocks)
+    cached = sum(b.ref_count == 0 and b.cached for b in blocks)
+    return engine_stats(**{"num_blocks": len(blocks), "free_blocks": len(blocks) - used, "cached_blocks": cached,
+                           "used_blocks": used, **extra})
 
 
 def two_chats():
@@ -91,21 +107,21 @@ def test_one_element_per_block_in_order():
     blocks, owners = two_chats()
     g = render(blocks, owners)
     assert len(g.blocks) == len(blocks)
-    for b, el in zip(blocks, g.blocks):
-        assert el["title"].startswith(f"Block {b['id']} ")
+    for b, el in zip(blocks, g.blocks, strict=True):
+        assert el["title"].startswith(f"Block {b.id} ")
 
 
 def test_shared_blocks_show_ref_count_and_marker():
     blocks, owners = two_chats()
-    blocks[1]["ref_count"] = 5
+    blocks[1] = dataclasses.replace(blocks[1], ref_count=5)
     g = render(blocks, owners)
     for i, rc in [(0, 2), (1, 5), (2, 2)]:
         el = g.blocks[i]
-        assert "s" in el["classes"], el
+        assert "shared" in el["classes"], el
         assert el["text"] == str(rc)
         assert f"shared by {rc}" in el["title"] and f"ref count {rc}" in el["title"]
     for el in g.blocks[3:]:  # nothing else is marked shared or carries a number
-        assert "s" not in el["classes"] and el["text"] == ""
+        assert "shared" not in el["classes"] and el["text"] == ""
 
 
 def test_huge_ref_count_stays_short_in_the_square():
@@ -119,8 +135,8 @@ def test_cached_free_and_empty_look_different():
     g = render(blocks, owners)
     cached_free, empty = g.blocks[6], g.blocks[8]
     assert cached_free["classes"] != empty["classes"]
-    assert "h" in cached_free["classes"] and "free, cached" in cached_free["title"]
-    assert not empty["classes"] & {"h", "u", "s"} and "empty" in empty["title"]
+    assert "cached" in cached_free["classes"] and "free, cached" in cached_free["title"]
+    assert not empty["classes"] & {"cached", "used", "shared"} and "empty" in empty["title"]
     assert "not cached" in empty["title"]
 
 
@@ -128,14 +144,14 @@ def test_two_conversations_get_different_colours_and_shared_block_names_both():
     blocks, owners = two_chats()
     g = render(blocks, owners)
     a, b = colour_of(g.blocks[3]["classes"]), colour_of(g.blocks[5]["classes"])
-    assert a != b and "cx" not in (a, b)
-    assert "u" in g.blocks[3]["classes"] and "u" in g.blocks[5]["classes"]
+    assert a != b and "own-none" not in (a, b)
+    assert "used" in g.blocks[3]["classes"] and "used" in g.blocks[5]["classes"]
     shared = g.blocks[0]
-    assert "s" in shared["classes"]
+    assert "shared" in shared["classes"]
     assert "Trip planning" in shared["title"] and "Rust questions" in shared["title"]
     # the shared block stripes both conversations' colours
     assert colour_of(shared["classes"]) in (a, b)
-    assert {"d" + a[1:], "d" + b[1:]} & shared["classes"]
+    assert {"also" + a[3:], "also" + b[3:]} & shared["classes"]
     # the legend lists both conversations with their colours, plus the block kinds
     legend = {e["text"]: e["swatch"] for e in g.legend}
     assert colour_of(legend["Trip planning"]) == a and colour_of(legend["Rust questions"]) == b
@@ -147,26 +163,41 @@ def test_colours_are_stable_and_distinct_among_labels_present():
     slots = assign_colours(labels)
     assert sorted(slots.values()) == list(range(12))  # 12 labels, 12 colours: no collision survives
     assert assign_colours(reversed(labels)) == slots  # independent of order
-    assert colour_index("chat 0") == colour_index("chat 0")
     # a label alone always gets its preferred colour, in every render
     g1 = render([block(0, 1, False, 3, ["x"])], {"x": "Solo"})
-    assert colour_of(g1.blocks[0]["classes"]) == f"c{colour_index('Solo')}"
+    assert colour_of(g1.blocks[0]["classes"]) == f"own{colour_index('Solo')}"
+
+
+# Palette slots that must never change: a chat keeps its colour across restarts and machines. Python's str hash()
+# is salted per process (PYTHONHASHSEED), so a digest built on it would break these.
+PINNED_SLOTS = {"Solo": 5, "Trip planning": 0, "Rust questions": 9, "chat 0": 6, "chat 7": 10, "旅行の計画 🗾": 9}
+
+
+def test_colour_slots_are_pinned_in_this_and_other_processes():
+    assert {label: colour_index(label) for label in PINNED_SLOTS} == PINNED_SLOTS
+    code = ("import json, sys; from app.visualizer import colour_index; "
+            "print(json.dumps({s: colour_index(s) for s in json.loads(sys.argv[1])}))")
+    for seed in ("0", "271828"):
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(list(PINNED_SLOTS))], capture_output=True,
+                             text=True, check=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert json.loads(out.stdout) == PINNED_SLOTS, seed
 
 
 def test_partly_filled_blocks_show_their_fill_level():
     blocks = [block(0, 1, False, 1, ["r"]), block(1, 1, False, 8, ["r"]), block(2, 1, False, 15, ["r"]),
               block(3, 1, False, BS, ["r"]), block(4, 1, False, 0, ["r"])]
     g = render(blocks, {"r": "chat"})
-    fills = [{c for c in el["classes"] if c.startswith("f")} for el in g.blocks]
-    assert fills == [{"f1"}, {"f4"}, {"f7"}, set(), {"f0"}]
+    fills = [{c for c in el["classes"] if c.startswith("fill")} for el in g.blocks]
+    assert fills == [{"fill1"}, {"fill4"}, {"fill7"}, set(), {"fill0"}]
 
 
 def test_unknown_request_ids_are_neutral_and_labelled_by_id():
     g = render([block(0, 1, False, 4, ["cmpl-42"]), block(1, 1, False, 4, ["req-a"])], {"req-a": "Known"})
-    assert colour_of(g.blocks[0]["classes"]) == "cx"
+    assert colour_of(g.blocks[0]["classes"]) == "own-none"
     assert "request cmpl-42" in g.blocks[0]["title"]
-    assert colour_of(g.blocks[1]["classes"]) != "cx"
-    assert any(e["text"] == "request cmpl-42" and colour_of(e["swatch"]) == "cx" for e in g.legend)
+    assert colour_of(g.blocks[1]["classes"]) != "own-none"
+    assert any(e["text"] == "request cmpl-42" and colour_of(e["swatch"]) == "own-none" for e in g.legend)
 
 
 def test_labels_are_escaped():
@@ -179,7 +210,8 @@ def test_labels_are_escaped():
     assert evil in g.blocks[1]["title"]
     assert any(e["text"] == evil for e in g.legend)
     # request ids are user-reachable through the API: escaped too
-    html = render_kv_cache([block(0, 1, False, 1, ["<b>id</b>"])], {"block_size": BS}, {})
+    blocks = [block(0, 1, False, 1, ["<b>id</b>"])]
+    html = render_kv_cache(blocks, stats_for(blocks), {})
     assert "<b>id" not in html and "request <b>id</b>" in Grid(html).blocks[0]["title"]
 
 
@@ -206,7 +238,7 @@ def test_tooltip_content():
 
 def test_blocks_in_use_without_a_running_owner():
     g = render([block(0, 1, True, BS)])
-    assert colour_of(g.blocks[0]["classes"]) == "cx" and "owner: none running" in g.blocks[0]["title"]
+    assert colour_of(g.blocks[0]["classes"]) == "own-none" and "owner: none running" in g.blocks[0]["title"]
 
 
 @pytest.mark.parametrize("hits,queries,expected", [(0, 0, "—"), (5, 0, "—"), (0, 100, "0.0%"), (1, 3, "33.3%"),
@@ -227,14 +259,16 @@ def test_header_counts():
     assert "— prefix hits" in text and "tok/s" not in text
 
 
-def test_counts_fall_back_to_the_blocks_when_stats_lack_them():
+def test_counters_come_from_stats_not_from_recounting_blocks():
+    # kv_blocks() and stats() are two calls: the header shows the engine's counters even if the blocks moved between.
     blocks, owners = two_chats()
-    text = " ".join(Grid(render_kv_cache(blocks, {"block_size": BS}, owners)).all_text.split())
-    assert "6 used" in text and "2 cached" in text and "4 empty" in text
+    stats = engine_stats(num_blocks=12, free_blocks=5, cached_blocks=3, used_blocks=7)
+    text = " ".join(Grid(render_kv_cache(blocks, stats, owners)).all_text.split())
+    assert "7 used" in text and "3 cached" in text and "2 empty" in text
 
 
 def test_no_blocks():
-    html = render_kv_cache([], {}, None)
+    html = render_kv_cache([], engine_stats(num_blocks=0, free_blocks=0, num_running=0), None)
     g = Grid(html)
     assert g.blocks == [] and "No KV cache yet" in g.all_text
 
@@ -257,7 +291,7 @@ def test_output_per_block_is_small_for_20000_blocks():
     g = Grid(html)
     assert len(g.blocks) == n
     assert len(html) / n < 200, len(html) / n
-    assert "style=" not in html.split('class="g ')[1]  # no per-block inline styles
+    assert "style=" not in html.split('class="grid ')[1]  # no per-block inline styles
     # the markup is tiny: <i class="..." title="...">n</i> and nothing else per block
     assert all(set(el["attrs"]) <= {"class", "title"} for el in g.blocks[:200])
 
@@ -265,7 +299,8 @@ def test_output_per_block_is_small_for_20000_blocks():
 def test_css_asset():
     css = visualizer_css()
     assert ".pgd-kv" in css and ".dark .pgd-kv" in css
-    for cls in ["i.h", "i.u", "i.s", ".c0", ".c11", ".cx", ".d11", ".f7"]:
+    for cls in ["i.cached", "i.used", "i.shared", ".own0", ".own11", ".own-none", ".also11", ".also-none", ".fill7",
+                ".grid.size1", ".grid.size4", ".legend-entry"]:
         assert cls in css, cls
 
 
