@@ -102,7 +102,8 @@ def send(page, text: str) -> None:
     box.click()
     box.press_sequentially(text, delay=5)
     box.press("Enter")
-    wait_for_js(page, f"() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length > {users}", timeout=20000)
+    wait_for_js(page, f"() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length > {users}",
+                timeout=20000)
 
 
 def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(session, open_page):
@@ -115,7 +116,8 @@ def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(ses
     send(page, "Tell me a long story about a lighthouse keeper.")
     wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
     # While it answers, the chat already carries its first words as its title in the sidebar.
-    wait_for_js(page, "() => document.querySelector('#chat-list').innerText.includes('Tell me a long story')", timeout=10000)
+    wait_for_js(page, "() => document.querySelector('#chat-list').innerText.includes('Tell me a long story')",
+                timeout=10000)
 
     # A second chat with the same system prompt, started while the first one is still answering.
     page.get_by_role("button", name="New chat").click()

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from app.visualizer import (assign_colours, colour_index, format_hit_rate, render_kv_cache, render_remote_notice,
-                            visualizer_css)
+from app.visualizer import (
+    assign_colours,
+    colour_index,
+    format_hit_rate,
+    render_kv_cache,
+    render_remote_notice,
+    visualizer_css,
+)
 from engine.outputs import EngineStats, KVBlock
 
 BS = 16
