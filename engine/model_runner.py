@@ -18,6 +18,7 @@ from engine.attention import AttentionMetadata, select_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.distributed import SINGLE, TPGroup
+from engine.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks, gpu_kv_budget
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
@@ -33,7 +34,6 @@ from engine.staging import StagingBuffer
 
 log = logging.getLogger("engine")
 
-CPU_KV_CACHE_BYTES = 1 << 30
 _COMPILED: dict = {}  # shared by every engine in the process, so each op compiles once
 
 
@@ -220,88 +220,22 @@ class ModelRunner:
             gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now
             torch.cuda.empty_cache()
 
-    # ---- KV cache -------------------------------------------------------------------------------
+    # ---- KV cache (engine/kv_cache.py) -----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        a = self.attention_layers[0]
-        return 2 * len(self.attention_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return self.kv_layout.bytes_per_block
 
     def _allocate_kv_cache(self) -> int:
-        num_blocks = self.config.num_kvcache_blocks
-        if num_blocks is None:
-            budget = self.config.kv_cache_memory_bytes
-            if budget is None:
-                budget = self._gpu_kv_budget() if self.device.type == "cuda" else CPU_KV_CACHE_BYTES
-            elif self.tp.size > 1:  # an explicit budget is for the whole engine; split it across the ranks
-                budget //= self.tp.size
-            num_blocks = budget // self.kv_bytes_per_block()
-            if num_blocks < 1:
-                raise RuntimeError(f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB); "
-                                   "lower the context length, use a smaller model or a lower precision")
-        if self.tp.size > 1:  # a block id must name the same slots on every rank: all take the smallest count
-            num_blocks = self.tp.min(num_blocks)
-        if self.device.type == "cpu":
-            check_host_memory(num_blocks * self.kv_bytes_per_block(), "the KV cache",
-                              "give it less memory (kv_cache_memory_bytes or num_kvcache_blocks; in the app, "
-                              "'KV cache memory')")
-        a = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, self.block_size, self.kv_cache.nbytes / 2**20)
+        """Size the KV cache, allocate it and bind each attention layer to its slices; returns the
+        number of blocks. On a GPU without an explicit size, a warm-up step measures what is left."""
+        self.kv_layout = KVCacheLayout.of(self.attention_layers, self.block_size, self.dtype)
+
+        def measure_gpu_budget() -> int:
+            return gpu_kv_budget(self.model, self.attention_layers, self.kv_layout, self.config, self.device,
+                                 self._gpu_bytes_before, self.use_graphs)
+
+        num_blocks = choose_num_blocks(self.config, self.kv_layout, self.device, self.tp, measure_gpu_budget)
+        self.kv_cache = allocate_kv_cache(self.kv_layout, num_blocks, self.attention_layers, self.device)
         return num_blocks
-
-    @torch.inference_mode()
-    def _gpu_kv_budget(self) -> int:
-        """Bytes for the KV cache: what gpu_memory_utilization leaves after weights, peak activations
-        and graphs, and never more than is physically free (memory of other processes, or of other
-        engines in this one, is not ours)."""
-        allocated = torch.cuda.memory_allocated(self.device)
-        weights = allocated - self._gpu_bytes_before
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._warmup()
-        activations = torch.cuda.max_memory_allocated(self.device) - allocated
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        graphs = min(1 << 30, total // 64) if self.use_graphs else 0
-        by_share = total * self.config.gpu_memory_utilization - weights - activations - graphs
-        by_free = free - activations - graphs - (256 << 20)
-        budget = int(min(by_share, by_free))
-        gib = 2**30
-        if budget < self.kv_bytes_per_block():
-            raise RuntimeError(
-                f"the model does not fit: weights {weights / gib:.2f} GiB + activations {activations / gib:.2f} GiB "
-                f"+ graphs {graphs / gib:.2f} GiB leave {max(budget, 0) / gib:.2f} GiB for the KV cache on a "
-                f"{total / gib:.1f} GiB GPU with {free / gib:.1f} GiB free at gpu_memory_utilization="
-                f"{self.config.gpu_memory_utilization}; use a smaller model, a lower max_num_batched_tokens, "
-                "or raise gpu_memory_utilization")
-        return budget
-
-    def _warmup(self) -> None:
-        """Run the largest step the scheduler may build, so its activation memory gets measured.
-
-        Every token is a one-token sequence over a scratch cache of one block: the matmuls see the
-        full token budget, and attention reads one block and writes nothing."""
-        num_tokens = self.config.max_num_batched_tokens or 16384
-        a = self.attention_layers[0]
-        scratch = torch.zeros((1, self.block_size, a.num_kv_heads, a.head_dim), dtype=self.dtype, device=self.device)
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = scratch
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((num_tokens, 1), dtype=torch.int32, device=dev),
-            max_query_len=1, max_seq_len=1, query_lens_cpu=[1] * num_tokens, seq_lens_cpu=[1] * num_tokens,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, ids, meta)
-        rows = min(num_tokens, self.config.max_num_seqs)
-        logits = self.model.compute_logits(hidden[:rows])
-        if logits is not None:  # tensor-parallel workers get none
-            logits.float().softmax(-1)
-        torch.cuda.synchronize(dev)
 
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
