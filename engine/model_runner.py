@@ -1,15 +1,17 @@
-"""Runs the model for one scheduled batch: builds its inputs, owns the KV cache, samples.
+"""Runs the model for one scheduled batch: uploads its inputs, owns the KV cache, samples.
 
 With tensor parallelism, every rank has a ModelRunner over its shard of the weights and KV
 cache. Rank 0 builds each step's inputs and sends them to the workers (engine/tp_workers.py),
 which `execute` the same step; only rank 0 gets logits and samples.
+
+The host arrays of a step come from engine/step_inputs.py, the KV cache's size and layout from
+engine/kv_cache.py; this file keeps what touches the device.
 """
 import gc
 import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -29,29 +31,14 @@ from engine.loader import checkpoint_numel, load_weights, safetensors_files
 from engine.memory import check_host_memory
 from engine.models import model_class
 from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
 from engine.staging import StagingBuffer
+from engine.step_inputs import SampledRows, StepInputs, prepare_step, sampling_columns
+
+__all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
 
 log = logging.getLogger("engine")
 
 _COMPILED: dict = {}  # shared by every engine in the process, so each op compiles once
-
-
-@dataclass
-class StepInputs:
-    """One step's inputs as host arrays: what rank 0 builds, and sends to tensor-parallel workers."""
-
-    token_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    query_lens: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
-    logits_index: np.ndarray  # the rows whose logits get sampled
-    # Input tokens the previous step sampled and the host has not read yet (asynchronous scheduling):
-    pending_rows: np.ndarray  # their rows in token_ids, filled on the device
-    pending_sources: np.ndarray  # their rows in the previous step's sampled tokens
 
 
 @dataclass
@@ -104,8 +91,7 @@ class ModelRunner:
         self.staging = None if device.type == "cpu" else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
-        self.last_sampled_seqs: list[Sequence] = []
-        self._last_sampled_rows: dict[int, int] | None = None  # seq_id -> row, built when first needed
+        self.last_sampled_rows = SampledRows([])
         # Values assigned through tensor indices must already be on the device: a Python scalar is
         # staged through a blocking copy that waits for every step in flight.
         self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
@@ -214,7 +200,7 @@ class ModelRunner:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
         the device. `launch` refuses to run afterwards."""
         self.graphs = self.model = self.kv_cache = self.last_sampled = None
-        self.attention_layers, self.last_sampled_seqs = [], []
+        self.attention_layers, self.last_sampled_rows = [], SampledRows([])
         self.staging = self.readback = None
         if self.device.type == "cuda":
             gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now
@@ -239,56 +225,9 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
-        """input_ids, positions, attention inputs and the rows whose logits get sampled, on the host.
-
-        Built with numpy (a few microseconds per array, where small torch ops cost tens), then
-        copied to the device in one transfer per dtype by `to_device`. An input token that the
-        previous step sampled and the host has not read yet (asynchronous scheduling) is a
-        placeholder here, filled on the device from that step's tokens."""
-        bs = self.block_size
-        num_seqs = len(batch)
-        starts = np.fromiter((s.seq.num_computed_tokens for s in batch), np.int64, num_seqs)
-        query_lens = np.fromiter((s.num_new_tokens for s in batch), np.int64, num_seqs)
-        # A pending token is always its sequence's only input this step (see Scheduler).
-        pending = np.flatnonzero(np.fromiter((s.seq.num_pending_tokens for s in batch), np.int64, num_seqs))
-        seq_lens = starts + query_lens
-        query_start_loc = np.zeros(num_seqs + 1, np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        table_lens = np.fromiter((len(s.seq.block_table) for s in batch), np.int64, num_seqs)
-        tables = np.full((num_seqs, int(table_lens.max())), -1, np.int64)
-        # Row-major boolean indexing fills each row's leading entries, in the order chain() lists them.
-        tables[np.arange(tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-            chain.from_iterable(s.seq.block_table for s in batch), np.int64, int(table_lens.sum()))
-        if int(query_lens.max()) == 1:  # one token per sequence (a decode, or a one-token prefill chunk)
-            if len(pending) == num_seqs:  # steady asynchronous decoding: every input is on the device
-                token_ids = np.zeros(num_seqs, np.int64)
-            else:
-                token_ids = [0 if s.seq.num_pending_tokens else s.seq.token_ids[p] for s, p in zip(batch, starts.tolist())]
-            positions, seq_index, pending_rows = starts, np.arange(num_seqs), pending
-        else:
-            token_ids = []
-            for s, start, n in zip(batch, starts.tolist(), query_lens.tolist()):
-                token_ids += s.seq.token_ids[start : start + n] or [0]  # empty only for a pending input
-            seq_index = np.repeat(np.arange(num_seqs), query_lens)
-            positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[seq_index]
-            pending_rows = query_start_loc[pending]
-        slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
-        sample_rows = [i for i, s in enumerate(batch) if s.samples]
-        return StepInputs(np.asarray(token_ids, np.int64), positions, slot_mapping, query_start_loc, query_lens,
-                          seq_lens, tables, query_start_loc[1:][sample_rows] - 1, pending_rows,
-                          self._rows_in_last_sampled([batch[i].seq for i in pending]))
-
-    def _rows_in_last_sampled(self, seqs: list[Sequence]) -> np.ndarray:
-        """Where each of `seqs`' pending token sits in the last launched step's sampled tokens."""
-        if not seqs:
-            return np.zeros(0, np.int64)
-        if self._last_sampled_rows is None:
-            self._last_sampled_rows = {s.seq_id: row for row, s in enumerate(self.last_sampled_seqs)}
-        rows = self._last_sampled_rows
-        missing = [s.request_id for s in seqs if s.seq_id not in rows]
-        if missing:  # the scheduler plans a pending token only as the input right after the step that sampled it
-            raise RuntimeError(f"requests {missing} have a pending token that the last step did not sample")
-        return np.fromiter((rows[s.seq_id] for s in seqs), np.int64, len(seqs))
+        """This step's inputs as host arrays (engine/step_inputs.py), for `to_device` to upload in one
+        transfer per dtype. A pending input token is a placeholder there, filled on the device."""
+        return prepare_step(batch, self.block_size, self.last_sampled_rows)
 
     def upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
         """`arrays` as `dtype` tensors on this rank's device: views of one transfer off the CPU."""
@@ -301,8 +240,8 @@ class ModelRunner:
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids, positions, attention metadata and logits rows as tensors on this rank's device."""
         token_ids, positions, slots, logits_index, pending_rows, pending_sources = self.upload(
-            [step.token_ids, step.positions, step.slot_mapping, step.logits_index, step.pending_rows, step.pending_sources],
-            torch.int64)
+            [step.token_ids, step.positions, step.slot_mapping, step.logits_index, step.pending_rows,
+             step.pending_sources], torch.int64)
         starts, seq_lens, tables = self.upload([step.query_start_loc, step.seq_lens, step.block_tables], torch.int32)
         if step.pending_rows.size:
             token_ids[pending_rows] = self.last_sampled[pending_sources]
@@ -318,34 +257,13 @@ class ModelRunner:
     def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
         """Each row's sampling parameters as device columns, uploaded without waiting for the device
         (a plain `torch.tensor(..., device="cuda")` would wait for every step in flight)."""
-        params = [s.seq.sampling_params for s in batch]
-        vocab = self.vocab_size
-        all_greedy = all(p.temperature == 0 for p in params)
-        floats: dict[str, np.ndarray] = {}  # only the columns some row uses
-        if any(p.repetition_penalty != 1.0 for p in params):
-            floats["repetition_penalties"] = np.array([p.repetition_penalty for p in params], np.float32)
-        if not all_greedy:
-            floats["temperatures"] = np.array([p.temperature for p in params], np.float32)
-            if any(p.top_p != 1.0 for p in params):
-                floats["top_p"] = np.array([p.top_p for p in params], np.float32)
-            if any(p.min_p != 0.0 for p in params):
-                floats["min_p"] = np.array([p.min_p for p in params], np.float32)
-        ints: dict[str, np.ndarray] = {}
-        if not all_greedy and any(0 < p.top_k < vocab for p in params):
-            ints["top_k"] = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params], np.int64)
-        if "repetition_penalties" in floats:  # the tokens each penalised row has seen, as (row, token) pairs
-            seqs = [s.seq if p.repetition_penalty != 1.0 else None for s, p in zip(batch, params)]
-            counts = [len(s.token_ids) if s else 0 for s in seqs]
-            ints["seen_rows"] = np.repeat(np.arange(len(batch)), counts)
-            ints["seen_ids"] = np.fromiter(chain.from_iterable(s.token_ids for s in seqs if s), np.int64, sum(counts))
-            pending = [row for row, s in enumerate(seqs) if s and s.num_pending_tokens]  # its input, still on the device
-            ints["pending_rows"] = np.array(pending, np.int64)
-            ints["pending_sources"] = self._rows_in_last_sampled([seqs[row] for row in pending])
-        f = dict(zip(floats, self.upload(list(floats.values()), torch.float32)))
-        i = dict(zip(ints, self.upload(list(ints.values()), torch.int64)))
+        columns = sampling_columns(batch, self.vocab_size, self.last_sampled_rows)
+        floats, ints = columns.floats, columns.ints
+        f = dict(zip(floats, self.upload(list(floats.values()), torch.float32), strict=True))
+        i = dict(zip(ints, self.upload(list(ints.values()), torch.int64), strict=True))
         seen = None
         if "repetition_penalties" in f:
-            seen = torch.zeros(len(batch), vocab, dtype=torch.bool, device=self.device)
+            seen = torch.zeros(len(batch), self.vocab_size, dtype=torch.bool, device=self.device)
             seen.index_put_((i["seen_rows"], i["seen_ids"]), self.true_on_device)
             if ints["pending_rows"].size:
                 seen.index_put_((i["pending_rows"], self.last_sampled[i["pending_sources"]]), self.true_on_device)
@@ -357,7 +275,7 @@ class ModelRunner:
             repetition_penalties=f.get("repetition_penalties"),
             seen_tokens=seen,
             generators=[s.seq.generator for s in batch],
-            all_greedy=all_greedy,
+            all_greedy=columns.all_greedy,
         )
 
     @torch.inference_mode()
@@ -377,7 +295,7 @@ class ModelRunner:
             return LaunchedStep(batch, None, None)
         sampling = [s for s in batch if s.samples]
         tokens = self.sampler(logits, self.prepare_sampling(sampling))
-        self.last_sampled, self.last_sampled_seqs, self._last_sampled_rows = tokens, [s.seq for s in sampling], None
+        self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
         if self.readback is None:  # the CPU: the tokens are computed already
             return LaunchedStep(batch, tokens, None)
         turn, self.readback_turn = self.readback_turn, 1 - self.readback_turn
