@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
-from engine.attention import AttentionMetadata, select_backend
+from engine.attention import AttentionBackend, AttentionMetadata, select_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.distributed import SINGLE, TPGroup
@@ -53,42 +54,81 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup = SINGLE, workers=None):
-        """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any."""
+        """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any.
+
+        Each step needs the ones before it: the host check refuses a load that would not fit; the
+        kernel passes time their candidates while the memory the KV cache will take is still free;
+        the KV cache is sized last, on a GPU by a warm-up step through the chosen kernels and
+        attention backend; the decode graphs are captured over the cache they will read."""
         self.config, self.hf_config, self.device, self.dtype = config, hf_config, device, dtype
         self.tp, self.workers = tp, workers
         self.block_size = config.kvcache_block_size
         self.vocab_size = hf_config.vocab_size
-        max_position = config.max_model_len or hf_config.max_position_embeddings
         torch.manual_seed(config.seed)
-        packs = device.type == "cpu" and can_pack_for_cpu(dtype)
+        self.packed_weights = device.type == "cpu" and can_pack_for_cpu(dtype)
+        self._check_host_memory(model_path)
+        self.model = self._load_model(model_path)
+        self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
+        self.attention_layers, self.backend = self._bind_attention_backend()
+        # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
+        self._create_step_buffers()
+        self.kv_layout = KVCacheLayout.of(self.attention_layers, self.block_size, dtype)
+        self.kv_cache, self.num_blocks = self._allocate_kv_cache()
+        self.max_model_len = self._max_model_len(hf_config)
+        self.graphs = self._capture_graphs()
+
+    # ---- start-up steps, in the order __init__ runs them ----------------------------------------
+    def _check_host_memory(self, model_path) -> None:
+        """On the CPU, refuse up front weights that would not fit in memory (nothing else would stop
+        the load before the OOM killer)."""
+        if self.device.type != "cpu":
+            return
+        weights = checkpoint_numel(safetensors_files(model_path)) * self.dtype.itemsize // self.tp.size
+        if self.packed_weights and getattr(self.hf_config, "tie_word_embeddings", False):
+            # the packed head is a second copy of the embedding
+            weights += self.hf_config.vocab_size * self.hf_config.hidden_size * self.dtype.itemsize // self.tp.size
+        check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
+
+    def _load_model(self, model_path) -> nn.Module:
+        """The model built on the device in `dtype`, with its weights loaded, in eval mode."""
         # What this process already holds on the GPU (another engine, say) is not this engine's weights.
-        self._gpu_bytes_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        if device.type == "cpu":
-            weights = checkpoint_numel(safetensors_files(model_path)) * dtype.itemsize // tp.size
-            if packs and getattr(hf_config, "tie_word_embeddings", False):  # the packed head is a second copy
-                weights += hf_config.vocab_size * hf_config.hidden_size * dtype.itemsize // tp.size
-            check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
-        with torch.device(device):
+        self._gpu_bytes_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        max_position = self.config.max_model_len or self.hf_config.max_position_embeddings
+        with torch.device(self.device):
             default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
+            torch.set_default_dtype(self.dtype)
             try:
-                self.model = model_class(hf_config)(hf_config, max_position, tp)
+                model = model_class(self.hf_config)(self.hf_config, max_position, self.tp)
             finally:
                 torch.set_default_dtype(default_dtype)
-        load_weights(self.model, model_path)
-        self.model.eval()
-        self.packed_weights = packs
-        if packs:
+        load_weights(model, model_path)
+        model.eval()
+        return model
+
+    def _run_kernel_passes(self) -> tuple[dict[int, int], int]:
+        """Pack the weights for oneDNN on the CPU; on a GPU, measure where the Triton GEMV and the
+        norm fused into a projection beat the separate ops. Returns what `_choose_gemv` and
+        `_choose_normed` chose."""
+        if self.packed_weights:
             pack_for_cpu(self.model)
-        self.gemv_layers_by_rows = self._choose_gemv()
-        self.normed_layers = self._choose_normed(config)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = select_backend(config.attention_backend, device, dtype, self.block_size)
-        for layer in self.attention_layers:
-            layer.backend = self.backend
+        return self._choose_gemv(), self._choose_normed(self.config)
+
+    def _bind_attention_backend(self) -> tuple[list[Attention], AttentionBackend]:
+        """The model's attention layers, each set to run the configured backend's kernels."""
+        attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = select_backend(self.config.attention_backend, self.device, self.dtype, self.block_size)
+        for layer in attention_layers:
+            layer.backend = backend
+        return attention_layers, backend
+
+    def _create_step_buffers(self) -> None:
+        """The sampler, and the buffers each step's inputs and sampled tokens pass through."""
+        config, device = self.config, self.device
         self.sampler = Sampler(compiled=device.type == "cuda" and not config.enforce_eager)
         # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
-        self.staging = None if device.type == "cpu" else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
+        self.staging = None if device.type == "cpu" else {
+            t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_rows = SampledRows([])
@@ -102,16 +142,34 @@ class ModelRunner:
         if device.type == "cuda":
             self.readback = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self.readback_done = [torch.cuda.Event() for _ in range(2)]
-        # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
-        self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
-        self.num_blocks = self._allocate_kv_cache()
-        self.max_model_len = self._max_model_len(hf_config)
-        self.graphs = None
-        if self.use_graphs:
-            self.graphs = DecodeGraphs(self.model, hf_config.hidden_size, dtype, device, config.max_num_seqs,
-                                       -(-self.max_model_len // self.block_size), self.max_model_len)
-            with self._compiled_small_ops():
-                self.graphs.capture()
+
+    def _allocate_kv_cache(self) -> tuple[torch.Tensor, int]:
+        """The KV cache and its number of blocks (engine/kv_cache.py); each attention layer is bound
+        to its slices. On a GPU without an explicit size, a warm-up step measures what is left."""
+        def measure_gpu_budget() -> int:
+            return gpu_kv_budget(self.model, self.attention_layers, self.kv_layout, self.config, self.device,
+                                 self._gpu_bytes_before, self.use_graphs)
+
+        num_blocks = choose_num_blocks(self.config, self.kv_layout, self.device, self.tp, measure_gpu_budget)
+        return allocate_kv_cache(self.kv_layout, num_blocks, self.attention_layers, self.device), num_blocks
+
+    def _max_model_len(self, hf_config) -> int:
+        capacity = self.num_blocks * self.block_size
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > capacity:
+            raise ValueError(f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens "
+                             f"({self.num_blocks} blocks); lower max_model_len or give the cache more memory")
+        return wanted or min(hf_config.max_position_embeddings, capacity)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """The decode steps' CUDA graphs, captured with the compiled small ops; None where steps run eagerly."""
+        if not self.use_graphs:
+            return None
+        graphs = DecodeGraphs(self.model, self.hf_config.hidden_size, self.dtype, self.device, self.config.max_num_seqs,
+                              -(-self.max_model_len // self.block_size), self.max_model_len)
+        with self._compiled_small_ops():
+            graphs.capture()
+        return graphs
 
     @property
     def matmul_kind(self) -> str:
@@ -143,7 +201,8 @@ class ModelRunner:
         start = time.perf_counter()
         used = choose_gemv(linears)  # the first load on a machine also compiles the kernel's variants
         log.info("Triton GEMV chosen over cuBLAS for %s of %d linear layers (measured in %.1f s)",
-                 ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears), time.perf_counter() - start)
+                 ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears),
+                 time.perf_counter() - start)
         return used
 
     @torch.inference_mode()
@@ -161,14 +220,6 @@ class ModelRunner:
         log.info("norm fused into the projection after it at one row: %d of %d projections (measured in %.1f s)",
                  used, len(pairs), time.perf_counter() - start)
         return used
-
-    def _max_model_len(self, hf_config) -> int:
-        capacity = self.num_blocks * self.block_size
-        wanted = self.config.max_model_len
-        if wanted is not None and wanted > capacity:
-            raise ValueError(f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens "
-                             f"({self.num_blocks} blocks); lower max_model_len or give the cache more memory")
-        return wanted or min(hf_config.max_position_embeddings, capacity)
 
     @contextmanager
     def _compiled_small_ops(self):
@@ -206,22 +257,9 @@ class ModelRunner:
             gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now
             torch.cuda.empty_cache()
 
-    # ---- KV cache (engine/kv_cache.py) -----------------------------------------------------------
+    # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         return self.kv_layout.bytes_per_block
-
-    def _allocate_kv_cache(self) -> int:
-        """Size the KV cache, allocate it and bind each attention layer to its slices; returns the
-        number of blocks. On a GPU without an explicit size, a warm-up step measures what is left."""
-        self.kv_layout = KVCacheLayout.of(self.attention_layers, self.block_size, self.dtype)
-
-        def measure_gpu_budget() -> int:
-            return gpu_kv_budget(self.model, self.attention_layers, self.kv_layout, self.config, self.device,
-                                 self._gpu_bytes_before, self.use_graphs)
-
-        num_blocks = choose_num_blocks(self.config, self.kv_layout, self.device, self.tp, measure_gpu_budget)
-        self.kv_cache = allocate_kv_cache(self.kv_layout, num_blocks, self.attention_layers, self.device)
-        return num_blocks
 
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
@@ -324,7 +362,8 @@ class ModelRunner:
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this rank holds (a tied head counted once, unless packed apart)."""
-        packed = [m.packed_weight for m in self.model.modules() if isinstance(m, PackableLinear) and m.packed_weight is not None]
+        packed = [m.packed_weight for m in self.model.modules()
+                  if isinstance(m, PackableLinear) and m.packed_weight is not None]
         return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
