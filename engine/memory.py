@@ -1,6 +1,6 @@
 """Host-memory checks on the CPU path: refuse up front what would otherwise end in the OOM killer.
 
-On a GPU, KV sizing measures free device memory (model_runner). On the CPU nothing stops a
+On a GPU, KV sizing measures free device memory (kv_cache). On the CPU nothing stops a
 too-large weight load or KV cache until the kernel kills the process, taking the app with it.
 """
 import os

@@ -1,23 +1,27 @@
-"""Runs the model for one scheduled batch: builds its inputs, owns the KV cache, samples.
+"""Runs the model for one scheduled batch: uploads its inputs, owns the KV cache, samples.
 
 With tensor parallelism, every rank has a ModelRunner over its shard of the weights and KV
 cache. Rank 0 builds each step's inputs and sends them to the workers (engine/tp_workers.py),
 which `execute` the same step; only rank 0 gets logits and samples.
+
+The host arrays of a step come from engine/step_inputs.py, the KV cache's size and layout from
+engine/kv_cache.py; this file keeps what touches the device.
 """
 import gc
 import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
+from torch import nn
 
-from engine.attention import AttentionMetadata, select_backend
+from engine.attention import AttentionBackend, AttentionMetadata, select_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.distributed import SINGLE, TPGroup
+from engine.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks, gpu_kv_budget
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
@@ -28,30 +32,14 @@ from engine.loader import checkpoint_numel, load_weights, safetensors_files
 from engine.memory import check_host_memory
 from engine.models import model_class
 from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
 from engine.staging import StagingBuffer
+from engine.step_inputs import SampledRows, StepInputs, prepare_step, sampling_columns
+
+__all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
 
 log = logging.getLogger("engine")
 
-CPU_KV_CACHE_BYTES = 1 << 30
 _COMPILED: dict = {}  # shared by every engine in the process, so each op compiles once
-
-
-@dataclass
-class StepInputs:
-    """One step's inputs as host arrays: what rank 0 builds, and sends to tensor-parallel workers."""
-
-    token_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    query_lens: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
-    logits_index: np.ndarray  # the rows whose logits get sampled
-    # Input tokens the previous step sampled and the host has not read yet (asynchronous scheduling):
-    pending_rows: np.ndarray  # their rows in token_ids, filled on the device
-    pending_sources: np.ndarray  # their rows in the previous step's sampled tokens
 
 
 @dataclass
@@ -66,46 +54,84 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup = SINGLE, workers=None):
-        """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any."""
+        """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any.
+
+        Each step needs the ones before it: the host check refuses a load that would not fit; the
+        kernel passes time their candidates while the memory the KV cache will take is still free;
+        the KV cache is sized last, on a GPU by a warm-up step through the chosen kernels and
+        attention backend; the decode graphs are captured over the cache they will read."""
         self.config, self.hf_config, self.device, self.dtype = config, hf_config, device, dtype
         self.tp, self.workers = tp, workers
         self.block_size = config.kvcache_block_size
         self.vocab_size = hf_config.vocab_size
-        max_position = config.max_model_len or hf_config.max_position_embeddings
         torch.manual_seed(config.seed)
-        packs = device.type == "cpu" and can_pack_for_cpu(dtype)
+        self.packed_weights = device.type == "cpu" and can_pack_for_cpu(dtype)
+        self._check_host_memory(model_path)
+        self.model = self._load_model(model_path)
+        self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
+        self.attention_layers, self.backend = self._bind_attention_backend()
+        # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
+        self._create_step_buffers()
+        self.kv_layout = KVCacheLayout.of(self.attention_layers, self.block_size, dtype)
+        self.kv_cache, self.num_blocks = self._allocate_kv_cache()
+        self.max_model_len = self._max_model_len(hf_config)
+        self.graphs = self._capture_graphs()
+
+    # ---- start-up steps, in the order __init__ runs them ----------------------------------------
+    def _check_host_memory(self, model_path) -> None:
+        """On the CPU, refuse up front weights that would not fit in memory (nothing else would stop
+        the load before the OOM killer)."""
+        if self.device.type != "cpu":
+            return
+        weights = checkpoint_numel(safetensors_files(model_path)) * self.dtype.itemsize // self.tp.size
+        if self.packed_weights and getattr(self.hf_config, "tie_word_embeddings", False):
+            # the packed head is a second copy of the embedding
+            weights += self.hf_config.vocab_size * self.hf_config.hidden_size * self.dtype.itemsize // self.tp.size
+        check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
+
+    def _load_model(self, model_path) -> nn.Module:
+        """The model built on the device in `dtype`, with its weights loaded, in eval mode."""
         # What this process already holds on the GPU (another engine, say) is not this engine's weights.
-        self._gpu_bytes_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        if device.type == "cpu":
-            weights = checkpoint_numel(safetensors_files(model_path)) * dtype.itemsize // tp.size
-            if packs and getattr(hf_config, "tie_word_embeddings", False):  # the packed head is a second copy
-                weights += hf_config.vocab_size * hf_config.hidden_size * dtype.itemsize // tp.size
-            check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
-        with torch.device(device):
+        self._gpu_bytes_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        max_position = self.config.max_model_len or self.hf_config.max_position_embeddings
+        with torch.device(self.device):
             default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
+            torch.set_default_dtype(self.dtype)
             try:
-                self.model = model_class(hf_config)(hf_config, max_position, tp)
+                model = model_class(self.hf_config)(self.hf_config, max_position, self.tp)
             finally:
                 torch.set_default_dtype(default_dtype)
-        load_weights(self.model, model_path)
-        self.model.eval()
-        self.packed_weights = packs
-        if packs:
+        load_weights(model, model_path)
+        model.eval()
+        return model
+
+    def _run_kernel_passes(self) -> tuple[dict[int, int], int]:
+        """Pack the weights for oneDNN on the CPU; on a GPU, measure where the Triton GEMV and the
+        norm fused into a projection beat the separate ops. Returns what `_choose_gemv` and
+        `_choose_normed` chose."""
+        if self.packed_weights:
             pack_for_cpu(self.model)
-        self.gemv_layers_by_rows = self._choose_gemv()
-        self.normed_layers = self._choose_normed(config)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = select_backend(config.attention_backend, device, dtype, self.block_size)
-        for layer in self.attention_layers:
-            layer.backend = self.backend
+        return self._choose_gemv(), self._choose_normed(self.config)
+
+    def _bind_attention_backend(self) -> tuple[list[Attention], AttentionBackend]:
+        """The model's attention layers, each set to run the configured backend's kernels."""
+        attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = select_backend(self.config.attention_backend, self.device, self.dtype, self.block_size)
+        for layer in attention_layers:
+            layer.backend = backend
+        return attention_layers, backend
+
+    def _create_step_buffers(self) -> None:
+        """The sampler, and the buffers each step's inputs and sampled tokens pass through."""
+        config, device = self.config, self.device
         self.sampler = Sampler(compiled=device.type == "cuda" and not config.enforce_eager)
         # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
-        self.staging = None if device.type == "cpu" else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
+        self.staging = None if device.type == "cpu" else {
+            t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
-        self.last_sampled_seqs: list[Sequence] = []
-        self._last_sampled_rows: dict[int, int] | None = None  # seq_id -> row, built when first needed
+        self.last_sampled_rows = SampledRows([])
         # Values assigned through tensor indices must already be on the device: a Python scalar is
         # staged through a blocking copy that waits for every step in flight.
         self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
@@ -116,16 +142,34 @@ class ModelRunner:
         if device.type == "cuda":
             self.readback = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self.readback_done = [torch.cuda.Event() for _ in range(2)]
-        # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
-        self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
-        self.num_blocks = self._allocate_kv_cache()
-        self.max_model_len = self._max_model_len(hf_config)
-        self.graphs = None
-        if self.use_graphs:
-            self.graphs = DecodeGraphs(self.model, hf_config.hidden_size, dtype, device, config.max_num_seqs,
-                                       -(-self.max_model_len // self.block_size), self.max_model_len)
-            with self._compiled_small_ops():
-                self.graphs.capture()
+
+    def _allocate_kv_cache(self) -> tuple[torch.Tensor, int]:
+        """The KV cache and its number of blocks (engine/kv_cache.py); each attention layer is bound
+        to its slices. On a GPU without an explicit size, a warm-up step measures what is left."""
+        def measure_gpu_budget() -> int:
+            return gpu_kv_budget(self.model, self.attention_layers, self.kv_layout, self.config, self.device,
+                                 self._gpu_bytes_before, self.use_graphs)
+
+        num_blocks = choose_num_blocks(self.config, self.kv_layout, self.device, self.tp, measure_gpu_budget)
+        return allocate_kv_cache(self.kv_layout, num_blocks, self.attention_layers, self.device), num_blocks
+
+    def _max_model_len(self, hf_config) -> int:
+        capacity = self.num_blocks * self.block_size
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > capacity:
+            raise ValueError(f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens "
+                             f"({self.num_blocks} blocks); lower max_model_len or give the cache more memory")
+        return wanted or min(hf_config.max_position_embeddings, capacity)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """The decode steps' CUDA graphs, captured with the compiled small ops; None where steps run eagerly."""
+        if not self.use_graphs:
+            return None
+        graphs = DecodeGraphs(self.model, self.hf_config.hidden_size, self.dtype, self.device, self.config.max_num_seqs,
+                              -(-self.max_model_len // self.block_size), self.max_model_len)
+        with self._compiled_small_ops():
+            graphs.capture()
+        return graphs
 
     @property
     def matmul_kind(self) -> str:
@@ -157,7 +201,8 @@ class ModelRunner:
         start = time.perf_counter()
         used = choose_gemv(linears)  # the first load on a machine also compiles the kernel's variants
         log.info("Triton GEMV chosen over cuBLAS for %s of %d linear layers (measured in %.1f s)",
-                 ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears), time.perf_counter() - start)
+                 ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears),
+                 time.perf_counter() - start)
         return used
 
     @torch.inference_mode()
@@ -175,14 +220,6 @@ class ModelRunner:
         log.info("norm fused into the projection after it at one row: %d of %d projections (measured in %.1f s)",
                  used, len(pairs), time.perf_counter() - start)
         return used
-
-    def _max_model_len(self, hf_config) -> int:
-        capacity = self.num_blocks * self.block_size
-        wanted = self.config.max_model_len
-        if wanted is not None and wanted > capacity:
-            raise ValueError(f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens "
-                             f"({self.num_blocks} blocks); lower max_model_len or give the cache more memory")
-        return wanted or min(hf_config.max_position_embeddings, capacity)
 
     @contextmanager
     def _compiled_small_ops(self):
@@ -214,7 +251,7 @@ class ModelRunner:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
         the device. `launch` refuses to run afterwards."""
         self.graphs = self.model = self.kv_cache = self.last_sampled = None
-        self.attention_layers, self.last_sampled_seqs = [], []
+        self.attention_layers, self.last_sampled_rows = [], SampledRows([])
         self.staging = self.readback = None
         if self.device.type == "cuda":
             gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now
@@ -222,139 +259,13 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        a = self.attention_layers[0]
-        return 2 * len(self.attention_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-
-    def _allocate_kv_cache(self) -> int:
-        num_blocks = self.config.num_kvcache_blocks
-        if num_blocks is None:
-            budget = self.config.kv_cache_memory_bytes
-            if budget is None:
-                budget = self._gpu_kv_budget() if self.device.type == "cuda" else CPU_KV_CACHE_BYTES
-            elif self.tp.size > 1:  # an explicit budget is for the whole engine; split it across the ranks
-                budget //= self.tp.size
-            num_blocks = budget // self.kv_bytes_per_block()
-            if num_blocks < 1:
-                raise RuntimeError(f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB); "
-                                   "lower the context length, use a smaller model or a lower precision")
-        if self.tp.size > 1:  # a block id must name the same slots on every rank: all take the smallest count
-            num_blocks = self.tp.min(num_blocks)
-        if self.device.type == "cpu":
-            check_host_memory(num_blocks * self.kv_bytes_per_block(), "the KV cache",
-                              "give it less memory (kv_cache_memory_bytes or num_kvcache_blocks; in the app, "
-                              "'KV cache memory')")
-        a = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, self.block_size, self.kv_cache.nbytes / 2**20)
-        return num_blocks
-
-    @torch.inference_mode()
-    def _gpu_kv_budget(self) -> int:
-        """Bytes for the KV cache: what gpu_memory_utilization leaves after weights, peak activations
-        and graphs, and never more than is physically free (memory of other processes, or of other
-        engines in this one, is not ours)."""
-        allocated = torch.cuda.memory_allocated(self.device)
-        weights = allocated - self._gpu_bytes_before
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._warmup()
-        activations = torch.cuda.max_memory_allocated(self.device) - allocated
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        graphs = min(1 << 30, total // 64) if self.use_graphs else 0
-        by_share = total * self.config.gpu_memory_utilization - weights - activations - graphs
-        by_free = free - activations - graphs - (256 << 20)
-        budget = int(min(by_share, by_free))
-        gib = 2**30
-        if budget < self.kv_bytes_per_block():
-            raise RuntimeError(
-                f"the model does not fit: weights {weights / gib:.2f} GiB + activations {activations / gib:.2f} GiB "
-                f"+ graphs {graphs / gib:.2f} GiB leave {max(budget, 0) / gib:.2f} GiB for the KV cache on a "
-                f"{total / gib:.1f} GiB GPU with {free / gib:.1f} GiB free at gpu_memory_utilization="
-                f"{self.config.gpu_memory_utilization}; use a smaller model, a lower max_num_batched_tokens, "
-                "or raise gpu_memory_utilization")
-        return budget
-
-    def _warmup(self) -> None:
-        """Run the largest step the scheduler may build, so its activation memory gets measured.
-
-        Every token is a one-token sequence over a scratch cache of one block: the matmuls see the
-        full token budget, and attention reads one block and writes nothing."""
-        num_tokens = self.config.max_num_batched_tokens or 16384
-        a = self.attention_layers[0]
-        scratch = torch.zeros((1, self.block_size, a.num_kv_heads, a.head_dim), dtype=self.dtype, device=self.device)
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = scratch
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((num_tokens, 1), dtype=torch.int32, device=dev),
-            max_query_len=1, max_seq_len=1, query_lens_cpu=[1] * num_tokens, seq_lens_cpu=[1] * num_tokens,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, ids, meta)
-        rows = min(num_tokens, self.config.max_num_seqs)
-        logits = self.model.compute_logits(hidden[:rows])
-        if logits is not None:  # tensor-parallel workers get none
-            logits.float().softmax(-1)
-        torch.cuda.synchronize(dev)
+        return self.kv_layout.bytes_per_block
 
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
-        """input_ids, positions, attention inputs and the rows whose logits get sampled, on the host.
-
-        Built with numpy (a few microseconds per array, where small torch ops cost tens), then
-        copied to the device in one transfer per dtype by `to_device`. An input token that the
-        previous step sampled and the host has not read yet (asynchronous scheduling) is a
-        placeholder here, filled on the device from that step's tokens."""
-        bs = self.block_size
-        num_seqs = len(batch)
-        starts = np.fromiter((s.seq.num_computed_tokens for s in batch), np.int64, num_seqs)
-        query_lens = np.fromiter((s.num_new_tokens for s in batch), np.int64, num_seqs)
-        # A pending token is always its sequence's only input this step (see Scheduler).
-        pending = np.flatnonzero(np.fromiter((s.seq.num_pending_tokens for s in batch), np.int64, num_seqs))
-        seq_lens = starts + query_lens
-        query_start_loc = np.zeros(num_seqs + 1, np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        table_lens = np.fromiter((len(s.seq.block_table) for s in batch), np.int64, num_seqs)
-        tables = np.full((num_seqs, int(table_lens.max())), -1, np.int64)
-        # Row-major boolean indexing fills each row's leading entries, in the order chain() lists them.
-        tables[np.arange(tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-            chain.from_iterable(s.seq.block_table for s in batch), np.int64, int(table_lens.sum()))
-        if int(query_lens.max()) == 1:  # one token per sequence (a decode, or a one-token prefill chunk)
-            if len(pending) == num_seqs:  # steady asynchronous decoding: every input is on the device
-                token_ids = np.zeros(num_seqs, np.int64)
-            else:
-                token_ids = [0 if s.seq.num_pending_tokens else s.seq.token_ids[p] for s, p in zip(batch, starts.tolist())]
-            positions, seq_index, pending_rows = starts, np.arange(num_seqs), pending
-        else:
-            token_ids = []
-            for s, start, n in zip(batch, starts.tolist(), query_lens.tolist()):
-                token_ids += s.seq.token_ids[start : start + n] or [0]  # empty only for a pending input
-            seq_index = np.repeat(np.arange(num_seqs), query_lens)
-            positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[seq_index]
-            pending_rows = query_start_loc[pending]
-        slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
-        sample_rows = [i for i, s in enumerate(batch) if s.samples]
-        return StepInputs(np.asarray(token_ids, np.int64), positions, slot_mapping, query_start_loc, query_lens,
-                          seq_lens, tables, query_start_loc[1:][sample_rows] - 1, pending_rows,
-                          self._rows_in_last_sampled([batch[i].seq for i in pending]))
-
-    def _rows_in_last_sampled(self, seqs: list[Sequence]) -> np.ndarray:
-        """Where each of `seqs`' pending token sits in the last launched step's sampled tokens."""
-        if not seqs:
-            return np.zeros(0, np.int64)
-        if self._last_sampled_rows is None:
-            self._last_sampled_rows = {s.seq_id: row for row, s in enumerate(self.last_sampled_seqs)}
-        rows = self._last_sampled_rows
-        missing = [s.request_id for s in seqs if s.seq_id not in rows]
-        if missing:  # the scheduler plans a pending token only as the input right after the step that sampled it
-            raise RuntimeError(f"requests {missing} have a pending token that the last step did not sample")
-        return np.fromiter((rows[s.seq_id] for s in seqs), np.int64, len(seqs))
+        """This step's inputs as host arrays (engine/step_inputs.py), for `to_device` to upload in one
+        transfer per dtype. A pending input token is a placeholder there, filled on the device."""
+        return prepare_step(batch, self.block_size, self.last_sampled_rows)
 
     def upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
         """`arrays` as `dtype` tensors on this rank's device: views of one transfer off the CPU."""
@@ -367,8 +278,8 @@ class ModelRunner:
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids, positions, attention metadata and logits rows as tensors on this rank's device."""
         token_ids, positions, slots, logits_index, pending_rows, pending_sources = self.upload(
-            [step.token_ids, step.positions, step.slot_mapping, step.logits_index, step.pending_rows, step.pending_sources],
-            torch.int64)
+            [step.token_ids, step.positions, step.slot_mapping, step.logits_index, step.pending_rows,
+             step.pending_sources], torch.int64)
         starts, seq_lens, tables = self.upload([step.query_start_loc, step.seq_lens, step.block_tables], torch.int32)
         if step.pending_rows.size:
             token_ids[pending_rows] = self.last_sampled[pending_sources]
@@ -384,34 +295,13 @@ class ModelRunner:
     def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
         """Each row's sampling parameters as device columns, uploaded without waiting for the device
         (a plain `torch.tensor(..., device="cuda")` would wait for every step in flight)."""
-        params = [s.seq.sampling_params for s in batch]
-        vocab = self.vocab_size
-        all_greedy = all(p.temperature == 0 for p in params)
-        floats: dict[str, np.ndarray] = {}  # only the columns some row uses
-        if any(p.repetition_penalty != 1.0 for p in params):
-            floats["repetition_penalties"] = np.array([p.repetition_penalty for p in params], np.float32)
-        if not all_greedy:
-            floats["temperatures"] = np.array([p.temperature for p in params], np.float32)
-            if any(p.top_p != 1.0 for p in params):
-                floats["top_p"] = np.array([p.top_p for p in params], np.float32)
-            if any(p.min_p != 0.0 for p in params):
-                floats["min_p"] = np.array([p.min_p for p in params], np.float32)
-        ints: dict[str, np.ndarray] = {}
-        if not all_greedy and any(0 < p.top_k < vocab for p in params):
-            ints["top_k"] = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params], np.int64)
-        if "repetition_penalties" in floats:  # the tokens each penalised row has seen, as (row, token) pairs
-            seqs = [s.seq if p.repetition_penalty != 1.0 else None for s, p in zip(batch, params)]
-            counts = [len(s.token_ids) if s else 0 for s in seqs]
-            ints["seen_rows"] = np.repeat(np.arange(len(batch)), counts)
-            ints["seen_ids"] = np.fromiter(chain.from_iterable(s.token_ids for s in seqs if s), np.int64, sum(counts))
-            pending = [row for row, s in enumerate(seqs) if s and s.num_pending_tokens]  # its input, still on the device
-            ints["pending_rows"] = np.array(pending, np.int64)
-            ints["pending_sources"] = self._rows_in_last_sampled([seqs[row] for row in pending])
-        f = dict(zip(floats, self.upload(list(floats.values()), torch.float32)))
-        i = dict(zip(ints, self.upload(list(ints.values()), torch.int64)))
+        columns = sampling_columns(batch, self.vocab_size, self.last_sampled_rows)
+        floats, ints = columns.floats, columns.ints
+        f = dict(zip(floats, self.upload(list(floats.values()), torch.float32), strict=True))
+        i = dict(zip(ints, self.upload(list(ints.values()), torch.int64), strict=True))
         seen = None
         if "repetition_penalties" in f:
-            seen = torch.zeros(len(batch), vocab, dtype=torch.bool, device=self.device)
+            seen = torch.zeros(len(batch), self.vocab_size, dtype=torch.bool, device=self.device)
             seen.index_put_((i["seen_rows"], i["seen_ids"]), self.true_on_device)
             if ints["pending_rows"].size:
                 seen.index_put_((i["pending_rows"], self.last_sampled[i["pending_sources"]]), self.true_on_device)
@@ -423,7 +313,7 @@ class ModelRunner:
             repetition_penalties=f.get("repetition_penalties"),
             seen_tokens=seen,
             generators=[s.seq.generator for s in batch],
-            all_greedy=all_greedy,
+            all_greedy=columns.all_greedy,
         )
 
     @torch.inference_mode()
@@ -443,7 +333,7 @@ class ModelRunner:
             return LaunchedStep(batch, None, None)
         sampling = [s for s in batch if s.samples]
         tokens = self.sampler(logits, self.prepare_sampling(sampling))
-        self.last_sampled, self.last_sampled_seqs, self._last_sampled_rows = tokens, [s.seq for s in sampling], None
+        self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
         if self.readback is None:  # the CPU: the tokens are computed already
             return LaunchedStep(batch, tokens, None)
         turn, self.readback_turn = self.readback_turn, 1 - self.readback_turn
@@ -472,7 +362,8 @@ class ModelRunner:
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this rank holds (a tied head counted once, unless packed apart)."""
-        packed = [m.packed_weight for m in self.model.modules() if isinstance(m, PackableLinear) and m.packed_weight is not None]
+        packed = [m.packed_weight for m in self.model.modules()
+                  if isinstance(m, PackableLinear) and m.packed_weight is not None]
         return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""The paged KV cache: how many blocks fit, and the one tensor that holds them.
+
+Every layer's keys and values live in a single tensor, so one allocation sizes and frees them all:
+
+    kv_cache: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+               |      |          |           |
+               |      |          |           +-- slot within the block: token position % block_size
+               |      |          +-- block id, as BlockManager hands them out (a sequence's block_table)
+               |      +-- one slice per Attention layer: layer.k_cache = kv_cache[0, i],
+               |                                          layer.v_cache = kv_cache[1, i]
+               +-- 0: keys, 1: values
+    and per slot, one (num_kv_heads, head_dim) key or value: this rank's KV heads under tensor parallelism.
+
+    one sequence, block_size 4, block_table [7, 2, 9]:
+
+    position       0  1  2  3 |  4  5  6  7 |  8  9
+    block id       7          |  2          |  9
+    slot_mapping  28 29 30 31 |  8  9 10 11 | 36 37      slot = block id * block_size + position % block_size
+
+A layer's k_cache viewed as (num_blocks * block_size, num_kv_heads, head_dim) is indexed by slot:
+a step writes its new keys and values at `slot_mapping`, and attention reads a sequence's history
+block by block through `block_tables`. Slot -1 is a padded token, written nowhere.
+
+Sizing: `num_kvcache_blocks` if set; else a byte budget divided by the bytes of one block. The
+budget is `kv_cache_memory_bytes` (for the whole engine, split across tensor-parallel ranks), or
+by default CPU_KV_CACHE_BYTES on the CPU, and on a GPU what `gpu_memory_utilization` leaves once a
+warm-up step of the largest batch has measured the activations (`gpu_kv_budget`).
+"""
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.distributed import TPGroup
+from engine.layers.attention import Attention
+from engine.memory import check_host_memory
+
+log = logging.getLogger("engine")
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The shape of one block across every layer, and what it weighs."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, attention_layers: Sequence[Attention], block_size: int, dtype: torch.dtype) -> "KVCacheLayout":
+        first = attention_layers[0]  # every layer of one model has the same heads
+        return cls(len(attention_layers), block_size, first.num_kv_heads, first.head_dim, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def blocks_for_budget(budget: int, bytes_per_block: int) -> int:
+    """How many whole blocks `budget` bytes hold; at least one, or an error that says what to change."""
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise RuntimeError(f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB); "
+                           "lower the context length, use a smaller model or a lower precision")
+    return num_blocks
+
+
+def choose_num_blocks(config: EngineConfig, layout: KVCacheLayout, device: torch.device, tp: TPGroup,
+                      measure_gpu_budget: Callable[[], int]) -> int:
+    """This rank's number of blocks. `measure_gpu_budget` runs only when a GPU's budget must be
+    measured (no explicit count or byte budget): it runs a warm-up step, which takes seconds."""
+    num_blocks = config.num_kvcache_blocks
+    if num_blocks is None:
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            budget = measure_gpu_budget() if device.type == "cuda" else CPU_KV_CACHE_BYTES
+        elif tp.size > 1:  # an explicit budget is for the whole engine; split it across the ranks
+            budget //= tp.size
+        num_blocks = blocks_for_budget(budget, layout.bytes_per_block)
+    if tp.size > 1:  # a block id must name the same slots on every rank: all take the smallest count
+        num_blocks = tp.min(num_blocks)
+    if device.type == "cpu":
+        check_host_memory(num_blocks * layout.bytes_per_block, "the KV cache",
+                          "give it less memory (kv_cache_memory_bytes or num_kvcache_blocks; in the app, "
+                          "'KV cache memory')")
+    return num_blocks
+
+
+def allocate_kv_cache(layout: KVCacheLayout, num_blocks: int, attention_layers: Sequence[Attention],
+                      device: torch.device) -> torch.Tensor:
+    """The zeroed cache tensor, with each Attention layer's k_cache and v_cache bound to its slices."""
+    kv_cache = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
+    for i, layer in enumerate(attention_layers):
+        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+    log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, layout.block_size, kv_cache.nbytes / 2**20)
+    return kv_cache
+
+
+@torch.inference_mode()
+def gpu_kv_budget(model: nn.Module, attention_layers: Sequence[Attention], layout: KVCacheLayout,
+                  config: EngineConfig, device: torch.device, bytes_before: int, use_graphs: bool) -> int:
+    """Bytes for the KV cache: what gpu_memory_utilization leaves after weights, peak activations
+    and graphs, and never more than is physically free (memory of other processes, or of other
+    engines in this one, is not ours). `bytes_before`: what this process held on the device
+    before the weights were loaded."""
+    allocated = torch.cuda.memory_allocated(device)
+    weights = allocated - bytes_before
+    torch.cuda.reset_peak_memory_stats(device)
+    warmup(model, attention_layers, layout, config, device)
+    activations = torch.cuda.max_memory_allocated(device) - allocated
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    graphs = min(1 << 30, total // 64) if use_graphs else 0
+    by_share = total * config.gpu_memory_utilization - weights - activations - graphs
+    by_free = free - activations - graphs - (256 << 20)
+    budget = int(min(by_share, by_free))
+    gib = 2**30
+    if budget < layout.bytes_per_block:
+        raise RuntimeError(
+            f"the model does not fit: weights {weights / gib:.2f} GiB + activations {activations / gib:.2f} GiB "
+            f"+ graphs {graphs / gib:.2f} GiB leave {max(budget, 0) / gib:.2f} GiB for the KV cache on a "
+            f"{total / gib:.1f} GiB GPU with {free / gib:.1f} GiB free at gpu_memory_utilization="
+            f"{config.gpu_memory_utilization}; use a smaller model, a lower max_num_batched_tokens, "
+            "or raise gpu_memory_utilization")
+    return budget
+
+
+def warmup(model: nn.Module, attention_layers: Sequence[Attention], layout: KVCacheLayout, config: EngineConfig,
+           device: torch.device) -> None:
+    """Run the largest step the scheduler may build, so its activation memory gets measured.
+
+    Every token is a one-token sequence over a scratch cache of one block: the matmuls see the
+    full token budget, and attention reads one block and writes nothing. The layers are left bound
+    to the scratch block: `allocate_kv_cache` binds the real cache."""
+    num_tokens = config.max_num_batched_tokens or 16384
+    scratch = torch.zeros((1, layout.block_size, layout.num_kv_heads, layout.head_dim), dtype=layout.dtype,
+                          device=device)
+    for layer in attention_layers:
+        layer.k_cache = layer.v_cache = scratch
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros((num_tokens, 1), dtype=torch.int32, device=device),
+        max_query_len=1, max_seq_len=1, query_lens_cpu=[1] * num_tokens, seq_lens_cpu=[1] * num_tokens,
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden = model(ids, ids, meta)
+    rows = min(num_tokens, config.max_num_seqs)
+    logits = model.compute_logits(hidden[:rows])
+    if logits is not None:  # tensor-parallel workers get none
+        logits.float().softmax(-1)
+    torch.cuda.synchronize(device)

@@ -1,0 +1,226 @@
+"""A step's host inputs and the KV cache's size, built from hand-made batches without a model.
+
+Every expected array is written out by hand from the block tables and token counts, so a change
+to how positions, slots, rows or sampling columns are derived shows up as a wrong number.
+"""
+import numpy as np
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.distributed import SINGLE, TPGroup
+from engine.kv_cache import CPU_KV_CACHE_BYTES, KVCacheLayout, blocks_for_budget, choose_num_blocks
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from engine.step_inputs import SampledRows, StepInputs, prepare_step, sampling_columns
+
+BS = 4  # block size: small, so a few tokens span several blocks
+GREEDY = SamplingParams(temperature=0)
+
+
+def make_seq(token_ids: list[int], block_table: list[int], num_computed: int, num_pending: int = 0,
+             params: SamplingParams = GREEDY) -> Sequence:
+    seq = Sequence(token_ids, params)
+    seq.block_table = list(block_table)
+    seq.num_computed_tokens = num_computed
+    seq.num_pending_tokens = num_pending
+    return seq
+
+
+def assert_arrays(step: StepInputs, **expected) -> None:
+    for name, want in expected.items():
+        got = getattr(step, name)
+        assert got.tolist() == want, f"{name}: got {got.tolist()}, want {want}"
+
+
+def test_prefill_chunks_with_a_cached_prefix():
+    # a: 10 prompt tokens, the first block (4 tokens) served by the prefix cache, the rest this step.
+    a = make_seq(list(range(10, 20)), [7, 2, 9], num_computed=4)
+    # b: the first chunk of a 7-token prompt, which does not reach the end: nothing sampled.
+    b = make_seq(list(range(30, 37)), [5], num_computed=0)
+    # c: the last chunk of a 5-token prompt, crossing from block 1 into block 3.
+    c = make_seq(list(range(40, 45)), [1, 3], num_computed=3)
+    batch = [ScheduledSeq(a, 6), ScheduledSeq(b, 3), ScheduledSeq(c, 2)]
+    assert [s.samples for s in batch] == [True, False, True]
+
+    step = prepare_step(batch, BS, {})
+
+    assert_arrays(
+        step,
+        token_ids=[14, 15, 16, 17, 18, 19, 30, 31, 32, 43, 44],
+        positions=[4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4],
+        # slot = block_table[position // 4] * 4 + position % 4
+        slot_mapping=[8, 9, 10, 11, 36, 37, 20, 21, 22, 7, 12],
+        query_start_loc=[0, 6, 9, 11],
+        query_lens=[6, 3, 2],
+        seq_lens=[10, 3, 5],
+        block_tables=[[7, 2, 9], [5, -1, -1], [1, 3, -1]],
+        logits_index=[5, 10],  # the last token of each chunk that samples
+        pending_rows=[],
+        pending_sources=[],
+    )
+
+
+def test_decode_batch():
+    # a: 8 prompt tokens and 2 outputs, the newest (position 9) not yet in the cache.
+    a = make_seq([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [4, 6, 8], num_computed=9)
+    b = make_seq([7, 7, 7, 7, 8], [2, 0], num_computed=4)  # position 4 opens its second block
+    c = make_seq([11, 12], [13], num_computed=1)
+    batch = [ScheduledSeq(a, 1), ScheduledSeq(b, 1), ScheduledSeq(c, 1)]
+
+    step = prepare_step(batch, BS, {})
+
+    assert_arrays(
+        step,
+        token_ids=[3, 8, 12],
+        positions=[9, 4, 1],
+        slot_mapping=[33, 0, 53],
+        query_start_loc=[0, 1, 2, 3],
+        query_lens=[1, 1, 1],
+        seq_lens=[10, 5, 2],
+        block_tables=[[4, 6, 8], [2, 0, -1], [13, -1, -1]],
+        logits_index=[0, 1, 2],
+        pending_rows=[],
+        pending_sources=[],
+    )
+
+
+def test_pending_tokens_are_placeholders_filled_from_the_last_sampled_rows():
+    # p: 5 tokens read back, a sixth sampled by the last step (its row 2) and still on the device.
+    p = make_seq([21, 22, 23, 24, 25], [6, 1], num_computed=5, num_pending=1)
+    d = make_seq([31, 32, 33], [9], num_computed=2)  # a decode whose input the host has
+    step = prepare_step([ScheduledSeq(d, 1), ScheduledSeq(p, 1)], BS, {d.seq_id: 0, p.seq_id: 2})
+    assert_arrays(step, token_ids=[33, 0], positions=[2, 5], slot_mapping=[38, 5], seq_lens=[3, 6],
+                  logits_index=[0, 1], pending_rows=[1], pending_sources=[2])
+
+    # Beside a prefill, the pending token's row in token_ids is where its sequence starts.
+    f = make_seq([50, 51, 52], [3], num_computed=0)
+    step = prepare_step([ScheduledSeq(f, 3), ScheduledSeq(p, 1)], BS, {p.seq_id: 2})
+    assert_arrays(step, token_ids=[50, 51, 52, 0], positions=[0, 1, 2, 5], slot_mapping=[12, 13, 14, 5],
+                  query_start_loc=[0, 3, 4], logits_index=[2, 3], pending_rows=[3], pending_sources=[2])
+
+    # Steady asynchronous decoding: every input is on the device.
+    q = make_seq([41, 42], [8], num_computed=2, num_pending=1)
+    step = prepare_step([ScheduledSeq(p, 1), ScheduledSeq(q, 1)], BS, SampledRows([q, d, p]))
+    assert_arrays(step, token_ids=[0, 0], positions=[5, 2], slot_mapping=[5, 34], pending_rows=[0, 1],
+                  pending_sources=[2, 0])
+
+
+def test_a_pending_token_the_last_step_did_not_sample_is_an_error():
+    p = make_seq([1, 2, 3], [0], num_computed=3, num_pending=1)
+    p.request_id = "chat-7"
+    with pytest.raises(RuntimeError, match=r"\['chat-7'\] have a pending token that the last step did not sample"):
+        prepare_step([ScheduledSeq(p, 1)], BS, SampledRows([make_seq([1], [1], 1)]))
+
+
+VOCAB = 100
+
+
+def sampled(token_ids: list[int], params: SamplingParams, num_pending: int = 0) -> ScheduledSeq:
+    """A sequence whose step samples: all its tokens are computed once this step's one input is."""
+    seq = make_seq(token_ids, [0], num_computed=len(token_ids) + num_pending - 1, num_pending=num_pending,
+                   params=params)
+    return ScheduledSeq(seq, 1)
+
+
+def test_greedy_rows_need_no_columns():
+    batch = [sampled([1, 2], GREEDY), sampled([3], SamplingParams(temperature=0, top_k=5, top_p=0.5))]
+    columns = sampling_columns(batch, VOCAB, {})
+    assert columns.all_greedy
+    assert columns.floats == {} and columns.ints == {}
+
+
+def test_only_the_columns_some_row_uses_with_top_k_clamped_to_the_vocabulary():
+    batch = [
+        sampled([1], SamplingParams(temperature=0.7, top_k=5)),
+        sampled([2], SamplingParams(temperature=1.0, top_p=0.9)),  # top_k -1: the whole vocabulary
+        sampled([3], SamplingParams(temperature=0.0, top_k=1000)),  # a greedy row among sampled ones
+        sampled([4], SamplingParams(temperature=0.5, top_k=0)),  # 0 also means off
+    ]
+    columns = sampling_columns(batch, VOCAB, {})
+    assert not columns.all_greedy
+    assert sorted(columns.floats) == ["temperatures", "top_p"]  # no min_p, no repetition penalty
+    np.testing.assert_array_equal(columns.floats["temperatures"], np.array([0.7, 1.0, 0.0, 0.5], np.float32))
+    np.testing.assert_array_equal(columns.floats["top_p"], np.array([1.0, 0.9, 1.0, 1.0], np.float32))
+    assert columns.floats["temperatures"].dtype == np.float32
+    assert sorted(columns.ints) == ["top_k"]
+    assert columns.ints["top_k"].tolist() == [5, VOCAB, VOCAB, VOCAB]
+    assert columns.ints["top_k"].dtype == np.int64
+
+    # top_k at or above the vocabulary limits nothing: no column.
+    batch = [sampled([1], SamplingParams(top_k=VOCAB)), sampled([2], SamplingParams(top_k=VOCAB + 1, min_p=0.1))]
+    columns = sampling_columns(batch, VOCAB, {})
+    assert sorted(columns.floats) == ["min_p", "temperatures"] and columns.ints == {}
+
+
+def test_repetition_penalty_lists_the_tokens_each_penalised_row_has_seen():
+    first = sampled([3, 4, 3], SamplingParams(temperature=0, repetition_penalty=1.2))
+    plain = sampled([5, 6], GREEDY)  # not penalised: its tokens are not listed
+    # Its newest token is pending, row 4 of the last step's sampled tokens: the device adds it.
+    waiting = sampled([7, 8], SamplingParams(temperature=0, repetition_penalty=1.5), num_pending=1)
+    columns = sampling_columns([first, plain, waiting], VOCAB, {waiting.seq.seq_id: 4})
+
+    assert columns.all_greedy
+    assert list(columns.floats) == ["repetition_penalties"]
+    np.testing.assert_array_equal(columns.floats["repetition_penalties"], np.array([1.2, 1.0, 1.5], np.float32))
+    assert {k: v.tolist() for k, v in columns.ints.items()} == {
+        "seen_rows": [0, 0, 0, 2, 2],
+        "seen_ids": [3, 4, 3, 7, 8],
+        "pending_rows": [2],
+        "pending_sources": [4],
+    }
+
+
+# ---- KV cache sizing ----------------------------------------------------------------------------
+LAYOUT = KVCacheLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # keys and values, layers, tokens, heads, head_dim, bytes
+
+
+class FakeRanks(TPGroup):
+    """Two ranks whose smallest block count is `other`: no process group needed."""
+
+    def __init__(self, other: int):
+        super().__init__(rank=0, size=2)
+        self.other = other
+
+    def min(self, value: int) -> int:
+        return min(value, self.other)
+
+
+def never_measured() -> int:
+    raise AssertionError("the GPU budget was measured though the size was given")
+
+
+def test_kv_cache_layout():
+    assert LAYOUT.bytes_per_block == BLOCK_BYTES == 4096
+    assert LAYOUT.shape(10) == (2, 2, 10, 16, 2, 8)
+
+
+def test_blocks_from_a_byte_budget():
+    assert blocks_for_budget(10 * BLOCK_BYTES + BLOCK_BYTES - 1, BLOCK_BYTES) == 10
+    assert blocks_for_budget(BLOCK_BYTES, BLOCK_BYTES) == 1
+    with pytest.raises(RuntimeError, match=r"no memory is left for the KV cache \(budget 0 MiB\); lower the context"):
+        blocks_for_budget(BLOCK_BYTES - 1, BLOCK_BYTES)
+
+
+def test_number_of_blocks_from_the_settings(monkeypatch):
+    checked = []  # the host-memory checks, recorded instead of reading this machine's free memory
+    monkeypatch.setattr("engine.kv_cache.check_host_memory", lambda needed, what, _: checked.append((needed, what)))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # naming a device allocates nothing
+    config = EngineConfig(model="m", num_kvcache_blocks=12)
+    assert choose_num_blocks(config, LAYOUT, cpu, SINGLE, never_measured) == 12
+    assert choose_num_blocks(config, LAYOUT, cpu, FakeRanks(other=9), never_measured) == 9  # the smallest rank's
+
+    config = EngineConfig(model="m", kv_cache_memory_bytes=20 * BLOCK_BYTES)
+    assert choose_num_blocks(config, LAYOUT, cpu, SINGLE, never_measured) == 20
+    # An explicit budget is the whole engine's: two ranks get half each.
+    assert choose_num_blocks(config, LAYOUT, cpu, FakeRanks(other=99), never_measured) == 10
+
+    config = EngineConfig(model="m")
+    assert choose_num_blocks(config, LAYOUT, cpu, SINGLE, never_measured) == CPU_KV_CACHE_BYTES // BLOCK_BYTES
+    assert choose_num_blocks(config, LAYOUT, cuda, SINGLE, lambda: 7 * BLOCK_BYTES + 5) == 7
+    # Every CPU answer was checked against host memory at its full size; the GPU's was not.
+    assert checked == [(n * BLOCK_BYTES, "the KV cache") for n in (12, 9, 20, 10, CPU_KV_CACHE_BYTES // BLOCK_BYTES)]
+    with pytest.raises(RuntimeError, match="no memory is left for the KV cache"):
+        choose_num_blocks(EngineConfig(model="m", kv_cache_memory_bytes=100), LAYOUT, cpu, SINGLE, never_measured)
