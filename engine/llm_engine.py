@@ -45,7 +45,8 @@ class LLMEngine:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         if config.dtype == "auto":
-            log.info("dtype auto: using %s on %s (checkpoint stores %s)", self.dtype, self.device, checkpoint_dtype(hf_config))
+            log.info("dtype auto: using %s on %s (checkpoint stores %s)", self.dtype, self.device,
+                     checkpoint_dtype(hf_config))
         check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)  # before anything is spawned
         self.workers = None
         self._worker_parameter_bytes: list[int] = []
@@ -54,9 +55,11 @@ class LLMEngine:
         else:
             self._start_tensor_parallel(hf_config, path)
         self.max_model_len = self.model_runner.max_model_len
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
         default_tokens = 2048 if self.device.type == "cpu" else 16384
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens or default_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens or default_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
         self.requests: dict[str, Sequence] = {}
@@ -138,7 +141,8 @@ class LLMEngine:
                                                   **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
         """Queue a request and return its id. Invalid requests raise and change nothing."""
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
@@ -275,7 +279,8 @@ class LLMEngine:
             for i, block_id in enumerate(seq.block_table):
                 owners.setdefault(block_id, []).append(seq.request_id)
                 filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
-        return [KVBlock(b.block_id, b.ref_count, b.hash is not None, bs if b.hash is not None else filled.get(b.block_id, 0),
+        return [KVBlock(b.block_id, b.ref_count, b.hash is not None,
+                        bs if b.hash is not None else filled.get(b.block_id, 0),
                         tuple(owners.get(b.block_id, ()))) for b in self.block_manager.blocks]
 
     # ---- offline API ----------------------------------------------------------------------------
@@ -285,10 +290,13 @@ class LLMEngine:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+            raise TypeError("prompts must be a string, a list of token ids, or a list of those; got "
+                            f"{type(prompts).__name__}")
+        params = sampling_params if isinstance(sampling_params,
+                                               list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or "
+                             "one per prompt")
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")

@@ -95,7 +95,8 @@ class WorkerPool:
             yield
         except BaseException as e:
             # A broken collective or pipe usually means a worker died: give it a moment to show that.
-            reason = str(e) if isinstance(e, WorkerError) else self._failure(settle=isinstance(e, (RuntimeError, OSError)))
+            settle = isinstance(e, (RuntimeError, OSError))
+            reason = str(e) if isinstance(e, WorkerError) else self._failure(settle=settle)
             for process in self.processes:  # out of step with rank 0 now: they may wait in a collective forever
                 process.kill()
             self.close()
@@ -129,7 +130,8 @@ class WorkerPool:
             raise WorkerError(f"tensor-parallel worker rank {rank} failed:\n{report}")
         process.join(_SETTLE_SECONDS)
         hint = f" {_START_HINT}" if starting else ""
-        raise WorkerError(f"tensor-parallel worker rank {rank} exited unexpectedly (exit code {process.exitcode}).{hint}")
+        raise WorkerError(f"tensor-parallel worker rank {rank} exited unexpectedly (exit code "
+                          f"{process.exitcode}).{hint}")
 
     def _failure(self, settle: bool) -> str | None:
         """What went wrong with a worker, if anything did: its own report, or how it ended."""
