@@ -21,6 +21,7 @@ from app.page.chat_tab import KEYS_JS, SLIDERS, render_chat_tab, wire_chat_tab
 from app.page.kv_tab import render_kv_tab, track_kv_tab
 from app.page.sidebar import load_first_view, render_sidebar, wire_sidebar
 from app.remote import RemoteError
+from app.sessions import Replies, Session, Sessions
 from app.store import ConversationStore
 from app.visualizer import visualizer_css
 
@@ -31,17 +32,13 @@ UNCHANGED = tuple(gr.update() for _ in range(4))  # a reply stream's outputs, le
 
 
 class PagodaUI:
-    """Owns the store, the model host and the labels the visualizer shows for running requests."""
+    """Owns the store, the model host, each browser session's state and the replies streaming now."""
 
     def __init__(self, store: ConversationStore, host: ModelHost, max_concurrent_chats: int = 16):
         self.store, self.host = store, host
         self.max_concurrent_chats = max_concurrent_chats
-        self.request_labels: dict[str, str] = {}  # engine request id -> conversation title
-        self.tasks: dict[int, ReplyTask] = {}  # conversation id -> its reply, while one streams
-        self.session_chats: dict[str, set[int]] = {}  # browser session -> chats whose replies it started
-        self.viewing: dict[str, int] = {}  # browser session -> the chat its page shows
-        self.kv_tab_open: set[str] = set()  # browser sessions whose page shows the KV cache tab
-        self.panels_sent: dict[str, tuple] = {}  # session -> (KV HTML, header, chat titles) its page has
+        self.sessions = Sessions()
+        self.replies = Replies()
 
     # ---- conversations --------------------------------------------------------------------------
     def conversation_choices(self, query: str = "") -> list[tuple[str, int]]:
@@ -71,12 +68,14 @@ class PagodaUI:
 
         A stream that outlives a switch to another chat (its cancel arrives late) must not paint its
         chat over the one now open. API clients open no chat, so they see every stream they start."""
-        shown = self.viewing.get(request.session_hash) if request is not None else None
+        session = self.sessions.get(request.session_hash) if request is not None else None
+        shown = session.viewing if session is not None else None
         return shown is None or shown == int(conversation_id)
 
     def open(self, conversation_id: int | None, request: gr.Request = None):
         if request is not None and conversation_id is not None:
-            self.viewing[request.session_hash] = int(conversation_id)
+            with self.sessions.edit(request.session_hash) as session:
+                session.viewing = int(conversation_id)
         if conversation_id is None:
             return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", ""
         conv = self.store.get(conversation_id)
@@ -100,7 +99,7 @@ class PagodaUI:
         if backend is None:
             raise gr.Error(self.host.state.message if self.host.state.status != "idle"
                            else "Load a model in the Models tab first.")
-        running = self.tasks.get(conversation_id)
+        running = self.replies.get(conversation_id)
         if running is not None and not running.done.is_set():
             raise gr.Error("This chat is still answering: press Stop first, or open another chat.")
         settings = dict(zip([k for k, *_ in SLIDERS], slider_values, strict=True))
@@ -119,12 +118,13 @@ class PagodaUI:
                    gr.update(visible=overflow))
             return
         reply = self.store.add_message(conversation_id, "assistant", "")
-        self.request_labels[stream.request_id] = f"#{conversation_id} {self.store.get(conversation_id).title}"
-        self.tasks[conversation_id] = ReplyTask(stream, self.store, reply.id, num_prompt_tokens)
+        self.replies.start(conversation_id, ReplyTask(stream, self.store, reply.id, num_prompt_tokens),
+                           label=f"#{conversation_id} {self.store.get(conversation_id).title}")
         log.info("chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens,
                  stream.request_id)
         if request is not None:
-            self.session_chats.setdefault(request.session_hash, set()).add(conversation_id)
+            with self.sessions.edit(request.session_hash) as session:
+                session.chats.add(conversation_id)
         if not self.shows(request, conversation_id):
             yield UNCHANGED
             return
@@ -134,7 +134,7 @@ class PagodaUI:
     def follow(self, conversation_id, request: gr.Request = None):
         """Show the chat's reply as it streams (the reply itself runs on, whatever this page does)."""
         hidden = gr.update(visible=False)
-        task = self.tasks.get(int(conversation_id)) if conversation_id is not None else None
+        task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
         if task is None:
             shown = conversation_id is None or self.shows(request, conversation_id)
             yield (self.history(conversation_id), gr.update(), hidden, hidden) if shown else UNCHANGED
@@ -150,12 +150,11 @@ class PagodaUI:
             content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
             yield history + [{"role": "assistant", "content": content}], gr.update(), hidden, hidden
             if finished:
-                self.tasks.pop(int(conversation_id), None)
-                self.request_labels.pop(task.stream.request_id, None)
+                self.replies.finish(int(conversation_id), task)
                 return
 
     def stop(self, conversation_id) -> None:
-        task = self.tasks.get(int(conversation_id)) if conversation_id is not None else None
+        task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
         if task is not None:
             task.cancel()
 
@@ -164,14 +163,12 @@ class PagodaUI:
 
         Gradio also reports a session as ended when its heartbeat connection merely hiccups, so a
         reply still followed by a live page after a grace period is left alone."""
-        chats = self.session_chats.pop(request.session_hash, set())
-        self.viewing.pop(request.session_hash, None)
-        self.kv_tab_open.discard(request.session_hash)
-        self.panels_sent.pop(request.session_hash, None)
+        ended = self.sessions.end(request.session_hash)
+        chats = ended.chats if ended is not None else set()
 
         def abort_unwatched() -> None:
             for conversation_id in chats:
-                task = self.tasks.get(conversation_id)
+                task = self.replies.get(conversation_id)
                 if task is not None and time.time() - task.last_followed > UNWATCHED_S:
                     log.info("browser gone: stopping the reply in chat %s", conversation_id)
                     task.cancel()
@@ -237,21 +234,23 @@ class PagodaUI:
         The grid is thousands of elements: it is rendered only while the page shows its tab. None of
         the three is re-sent when unchanged since this page last got it. Titles refresh here so that
         a new chat takes its title from the first message while its reply still streams."""
-        session = request.session_hash if request is not None else ""
-        sent_html, sent_header, sent_titles = self.panels_sent.get(session, (None, None, None))
-        html = self.kv_panel() if session in self.kv_tab_open else sent_html
+        session_hash = request.session_hash if request is not None else ""
+        page = self.sessions.get(session_hash) or Session()
+        sent_html, sent_header, sent_titles = page.panels_sent
+        html = self.kv_panel() if page.kv_tab_open else sent_html  # rendered outside the lock: it takes a while
         header, titles = self.header(), self.conversation_choices(query or "")
-        self.panels_sent[session] = (html, header, titles)
+        with self.sessions.edit(session_hash) as session:
+            session.panels_sent = (html, header, titles)
         return (gr.update() if html == sent_html else html, gr.update() if header == sent_header else header,
                 gr.update() if titles == sent_titles else gr.update(choices=titles))
 
     def show_kv_tab(self, shown: bool, request: gr.Request) -> None:
-        session = request.session_hash if request is not None else ""
-        (self.kv_tab_open.add if shown else self.kv_tab_open.discard)(session)
+        with self.sessions.edit(request.session_hash if request is not None else "") as session:
+            session.kv_tab_open = shown
 
     def kv_panel(self) -> str:
         backend = self.host.backend
-        return backend.kv_panel(self.request_labels) if backend is not None else "<p>No model loaded.</p>"
+        return backend.kv_panel(self.replies.labels()) if backend is not None else "<p>No model loaded.</p>"
 
 
 def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) -> gr.Blocks:
