@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = resolve_api_key(args.api_key, exposed=args.listen or args.share)
 
     from app.model_host import ModelHost
-    from app.models_tab import render_models_tab
+    from app.page.models_tab import render_models_tab
     from app.store import ConversationStore, default_db_path
     from app.ui import PagodaUI, build, launch_kwargs
 

@@ -2,56 +2,43 @@
 
 Everything a chat shows lives in the store; the page only renders it. Replies stream from the
 one engine thread that all chats share, or from a remote OpenAI-compatible server (app/remote.py).
+PagodaUI answers the page's events; `build` lays the page out from its parts in app/page/.
 """
-import dataclasses
 import logging
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gradio as gr
 
 from app.backend import DEFAULT_SETTINGS, ContextOverflow, chat_messages
 from app.chat import ReplyTask, summary
-from app.model_host import ModelHost, resolve_model
+from app.model_host import ModelHost
+from app.page.api import add_api
+from app.page.chat_tab import KEYS_JS, SLIDERS, render_chat_tab, wire_chat_tab
+from app.page.kv_tab import render_kv_tab, track_kv_tab
+from app.page.sidebar import load_first_view, render_sidebar, wire_sidebar
 from app.remote import RemoteError
+from app.sessions import Replies, Session, Sessions
 from app.store import ConversationStore
 from app.visualizer import visualizer_css
 
 log = logging.getLogger("pagoda")
 UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
 UNWATCHED_S = 2.0  # a reply whose page has not polled it for this long is not being watched
-SLIDERS = [  # setting, label, minimum, maximum, step
-    ("temperature", "Temperature", 0.0, 2.0, 0.05),
-    ("top_p", "Top-p", 0.05, 1.0, 0.05),
-    ("top_k", "Top-k (-1 = off)", -1, 200, 1),
-    ("min_p", "Min-p", 0.0, 1.0, 0.01),
-    ("repetition_penalty", "Repetition penalty", 0.8, 2.0, 0.05),
-    ("max_tokens", "Max reply tokens", 16, 4096, 16),
-]
 UNCHANGED = tuple(gr.update() for _ in range(4))  # a reply stream's outputs, left as they are
-KEYS_JS = """
-() => {
-  document.addEventListener('keydown', (e) => {
-    if (e.key === 'Escape') { document.querySelector('#stop-btn')?.click(); }
-  });
-}
-"""
 
 
 class PagodaUI:
-    """Owns the store, the model host and the labels the visualizer shows for running requests."""
+    """Owns the store, the model host, each browser session's state and the replies streaming now."""
 
     def __init__(self, store: ConversationStore, host: ModelHost, max_concurrent_chats: int = 16):
         self.store, self.host = store, host
         self.max_concurrent_chats = max_concurrent_chats
-        self.request_labels: dict[str, str] = {}  # engine request id -> conversation title
-        self.tasks: dict[int, ReplyTask] = {}  # conversation id -> its reply, while one streams
-        self.session_chats: dict[str, set[int]] = {}  # browser session -> chats whose replies it started
-        self.viewing: dict[str, int] = {}  # browser session -> the chat its page shows
-        self.kv_tab_open: set[str] = set()  # browser sessions whose page shows the KV cache tab
-        self.panels_sent: dict[str, tuple] = {}  # session -> (KV HTML, header, chat titles) its page has
+        self.sessions = Sessions()
+        self.replies = Replies()
 
     # ---- conversations --------------------------------------------------------------------------
     def conversation_choices(self, query: str = "") -> list[tuple[str, int]]:
@@ -81,12 +68,14 @@ class PagodaUI:
 
         A stream that outlives a switch to another chat (its cancel arrives late) must not paint its
         chat over the one now open. API clients open no chat, so they see every stream they start."""
-        shown = self.viewing.get(request.session_hash) if request is not None else None
+        session = self.sessions.get(request.session_hash) if request is not None else None
+        shown = session.viewing if session is not None else None
         return shown is None or shown == int(conversation_id)
 
     def open(self, conversation_id: int | None, request: gr.Request = None):
         if request is not None and conversation_id is not None:
-            self.viewing[request.session_hash] = int(conversation_id)
+            with self.sessions.edit(request.session_hash) as session:
+                session.viewing = int(conversation_id)
         if conversation_id is None:
             return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", ""
         conv = self.store.get(conversation_id)
@@ -110,10 +99,10 @@ class PagodaUI:
         if backend is None:
             raise gr.Error(self.host.state.message if self.host.state.status != "idle"
                            else "Load a model in the Models tab first.")
-        running = self.tasks.get(conversation_id)
+        running = self.replies.get(conversation_id)
         if running is not None and not running.done.is_set():
             raise gr.Error("This chat is still answering: press Stop first, or open another chat.")
-        settings = dict(zip([k for k, *_ in SLIDERS], slider_values))
+        settings = dict(zip([k for k, *_ in SLIDERS], slider_values, strict=True))
         self.store.update(conversation_id, system_prompt=system_prompt, settings=settings)
         if user_text and user_text.strip():
             self.store.add_message(conversation_id, "user", user_text)
@@ -125,15 +114,17 @@ class PagodaUI:
             overflow = isinstance(e, ContextOverflow) or e.context_overflow
             if overflow and isinstance(e, RemoteError):
                 e = f"{e} Drop the oldest messages, lower the reply length, or start a new chat."
-            yield self.history(conversation_id), "", gr.update(visible=True, value=f"**{e}**"), gr.update(visible=overflow)
+            yield (self.history(conversation_id), "", gr.update(visible=True, value=f"**{e}**"),
+                   gr.update(visible=overflow))
             return
         reply = self.store.add_message(conversation_id, "assistant", "")
-        self.request_labels[stream.request_id] = f"#{conversation_id} {self.store.get(conversation_id).title}"
-        self.tasks[conversation_id] = ReplyTask(stream, self.store, reply.id, num_prompt_tokens)
+        self.replies.start(conversation_id, ReplyTask(stream, self.store, reply.id, num_prompt_tokens),
+                           label=f"#{conversation_id} {self.store.get(conversation_id).title}")
         log.info("chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens,
                  stream.request_id)
         if request is not None:
-            self.session_chats.setdefault(request.session_hash, set()).add(conversation_id)
+            with self.sessions.edit(request.session_hash) as session:
+                session.chats.add(conversation_id)
         if not self.shows(request, conversation_id):
             yield UNCHANGED
             return
@@ -143,7 +134,7 @@ class PagodaUI:
     def follow(self, conversation_id, request: gr.Request = None):
         """Show the chat's reply as it streams (the reply itself runs on, whatever this page does)."""
         hidden = gr.update(visible=False)
-        task = self.tasks.get(int(conversation_id)) if conversation_id is not None else None
+        task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
         if task is None:
             shown = conversation_id is None or self.shows(request, conversation_id)
             yield (self.history(conversation_id), gr.update(), hidden, hidden) if shown else UNCHANGED
@@ -159,12 +150,11 @@ class PagodaUI:
             content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
             yield history + [{"role": "assistant", "content": content}], gr.update(), hidden, hidden
             if finished:
-                self.tasks.pop(int(conversation_id), None)
-                self.request_labels.pop(task.stream.request_id, None)
+                self.replies.finish(int(conversation_id), task)
                 return
 
     def stop(self, conversation_id) -> None:
-        task = self.tasks.get(int(conversation_id)) if conversation_id is not None else None
+        task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
         if task is not None:
             task.cancel()
 
@@ -173,14 +163,12 @@ class PagodaUI:
 
         Gradio also reports a session as ended when its heartbeat connection merely hiccups, so a
         reply still followed by a live page after a grace period is left alone."""
-        chats = self.session_chats.pop(request.session_hash, set())
-        self.viewing.pop(request.session_hash, None)
-        self.kv_tab_open.discard(request.session_hash)
-        self.panels_sent.pop(request.session_hash, None)
+        ended = self.sessions.end(request.session_hash)
+        chats = ended.chats if ended is not None else set()
 
         def abort_unwatched() -> None:
             for conversation_id in chats:
-                task = self.tasks.get(conversation_id)
+                task = self.replies.get(conversation_id)
                 if task is not None and time.time() - task.last_followed > UNWATCHED_S:
                     log.info("browser gone: stopping the reply in chat %s", conversation_id)
                     task.cancel()
@@ -246,26 +234,28 @@ class PagodaUI:
         The grid is thousands of elements: it is rendered only while the page shows its tab. None of
         the three is re-sent when unchanged since this page last got it. Titles refresh here so that
         a new chat takes its title from the first message while its reply still streams."""
-        session = request.session_hash if request is not None else ""
-        sent_html, sent_header, sent_titles = self.panels_sent.get(session, (None, None, None))
-        html = self.kv_panel() if session in self.kv_tab_open else sent_html
+        session_hash = request.session_hash if request is not None else ""
+        page = self.sessions.get(session_hash) or Session()
+        sent_html, sent_header, sent_titles = page.panels_sent
+        html = self.kv_panel() if page.kv_tab_open else sent_html  # rendered outside the lock: it takes a while
         header, titles = self.header(), self.conversation_choices(query or "")
-        self.panels_sent[session] = (html, header, titles)
+        with self.sessions.edit(session_hash) as session:
+            session.panels_sent = (html, header, titles)
         return (gr.update() if html == sent_html else html, gr.update() if header == sent_header else header,
                 gr.update() if titles == sent_titles else gr.update(choices=titles))
 
     def show_kv_tab(self, shown: bool, request: gr.Request) -> None:
-        session = request.session_hash if request is not None else ""
-        (self.kv_tab_open.add if shown else self.kv_tab_open.discard)(session)
+        with self.sessions.edit(request.session_hash if request is not None else "") as session:
+            session.kv_tab_open = shown
 
     def kv_panel(self) -> str:
         backend = self.host.backend
-        return backend.kv_panel(self.request_labels) if backend is not None else "<p>No model loaded.</p>"
+        return backend.kv_panel(self.replies.labels()) if backend is not None else "<p>No model loaded.</p>"
 
 
-def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
+def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) -> gr.Blocks:
     """The page. `models_tab(ui)` renders the Models tab inside the Blocks, when given."""
-    presets = {p.name: p.system_prompt for p in ui.store.presets()}
+    presets = {p.name: p.system_prompt for p in ui.store.presets()}  # shared by every chat, added to by Save preset
     with gr.Blocks(title="Pagoda", fill_height=True) as demo:
         with gr.Row(equal_height=True):
             # A callable value: each page fetches the header as it opens, instead of showing the start-up
@@ -274,178 +264,30 @@ def build(ui: PagodaUI, models_tab=None) -> gr.Blocks:
             theme_btn = gr.Button("◐ Light / dark", size="sm", scale=0, min_width=140)
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=250):
-                new_btn = gr.Button("＋ New chat", variant="primary")
-                search = gr.Textbox(placeholder="Search chats…", show_label=False, container=False)
-                conversations = gr.Radio(choices=ui.conversation_choices(), label="Chats", elem_id="chat-list")
-                # The open chat's id. Events read it rather than the Radio, whose value must be one of
-                # the choices it was built with (API clients never see the updated choices).
-                current = gr.Number(visible=False, precision=0)
-                with gr.Accordion("Rename or delete", open=False):
-                    title = gr.Textbox(label="Title")
-                    with gr.Row():
-                        rename_btn = gr.Button("Rename", size="sm")
-                        delete_btn = gr.Button("Delete", size="sm", variant="stop")
+                sidebar = render_sidebar(ui)
             with gr.Column(scale=4):
                 with gr.Tabs():
-                    with gr.Tab("Chat") as chat_tab:
-                        chatbot = gr.Chatbot(height=480, label="Chat", elem_id="chatbot")
-                        overflow = gr.Markdown(visible=False)
-                        with gr.Row(visible=False) as overflow_row:
-                            drop_btn = gr.Button("Drop the oldest turn", size="sm")
-                            fresh_btn = gr.Button("Start a new chat", size="sm")
-                        msg = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter for a new line)", lines=1,
-                                         max_lines=10, show_label=False, elem_id="message", submit_btn=True)
-                        with gr.Row():
-                            stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
-                            regen_btn = gr.Button("Regenerate", size="sm")
-                            edit_btn = gr.Button("Edit last message", size="sm")
-                            md_btn = gr.DownloadButton("Export Markdown", size="sm")
-                            json_btn = gr.DownloadButton("Export JSON", size="sm")
-                        meter = gr.Markdown(elem_id="context-meter")
-                        with gr.Accordion("System prompt and sampling", open=False):
-                            preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
-                            system = gr.Textbox(label="System prompt", lines=3, elem_id="system-prompt")
-                            with gr.Row():
-                                preset_name = gr.Textbox(label="Save as preset", placeholder="Preset name", scale=3)
-                                save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
-                            sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
-                                       for k, label, lo, hi, step in SLIDERS]
-                    with gr.Tab("KV cache") as kv_tab:
-                        kv_html = gr.HTML(ui.kv_panel(), elem_id="kv-cache")
+                    with gr.Tab("Chat") as chat_page:
+                        chat = render_chat_tab(presets)
+                    with gr.Tab("KV cache") as kv_page:
+                        kv_html = render_kv_tab(ui)
+                    other_pages = [chat_page]
                     if models_tab is not None:
                         with gr.Tab("Models") as models_page:
                             models_tab(ui)
+                        other_pages.append(models_page)
 
-        opened = [chatbot, system, *sliders, meter, title]
-        conversations.change(lambda cid: cid, conversations, current)
-        search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), search, conversations)
-        new_btn.click(ui.new_chat, [system, search], conversations, api_name="new_chat")
-        rename_btn.click(lambda cid, t: (ui.store.rename(cid, t), gr.update(choices=ui.conversation_choices(), value=cid))[1],
-                         [current, title], conversations)
-
-        def delete(cid):
-            if cid is not None:
-                ui.store.delete(cid)
-            choices = ui.conversation_choices()
-            return gr.update(choices=choices, value=choices[0][1] if choices else None)
-
-        delete_btn.click(delete, current, conversations)
-        preset.change(lambda name: presets.get(name, ""), preset, system)
-
-        def save_preset(name, prompt):
-            if not name.strip():
-                raise gr.Error("Give the preset a name.")
-            ui.store.save_preset(name.strip(), prompt)
-            presets[name.strip()] = prompt
-            return gr.update(choices=list(presets), value=name.strip()), ""
-
-        save_preset_btn.click(save_preset, [preset_name, system], [preset, preset_name])
-
-        reply_outputs = [chatbot, msg, overflow, overflow_row]
-        reply_inputs = [current, msg, system, *sliders]
-        refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid)),
-                       inputs=current, outputs=[meter, conversations])
-        limit = ui.max_concurrent_chats
-        send = msg.submit(ui.respond, reply_inputs, reply_outputs, concurrency_limit=limit, concurrency_id="reply",
-                          api_name="respond")
-        send.then(**refresh)
-        regen = regen_btn.click(ui.regenerate, [current, system, *sliders], reply_outputs, concurrency_limit=limit,
-                                concurrency_id="reply", api_name="regenerate")
-        regen.then(**refresh)
-        # Opening a chat stops following the previous one (its reply runs on) and follows this one's.
-        opening = current.change(ui.open, current, opened, cancels=[send, regen])
-        follow = opening.then(ui.follow, current, reply_outputs, concurrency_limit=limit, concurrency_id="reply")
-        edit_btn.click(ui.edit_last, current, [chatbot, msg])
-        stop_btn.click(ui.stop, current, None, cancels=[send, regen, follow], api_name="stop")
+        # Events cross the parts (New chat reads the Chat tab's system prompt), so they are wired once all exist.
+        wire_sidebar(ui, sidebar, chat.system)
+        wire_chat_tab(ui, chat, sidebar, presets)
         demo.unload(ui.on_unload)
-        drop_btn.click(ui.drop_oldest_turn, current, chatbot).then(
-            lambda: (gr.update(visible=False), gr.update(visible=False)), None, [overflow, overflow_row])
-
-        def fresh(cid, system_prompt):
-            conv = ui.store.create(system_prompt=system_prompt or "")
-            return gr.update(choices=ui.conversation_choices(), value=conv.id), gr.update(visible=False), gr.update(visible=False)
-
-        fresh_btn.click(fresh, [current, system], [conversations, overflow, overflow_row])
-        md_btn.click(lambda cid: ui.export(cid, "md"), current, md_btn)
-        json_btn.click(lambda cid: ui.export(cid, "json"), current, json_btn)
-
         timer = gr.Timer(0.5)
-        timer.tick(ui.panels, search, [kv_html, header, conversations], show_progress="hidden", concurrency_limit=1,
-                   concurrency_id="panels")
-
-        def kv_tab_shown(request: gr.Request) -> None:
-            ui.show_kv_tab(True, request)
-
-        def kv_tab_hidden(request: gr.Request) -> None:
-            ui.show_kv_tab(False, request)
-
-        kv_tab.select(kv_tab_shown, None, None, show_progress="hidden")
-        for tab in [chat_tab] + ([models_page] if models_tab is not None else []):
-            tab.select(kv_tab_hidden, None, None, show_progress="hidden")
-
-        def first_view():
-            choices = ui.conversation_choices()
-            if not choices:
-                ui.store.create(system_prompt=next(iter(presets.values()), ""))
-                choices = ui.conversation_choices()
-            return gr.update(choices=choices, value=choices[0][1])
-
-        demo.load(first_view, None, conversations, js=KEYS_JS)
+        timer.tick(ui.panels, sidebar.search, [kv_html, header, sidebar.conversations], show_progress="hidden",
+                   concurrency_limit=1, concurrency_id="panels")
+        track_kv_tab(ui, kv_page, other_pages)
+        load_first_view(demo, ui, sidebar, presets, js=KEYS_JS)
         theme_btn.click(None, js="() => { document.body.classList.toggle('dark'); }")
-
-        # API for scripts and the end-to-end tests: what the page shows, as data, and the backend switches
-        # of the Models tab (connect to a server, disconnect, load a local model folder).
-        def engine_stats() -> dict:
-            engine = ui.host.engine
-            return dataclasses.asdict(engine.stats()) if engine is not None else {}
-
-        def model_status() -> dict:
-            st, backend = ui.host.state, ui.host.backend
-            return {"status": st.status, "message": st.message, "model": st.model,
-                    "backend": backend.kind if backend else None, "serving": backend.model if backend else None,
-                    "url": backend.url if backend else None}
-
-        def connect_remote(base_url: str, api_key: str = "", model: str = "") -> dict:
-            """Serve the chats from an OpenAI-compatible server (model: empty = its first). A failure keeps the
-            previous backend serving; either way the answer is the model status."""
-            try:
-                ui.host.connect(base_url, api_key or None, model or None)
-            except RemoteError:
-                pass
-            backend = ui.host.backend
-            return {**model_status(), "models": backend.models if backend else []}
-
-        def disconnect_remote() -> dict:
-            ui.host.disconnect()
-            return model_status()
-
-        def kv_panel() -> str:
-            """The KV cache tab's HTML: the block grid, or what a remote server's /metrics says."""
-            return ui.kv_panel()
-
-        def load_model(model: str) -> dict:
-            """Load a local model folder in the background (poll /model_status)."""
-            try:
-                source, label = resolve_model(model)
-                ui.host.load(source, label=label, max_num_seqs=ui.max_concurrent_chats)
-            except RuntimeError:
-                pass
-            return model_status()
-
-        def list_conversations(query: str = "") -> list[dict]:
-            return [{"id": c.id, "title": c.title, "system_prompt": c.system_prompt} for c in ui.store.list(query)]
-
-        def list_messages(conversation_id: int) -> list[dict]:
-            return [{"id": m.id, "role": m.role, "content": m.content, "meta": m.meta} for m in ui.store.messages(int(conversation_id))]
-
-        gr.api(engine_stats, api_name="engine_stats")
-        gr.api(model_status, api_name="model_status")
-        gr.api(connect_remote, api_name="connect_remote")
-        gr.api(disconnect_remote, api_name="disconnect_remote")
-        gr.api(load_model, api_name="load_model")
-        gr.api(kv_panel, api_name="kv_panel")
-        gr.api(list_conversations, api_name="conversations")
-        gr.api(list_messages, api_name="messages")
+        add_api(ui)
     return demo
 
 

@@ -30,7 +30,7 @@ def test_a_stream_stops_drawing_once_its_page_opens_another_chat(tmp_path):
     ui, first, second = make_ui(tmp_path)
     page = SimpleNamespace(session_hash="page-1")
     ui.open(first, page)
-    ui.tasks[first] = streaming_task("Once upon a time")
+    ui.replies.start(first, streaming_task("Once upon a time"), label="#1 lighthouse")
     stream = ui.follow(first, page)
     chatbot = next(stream)[0]
     assert chatbot[-1] == {"role": "assistant", "content": "Once upon a time"}
@@ -39,12 +39,12 @@ def test_a_stream_stops_drawing_once_its_page_opens_another_chat(tmp_path):
     ui.open(second, page)  # the user clicks the other chat; this stream's cancel has not landed yet
     assert next(stream) == UNCHANGED  # it leaves the open chat's chatbot alone
     assert next(stream, None) is None  # and ends
-    assert not ui.tasks[first].done.is_set()  # the reply itself runs on in the background
+    assert not ui.replies.get(first).done.is_set()  # the reply itself runs on in the background
 
 
 def test_another_page_and_api_clients_still_see_the_stream(tmp_path):
     ui, first, second = make_ui(tmp_path)
-    ui.tasks[first] = streaming_task("Once")
+    ui.replies.start(first, streaming_task("Once"), label="#1 lighthouse")
     ui.open(second, SimpleNamespace(session_hash="other-page"))
     watcher = SimpleNamespace(session_hash="watcher")
     ui.open(first, watcher)
@@ -58,7 +58,7 @@ def test_a_closed_page_forgets_which_chat_it_showed(tmp_path):
     page = SimpleNamespace(session_hash="page-1")
     ui.open(second, page)
     ui.on_unload(page)
-    assert "page-1" not in ui.viewing
+    assert ui.sessions.get("page-1") is None
 
 
 def test_the_kv_grid_is_sent_only_to_a_page_showing_it_and_only_when_it_changed(tmp_path, monkeypatch):

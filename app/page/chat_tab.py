@@ -1,0 +1,121 @@
+"""The Chat tab: the chat, the message box and its buttons, the context meter, and the chat's system prompt
+and sampling settings."""
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import gradio as gr
+
+from app.backend import DEFAULT_SETTINGS
+
+if TYPE_CHECKING:
+    from app.page.sidebar import Sidebar
+    from app.ui import PagodaUI
+
+SLIDERS = [  # setting, label, minimum, maximum, step; in the order PagodaUI.respond takes them
+    ("temperature", "Temperature", 0.0, 2.0, 0.05),
+    ("top_p", "Top-p", 0.05, 1.0, 0.05),
+    ("top_k", "Top-k (-1 = off)", -1, 200, 1),
+    ("min_p", "Min-p", 0.0, 1.0, 0.01),
+    ("repetition_penalty", "Repetition penalty", 0.8, 2.0, 0.05),
+    ("max_tokens", "Max reply tokens", 16, 4096, 16),
+]
+KEYS_JS = """
+() => {
+  document.addEventListener('keydown', (e) => {
+    if (e.key === 'Escape') { document.querySelector('#stop-btn')?.click(); }
+  });
+}
+"""  # Esc presses Stop; runs as the page loads
+
+
+@dataclass
+class ChatTab:
+    chatbot: gr.Chatbot
+    overflow: gr.Markdown  # why a chat too long for the context was refused
+    overflow_row: gr.Row
+    drop_btn: gr.Button
+    fresh_btn: gr.Button
+    msg: gr.Textbox
+    stop_btn: gr.Button
+    regen_btn: gr.Button
+    edit_btn: gr.Button
+    md_btn: gr.DownloadButton
+    json_btn: gr.DownloadButton
+    meter: gr.Markdown
+    preset: gr.Dropdown
+    system: gr.Textbox
+    preset_name: gr.Textbox
+    save_preset_btn: gr.Button
+    sliders: list[gr.Slider]
+
+
+def render_chat_tab(presets: dict[str, str]) -> ChatTab:
+    chatbot = gr.Chatbot(height=480, label="Chat", elem_id="chatbot")
+    overflow = gr.Markdown(visible=False)
+    with gr.Row(visible=False) as overflow_row:
+        drop_btn = gr.Button("Drop the oldest turn", size="sm")
+        fresh_btn = gr.Button("Start a new chat", size="sm")
+    msg = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter for a new line)", lines=1,
+                     max_lines=10, show_label=False, elem_id="message", submit_btn=True)
+    with gr.Row():
+        stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
+        regen_btn = gr.Button("Regenerate", size="sm")
+        edit_btn = gr.Button("Edit last message", size="sm")
+        md_btn = gr.DownloadButton("Export Markdown", size="sm")
+        json_btn = gr.DownloadButton("Export JSON", size="sm")
+    meter = gr.Markdown(elem_id="context-meter")
+    with gr.Accordion("System prompt and sampling", open=False):
+        preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
+        system = gr.Textbox(label="System prompt", lines=3, elem_id="system-prompt")
+        with gr.Row():
+            preset_name = gr.Textbox(label="Save as preset", placeholder="Preset name", scale=3)
+            save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
+        sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
+                   for k, label, lo, hi, step in SLIDERS]
+    return ChatTab(chatbot, overflow, overflow_row, drop_btn, fresh_btn, msg, stop_btn, regen_btn, edit_btn,
+                   md_btn, json_btn, meter, preset, system, preset_name, save_preset_btn, sliders)
+
+
+def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[str, str]) -> None:
+    """The Chat tab's events. Opening a chat in the sidebar (`bar.current`) fills the tab and follows its reply;
+    saving a preset adds it to `presets`."""
+    tab.preset.change(lambda name: presets.get(name, ""), tab.preset, tab.system)
+
+    def save_preset(name, prompt):
+        if not name.strip():
+            raise gr.Error("Give the preset a name.")
+        ui.store.save_preset(name.strip(), prompt)
+        presets[name.strip()] = prompt
+        return gr.update(choices=list(presets), value=name.strip()), ""
+
+    tab.save_preset_btn.click(save_preset, [tab.preset_name, tab.system], [tab.preset, tab.preset_name])
+
+    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title]
+    reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row]
+    reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
+    refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid)),
+                   inputs=bar.current, outputs=[tab.meter, bar.conversations])
+    limit = ui.max_concurrent_chats
+    send = tab.msg.submit(ui.respond, reply_inputs, reply_outputs, concurrency_limit=limit, concurrency_id="reply",
+                          api_name="respond")
+    send.then(**refresh)
+    regen = tab.regen_btn.click(ui.regenerate, [bar.current, tab.system, *tab.sliders], reply_outputs,
+                                concurrency_limit=limit, concurrency_id="reply", api_name="regenerate")
+    regen.then(**refresh)
+    # Opening a chat stops following the previous one (its reply runs on) and follows this one's.
+    opening = bar.current.change(ui.open, bar.current, opened, cancels=[send, regen])
+    follow = opening.then(ui.follow, bar.current, reply_outputs, concurrency_limit=limit, concurrency_id="reply")
+    tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg])
+    tab.stop_btn.click(ui.stop, bar.current, None, cancels=[send, regen, follow], api_name="stop")
+
+    tab.drop_btn.click(ui.drop_oldest_turn, bar.current, tab.chatbot).then(
+        lambda: (gr.update(visible=False), gr.update(visible=False)), None, [tab.overflow, tab.overflow_row])
+
+    def fresh(cid, system_prompt):
+        conv = ui.store.create(system_prompt=system_prompt or "")
+        return (gr.update(choices=ui.conversation_choices(), value=conv.id), gr.update(visible=False),
+                gr.update(visible=False))
+
+    tab.fresh_btn.click(fresh, [bar.current, tab.system], [bar.conversations, tab.overflow, tab.overflow_row])
+    tab.md_btn.click(lambda cid: ui.export(cid, "md"), bar.current, tab.md_btn)
+    tab.json_btn.click(lambda cid: ui.export(cid, "json"), bar.current, tab.json_btn)

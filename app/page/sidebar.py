@@ -1,0 +1,66 @@
+"""The sidebar: New chat, the search box, the chat list, and rename or delete the open chat."""
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import gradio as gr
+
+if TYPE_CHECKING:
+    from app.ui import PagodaUI
+
+
+@dataclass
+class Sidebar:
+    new_btn: gr.Button
+    search: gr.Textbox
+    conversations: gr.Radio
+    current: gr.Number  # the open chat's id, which every chat event reads
+    title: gr.Textbox
+    rename_btn: gr.Button
+    delete_btn: gr.Button
+
+
+def render_sidebar(ui: "PagodaUI") -> Sidebar:
+    new_btn = gr.Button("＋ New chat", variant="primary")
+    search = gr.Textbox(placeholder="Search chats…", show_label=False, container=False)
+    conversations = gr.Radio(choices=ui.conversation_choices(), label="Chats", elem_id="chat-list")
+    # Events read this rather than the Radio, whose value must be one of the choices it was built with
+    # (API clients never see the updated choices).
+    current = gr.Number(visible=False, precision=0)
+    with gr.Accordion("Rename or delete", open=False):
+        title = gr.Textbox(label="Title")
+        with gr.Row():
+            rename_btn = gr.Button("Rename", size="sm")
+            delete_btn = gr.Button("Delete", size="sm", variant="stop")
+    return Sidebar(new_btn, search, conversations, current, title, rename_btn, delete_btn)
+
+
+def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
+    """The sidebar's events; a new chat starts with the Chat tab's system prompt (`system`)."""
+    bar.conversations.change(lambda cid: cid, bar.conversations, bar.current)
+    bar.search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), bar.search, bar.conversations)
+    bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat")
+    bar.rename_btn.click(
+        lambda cid, t: (ui.store.rename(cid, t), gr.update(choices=ui.conversation_choices(), value=cid))[1],
+        [bar.current, bar.title], bar.conversations)
+
+    def delete(cid):
+        if cid is not None:
+            ui.store.delete(cid)
+        choices = ui.conversation_choices()
+        return gr.update(choices=choices, value=choices[0][1] if choices else None)
+
+    bar.delete_btn.click(delete, bar.current, bar.conversations)
+
+
+def load_first_view(demo: gr.Blocks, ui: "PagodaUI", bar: Sidebar, presets: dict[str, str], js: str) -> None:
+    """A page opens on the first chat of the list, made (with the first preset's prompt) when there is
+    none; `js` runs in the page as it loads."""
+
+    def first_view():
+        choices = ui.conversation_choices()
+        if not choices:
+            ui.store.create(system_prompt=next(iter(presets.values()), ""))
+            choices = ui.conversation_choices()
+        return gr.update(choices=choices, value=choices[0][1])
+
+    demo.load(first_view, None, bar.conversations, js=js)

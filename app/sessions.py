@@ -1,0 +1,87 @@
+"""What the page keeps between events: each browser session's state, and the replies streaming across sessions.
+
+Gradio runs events on worker threads, and PagodaUI.on_unload aborts replies from a timer thread, so
+both registries change their state only under a lock. A Session handed out by `Sessions.get` is a copy.
+"""
+import dataclasses
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from app.chat import ReplyTask
+
+NOT_SENT = (None, None, None)
+
+
+@dataclass
+class Session:
+    """One browser page: what it shows and which replies it started."""
+
+    chats: set[int] = field(default_factory=set)  # chats whose replies this page started
+    viewing: int | None = None  # the chat the page shows (None: none opened, as for API clients)
+    kv_tab_open: bool = False  # whether the page shows the KV cache tab
+    panels_sent: tuple = NOT_SENT  # (KV HTML, header, chat titles) the page last got from the timer
+
+
+class Sessions:
+    """Every open page's Session, by Gradio's session hash."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+
+    @contextmanager
+    def edit(self, session_hash: str) -> Iterator[Session]:
+        """The session to change (created on first use), held under the lock until the block ends.
+
+        Keep the block short: every page's events wait on it."""
+        with self._lock:
+            yield self._sessions.setdefault(session_hash, Session())
+
+    def get(self, session_hash: str) -> Session | None:
+        """A copy of the session as it is now; None for a page that has not opened (or has ended)."""
+        with self._lock:
+            session = self._sessions.get(session_hash)
+            return None if session is None else dataclasses.replace(session, chats=set(session.chats))
+
+    def end(self, session_hash: str) -> Session | None:
+        """Forget the session and hand it over: nothing changes it after this."""
+        with self._lock:
+            return self._sessions.pop(session_hash, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+
+class Replies:
+    """The replies streaming now, shared by every page: conversation id -> its ReplyTask, and the label the
+    KV cache tab shows for each engine request."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tasks: dict[int, ReplyTask] = {}
+        self._labels: dict[str, str] = {}  # engine request id -> "#<id> <title>"
+
+    def get(self, conversation_id: int) -> ReplyTask | None:
+        with self._lock:
+            return self._tasks.get(conversation_id)
+
+    def start(self, conversation_id: int, task: ReplyTask, label: str) -> None:
+        with self._lock:
+            self._tasks[conversation_id] = task
+            self._labels[task.stream.request_id] = label
+
+    def finish(self, conversation_id: int, task: ReplyTask) -> None:
+        """Forget a reply that ended. A newer reply of the same chat (started once this one was done,
+        while a page still drew this one's end) stays."""
+        with self._lock:
+            if self._tasks.get(conversation_id) is task:
+                del self._tasks[conversation_id]
+            self._labels.pop(task.stream.request_id, None)
+
+    def labels(self) -> dict[str, str]:
+        """A copy: the KV panel renders from it while replies start and end."""
+        with self._lock:
+            return dict(self._labels)
