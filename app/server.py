@@ -10,7 +10,8 @@ log = logging.getLogger("pagoda")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pagoda", description="Pagoda: a local chat app with its own inference engine.")
-    ap.add_argument("--model", help="a local Hugging Face model folder or hub repo id (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help="a local Hugging Face model folder or hub repo id "
+                                    "(default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--port", type=int, default=7860)
     ap.add_argument("--listen", action="store_true", help="serve on the LAN (0.0.0.0), not only on 127.0.0.1")
     ap.add_argument("--share", action="store_true", help="make a public Gradio link, always behind a password")
@@ -32,7 +33,8 @@ def resolve_auth(args: argparse.Namespace) -> tuple[str, str] | None:
         return user, password
     if args.share:
         user, password = "pagoda", secrets.token_urlsafe(12)
-        print(f"Share link login (generated; pass --auth user:pass to choose your own): {user} / {password}", flush=True)
+        print(f"Share link login (generated; pass --auth user:pass to choose your own): {user} / {password}",
+              flush=True)
         return user, password
     return None
 

@@ -34,8 +34,8 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     """Render inside an open gr.Blocks/gr.Tab. `ui` is the PagodaUI (its host loads models)."""
     manager = manager or DownloadManager()
     catalog = load_catalog()
-    choices = [(f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}{' · gated' if e.gated else ''}", e.repo_id)
-               for e in catalog]
+    choices = [(f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}"
+                f"{' · gated' if e.gated else ''}", e.repo_id) for e in catalog]
 
     def estimate(repo_id: str, dtype_name: str, ctx) -> str:
         entry = entry_for_repo(repo_id or "")

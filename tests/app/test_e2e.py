@@ -44,7 +44,7 @@ def test_a_reply_streams_and_is_stored_with_its_measurements(app):
 def test_stop_mid_stream_aborts_the_request_in_the_engine(app):
     _, client = app
     conv = new_chat(client)
-    job = reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=2000)
+    _job = reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=2000)
     assert wait_until(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
     time.sleep(0.5)
     client.predict(conv, api_name="/stop")  # the Stop button
@@ -94,7 +94,7 @@ def test_a_killed_app_loses_no_saved_message(app):
     proc, client = app
     conv = new_chat(client)
     list(reply(client, conv, "Remember the word pagoda.", max_tokens=16))
-    job = reply(client, conv, "Now write a long poem about it.", max_tokens=2000)
+    _job = reply(client, conv, "Now write a long poem about it.", max_tokens=2000)
     assert wait_until(lambda: client.predict(api_name="/engine_stats")["num_running"] >= 1)
     time.sleep(1.5)  # a few store writes of the streaming reply
     proc.kill()  # kill -9 while the reply streams
@@ -103,4 +103,5 @@ def test_a_killed_app_loses_no_saved_message(app):
     assert conv in titles
     messages = client.predict(conv, api_name="/messages")
     assert [m["content"] for m in messages[:3]][::2] == ["Remember the word pagoda.", "Now write a long poem about it."]
-    assert messages[1]["content"] and len(messages) == 4  # the finished reply, and the partial one as far as it was saved
+    # The finished reply, and the partial one as far as it was saved.
+    assert messages[1]["content"] and len(messages) == 4

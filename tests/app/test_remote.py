@@ -14,8 +14,15 @@ import pytest
 
 from app.backend import DEFAULT_SETTINGS
 from app.chat import stream_reply
-from app.remote import (RemoteClient, RemoteError, connect, parse_prometheus, parse_usage, split_base_url,
-                        summarize_metrics)
+from app.remote import (
+    RemoteClient,
+    RemoteError,
+    connect,
+    parse_prometheus,
+    parse_usage,
+    split_base_url,
+    summarize_metrics,
+)
 from tests.processes import ServeProcess, free_port, wait_until
 
 
@@ -30,7 +37,8 @@ def chunk(text=None, finish=None, role=None, usage=None, choices=True) -> dict:
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if choices else [], "usage": usage}
 
 
-USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43, "prompt_tokens_details": {"cached_tokens": 32}}
+USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
+         "prompt_tokens_details": {"cached_tokens": 32}}
 REPLY = sse(chunk(role="assistant", text=""), chunk("Hel"), chunk("lo"), chunk("!"), chunk(finish="stop"),
             chunk(usage=USAGE, choices=False), "[DONE]")
 
@@ -53,14 +61,16 @@ def test_the_base_url_works_with_or_without_v1():
     assert split_base_url("http://h:8000/v1/") == ("http://h:8000", "http://h:8000/v1")
     assert split_base_url(" http://h:8000 ") == ("http://h:8000", "http://h:8000/v1")
     assert split_base_url("localhost:11434/v1") == ("http://localhost:11434", "http://localhost:11434/v1")
-    assert split_base_url("https://proxy.example/openai/v1") == ("https://proxy.example/openai", "https://proxy.example/openai/v1")
+    assert split_base_url("https://proxy.example/openai/v1") == ("https://proxy.example/openai",
+                                                                 "https://proxy.example/openai/v1")
     with pytest.raises(RemoteError, match="URL"):
         split_base_url("  ")
 
 
 def test_a_streamed_reply_becomes_increments_with_the_servers_counts():
     seen = []
-    client = RemoteClient("http://srv/v1", "sk-test", transport=answering(body=REPLY, content_type="text/event-stream", seen=seen))
+    client = RemoteClient("http://srv/v1", "sk-test", transport=answering(body=REPLY,
+                                                                          content_type="text/event-stream", seen=seen))
     outs = list(client.chat("m", [{"role": "user", "content": "Hi"}], temperature=0.0, top_p=1.0, max_tokens=8))
     assert "".join(o.text for o in outs) == "Hello!"
     assert [o.finished for o in outs] == [False, False, False, True]
@@ -197,7 +207,8 @@ def test_metrics_are_summed_over_label_sets():
 def test_older_vllm_sglang_and_llama_cpp_names():
     old = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\nvllm:gpu_prefix_cache_hit_rate{model_name="m"} 0.4\n'
     assert summarize_metrics(parse_prometheus(old)) == {"kv_cache_usage": 0.5, "prefix_cache_hit_rate": 0.4}
-    sglang = 'sglang:cache_hit_rate{model_name="m"} 0.6\nsglang:num_running_reqs{model_name="m"} 3\nsglang:num_queue_reqs 1\n'
+    sglang = ('sglang:cache_hit_rate{model_name="m"} 0.6\nsglang:num_running_reqs{model_name="m"} 3\n'
+              'sglang:num_queue_reqs 1\n')
     assert summarize_metrics(parse_prometheus(sglang)) == {"prefix_cache_hit_rate": 0.6, "num_requests_running": 3,
                                                           "num_requests_waiting": 1}
     llama = "llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\nllamacpp:kv_cache_usage_ratio 0.1\n"
@@ -207,11 +218,14 @@ def test_older_vllm_sglang_and_llama_cpp_names():
 
 def test_metrics_from_the_servers_root_or_none():
     seen = []
-    client = RemoteClient("http://srv:8000/v1", transport=answering(body=VLLM_METRICS.encode(), content_type="text/plain", seen=seen))
+    client = RemoteClient("http://srv:8000/v1", transport=answering(body=VLLM_METRICS.encode(),
+                                                                    content_type="text/plain", seen=seen))
     assert client.metrics()["num_requests_running"] == 3 and str(seen[0].url) == "http://srv:8000/metrics"
     assert RemoteClient("http://srv", transport=answering(404, {"detail": "Not Found"})).metrics() is None
-    assert RemoteClient("http://srv", transport=answering(body=b"<html></html>", content_type="text/html")).metrics() is None
-    assert RemoteClient("http://srv", transport=answering(body=b"python_info 1\n", content_type="text/plain")).metrics() == {}
+    assert RemoteClient("http://srv", transport=answering(body=b"<html></html>",
+                                                          content_type="text/html")).metrics() is None
+    assert RemoteClient("http://srv", transport=answering(body=b"python_info 1\n",
+                                                          content_type="text/plain")).metrics() == {}
 
 
 def remote_ui(tmp_path, handler):

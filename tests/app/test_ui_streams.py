@@ -85,4 +85,5 @@ def test_a_new_chat_takes_its_title_from_the_first_message_while_the_reply_strea
     ui._title_from_first_message(fresh, "Tell me about the cat of the lighthouse keeper")
     titles = ui.panels("", page)[2]["choices"]
     assert ("Tell me about the cat of the lighthouse …", fresh) in titles
-    assert "value" not in ui.panels("cat", page)[2]  # only the list changes (filtered by the search box), never the open chat
+    # Only the list changes (filtered by the search box), never the open chat.
+    assert "value" not in ui.panels("cat", page)[2]
