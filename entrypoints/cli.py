@@ -36,7 +36,10 @@ def add_engine_settings(ap: argparse.ArgumentParser, defaults: dict | None = Non
         default = defaults.get(f.name, f.default if f.default is not MISSING else None)
         kinds = set(f.type.__args__) - {type(None)} if isinstance(f.type, types.UnionType) else {f.type}
         (kind,) = kinds
-        extra: dict = {"help": f"{f.metadata.get('help', '')} (default: {'auto' if default is None else default})"}
+        help_text = f.metadata.get("help", "")
+        if "default" not in help_text:  # the ones whose default depends on the machine say so themselves
+            help_text += f" (default: {default})"
+        extra: dict = {"help": help_text}
         if kind is bool:
             extra["action"] = argparse.BooleanOptionalAction
         else:
