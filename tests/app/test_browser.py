@@ -189,7 +189,9 @@ def test_keyboard_and_look_header_shift_enter_escape_and_dark_mode(session, open
     assert page.locator('#chatbot [data-testid="user"]').count() == 0
     box.fill("")
     send(page, "Write a very long story about a knight, with many chapters.")
-    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
+    # Stop once some of the reply shows (the reply's bubble appears empty, before its first token).
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
     assert running() == 1
     page.keyboard.press("Escape")  # the shortcut for Stop
     deadline = time.time() + 20
