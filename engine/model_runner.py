@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine import quantization
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
@@ -66,6 +67,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         torch.manual_seed(config.seed)
         self.packed_weights = device.type == "cpu" and can_pack_for_cpu(dtype)
+        self.quantized = config.quantization is not None
         self._check_host_memory(model_path)
         self.model = self._load_model(model_path)
         self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
@@ -84,10 +86,14 @@ class ModelRunner:
         the load before the OOM killer)."""
         if self.device.type != "cpu":
             return
-        weights = checkpoint_numel(safetensors_files(model_path)) * self.dtype.itemsize // self.tp.size
-        if self.packed_weights and getattr(self.hf_config, "tie_word_embeddings", False):
-            # the packed head is a second copy of the embedding
-            weights += self.hf_config.vocab_size * self.hf_config.hidden_size * self.dtype.itemsize // self.tp.size
+        # int8 codes take a byte; int4 half a byte plus a scale and offset per group
+        per_weight = {None: self.dtype.itemsize, "int8": 1, "int4": 0.5 + 8 / self.config.quantization_group_size}
+        bytes_per_weight = per_weight[self.config.quantization]
+        weights = int(checkpoint_numel(safetensors_files(model_path)) * bytes_per_weight) // self.tp.size
+        if (self.packed_weights or self.config.quantization) and getattr(self.hf_config, "tie_word_embeddings", False):
+            # the packed (or quantized) head is a second copy of the embedding
+            table = self.hf_config.vocab_size * self.hf_config.hidden_size
+            weights += int(table * bytes_per_weight) // self.tp.size
         check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
 
     def _load_model(self, model_path) -> nn.Module:
@@ -95,14 +101,24 @@ class ModelRunner:
         # What this process already holds on the GPU (another engine, say) is not this engine's weights.
         self._gpu_bytes_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         max_position = self.config.max_model_len or self.hf_config.max_position_embeddings
-        with torch.device(self.device):
+        # A quantized model is built on the meta device, so no full-precision weight is ever allocated;
+        # the quantization pass swaps its layers before the checkpoint's tensors stream in.
+        with torch.device("meta" if self.quantized else self.device):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
                 model = model_class(self.hf_config)(self.hf_config, max_position, self.tp)
             finally:
                 torch.set_default_dtype(default_dtype)
+        if self.quantized:
+            quantization.quantize(model, self.config.quantization, self.config.quantization_group_size)
+            model.to_empty(device=self.device)
+            for module in model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.init_caches(self.device)
         load_weights(model, model_path)
+        if self.quantized:
+            quantization.finalize(model, self.device, self.dtype, onednn=self.packed_weights)
         model.eval()
         return model
 
@@ -176,6 +192,8 @@ class ModelRunner:
         """How linear layers multiply: "onednn-packed" (CPU), "torch", or "torch+triton-gemv" when
         some layers run few-row products with the Triton kernel (engine/layers/gemv.py), followed by
         how many projections run the norm before them, where any do (engine/layers/normed_gemv.py)."""
+        if self.quantized:
+            return quantization.kernel_summary(self.model)
         if self.packed_weights:
             return "onednn-packed"
         kind = "torch+triton-gemv" if any(self.gemv_layers_by_rows.values()) else "torch"
@@ -210,7 +228,7 @@ class ModelRunner:
         """Where the GEMV kernel is in play, measure running each decoder norm inside the projection
         after it, at one row, against the separate ops as the decode graphs run them (compiled).
         Returns how many projections took the fused kernel."""
-        if not self._triton_matmuls_apply() or config.enforce_eager:
+        if not self._triton_matmuls_apply() or config.enforce_eager or self.quantized:
             return 0
         from engine.layers.normed_gemv import choose_normed
 
@@ -364,7 +382,9 @@ class ModelRunner:
         """Bytes of the weights this rank holds (a tied head counted once, unless packed apart)."""
         packed = [m.packed_weight for m in self.model.modules()
                   if isinstance(m, PackableLinear) and m.packed_weight is not None]
-        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
+        held = [*self.model.parameters(), *packed, *quantization.weight_tensors(self.model)]
+        tensors = {id(t): t for t in held}  # a tied table is counted once
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(meta):

@@ -1,4 +1,5 @@
 """Rotary position embedding (rotate-half form, as Llama and Qwen use), with Llama 3 scaling."""
+import contextlib
 import math
 
 import torch
@@ -66,13 +67,22 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), _inv_freq(head_dim, params))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        self.head_dim, self.max_position, self.params = head_dim, max_position, params
+        self.init_caches()
         # One instance serves every layer: look up a step's cos/sin once, not once per layer.
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def init_caches(self, device: torch.device | None = None) -> None:
+        """(Re)compute the cos/sin tables, on `device` if given: a model built on the meta device and
+        moved with `to_empty` has only uninitialised tables until this runs."""
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            positions = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = torch.outer(positions, _inv_freq(self.head_dim, self.params))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer("cos_cache", emb.cos(), persistent=False)
+            self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1),
+                                 persistent=False)
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:

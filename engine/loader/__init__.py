@@ -5,6 +5,7 @@ from engine.loader.weights import (
     checkpoint_dtype,
     checkpoint_numel,
     cpu_has_fast_bf16,
+    load_tensors,
     load_weights,
     pick_device,
     pick_dtype,
@@ -12,5 +13,5 @@ from engine.loader.weights import (
     safetensors_files,
 )
 
-__all__ = ["HUB_PATTERNS", "checkpoint_dtype", "checkpoint_numel", "cpu_has_fast_bf16", "load_weights", "pick_device",
-           "pick_dtype", "resolve_model_path", "safetensors_files"]
+__all__ = ["HUB_PATTERNS", "checkpoint_dtype", "checkpoint_numel", "cpu_has_fast_bf16", "load_tensors", "load_weights",
+           "pick_device", "pick_dtype", "resolve_model_path", "safetensors_files"]

@@ -1,10 +1,13 @@
 """Finding a model (local folder or hub repo id) and loading its safetensors weights."""
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from engine.quantization.layout import QuantizedWeight
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
@@ -45,18 +48,30 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
-    """Copy every checkpoint tensor into `model`, packing q/k/v and gate/up, converting dtypes."""
+    """Copy every safetensors tensor of the checkpoint in `path` into `model` (see `load_tensors`)."""
+    load_tensors(model, (item for file in safetensors_files(path) for item in _read_tensors(file)), str(path))
+
+
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]],
+                 source: str) -> None:
+    """Copy each (checkpoint name, tensor) into `model`, packing q/k/v and gate/up and converting
+    dtypes. Quantized layers (engine/quantization) take their weights whole or quantized."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
+    tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
-    for file in safetensors_files(path):
-        for name, tensor in _read_tensors(file):
-            if "rotary_emb.inv_freq" not in name:
-                _load_one(model, params, packed, name, tensor, loaded)
-    expected = {n for n in params if not (n == "lm_head.weight" and getattr(model, "tie_word_embeddings", False))}
+    for name, tensor in tensors:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        _load_one(model, params, packed, name, tensor, loaded)
+        if tied and name == "model.embed_tokens.weight" and hasattr(model.lm_head, "load_quantizable"):
+            model.lm_head.load_quantizable(tensor, None)  # a quantized head keeps its own copy of the table
+            loaded.add("lm_head.weight")
+    quantized = {f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "load_quantizable")}
+    expected = {n for n in params if not (n == "lm_head.weight" and tied)} | quantized
     missing = sorted(expected - loaded)
     if missing:
-        raise ValueError(f"the checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise ValueError(f"the checkpoint in {source} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
 def checkpoint_numel(files: list[Path]) -> int:
@@ -90,21 +105,31 @@ def _unreadable(file: Path, e: Exception) -> RuntimeError:
 
 
 def _load_one(model, params, packed, name, tensor, loaded) -> None:
-    for ckpt_name, (ours, shard) in packed.items():
+    target, shard = name, None
+    for ckpt_name, (ours, index) in packed.items():
         if f".{ckpt_name}." in name:
-            target = name.replace(f".{ckpt_name}.", f".{ours}.")
-            param = params[target]
-            module = model.get_submodule(target.rsplit(".", 1)[0])
-            module.load_shard(param, tensor.to(param.dtype), shard)
-            loaded.add(target)
-            return
-    param = params.get(name)
+            target, shard = name.replace(f".{ckpt_name}.", f".{ours}."), index
+            break
+    module_name, _, param_name = target.rpartition(".")
+    module = _find_module(model, module_name)
+    if module is not None and param_name == "weight" and hasattr(module, "load_quantizable"):
+        try:
+            module.load_quantizable(tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+        loaded.add(target)
+        return
+    param = params.get(target)
     if param is None:
         if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
             return  # some tied checkpoints store the head anyway
         raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of {type(model).__name__}")
-    module = model.get_submodule(name.rsplit(".", 1)[0])
-    if hasattr(module, "load_weight"):  # split across tensor-parallel ranks: the layer takes its slice
+    if isinstance(tensor, QuantizedWeight):
+        raise ValueError(f"checkpoint tensor {name!r} is quantized ({tensor.source}), but the model's "
+                         f"{module_name} takes full-precision weights only")
+    if shard is not None:
+        module.load_shard(param, tensor.to(param.dtype), shard)
+    elif hasattr(module, "load_weight"):  # split across tensor-parallel ranks: the layer takes its slice
         try:
             module.load_weight(param, tensor)
         except ValueError as e:
@@ -114,7 +139,14 @@ def _load_one(model, params, packed, name, tensor, loaded) -> None:
                          f"{tuple(param.shape)}")
     else:
         param.data.copy_(tensor)
-    loaded.add(name)
+    loaded.add(target)
+
+
+def _find_module(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype:

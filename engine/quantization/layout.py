@@ -69,16 +69,17 @@ class QuantizedWeight:
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
-    """Symmetric int8 with one scale per output row (vLLM's and gpt-fast's weight-only int8)."""
+    """Symmetric int8 with one scale per output row (vLLM's and gpt-fast's weight-only int8); the
+    scale is a bf16 value, which the int8 kernel takes as it is."""
     w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+    scale = _bf16_exact((w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12))
     q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
     return QuantizedWeight(8, q, scale, None, w.shape[1], "int8")
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> QuantizedWeight:
-    """Asymmetric 4-bit codes per group of `group_size` columns: the group's minimum is the offset and
-    (max - min) / 15 the scale. The last group is shorter when group_size does not divide K."""
+    """Asymmetric 4-bit codes per group of `group_size` columns, spanning the group's minimum to its
+    maximum in 15 steps. The last group is shorter when group_size does not divide K."""
     if group_size < 1:
         raise ValueError(f"group_size must be positive, got {group_size}")
     n, k = w.shape
@@ -88,6 +89,14 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> QuantizedWeight:
     real = torch.arange(groups * group_size, device=w.device).view(groups, group_size) < k
     lo = torch.where(real, padded, torch.inf).amin(dim=2)
     hi = torch.where(real, padded, -torch.inf).amax(dim=2)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((padded - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return QuantizedWeight(4, q.view(n, -1)[:, :k].contiguous(), scale, lo, group_size, "int4")
+    scale = _bf16_exact(((hi - lo) / 15).clamp(min=1e-12))
+    # PyTorch's int4 kernels take w = (q - 8) * scale + zero with zero in bf16: choose zero first, so
+    # that offset = zero - 8 * scale reaches them without rounding.
+    offset = _bf16_exact(lo + 8 * scale) - 8 * scale
+    q = torch.round((padded - offset[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(4, q.view(n, -1)[:, :k].contiguous(), scale, offset, group_size, "int4")
+
+
+def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to the nearest bf16, kept as float32: the kernels' bf16 copy of it is then exact."""
+    return t.to(torch.bfloat16).float()

@@ -1,0 +1,177 @@
+"""The modules the quantization pass swaps in for a built model's linear layers and embedding.
+
+A checkpoint gives a fused projection (q/k/v, gate/up) in shards, and a GGUF file may store each
+shard in another type: Q4_K_M files keep v_proj in Q6_K beside Q4_K q and k. So a QuantizedLinear
+collects its shards as they load, each full precision or a QuantizedWeight, and `finalize` gives
+every run of shards in one layout its own kernel (engine/quantization/kernels.py), measured.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quantization.kernels import DenseMatmul, Int8PackMatmul, choose_matmul, pack_nibbles, unpack_nibbles
+from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
+
+METHODS = ("int8", "int4")
+
+
+def quantize_tensor(w: torch.Tensor, method: str | None, group_size: int) -> torch.Tensor | QuantizedWeight:
+    """A checkpoint tensor as `method` stores it; None keeps it as it is."""
+    if method is None:
+        return w
+    return quantize_int8(w) if method == "int8" else quantize_int4(w, group_size)
+
+
+def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    first = parts[0]
+    offsets = None if first.offset is None else torch.cat([p.offset for p in parts])
+    return QuantizedWeight(first.bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offsets,
+                           first.group_size, first.source)
+
+
+def _layout_key(w: torch.Tensor | QuantizedWeight) -> tuple:
+    if isinstance(w, QuantizedWeight):
+        return (w.bits, w.group_size, w.offset is None, w.source)
+    return ("dense",)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ b) with W's rows in shards (`shard_rows`), each loaded full precision or quantized.
+
+    `method` ("int8", "int4", or None) is what full-precision shards become; a shard that arrives
+    quantized (GGUF) is kept as it is."""
+
+    def __init__(self, in_features: int, shard_rows: list[int], bias: nn.Parameter | None, method: str | None,
+                 group_size: int):
+        super().__init__()
+        self.in_features, self.shard_rows = in_features, shard_rows
+        self.out_features = sum(shard_rows)
+        self.output_sizes = shard_rows
+        self.method, self.group_size = method, group_size
+        self.bias = bias
+        self.pending: dict[int, torch.Tensor | QuantizedWeight] = {}
+        self.parts = nn.ModuleList()
+
+    def load_quantizable(self, loaded: torch.Tensor | QuantizedWeight, shard: int | None) -> None:
+        """Take one checkpoint shard of the weight (the whole weight when `shard` is None)."""
+        index = 0 if shard is None else shard
+        rows = self.out_features if shard is None else self.shard_rows[index]
+        if tuple(loaded.shape) != (rows, self.in_features):
+            raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
+                             f"{(rows, self.in_features)}")
+        if isinstance(loaded, QuantizedWeight):
+            if self.method is not None:
+                raise ValueError(f"this checkpoint is already quantized ({loaded.source}); load it without "
+                                 f"quantization={self.method!r}")
+            self.pending[index] = loaded
+        else:
+            self.pending[index] = quantize_tensor(loaded, self.method, self.group_size)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
+        """A bias shard (weights come through `load_quantizable`)."""
+        start = sum(self.shard_rows[:shard])
+        param.data[start : start + self.shard_rows[shard]].copy_(loaded)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
+                             f"{tuple(param.shape)}")
+        param.data.copy_(loaded)
+
+    @property
+    def loaded(self) -> bool:
+        return len(self.pending) == len(self.shard_rows)
+
+    def finalize(self, device: torch.device, dtype: torch.dtype, onednn: bool) -> None:
+        """Build the kernels over the loaded shards; the shards themselves are then dropped."""
+        shards = [self.pending[i] for i in range(len(self.shard_rows))]
+        runs: list[list] = []
+        for w in shards:
+            if runs and _layout_key(runs[-1][0]) == _layout_key(w):
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+        for run in runs:
+            if isinstance(run[0], QuantizedWeight):
+                qw = _concat(run)
+                qw = QuantizedWeight(qw.bits, qw.q.to(device), qw.scale.to(device),
+                                     None if qw.offset is None else qw.offset.to(device), qw.group_size, qw.source)
+                self.parts.append(choose_matmul(qw, device, dtype))
+            else:
+                self.parts.append(DenseMatmul(torch.cat(run).to(device), dtype, onednn))
+        self.pending = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.parts[0](x) if len(self.parts) == 1 else torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+               act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(act(self(norm(x + residual))), x + residual), as ColumnParallelLinear.normed runs it unfused."""
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        out = self(h)
+        return (act(out) if act is not None else out), residual
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding whose table stays quantized; looked-up rows are dequantized."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, method: str | None, group_size: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.method, self.group_size = method, group_size
+        self.dtype = torch.float32
+        self.bits = 0  # 0: a full-precision table in `table`
+        self.table = self.scale = self.offset = None
+        self.source = "dense"
+
+    @property
+    def loaded(self) -> bool:
+        return self.table is not None
+
+    def load_quantizable(self, loaded: torch.Tensor | QuantizedWeight, shard: int | None = None) -> None:
+        if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
+                             f"{(self.num_embeddings, self.embedding_dim)}")
+        if isinstance(loaded, QuantizedWeight) and self.method is not None:
+            raise ValueError(f"this checkpoint is already quantized ({loaded.source}); load it without "
+                             f"quantization={self.method!r}")
+        w = loaded if isinstance(loaded, QuantizedWeight) else quantize_tensor(loaded, self.method, self.group_size)
+        if isinstance(w, QuantizedWeight):
+            self.bits, self.group_size, self.source = w.bits, w.group_size, w.source
+            self.table = pack_nibbles(w.q) if w.bits == 4 else w.q
+            self.scale, self.offset = w.scale, w.offset
+        else:
+            self.table = w
+
+    def finalize(self, device: torch.device, dtype: torch.dtype, head: nn.Module | None = None) -> None:
+        """Move the table to `device`. With a tied `head` whose one kernel holds per-row int8 codes, look
+        rows up in the head's codes instead, so a tied int8 table is stored once."""
+        self.dtype = dtype
+        shared = head is not None and len(head.parts) == 1 and isinstance(head.parts[0], Int8PackMatmul)
+        if shared and self.bits == 8 and self.offset is None and self.group_size >= self.embedding_dim:
+            kernel = head.parts[0]
+            self.table, self.scale = kernel.codes, kernel.scale.float()[:, None]
+            return
+        self.table = self.table.to(device) if self.bits else self.table.to(device, dtype)
+        self.scale = None if self.scale is None else self.scale.to(device)
+        self.offset = None if self.offset is None else self.offset.to(device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.bits:
+            return F.embedding(input_ids, self.table)
+        codes = self.table[input_ids]
+        if self.bits == 4:
+            codes = unpack_nibbles(codes, self.embedding_dim)
+        k, g = self.embedding_dim, self.group_size
+        w = codes.float() * self.scale[input_ids].repeat_interleave(g, dim=-1)[..., :k]
+        if self.offset is not None:
+            w += self.offset[input_ids].repeat_interleave(g, dim=-1)[..., :k]
+        return w.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        kind = f"{self.source}: {self.bits}-bit" if self.bits else "full precision"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {kind}"

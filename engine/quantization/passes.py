@@ -1,0 +1,79 @@
+"""The quantization pass: swap a built model's linear layers, LM head and token embedding for
+quantized modules, before its weights load (gpt-fast's quantize.py is the pattern).
+
+The model is built on the meta device, so no full-precision weight is ever allocated: each
+checkpoint tensor is quantized as it loads (engine/loader/weights.py), or, from a GGUF file,
+arrives quantized already. `finalize` then picks each layer's kernel by measurement.
+"""
+from collections import Counter
+
+import torch
+from torch import nn
+
+from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.quantization.kernels import DenseMatmul, QuantizedMatmul
+from engine.quantization.modules import METHODS, QuantizedEmbedding, QuantizedLinear
+
+DEFAULT_GROUP_SIZE = 64  # chosen by measurement: bench/RESULTS.md, "int4 group size"
+
+
+def check_method(method: str | None) -> None:
+    if method is not None and method not in METHODS:
+        raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
+
+
+def quantize(model: nn.Module, method: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """Swap the modules in place (and return the model). `method` None keeps full-precision tensors as
+    they are and takes quantized ones (a GGUF file's) as they come."""
+    check_method(method)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, ParallelLMHead):
+            swapped = QuantizedLinear(module.embedding_dim, [module.num_embeddings], None, method, group_size)
+        elif isinstance(module, VocabParallelEmbedding):
+            swapped = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, method, group_size)
+        elif isinstance(module, ColumnParallelLinear):
+            swapped = QuantizedLinear(module.in_features, module.output_sizes, module.bias, method, group_size)
+        elif isinstance(module, RowParallelLinear):
+            swapped = QuantizedLinear(module.in_features, [module.out_features], module.bias, method, group_size)
+        else:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, swapped)
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in model.modules())
+
+
+def finalize(model: nn.Module, device: torch.device, dtype: torch.dtype, onednn: bool) -> None:
+    """Give every quantized module its kernels, once all its tensors have loaded. The LM head goes
+    before the embedding, which may then share a tied head's codes."""
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for module in linears:
+        module.finalize(device, dtype, onednn)
+    head = getattr(model, "lm_head", None) if getattr(model, "tie_word_embeddings", False) else None
+    for module in model.modules():
+        if isinstance(module, QuantizedEmbedding):
+            module.finalize(device, dtype, head)
+
+
+def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the quantized modules and their kernels hold (they are plain attributes, in the
+    layouts the kernels read, not parameters)."""
+    holders = [m for m in model.modules() if isinstance(m, QuantizedMatmul | DenseMatmul | QuantizedEmbedding)]
+    return [t for m in holders for t in vars(m).values() if isinstance(t, torch.Tensor)]
+
+
+def kernel_summary(model: nn.Module) -> str:
+    """The kernels the linear layers run and how many run each, e.g. "Int4PackMatmul x210"."""
+    kinds = Counter(type(m).__name__ for m in model.modules() if isinstance(m, QuantizedMatmul | DenseMatmul))
+    return ", ".join(f"{name} x{count}" for name, count in kinds.most_common())
+
+
+def weight_types(model: nn.Module) -> str:
+    """What the weights are stored as, e.g. "int4 (groups of 64)" or "Q4_1, Q8_0"."""
+    sources = Counter(m.source for m in model.modules() if isinstance(m, QuantizedMatmul | QuantizedEmbedding)
+                      and m.source != "dense")
+    return ", ".join(sources) if sources else "none"
