@@ -185,6 +185,28 @@ def test_llama3_rope_factors_become_rope_parameters(tmp_path: Path) -> None:
         GGUFCheckpoint.open(bad).hf_config()
 
 
+def test_qwen3_config_takes_head_dim_and_untied_head_from_the_file(tmp_path: Path) -> None:
+    meta = {"qwen3__context_length": 40960, "qwen3__embedding_length": 256, "qwen3__block_count": 2,
+            "qwen3__feed_forward_length": 512, "qwen3__rope__freq_base": 1000000.0, "qwen3__vocab_size": 300,
+            "qwen3__attention__key_length": 96, "qwen3__attention__value_length": 96,
+            "qwen3__attention__layer_norm_rms_epsilon": 1e-6, "tokenizer__ggml__eos_token_id": 7}
+    norm = (np.ones(96, np.float32), T.F32)
+    path = write_gguf(tmp_path / "qwen3.gguf", {"blk.0.attn_q_norm.weight": norm, "blk.0.attn_k_norm.weight": norm,
+                                                "output.weight": (np.ones((300, 256), np.float16), T.F16)},
+                      arch="qwen3", heads=4, kv_heads=2, **meta)
+    ckpt = GGUFCheckpoint.open(path)
+    assert ckpt.tensor_names() == ["model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight",
+                                   "lm_head.weight"]
+    config = ckpt.hf_config()
+    assert type(config).__name__ == "Qwen3Config" and config.architectures == ["Qwen3ForCausalLM"]
+    # neither hidden_size / heads (64) nor Qwen3Config's default (128)
+    assert (config.head_dim, config.hidden_size, config.num_attention_heads) == (96, 256, 4)
+    assert (config.num_key_value_heads, config.num_hidden_layers, config.vocab_size) == (2, 2, 300)
+    assert config.tie_word_embeddings is False and config.eos_token_id == 7
+    assert config.rope_parameters["rope_theta"] == 1000000.0 and config.max_position_embeddings == 40960
+    assert ckpt.generation_eos_ids() == [7]
+
+
 # errors
 
 def test_unsupported_type_is_named_before_any_decoding(tmp_path: Path) -> None:

@@ -80,6 +80,7 @@ class GGUFCheckpoint:
     def __init__(self, path: Path, reader: Any) -> None:
         self.path = path
         self._reader = reader
+        self._gguf_names = {t.name for t in reader.tensors}
         self.architecture: str = self._field("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{path.name} is a GGUF of architecture {self.architecture!r}; Pagoda runs "
@@ -200,10 +201,6 @@ class GGUFCheckpoint:
         return _llama3_rope(np.asarray(tensor.data, dtype=np.float64), theta, self.path.name)
 
     # tensors
-
-    @property
-    def _gguf_names(self) -> set[str]:
-        return {t.name for t in self._reader.tensors}
 
     def _make_plan(self) -> list[_Entry]:
         heads = (int(self._field(f"{self.architecture}.attention.head_count")),
