@@ -1,5 +1,8 @@
-"""Loading: finding a model (a local folder or a hub repo id) and reading its weights (`weights`), and
-preparing the bundled offline model from its GGUF file (`bundled`)."""
+"""Loading: finding a model (a local folder or a hub repo id) and reading its weights (`weights`), reading
+GGUF files as they are, quantized blocks and all (`gguf`), and preparing the bundled offline model from its
+GGUF file (`bundled`)."""
+from engine.loader.gguf import SUPPORTED_TYPES as GGUF_SUPPORTED_TYPES
+from engine.loader.gguf import GGUFCheckpoint, resolve_gguf
 from engine.loader.weights import (
     HUB_PATTERNS,
     checkpoint_dtype,
@@ -13,5 +16,6 @@ from engine.loader.weights import (
     safetensors_files,
 )
 
-__all__ = ["HUB_PATTERNS", "checkpoint_dtype", "checkpoint_numel", "cpu_has_fast_bf16", "load_tensors", "load_weights",
-           "pick_device", "pick_dtype", "resolve_model_path", "safetensors_files"]
+__all__ = ["GGUF_SUPPORTED_TYPES", "GGUFCheckpoint", "HUB_PATTERNS", "checkpoint_dtype", "checkpoint_numel",
+           "cpu_has_fast_bf16", "load_tensors", "load_weights", "pick_device", "pick_dtype", "resolve_gguf",
+           "resolve_model_path", "safetensors_files"]
