@@ -18,10 +18,12 @@ import torch
 
 # Launch arguments that only the interpreter is given: a GPU launch passes the other value.
 GPU_VALUES = {"UPCAST_DOT": False}
-TARGET = ("cuda", 90, 32)  # Hopper (H100, H200): the device machine's GPU
+TARGET = ("cuda", 90, 32)  # Hopper (H100, H200): the device machine's GPU, and the default
+# Other targets a spec may name in its "target": laptop and desktop RTX 30 (Ampere) and RTX 40 (Ada) GPUs.
+TARGETS = {"sm_86": ("cuda", 86, 32), "sm_89": ("cuda", 89, 32), "sm_90": TARGET}
 
 _TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-          torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1"}
+          torch.int64: "*i64", torch.uint8: "*u8", torch.int8: "*i8", torch.bool: "*i1"}
 
 
 def _arg_type(value) -> str:
@@ -72,8 +74,9 @@ def record_launches(specs: list[dict]):
 
 
 def compile_in_subprocess(specs: list[dict], tmp_path) -> list[dict]:
-    """Each distinct spec compiled for TARGET in a fresh process; one result per spec: the spec's
-    kernel, `error` (None when it compiled) and the cubin's `registers` and `local_bytes` (spills)."""
+    """Each distinct spec compiled for its "target" (a TARGETS value; TARGET when it names none) in a
+    fresh process; one result per spec: the spec's kernel, its target, `error` (None when it
+    compiled) and the cubin's `registers` and `local_bytes` (spills)."""
     unique = list({json.dumps(s, sort_keys=True): s for s in specs}.values())
     path = tmp_path / "specs.json"
     path.write_text(json.dumps(unique))
@@ -109,11 +112,11 @@ def _compile_all(specs: list[dict]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    target = GPUTarget(*TARGET)
     results = []
     for spec in specs:
         kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-        result = {"kernel": spec["kernel"], "constexprs": spec["constexprs"], "error": None}
+        target = GPUTarget(*spec.get("target", TARGET))
+        result = {"kernel": spec["kernel"], "constexprs": spec["constexprs"], "target": target.arch, "error": None}
         try:
             attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["divisible_by_16"]}
             source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
