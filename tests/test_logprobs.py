@@ -159,3 +159,19 @@ def test_tensor_parallel_logprobs_equal_one_rank(tiny_llama, random_prompt):
                 assert list(a) == list(b)
                 torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())),
                                            atol=TOL, rtol=0)
+
+
+def test_quality_kl_over_the_top_tokens_is_a_lower_bound_and_exact_with_the_whole_vocabulary():
+    from bench.quality import bucketed_kl
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        p, q = (torch.randn(50, generator=g).mul(2).log_softmax(-1) for _ in range(2))
+        exact = float((p.exp() * (p - q)).sum())
+
+        def top(lp: torch.Tensor, k: int) -> dict[int, float]:
+            return {int(t): float(lp[t]) for t in lp.topk(k).indices}
+
+        assert bucketed_kl(top(p, 50), top(q, 50)) == pytest.approx(exact, rel=1e-4, abs=1e-6)
+        assert bucketed_kl(top(p, 5), top(p, 5)) == pytest.approx(0, abs=1e-6)
+        assert 0 <= bucketed_kl(top(p, 10), top(q, 10)) <= exact + 1e-6
