@@ -74,10 +74,14 @@ class BlockManager:
 
         The last token is never served from the cache: its logits must be computed. So at most
         (len - 1) // block_size blocks can match, and a fully cached prompt recomputes its last block.
+        Likewise a request that wants prompt logprobs needs the logits of every prompt position it has
+        no logprobs for yet (vLLM skips the cache for it): only blocks before those can match.
         """
         if not self.enable_prefix_caching:
             return []
         num_blocks = (len(seq) - 1) // self.block_size
+        if seq.prompt_logprobs is not None:
+            num_blocks = min(num_blocks, (len(seq.prompt_logprobs) - 1) // self.block_size)
         matched, parent = [], None
         for i, h in enumerate(self.block_hashes(seq.token_ids, num_blocks)):
             block_id = self.hash_to_block_id.get(h)

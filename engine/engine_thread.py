@@ -55,6 +55,11 @@ class EngineThread:
         """A plain prompt's token ids, as the engine would encode it (special tokens included)."""
         return self.engine.tokenizer.encode(text)
 
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, for decoding in the caller's thread (as `tokenize` encodes there)."""
+        return self.engine.tokenizer
+
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> "RequestStream":
         """Queue a request. Invalid input raises here, in the caller's thread."""
         request_id = f"chat-{next(self._ids)}"

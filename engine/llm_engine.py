@@ -191,23 +191,49 @@ class LLMEngine:
 
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Take in a launched step's sampled tokens (waiting for them) and advance its requests."""
-        sampled = iter(self.model_runner.collect(launched))
+        tokens = self.model_runner.collect(launched)
+        sampled = iter(tokens)
+        logprobs = iter(self._take_logprobs(launched, tokens) if launched.logprobs_plan else ())
         outputs = []
         for item in launched.batch:
             if not item.samples:
                 continue
             seq, token = item.seq, next(sampled)
+            token_logprobs = next(logprobs) if seq.output_logprobs is not None else None
             seq.num_pending_tokens -= 1
             if seq.is_finished:  # it stopped, or was aborted, while this step ran: drop the token
                 continue
             seq.token_ids.append(token)
+            if token_logprobs is not None:
+                seq.output_logprobs.append(token_logprobs)
             if len(seq.token_ids) <= seq.num_computed_tokens:  # it was pending, and a launched step's input
                 self.block_manager.register_full_blocks(seq)  # so a block waiting for it may be complete
             self.num_generated_tokens += 1
-            outputs.append(self._advance(seq, token))
+            outputs.append(self._advance(seq, token, token_logprobs))
         return outputs
 
-    def _advance(self, seq: Sequence, token: int) -> RequestOutput:
+    @staticmethod
+    def _take_logprobs(launched: LaunchedStep, tokens: list[int]) -> list[dict[int, float]]:
+        """The sampled tokens' logprobs, for the rows that asked (in order), and each request's prompt
+        logprobs from this step's rows, appended to its list (a position it already has, computed again
+        after a preemption, is skipped)."""
+        plan = launched.logprobs_plan
+        if launched.prompt_logprobs is not None:
+            ks = [seq.sampling_params.prompt_logprobs for seq, _, n in plan.prompt_segments for _ in range(n)]
+            rows = iter(launched.prompt_logprobs.dicts(plan.prompt_token_ids.tolist(), ks))
+            for seq, first, n in plan.prompt_segments:
+                for position in range(first, first + n):
+                    row = next(rows)
+                    if position + 1 == len(seq.prompt_logprobs):  # the entry for token position + 1
+                        seq.prompt_logprobs.append(row)
+        if launched.sample_logprobs is None:
+            return []
+        launched_seqs = [item.seq for item in launched.batch if item.samples]
+        rows = plan.sample_rows.tolist()
+        return launched.sample_logprobs.dicts([tokens[r] for r in rows],
+                                              [launched_seqs[r].sampling_params.logprobs for r in rows])
+
+    def _advance(self, seq: Sequence, token: int, token_logprobs: dict[int, float] | None = None) -> RequestOutput:
         params = seq.sampling_params
         reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
@@ -229,8 +255,11 @@ class LLMEngine:
         upto = max(seq.num_emitted_chars, len(seq.output_text) - hold)
         new_text = seq.output_text[seq.num_emitted_chars : upto]
         seq.num_emitted_chars = upto
+        first = len(seq.token_ids) == seq.num_prompt_tokens + 1
         return RequestOutput(seq.request_id, new_text, [token], reason is not None, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.output_token_ids if reason else [])
+                             seq.num_cached_tokens, seq.output_token_ids if reason else [],
+                             None if token_logprobs is None else [token_logprobs],
+                             seq.prompt_logprobs if first else None)
 
     @staticmethod
     def _apply_stop_strings(seq: Sequence) -> str | None:
@@ -322,7 +351,8 @@ class LLMEngine:
             if bar:
                 bar.close()
         return [{"text": s.output_text, "token_ids": s.output_token_ids, "finish_reason": s.finish_reason,
-                 "num_prompt_tokens": s.num_prompt_tokens, "num_cached_tokens": s.num_cached_tokens} for s in seqs]
+                 "num_prompt_tokens": s.num_prompt_tokens, "num_cached_tokens": s.num_cached_tokens,
+                 "logprobs": s.output_logprobs, "prompt_logprobs": s.prompt_logprobs} for s in seqs]
 
 
 class LLM(LLMEngine):

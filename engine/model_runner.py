@@ -28,19 +28,22 @@ from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.linear import PackableLinear, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
-from engine.layers.sampler import Sampler, SamplingBatch
+from engine.layers.sampler import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs
 from engine.loader import checkpoint_numel, load_weights, safetensors_files
 from engine.memory import check_host_memory
 from engine.models import model_class
 from engine.scheduler import ScheduledSeq
 from engine.staging import StagingBuffer
-from engine.step_inputs import SampledRows, StepInputs, prepare_step, sampling_columns
+from engine.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step, sampling_columns
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
 
 log = logging.getLogger("engine")
 
 _COMPILED: dict = {}  # shared by every engine in the process, so each op compiles once
+# Prompt logprobs need the logits of every prompt row: taken this many floats at a time, so a long
+# chunk's [rows, vocab] logits never sit in memory whole (the KV cache was sized without them).
+_PROMPT_LOGITS_FLOATS = 1 << 25
 
 
 @dataclass
@@ -50,6 +53,10 @@ class LaunchedStep:
     batch: list[ScheduledSeq]
     tokens: torch.Tensor | None  # one per batch item that samples, in order; None if none samples
     ready: torch.cuda.Event | None  # recorded once `tokens` holds the values; None: they are there now
+    # Only where some request asked for logprobs (on the host, valid once `ready`):
+    logprobs_plan: LogprobsPlan | None = None
+    sample_logprobs: LogprobsTensors | None = None  # rows: plan.sample_rows
+    prompt_logprobs: LogprobsTensors | None = None  # rows: plan.prompt_rows
 
 
 class ModelRunner:
@@ -148,6 +155,9 @@ class ModelRunner:
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_rows = SampledRows([])
+        # The last step's logprobs rows on the device (StepInputs' sample_logprobs_rows, prompt_logits_index,
+        # prompt_token_ids), uploaded with its inputs; empty unless some request asked for logprobs.
+        self.logprobs_rows: list[torch.Tensor] = []
         # Values assigned through tensor indices must already be on the device: a Python scalar is
         # staged through a blocking copy that waits for every step in flight.
         self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
@@ -269,7 +279,7 @@ class ModelRunner:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
         the device. `launch` refuses to run afterwards."""
         self.graphs = self.model = self.kv_cache = self.last_sampled = None
-        self.attention_layers, self.last_sampled_rows = [], SampledRows([])
+        self.attention_layers, self.last_sampled_rows, self.logprobs_rows = [], SampledRows([]), []
         self.staging = self.readback = None
         if self.device.type == "cuda":
             gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now
@@ -280,10 +290,10 @@ class ModelRunner:
         return self.kv_layout.bytes_per_block
 
     # ---- one step -------------------------------------------------------------------------------
-    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
+    def prepare(self, batch: list[ScheduledSeq], plan: LogprobsPlan | None = None) -> StepInputs:
         """This step's inputs as host arrays (engine/step_inputs.py), for `to_device` to upload in one
         transfer per dtype. A pending input token is a placeholder there, filled on the device."""
-        return prepare_step(batch, self.block_size, self.last_sampled_rows)
+        return prepare_step(batch, self.block_size, self.last_sampled_rows, plan)
 
     def upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
         """`arrays` as `dtype` tensors on this rank's device: views of one transfer off the CPU."""
@@ -293,11 +303,15 @@ class ModelRunner:
             return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in arrays]
         return self.staging[dtype].upload(arrays)
 
-    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """input_ids, positions, attention metadata and logits rows as tensors on this rank's device."""
-        token_ids, positions, slots, logits_index, pending_rows, pending_sources = self.upload(
+    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                                                    list[torch.Tensor]]:
+        """input_ids, positions, attention metadata, logits rows, and the logprobs rows (sampled rows,
+        prompt rows, prompt targets; empty unless asked for) as tensors on this rank's device."""
+        (token_ids, positions, slots, logits_index, pending_rows, pending_sources,
+         *logprobs_rows) = self.upload(
             [step.token_ids, step.positions, step.slot_mapping, step.logits_index, step.pending_rows,
-             step.pending_sources], torch.int64)
+             step.pending_sources, step.sample_logprobs_rows, step.prompt_logits_index, step.prompt_token_ids],
+            torch.int64)
         starts, seq_lens, tables = self.upload([step.query_start_loc, step.seq_lens, step.block_tables], torch.int32)
         if step.pending_rows.size:
             token_ids[pending_rows] = self.last_sampled[pending_sources]
@@ -308,7 +322,7 @@ class ModelRunner:
             query_lens_cpu=step.query_lens.tolist(),
             seq_lens_cpu=step.seq_lens.tolist(),
         )
-        return token_ids, positions, meta, logits_index
+        return token_ids, positions, meta, logits_index, logprobs_rows
 
     def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
         """Each row's sampling parameters as device columns, uploaded without waiting for the device
@@ -340,43 +354,75 @@ class ModelRunner:
         host. On a GPU this returns while the device works; `collect` waits for the tokens."""
         if self.model is None:
             raise RuntimeError("this engine is closed; create a new LLM")
-        step = self.prepare(batch)
+        plan = logprobs_plan(batch)
+        step = self.prepare(batch, plan)
         if self.workers is None:
-            logits = self.execute(step)
+            logits, prompt_logprobs = self.execute(step)
         else:
             with self.workers.guard():
                 self.workers.send_step(step)
-                logits = self.execute(step)
-        if logits is None:
-            return LaunchedStep(batch, None, None)
-        sampling = [s for s in batch if s.samples]
-        tokens = self.sampler(logits, self.prepare_sampling(sampling))
-        self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
-        if self.readback is None:  # the CPU: the tokens are computed already
-            return LaunchedStep(batch, tokens, None)
+                logits, prompt_logprobs = self.execute(step)
+        sample_logprobs = tokens = None
+        if logits is not None:
+            sampling = [s for s in batch if s.samples]
+            tokens = self.sampler(logits, self.prepare_sampling(sampling))
+            self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
+            if plan is not None and plan.sample_rows.size:
+                sample_logprobs = self._sample_logprobs(logits, tokens, step)
+        if self.readback is None:  # the CPU: everything is computed already
+            return LaunchedStep(batch, tokens, None, plan, sample_logprobs, prompt_logprobs)
+        if plan is not None:  # copied before the event below, which then covers them too
+            sample_logprobs = sample_logprobs.to_host() if sample_logprobs is not None else None
+            prompt_logprobs = prompt_logprobs.to_host() if prompt_logprobs is not None else None
+        if tokens is None:  # only prefill chunks that sample nothing; maybe their prompt logprobs
+            ready = None
+            if prompt_logprobs is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+            return LaunchedStep(batch, None, ready, plan, None, prompt_logprobs)
         turn, self.readback_turn = self.readback_turn, 1 - self.readback_turn
         host = self.readback[turn][: len(tokens)]
         host.copy_(tokens, non_blocking=True)
         self.readback_done[turn].record(torch.cuda.current_stream(self.device))
-        return LaunchedStep(batch, host, self.readback_done[turn])
+        return LaunchedStep(batch, host, self.readback_done[turn], plan, sample_logprobs, prompt_logprobs)
+
+    def _sample_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, step: StepInputs) -> LogprobsTensors:
+        """The raw logprobs of the sampled tokens of the rows that asked, from the logits they were sampled from."""
+        if len(step.sample_logprobs_rows) < logits.shape[0]:  # only the rows that asked pay the log_softmax
+            rows = self.logprobs_rows[0]
+            logits, tokens = logits[rows], tokens[rows]
+        return gather_logprobs(logits, tokens, step.num_logprobs)
 
     def collect(self, launched: LaunchedStep) -> list[int]:
-        """The token sampled for each item of the launched step that samples; waits for the device.
+        """The token sampled for each item of the launched step that samples; waits for the device (after
+        which the step's logprobs, if any, are on the host too).
         Collect each step before launching the one after next: they share two host buffers."""
-        if launched.tokens is None:
-            return []
         if launched.ready is not None:
             launched.ready.synchronize()
-        return launched.tokens.tolist()
+        return [] if launched.tokens is None else launched.tokens.tolist()
 
-    def execute(self, step: StepInputs) -> torch.Tensor | None:
-        """This rank's forward pass of one step: the logits to sample on rank 0, else None.
+    def execute(self, step: StepInputs) -> tuple[torch.Tensor | None, LogprobsTensors | None]:
+        """This rank's forward pass of one step: on rank 0 the logits to sample (None if no row samples)
+        and the prompt logprobs asked for (None if none); (None, None) on the other ranks.
         Call it under torch.inference_mode(), as `launch` and the worker loop do."""
-        input_ids, positions, meta, logits_index = self.to_device(step)
+        input_ids, positions, meta, logits_index, self.logprobs_rows = self.to_device(step)
         hidden = self.forward(input_ids, positions, meta)
+        prompt_logprobs = self._prompt_logprobs(hidden, step) if step.prompt_logits_index.size else None
         if logits_index.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[logits_index])
+            return None, prompt_logprobs
+        return self.model.compute_logits(hidden[logits_index]), prompt_logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> LogprobsTensors | None:
+        """The logprobs of the prompt tokens at `step.prompt_logits_index`'s rows, computed a slice of
+        rows at a time. Every rank computes the logits with rank 0 (the head gathers across ranks)."""
+        _, rows, targets = self.logprobs_rows
+        per_slice = max(1, _PROMPT_LOGITS_FLOATS // self.vocab_size)
+        parts = []
+        for i in range(0, len(step.prompt_logits_index), per_slice):
+            logits = self.model.compute_logits(hidden[rows[i : i + per_slice]])
+            if logits is not None:
+                parts.append(gather_logprobs(logits, targets[i : i + per_slice], step.num_prompt_logprobs))
+        return LogprobsTensors.cat(parts) if parts else None
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this rank holds (a tied head counted once, unless packed apart)."""

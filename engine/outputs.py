@@ -18,6 +18,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     token_ids: list[int] = field(default_factory=list)  # all output tokens, once finished
+    # Asked-for logprobs (SamplingParams.logprobs): one {token_id: logprob} per token of new_token_ids
+    logprobs: list[dict[int, float]] | None = None
+    # SamplingParams.prompt_logprobs: None, then one dict per prompt token; in the request's first output only
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
 """Per-request sampling settings, with vLLM's names and meanings."""
 from dataclasses import dataclass, field
 
+# The most top tokens `logprobs` and `prompt_logprobs` may ask for: vLLM's default max_logprobs, and
+# OpenAI's top_logprobs limit. Each asked-for token costs a top-k over the vocabulary per row.
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -14,6 +18,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    # Log probabilities of the model's raw distribution (before temperature, penalties, top-k/p):
+    # per generated token, the sampled token and the `logprobs` most likely ones (0: the sampled one only)
+    logprobs: int | None = None
+    # per prompt token after the first, that token and the `prompt_logprobs` most likely ones
+    prompt_logprobs: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -29,6 +38,11 @@ class SamplingParams:
         check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
               f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS),
+                  f"{name} must be None (off) or an int from 0 to {MAX_LOGPROBS} (the top tokens to return "
+                  f"besides the chosen one), got {k!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check(all(isinstance(s, str) and s for s in stop), f"stop must be non-empty strings, got {self.stop!r}")
         self.stop_list = stop

@@ -44,6 +44,12 @@ class Sequence:
         self.prefix_offset = self.read_offset = 0  # detokenizer window over the output tokens
         self.num_emitted_chars = 0  # how much of output_text the caller has been given
         self.stream_text = True  # detokenize every step; off when only the final text is wanted
+        # Asked-for logprobs (SamplingParams.logprobs / prompt_logprobs), None when not asked. A prompt's
+        # list starts with None: its first token has nothing before it to be predicted from.
+        self.output_logprobs: list[dict[int, float]] | None = None if sampling_params.logprobs is None else []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None])
+        self.wants_logprobs = sampling_params.logprobs is not None or sampling_params.prompt_logprobs is not None
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens

@@ -1,14 +1,15 @@
 """One step's inputs as host arrays, built from the scheduled batch with numpy and no model.
 
 `prepare_step` gives the forward pass's inputs (token ids, positions, slot_mapping, the attention
-lengths and block tables, the rows whose logits get sampled); `sampling_columns` gives each
+lengths and block tables, the rows whose logits get sampled); `logprobs_plan` the rows whose
+logprobs some request asked for (None, and no work, when none did); `sampling_columns` gives each
 sampling parameter as a column, only where some row uses it. ModelRunner uploads both to the
 device. An input token that the previous step sampled and the host has not read yet
 (asynchronous scheduling) is a placeholder here: its row, and the row of the previous step's
 sampled tokens that holds it, tell the device where to fill it in from.
 """
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -32,6 +33,31 @@ class StepInputs:
     # Input tokens the previous step sampled and the host has not read yet (asynchronous scheduling):
     pending_rows: np.ndarray  # their rows in token_ids, filled on the device
     pending_sources: np.ndarray  # their rows in the previous step's sampled tokens
+    # Logprobs, for the requests that asked (see LogprobsPlan); empty for all others:
+    sample_logprobs_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # rows of logits_index
+    num_logprobs: int = 0  # top tokens to keep for them: the most any of them asked for
+    prompt_logits_index: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # rows giving prompt logprobs
+    prompt_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # the token each of those predicts
+    num_prompt_logprobs: int = 0
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+@dataclass
+class LogprobsPlan:
+    """Where a step's logprobs come from, for the requests in it that asked for some.
+
+    A prefill row at position p predicts token p + 1: rows of the prompt before its last token give
+    prompt logprobs (the last one's logits sample the first output token). `prompt_segments` says
+    which request and positions the prompt rows belong to, in row order."""
+
+    sample_rows: np.ndarray  # rows of the step's sampled tokens whose requests want logprobs
+    num_logprobs: int  # the most top tokens any of them asked for
+    prompt_rows: np.ndarray  # rows of the step's tokens whose logits give prompt logprobs
+    prompt_token_ids: np.ndarray  # the prompt token each prompt row predicts
+    num_prompt_logprobs: int  # the most top tokens any of their requests asked for
+    prompt_segments: list[tuple[Sequence, int, int]]  # (sequence, first position, number of rows)
 
 
 @dataclass
@@ -86,11 +112,46 @@ def rows_in_last_sampled(seqs: list[Sequence], sampled_rows: Mapping[int, int]) 
     return np.array(rows, np.int64)
 
 
-def prepare_step(batch: list[ScheduledSeq], block_size: int, sampled_rows: Mapping[int, int]) -> StepInputs:
+def logprobs_plan(batch: list[ScheduledSeq]) -> LogprobsPlan | None:
+    """The rows of this step whose logprobs are wanted; None (after one pass) when no request asked.
+
+    A prompt position whose logprobs the request already holds (it was preempted and is being
+    recomputed) is not asked for again."""
+    if not any(s.seq.wants_logprobs for s in batch):
+        return None
+    sample_rows, num_logprobs = [], 0
+    prompt_rows: list[int] = []
+    prompt_token_ids: list[int] = []
+    num_prompt_logprobs, segments = 0, []
+    row = sample = 0
+    for s in batch:
+        seq, params = s.seq, s.seq.sampling_params
+        if s.samples:
+            if params.logprobs is not None:
+                sample_rows.append(sample)
+                num_logprobs = max(num_logprobs, params.logprobs)
+            sample += 1
+        if seq.prompt_logprobs is not None:
+            start = seq.num_computed_tokens
+            first = max(start, len(seq.prompt_logprobs) - 1)
+            end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+            if first < end:
+                prompt_rows += range(row + first - start, row + end - start)
+                prompt_token_ids += seq.token_ids[first + 1 : end + 1]
+                num_prompt_logprobs = max(num_prompt_logprobs, params.prompt_logprobs)
+                segments.append((seq, first, end - first))
+        row += s.num_new_tokens
+    return LogprobsPlan(np.array(sample_rows, np.int64), num_logprobs, np.array(prompt_rows, np.int64),
+                        np.array(prompt_token_ids, np.int64), num_prompt_logprobs, segments)
+
+
+def prepare_step(batch: list[ScheduledSeq], block_size: int, sampled_rows: Mapping[int, int],
+                 plan: LogprobsPlan | None = None) -> StepInputs:
     """input_ids, positions, attention inputs and the rows whose logits get sampled, on the host.
 
     Built with numpy (a few microseconds per array, where small torch ops cost tens). `sampled_rows`:
-    where the last launched step's sampled tokens sit, by seq_id (read only for pending inputs)."""
+    where the last launched step's sampled tokens sit, by seq_id (read only for pending inputs).
+    `plan`: the step's logprobs rows (`logprobs_plan`), if any request asked."""
     bs = block_size
     num_seqs = len(batch)
     starts = np.fromiter((s.seq.num_computed_tokens for s in batch), np.int64, num_seqs)
@@ -121,9 +182,14 @@ def prepare_step(batch: list[ScheduledSeq], block_size: int, sampled_rows: Mappi
         pending_rows = query_start_loc[pending]
     slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
     sample_rows = [i for i, s in enumerate(batch) if s.samples]
-    return StepInputs(np.asarray(token_ids, np.int64), positions, slot_mapping, query_start_loc, query_lens,
+    step = StepInputs(np.asarray(token_ids, np.int64), positions, slot_mapping, query_start_loc, query_lens,
                       seq_lens, tables, query_start_loc[1:][sample_rows] - 1, pending_rows,
                       rows_in_last_sampled([batch[i].seq for i in pending], sampled_rows))
+    if plan is not None:
+        step.sample_logprobs_rows, step.num_logprobs = plan.sample_rows, plan.num_logprobs
+        step.prompt_logits_index, step.prompt_token_ids = plan.prompt_rows, plan.prompt_token_ids
+        step.num_prompt_logprobs = plan.num_prompt_logprobs
+    return step
 
 
 def sampling_columns(batch: list[ScheduledSeq], vocab_size: int, sampled_rows: Mapping[int, int]) -> SamplingColumns:

@@ -158,6 +158,9 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(client, server)
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400,
+     None),
 ])
 def test_bad_requests_get_openai_style_errors(server, body, status, code):
     r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
@@ -212,3 +215,94 @@ def test_metrics_use_vllm_names(server):
     for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running",
                  "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total"):
         assert f'{name}{{model_name="{MODEL}"}}' in text
+
+
+# ---- logprobs --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_llm(bundled_model):
+    from engine import LLM
+
+    return LLM(str(bundled_model), max_model_len=2048, num_kvcache_blocks=160)
+
+
+def chat_ids(bundled_model, messages: list[dict]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bundled_model)
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+
+
+def test_chat_logprobs_are_the_engines_with_the_top_tokens(client, bundled_model, reference_llm):
+    from engine import SamplingParams
+
+    messages = chat("Name a fruit.")
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
+                                           logprobs=True, top_logprobs=3)
+    expected = reference_llm.generate([chat_ids(bundled_model, messages)],
+                                      SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)[0]
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == len(expected["token_ids"])
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry, token, want in zip(content, expected["token_ids"], expected["logprobs"]):
+        assert entry.logprob == pytest.approx(want[token], abs=1e-4)
+        assert bytes(entry.bytes).decode() == entry.token
+        tops = entry.top_logprobs
+        assert len(tops) == 3 and [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert tops[0].token == entry.token and tops[0].logprob == pytest.approx(entry.logprob)  # greedy
+        assert sorted(t.logprob for t in tops) == pytest.approx(sorted(want.values())[-3:], abs=1e-4)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    assert plain.choices[0].logprobs is None
+
+
+def test_streamed_chat_logprobs_come_with_their_chunks(client):
+    kwargs = dict(model=MODEL, messages=chat("Name three colours."), temperature=0, max_tokens=16, logprobs=True,
+                  top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [entry for c in chunks if c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole.choices[0].logprobs.content]
+    with_text = [c for c in chunks if c.choices[0].delta.content]
+    assert len(with_text) > 3 and all(c.choices[0].logprobs is not None for c in with_text)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client, reference_llm):
+    from engine import SamplingParams
+
+    prompt = "The capital of France is Paris."
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = reply.choices[0]
+    ids = reference_llm.tokenizer.encode(prompt)
+    expected = reference_llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                                      use_tqdm=False)[0]["prompt_logprobs"]
+    lp = choice.logprobs
+    assert choice.text == prompt and reply.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert "".join(lp.tokens) == prompt
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([row[t] for row, t in zip(expected[1:], ids[1:])], abs=1e-4)
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2 and max(top.values()) <= 0
+
+
+def test_echo_of_token_ids_with_one_new_token_as_lm_eval_sends_it(server, reference_llm):
+    ids = reference_llm.tokenizer.encode("One, two, three, four")
+    r = httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"model": MODEL, "prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1,
+                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+    assert choice["text"] == reference_llm.tokenizer.decode(ids) + lp["tokens"][-1]
+    assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:])
+    assert max(lp["top_logprobs"][-1].values()) == pytest.approx(lp["token_logprobs"][-1])  # greedy: the top one
+
+
+@pytest.mark.parametrize("body", [{"logprobs": 21}, {"logprobs": -1}, {"max_tokens": 0}])
+def test_bad_logprobs_requests_are_refused(server, body):
+    r = httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                   json={"model": MODEL, "prompt": "hi", **body})
+    assert r.status_code == 400 and r.json()["error"]["message"]

@@ -10,6 +10,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.sampling_params import MAX_LOGPROBS
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
@@ -39,7 +41,6 @@ class RequestBody(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
 
     def check_supported(self) -> None:
         """Fields Pagoda would otherwise ignore: refuse them rather than answer something else."""
@@ -50,8 +51,6 @@ class RequestBody(BaseModel):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported; use repetition_penalty (vLLM's name) instead",
                                param=name)
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -77,12 +76,40 @@ class ChatMessage(BaseModel):
 class ChatCompletionBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: set logprobs to true as well", param="top_logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None when not asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(RequestBody):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
+    # 0 is allowed with echo: the prompt alone comes back, with its logprobs (how lm-evaluation-harness scores)
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 returns nothing without echo: set echo to true (to score the prompt) "
+                                "or ask for at least one token", param="max_tokens")
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo the prompt and generate nothing (max_tokens=0)."""
+        return self.echo and self.max_tokens == 0
 
 
 async def parse_body(request: Request, kind: type[RequestBody]) -> RequestBody:

@@ -11,12 +11,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from engine import EngineThread, RequestStream, SamplingParams
+from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from entrypoints.openai.protocol import APIError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 
 
@@ -88,11 +90,9 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
     async def completions(request: Request):
         async def handler():
             body = await parse_body(request, CompletionBody)
-            if body.echo or body.suffix:
-                raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
             model = served(body.model)
             prompt = body.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 if len(prompt) != 1:
                     raise APIError(400, "send one prompt per request (a list of several prompts is not supported)",
                                    param="prompt")
@@ -101,7 +101,12 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
                 token_ids = await anyio.to_thread.run_sync(model.engine.tokenize, prompt)
             else:
                 token_ids = list(prompt)
-            return await complete(request, model, body, token_ids, body.max_tokens, chat=False)
+            echo = None
+            if body.echo:
+                text = prompt if isinstance(prompt, str) else await anyio.to_thread.run_sync(
+                    model.engine.tokenizer.decode, token_ids)
+                echo = Echo(text, token_ids, only=body.echo_only)
+            return await complete(request, model, body, token_ids, body.max_tokens, chat=False, echo=echo)
         return await guarded(request, handler)
 
     return router
@@ -128,17 +133,39 @@ def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int |
                             f"{max_tokens} for "
                             f"the completion). Reduce the prompt or max_tokens.",
                        code="context_length_exceeded", param="max_tokens")
+    logprobs = prompt_logprobs = None
+    if isinstance(body, ChatCompletionBody):
+        logprobs = body.num_logprobs
+    elif isinstance(body, CompletionBody):
+        logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo else None
+        if body.echo_only:  # one token is generated (the engine always samples one) and left out of the reply
+            max_tokens = 1
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                               repetition_penalty=body.repetition_penalty, max_tokens=max_tokens or room,
-                              stop=body.stop, seed=body.seed)
+                              stop=body.stop, seed=body.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
 
+@dataclass
+class Echo:
+    """A completion's prompt, to put before its text (`echo`)."""
+
+    text: str
+    token_ids: list[int]
+    only: bool  # max_tokens=0: the prompt and nothing generated
+
+
+@lru_cache(maxsize=4)
+def token_texts(tokenizer) -> TokenTexts:
+    """One per tokenizer, so its cache of token texts lasts across requests."""
+    return TokenTexts(tokenizer)
+
+
 async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int],
-                   max_tokens: int | None,
-                   chat: bool) -> object:
+                   max_tokens: int | None, chat: bool, echo: Echo | None = None) -> object:
     engine = model.engine
     params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len)
     try:
@@ -147,7 +174,8 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
-    reply = Reply(model.name, chat, len(token_ids))
+    texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
+    reply = Reply(model.name, chat, len(token_ids), params.logprobs, texts, echo)
     if body.stream:
         return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -162,21 +190,50 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
 
 
 class Reply:
-    """Shapes engine increments into OpenAI's response objects and counts usage."""
+    """Shapes engine increments into OpenAI's response objects and counts usage.
 
-    def __init__(self, model_name: str, chat: bool, num_prompt_tokens: int):
+    `logprobs`: SamplingParams.logprobs (None: not asked), with `texts` to name the tokens; `echo`: a
+    completion's prompt, which comes first in its text (and its logprobs, when asked)."""
+
+    def __init__(self, model_name: str, chat: bool, num_prompt_tokens: int, logprobs: int | None = None,
+                 texts: TokenTexts | None = None, echo: Echo | None = None):
         self.model_name, self.chat = model_name, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = num_prompt_tokens, 0, 0
         self.finish_reason: str | None = None
+        self.logprobs, self.texts, self.echo = logprobs, texts, echo
+        self.token_ids: list[int] = []  # the reply's tokens, and their logprobs entries when asked
+        self.entries: list[dict[int, float]] = []
+        self.prompt_entries: list[dict[int, float] | None] | None = None
+        self.text_sent = 0  # characters of a streamed completion's text sent so far (its tokens' text_offset)
 
     def count(self, out) -> None:
-        self.completion_tokens += len(out.new_token_ids)
         self.cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_entries = out.prompt_logprobs
+        if self.echo is not None and self.echo.only:  # the token generated is not part of the reply
+            self.finish_reason = "length" if out.finished and out.finish_reason != "abort" else self.finish_reason
+            return
+        self.completion_tokens += len(out.new_token_ids)
+        self.token_ids += out.new_token_ids
+        self.entries += out.logprobs or []
         if out.finished and out.finish_reason in ("stop", "length"):
             self.finish_reason = out.finish_reason
+
+    def choice_logprobs(self, token_ids: list[int], entries: list, text_offset: int = 0) -> dict | None:
+        """`choices[i].logprobs` for these tokens in the route's shape; None when not asked."""
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": chat_logprobs(token_ids, entries, self.logprobs, self.texts)}
+        return completion_logprobs(token_ids, entries, self.texts, text_offset)
+
+    def echoed_prompt(self) -> tuple[list[int], list]:
+        """The echoed prompt's tokens and entries (None for the first; all None if logprobs were not asked)."""
+        ids = self.echo.token_ids
+        return ids, self.prompt_entries or [None] * len(ids)
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -184,20 +241,27 @@ class Reply:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def whole(self, text: str) -> dict:
+        ids, entries = self.token_ids, self.entries
+        if self.echo is not None:
+            prompt_ids, prompt_entries = self.echoed_prompt()
+            text = self.echo.text + ("" if self.echo.only else text)
+            ids, entries = prompt_ids + ids, prompt_entries + entries
+        logprobs = self.choice_logprobs(ids, entries)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": self.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model_name,
                 "choices": [choice], "usage": self.usage()}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object, "created": self.created,
                 "model": self.model_name, "choices": [choice]}
 
@@ -211,10 +275,21 @@ class Reply:
 
         if self.chat:
             yield event(self.chunk("", role=True))
+        echoed = self.echo is None
         async for out in stream:
             self.count(out)
-            if out.new_text:
-                yield event(self.chunk(out.new_text))
+            if not echoed:  # the prompt's logprobs come with the first output
+                echoed = True
+                yield event(self.chunk(self.echo.text, logprobs=self.choice_logprobs(*self.echoed_prompt())))
+                self.text_sent = len(self.echo.text)
+                if self.echo.only:
+                    continue
+            # A token whose text is held back (a partial character, a possible stop string) still
+            # brings its logprobs.
+            if out.new_text or (self.logprobs is not None and out.logprobs):
+                logprobs = self.choice_logprobs(out.new_token_ids, out.logprobs or [], self.text_sent)
+                yield event(self.chunk(out.new_text, logprobs=logprobs))
+                self.text_sent += len(out.new_text)
         yield event(self.chunk(None if self.chat else "", self.finish_reason))
         if include_usage:
             yield event({"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
