@@ -21,7 +21,15 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.distributed import check_tensor_parallel
-from engine.loader import checkpoint_dtype, pick_device, pick_dtype, resolve_model_path
+from engine.loader import (
+    GGUFCheckpoint,
+    check_not_prequantized,
+    checkpoint_dtype,
+    pick_device,
+    pick_dtype,
+    resolve_gguf,
+    resolve_model_path,
+)
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import EngineStats, KVBlock, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -36,12 +44,27 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config = EngineConfig.from_kwargs(str(model), **settings)
-        path = resolve_model_path(config.model)
-        hf_config = AutoConfig.from_pretrained(path)
+        gguf_path = resolve_gguf(config.model)
+        if gguf_path is not None:
+            # A GGUF file holds config, tokenizer and weights; the runner reads its tensors as they are.
+            path = gguf = GGUFCheckpoint.open(gguf_path)
+            if config.quantization is not None:
+                types = ", ".join(sorted(set(gguf.tensor_types().values())))
+                raise ValueError(f"{gguf_path.name} is already quantized ({types}); load it without "
+                                 f"quantization={config.quantization!r}")
+            if config.tensor_parallel_size > 1:
+                raise ValueError("GGUF files do not work with tensor_parallel_size > 1 yet; use one device")
+            hf_config, self.tokenizer = gguf.hf_config(), gguf.tokenizer()
+        else:
+            path = resolve_model_path(config.model)
+            hf_config = AutoConfig.from_pretrained(path)
+            check_not_prequantized(hf_config, path)
+            self.tokenizer = None
         from engine.models import model_class
 
         model_class(hf_config)  # fail on an unsupported architecture before loading anything
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         if config.dtype == "auto":
@@ -103,6 +126,8 @@ class LLMEngine:
     def _eos_token_ids(self, path, hf_config) -> set[int]:
         from transformers import GenerationConfig
 
+        if isinstance(path, GGUFCheckpoint):
+            return set(path.generation_eos_ids())
         ids = set()
         try:
             eos = GenerationConfig.from_pretrained(path).eos_token_id

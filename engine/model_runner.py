@@ -29,7 +29,7 @@ from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.linear import PackableLinear, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
 from engine.layers.sampler import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs
-from engine.loader import checkpoint_numel, load_weights, safetensors_files
+from engine.loader import GGUFCheckpoint, checkpoint_numel, load_tensors, load_weights, safetensors_files
 from engine.memory import check_host_memory
 from engine.models import model_class
 from engine.scheduler import ScheduledSeq
@@ -74,7 +74,8 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         torch.manual_seed(config.seed)
         self.packed_weights = device.type == "cpu" and can_pack_for_cpu(dtype)
-        self.quantized = config.quantization is not None
+        self.gguf = model_path if isinstance(model_path, GGUFCheckpoint) else None
+        self.quantized = config.quantization is not None or self.gguf is not None
         self._check_host_memory(model_path)
         self.model = self._load_model(model_path)
         self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
@@ -92,6 +93,10 @@ class ModelRunner:
         """On the CPU, refuse up front weights that would not fit in memory (nothing else would stop
         the load before the OOM killer)."""
         if self.device.type != "cpu":
+            return
+        if self.gguf is not None:
+            # 4-bit codes sit one per byte between reading and packing, one tensor at a time
+            check_host_memory(self.gguf.path.stat().st_size, "the model's weights", "use a smaller model or file")
             return
         # int8 codes take a byte; int4 half a byte plus a scale and offset per group
         per_weight = {None: self.dtype.itemsize, "int8": 1, "int4": 0.5 + 8 / self.config.quantization_group_size}
@@ -123,7 +128,10 @@ class ModelRunner:
             for module in model.modules():
                 if isinstance(module, RotaryEmbedding):
                     module.init_caches(self.device)
-        load_weights(model, model_path)
+        if self.gguf is not None:
+            load_tensors(model, self.gguf.tensors(), str(self.gguf.path))
+        else:
+            load_weights(model, model_path)
         if self.quantized:
             quantization.finalize(model, self.device, self.dtype, onednn=self.packed_weights)
         model.eval()

@@ -5,6 +5,7 @@ from engine.loader.gguf import SUPPORTED_TYPES as GGUF_SUPPORTED_TYPES
 from engine.loader.gguf import GGUFCheckpoint, resolve_gguf
 from engine.loader.weights import (
     HUB_PATTERNS,
+    check_not_prequantized,
     checkpoint_dtype,
     checkpoint_numel,
     cpu_has_fast_bf16,
@@ -16,6 +17,6 @@ from engine.loader.weights import (
     safetensors_files,
 )
 
-__all__ = ["GGUF_SUPPORTED_TYPES", "GGUFCheckpoint", "HUB_PATTERNS", "checkpoint_dtype", "checkpoint_numel",
-           "cpu_has_fast_bf16", "load_tensors", "load_weights", "pick_device", "pick_dtype", "resolve_gguf",
-           "resolve_model_path", "safetensors_files"]
+__all__ = ["GGUF_SUPPORTED_TYPES", "GGUFCheckpoint", "HUB_PATTERNS", "check_not_prequantized", "checkpoint_dtype",
+           "checkpoint_numel", "cpu_has_fast_bf16", "load_tensors", "load_weights", "pick_device", "pick_dtype",
+           "resolve_gguf", "resolve_model_path", "safetensors_files"]

@@ -32,6 +32,17 @@ def resolve_model_path(model: str) -> Path:
                            "Check the repo id and your connection, or pass a local folder.") from e
 
 
+def check_not_prequantized(hf_config, path: Path) -> None:
+    """Refuse a checkpoint quantized by another tool (GPTQ, AWQ, bitsandbytes...): its tensors are not
+    plain weights, and reading them as such would give garbage."""
+    method = getattr(hf_config, "quantization_config", None)
+    if method is not None:
+        name = method.get("quant_method", "unknown") if isinstance(method, dict) else type(method).__name__
+        raise ValueError(f"{path} holds weights already quantized with {name}, which Pagoda does not read; use the "
+                         "full-precision checkpoint (with quantization='int8' or 'int4' if it should be smaller) "
+                         "or a GGUF file")
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
