@@ -319,6 +319,7 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.model_runner.backend.name,
             matmul=self.model_runner.matmul_kind,
+            quantization=self.model_runner.weight_format,
             sampler=self.model_runner.sampler.kind,
             async_scheduling=self.async_scheduling,
             tensor_parallel_size=self.config.tensor_parallel_size,

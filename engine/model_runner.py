@@ -217,6 +217,15 @@ class ModelRunner:
         kind = "torch+triton-gemv" if any(self.gemv_layers_by_rows.values()) else "torch"
         return kind + (f" (norm fused into {self.normed_layers} projections)" if self.normed_layers else "")
 
+    @property
+    def weight_format(self) -> str:
+        """How the weights are stored, for stats(): "none", "int8", "int4 (groups of 64)", "GGUF Q4_1, Q8_0"."""
+        if self.gguf is not None:
+            return "GGUF " + quantization.weight_types(self.model)
+        if self.config.quantization == "int4":
+            return f"int4 (groups of {self.config.quantization_group_size})"
+        return self.config.quantization or "none"
+
     def _triton_matmuls_apply(self) -> bool:
         """Half precision on CUDA with Triton: float32 keeps cuBLAS, whose sums the exact-match
         tests against transformers rely on."""

@@ -43,7 +43,9 @@ class EngineStats:
     device: str  # "cpu", "cuda:0", ...
     dtype: str  # "float32", "bfloat16", ...
     attention_backend: str  # "torch", "triton" or "flash-attn"
-    matmul: str  # "onednn-packed", "torch", "torch+triton-gemv", with any fused norm projections
+    matmul: str  # "onednn-packed", "torch", "torch+triton-gemv", with any fused norm projections; quantized
+    # models list their kernels, e.g. "Int4PackMatmul x210, SplitInt4Matmul x1"
+    quantization: str  # how the weights are stored: "none", "int8", "int4 (groups of 64)", "GGUF Q4_1, Q8_0"
     sampler: str  # "compiled" (large GPU batches through torch.compile) or "eager"
     async_scheduling: bool  # the host plans step N+1 while the device runs step N
     tensor_parallel_size: int  # processes (GPUs) the model is split across

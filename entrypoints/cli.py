@@ -80,13 +80,13 @@ def resolve_api_key(api_key: str | None, exposed: bool) -> str | None:
 
 
 def default_model(model: str | None) -> tuple[str, str]:
-    """(what to load, the name to show): the given folder or repo id, else the bundled model
-    (prepared from its GGUF on first use)."""
+    """(what to load, the name to show): the given folder, file or repo id, else the bundled model's
+    GGUF file, served as it is."""
     if model:
         return model, Path(model.rstrip("/")).name or model
-    from engine.loader.bundled import MODEL_NAME, bundled_model_path
+    from engine.loader.bundled import MODEL_NAME, bundled_gguf_path
 
-    return str(bundled_model_path()), MODEL_NAME
+    return str(bundled_gguf_path()), MODEL_NAME
 
 
 def main(argv: list[str] | None = None) -> int:

