@@ -4,11 +4,12 @@
 
 Variants: `fp32` and `bf16` are the dequantized bundled model (the HF folder) at that dtype; `int8`
 and `int4` quantize it at load (`int4/gN`: groups of N columns); `gguf` serves the bundled
-Q4_1 file as it is; a path to another .gguf file serves that. Every ratio is against `fp32`,
+Q4_1 file as it is; a path to another .gguf file serves that. `@dtype` sets the activations'
+dtype (`int4@float32`); without it the engine's `auto` applies. Every ratio is against `fp32`,
 measured in the same run, so machines and loads compare. Decode is one request of
---decode tokens after a 32-token prompt (a warm-up request runs first); prefill is one
---prefill-token prompt that samples one token. State the CPU's flags next to the figures
-(the script prints them).
+--decode tokens after a 32-token prompt; prefill is one --prefill-token prompt that samples one
+token. All variants stay loaded (prefix caching off, so repeats recompute) and are measured in
+--rounds rounds; each keeps its best. State the CPU's flags next to the figures (printed).
 """
 import argparse
 import time
@@ -30,6 +31,10 @@ def cpu_flags() -> str:
 
 
 def load_settings(variant: str, folder: str, gguf: str) -> tuple[str, dict]:
+    if "@" in variant:  # activations' dtype, e.g. int4@float32
+        variant, dtype = variant.split("@")
+        model, settings = load_settings(variant, folder, gguf)
+        return model, {**settings, "dtype": dtype}
     if variant == "fp32":
         return folder, {"dtype": "float32"}
     if variant == "bf16":
@@ -45,28 +50,18 @@ def load_settings(variant: str, folder: str, gguf: str) -> tuple[str, dict]:
     return folder, settings
 
 
-def measure(model: str, settings: dict, decode: int, prefill: int) -> dict:
+def decode_rate(llm: LLM, tokens: int) -> float:
+    greedy = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
-    llm = LLM(model, **settings)
-    load = time.perf_counter() - start
-    try:
-        greedy = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)
-        prompt = list(range(1000, 1032))
-        llm.generate([prompt], greedy, use_tqdm=False)  # first calls pay one-time setup
-        start = time.perf_counter()
-        llm.generate([prompt], greedy, use_tqdm=False)
-        decode_s = time.perf_counter() - start
-        long_prompt = [1000 + i % 5000 for i in range(prefill)]
-        one = SamplingParams(temperature=0, max_tokens=1)
-        llm.generate([long_prompt[:64]], one, use_tqdm=False)
-        start = time.perf_counter()
-        llm.generate([long_prompt], one, use_tqdm=False)
-        prefill_s = time.perf_counter() - start
-        stats = llm.stats()
-        return {"bytes": sum(llm.parameter_bytes()), "decode": decode / decode_s, "prefill": prefill / prefill_s,
-                "load": load, "kernels": stats.matmul}
-    finally:
-        llm.close()
+    llm.generate([list(range(1000, 1032))], greedy, use_tqdm=False)
+    return tokens / (time.perf_counter() - start)
+
+
+def prefill_rate(llm: LLM, tokens: int) -> float:
+    prompt = [1000 + i % 5000 for i in range(tokens)]
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    return tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -75,6 +70,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rounds", type=int, default=3, help="measurements of each variant; the best counts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from engine.loader.bundled import bundled_gguf_path, bundled_model_path
@@ -84,17 +80,31 @@ def main() -> None:
     if variants[0] != "fp32":
         variants.insert(0, "fp32")  # the baseline every ratio divides by
     print(f"CPU flags: {cpu_flags()}; threads {args.threads}; torch {torch.__version__}")
-    rows, base = [], None
+    engines, loads = {}, {}
     for variant in variants:
         model, settings = load_settings(variant, folder, gguf)
-        result = measure(model, settings, args.decode, args.prefill)
-        base = base or result
-        rows.append((variant, result))
-        print(f"{variant:10s} {result['bytes'] / 2**20:8.1f} MiB ({result['bytes'] / base['bytes']:.2f}x)  "
-              f"decode {result['decode']:6.1f} tok/s ({result['decode'] / base['decode']:.2f}x)  "
-              f"prefill {result['prefill']:7.1f} tok/s ({result['prefill'] / base['prefill']:.2f}x)  "
-              f"load {result['load']:.1f} s  [{result['kernels']}]", flush=True)
-
+        start = time.perf_counter()
+        engines[variant] = LLM(model, enable_prefix_caching=False, **settings)
+        loads[variant] = time.perf_counter() - start
+        decode_rate(engines[variant], 8)  # first calls pay one-time setup
+        prefill_rate(engines[variant], 64)
+    # Rounds over every variant, keeping each one's best: a burst of load from elsewhere on the machine
+    # then costs one round of one variant, not a variant's whole figure.
+    decode, prefill = dict.fromkeys(variants, 0.0), dict.fromkeys(variants, 0.0)
+    for _ in range(args.rounds):
+        for variant, llm in engines.items():
+            decode[variant] = max(decode[variant], decode_rate(llm, args.decode))
+            prefill[variant] = max(prefill[variant], prefill_rate(llm, args.prefill))
+    base = variants[0]
+    weight_bytes = {v: sum(llm.parameter_bytes()) for v, llm in engines.items()}
+    for variant, llm in engines.items():
+        size = weight_bytes[variant]
+        print(f"{variant:14s} {size / 2**20:7.1f} MiB ({size / weight_bytes[base]:.2f}x)"
+              f"  decode {decode[variant]:6.1f} tok/s ({decode[variant] / decode[base]:.2f}x)"
+              f"  prefill {prefill[variant]:7.1f} tok/s ({prefill[variant] / prefill[base]:.2f}x)"
+              f"  load {loads[variant]:.1f} s  [{llm.stats().quantization}: {llm.stats().matmul}]")
+    for llm in engines.values():
+        llm.close()
 
 if __name__ == "__main__":
     main()

@@ -123,7 +123,8 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(default_dtype)
         if self.quantized:
-            quantization.quantize(model, self.config.quantization, self.config.quantization_group_size)
+            target = quantization.KernelTarget(self.device, self.dtype, onednn=self.packed_weights)
+            quantization.quantize(model, self.config.quantization, target, self.config.quantization_group_size)
             model.to_empty(device=self.device)
             for module in model.modules():
                 if isinstance(module, RotaryEmbedding):
@@ -133,7 +134,7 @@ class ModelRunner:
         else:
             load_weights(model, model_path)
         if self.quantized:
-            quantization.finalize(model, self.device, self.dtype, onednn=self.packed_weights)
+            quantization.finalize(model)
         model.eval()
         return model
 

@@ -53,6 +53,10 @@ class QuantizedWeight:
         codes = self.q.numel() // 2 if self.bits == 4 else self.q.numel()
         return codes + sum(t.numel() * t.element_size() for t in (self.scale, self.offset) if t is not None)
 
+    def to(self, device: torch.device) -> "QuantizedWeight":
+        return QuantizedWeight(self.bits, self.q.to(device), self.scale.to(device),
+                               None if self.offset is None else self.offset.to(device), self.group_size, self.source)
+
     def rows(self, start: int, count: int) -> "QuantizedWeight":
         """Rows [start, start + count): how tensor-parallel ranks and fused projections take their part."""
         cut = slice(start, start + count)

@@ -5,6 +5,8 @@ shard in another type: Q4_K_M files keep v_proj in Q6_K beside Q4_K q and k. So 
 collects its shards as they load, each full precision or a QuantizedWeight, and `finalize` gives
 every run of shards in one layout its own kernel (engine/quantization/kernels.py), measured.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +15,15 @@ from engine.quantization.kernels import DenseMatmul, Int8PackMatmul, choose_matm
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
 
 METHODS = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class KernelTarget:
+    """Where and how the swapped modules will run: their kernels are built as each layer loads."""
+
+    device: torch.device
+    dtype: torch.dtype  # the activations'
+    onednn: bool  # full-precision parts use oneDNN's packed weights (the CPU, where it takes the dtype)
 
 
 def quantize_tensor(w: torch.Tensor, method: str | None, group_size: int) -> torch.Tensor | QuantizedWeight:
@@ -42,12 +53,12 @@ class QuantizedLinear(nn.Module):
     quantized (GGUF) is kept as it is."""
 
     def __init__(self, in_features: int, shard_rows: list[int], bias: nn.Parameter | None, method: str | None,
-                 group_size: int):
+                 group_size: int, target: KernelTarget):
         super().__init__()
         self.in_features, self.shard_rows = in_features, shard_rows
         self.out_features = sum(shard_rows)
         self.output_sizes = shard_rows
-        self.method, self.group_size = method, group_size
+        self.method, self.group_size, self.target = method, group_size, target
         self.bias = bias
         self.pending: dict[int, torch.Tensor | QuantizedWeight] = {}
         self.parts = nn.ModuleList()
@@ -63,9 +74,13 @@ class QuantizedLinear(nn.Module):
             if self.method is not None:
                 raise ValueError(f"this checkpoint is already quantized ({loaded.source}); load it without "
                                  f"quantization={self.method!r}")
-            self.pending[index] = loaded
-        else:
-            self.pending[index] = quantize_tensor(loaded, self.method, self.group_size)
+            self.pending[index] = loaded.to(self.target.device)
+        else:  # quantized where it will run: a GPU does it in a blink
+            self.pending[index] = quantize_tensor(loaded.to(self.target.device), self.method, self.group_size)
+        if len(self.pending) == len(self.shard_rows):
+            # Kernels pack the codes tighter than the loader's one code per byte: pack each layer as soon
+            # as it is whole, so the loose codes of only one layer ever exist at a time.
+            self.finalize()
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
         """A bias shard (weights come through `load_quantizable`)."""
@@ -80,10 +95,11 @@ class QuantizedLinear(nn.Module):
 
     @property
     def loaded(self) -> bool:
-        return len(self.pending) == len(self.shard_rows)
+        return len(self.parts) > 0
 
-    def finalize(self, device: torch.device, dtype: torch.dtype, onednn: bool) -> None:
+    def finalize(self) -> None:
         """Build the kernels over the loaded shards; the shards themselves are then dropped."""
+        device, dtype = self.target.device, self.target.dtype
         shards = [self.pending[i] for i in range(len(self.shard_rows))]
         runs: list[list] = []
         for w in shards:
@@ -93,12 +109,9 @@ class QuantizedLinear(nn.Module):
                 runs.append([w])
         for run in runs:
             if isinstance(run[0], QuantizedWeight):
-                qw = _concat(run)
-                qw = QuantizedWeight(qw.bits, qw.q.to(device), qw.scale.to(device),
-                                     None if qw.offset is None else qw.offset.to(device), qw.group_size, qw.source)
-                self.parts.append(choose_matmul(qw, device, dtype))
+                self.parts.append(choose_matmul(_concat(run), device, dtype))
             else:
-                self.parts.append(DenseMatmul(torch.cat(run).to(device), dtype, onednn))
+                self.parts.append(DenseMatmul(torch.cat(run).to(device), dtype, self.target.onednn))
         self.pending = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,10 +132,11 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """Token embedding whose table stays quantized; looked-up rows are dequantized."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, method: str | None, group_size: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, method: str | None, group_size: int,
+                 target: KernelTarget):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.method, self.group_size = method, group_size
+        self.method, self.group_size, self.target = method, group_size, target
         self.dtype = torch.float32
         self.bits = 0  # 0: a full-precision table in `table`
         self.table = self.scale = self.offset = None
@@ -139,7 +153,8 @@ class QuantizedEmbedding(nn.Module):
         if isinstance(loaded, QuantizedWeight) and self.method is not None:
             raise ValueError(f"this checkpoint is already quantized ({loaded.source}); load it without "
                              f"quantization={self.method!r}")
-        w = loaded if isinstance(loaded, QuantizedWeight) else quantize_tensor(loaded, self.method, self.group_size)
+        w = loaded if isinstance(loaded, QuantizedWeight) else quantize_tensor(loaded.to(self.target.device),
+                                                                                self.method, self.group_size)
         if isinstance(w, QuantizedWeight):
             self.bits, self.group_size, self.source = w.bits, w.group_size, w.source
             self.table = pack_nibbles(w.q) if w.bits == 4 else w.q
@@ -147,16 +162,16 @@ class QuantizedEmbedding(nn.Module):
         else:
             self.table = w
 
-    def finalize(self, device: torch.device, dtype: torch.dtype, head: nn.Module | None = None) -> None:
-        """Move the table to `device`. With a tied `head` whose one kernel holds per-row int8 codes, look
+    def finalize(self, head: nn.Module | None = None) -> None:
+        """Move the table to its device. With a tied `head` whose one kernel holds per-row int8 codes, look
         rows up in the head's codes instead, so a tied int8 table is stored once."""
-        self.dtype = dtype
+        device, self.dtype = self.target.device, self.target.dtype
         shared = head is not None and len(head.parts) == 1 and isinstance(head.parts[0], Int8PackMatmul)
         if shared and self.bits == 8 and self.offset is None and self.group_size >= self.embedding_dim:
             kernel = head.parts[0]
             self.table, self.scale = kernel.codes, kernel.scale.float()[:, None]
             return
-        self.table = self.table.to(device) if self.bits else self.table.to(device, dtype)
+        self.table = self.table.to(device) if self.bits else self.table.to(device, self.dtype)
         self.scale = None if self.scale is None else self.scale.to(device)
         self.offset = None if self.offset is None else self.offset.to(device)
 

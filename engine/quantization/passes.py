@@ -13,7 +13,7 @@ from torch import nn
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.quantization.kernels import DenseMatmul, QuantizedMatmul
-from engine.quantization.modules import METHODS, QuantizedEmbedding, QuantizedLinear
+from engine.quantization.modules import METHODS, KernelTarget, QuantizedEmbedding, QuantizedLinear
 
 DEFAULT_GROUP_SIZE = 64  # chosen by measurement: bench/RESULTS.md, "int4 group size"
 
@@ -23,19 +23,22 @@ def check_method(method: str | None) -> None:
         raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
 
 
-def quantize(model: nn.Module, method: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+def quantize(model: nn.Module, method: str | None, target: KernelTarget,
+             group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
     """Swap the modules in place (and return the model). `method` None keeps full-precision tensors as
-    they are and takes quantized ones (a GGUF file's) as they come."""
+    they are and takes quantized ones (a GGUF file's) as they come. Each linear layer builds its
+    kernels for `target` as soon as its tensors have loaded."""
     check_method(method)
     for name, module in list(model.named_modules()):
+        bias = getattr(module, "bias", None)
         if isinstance(module, ParallelLMHead):
-            swapped = QuantizedLinear(module.embedding_dim, [module.num_embeddings], None, method, group_size)
+            swapped = QuantizedLinear(module.embedding_dim, [module.num_embeddings], None, method, group_size, target)
         elif isinstance(module, VocabParallelEmbedding):
-            swapped = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, method, group_size)
+            swapped = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, method, group_size, target)
         elif isinstance(module, ColumnParallelLinear):
-            swapped = QuantizedLinear(module.in_features, module.output_sizes, module.bias, method, group_size)
+            swapped = QuantizedLinear(module.in_features, module.output_sizes, bias, method, group_size, target)
         elif isinstance(module, RowParallelLinear):
-            swapped = QuantizedLinear(module.in_features, [module.out_features], module.bias, method, group_size)
+            swapped = QuantizedLinear(module.in_features, [module.out_features], bias, method, group_size, target)
         else:
             continue
         parent, _, attr = name.rpartition(".")
@@ -47,16 +50,13 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in model.modules())
 
 
-def finalize(model: nn.Module, device: torch.device, dtype: torch.dtype, onednn: bool) -> None:
-    """Give every quantized module its kernels, once all its tensors have loaded. The LM head goes
-    before the embedding, which may then share a tied head's codes."""
-    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    for module in linears:
-        module.finalize(device, dtype, onednn)
+def finalize(model: nn.Module) -> None:
+    """Once every tensor has loaded: the linear layers have built their kernels already; the embedding
+    goes last, so that it may share a tied head's codes."""
     head = getattr(model, "lm_head", None) if getattr(model, "tie_word_embeddings", False) else None
     for module in model.modules():
         if isinstance(module, QuantizedEmbedding):
-            module.finalize(device, dtype, head)
+            module.finalize(head)
 
 
 def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
