@@ -146,7 +146,9 @@ class Int8PackMatmul(QuantizedMatmul):
 
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
-        return device.type == "cpu" and qw.bits == 8 and qw.group_size >= qw.shape[1] and qw.offset is None
+        # The kernel reads K in steps of 16 with no tail: other K give garbage or a segfault (torch 2.13 CPU).
+        return (device.type == "cpu" and qw.bits == 8 and qw.group_size >= qw.shape[1] and qw.offset is None
+                and qw.shape[1] % 16 == 0)
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
         super().__init__(qw)

@@ -32,6 +32,8 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         if self.bits not in BITS:
             raise ValueError(f"a quantized weight has 4 or 8 bits, not {self.bits}")
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size must be a whole number >= 1, got {self.group_size!r}")
         if self.q.dim() != 2:
             raise ValueError(f"quantized codes must be a matrix, got shape {tuple(self.q.shape)}")
         expected_dtype = torch.uint8 if self.bits == 4 else torch.int8
