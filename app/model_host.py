@@ -46,6 +46,9 @@ def resolve_model(choice: str | None, downloaded: dict[str, Path] | None = None)
     gguf = entry.gguf_file if entry is not None and entry.is_gguf else ""
     if downloaded is None:
         return (f"{entry.repo_id}/{gguf}" if gguf else choice), choice
+    parts = choice.split("/")
+    if entry is None and len(parts) >= 3 and choice.lower().endswith(".gguf"):  # a hub file: owner/repo/file.gguf
+        choice, gguf = "/".join(parts[:2]), "/".join(parts[2:])
     if choice not in downloaded:
         raise RuntimeError(f"{choice} is not downloaded yet: press Download first.")
     target = Path(downloaded[choice])

@@ -171,6 +171,9 @@ def test_a_gguf_download_fetches_only_the_chosen_file_and_loads_from_it(manager,
     # any other repo by the one GGUF its snapshot holds.
     downloaded = {m.repo_id: m.load_path for m in manager.local_models()}
     assert resolve_model(GGUF_REPO, downloaded) == (str(model.load_path), GGUF_REPO)
+    assert resolve_model(f"{GGUF_REPO}/{Q4}", downloaded) == (str(model.load_path), GGUF_REPO)  # typed as a hub file
+    with pytest.raises(RuntimeError, match=f"its file {Q8} is not downloaded yet"):
+        resolve_model(f"{GGUF_REPO}/{Q8}", downloaded)
     entry = catalog.CatalogEntry(repo_id=GGUF_REPO, params=10**6, checkpoint_dtype="bfloat16", download_bytes=size,
                                  num_hidden_layers=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
                                  gguf_file=Q4, gguf_type="Q4_K_M")
