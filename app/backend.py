@@ -53,6 +53,8 @@ class Backend(Protocol):
     model: str  # the served model's name
     models: list[str]  # every model it could serve (a server may have several)
     url: str | None  # a server's API address; None for the embedded engine
+    quantization: str  # how the weights are stored when not at full precision ("GGUF Q4_K, Q6_K", "int4 (groups
+    # of 64)"); "" when they are not quantized or only a server knows
 
     def submit(self, messages: list[dict], settings: dict) -> tuple[ReplyStream, int]:
         """Start the assistant's reply to `messages` (system prompt included) with the chat's sampling
@@ -125,6 +127,8 @@ class LocalBackend:
 
     def __init__(self, engine: EngineThread, label: str):
         self.engine, self.label, self.model, self.models = engine, label, label, [label]
+        weights = engine.stats().quantization  # fixed at load: read once, not at every header refresh
+        self.quantization = "" if weights == "none" else weights
         self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
 
     def submit(self, messages: list[dict], settings: dict) -> tuple[LocalReplyStream, int]:

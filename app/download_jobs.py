@@ -2,9 +2,13 @@
 
 Downloads go through `huggingface_hub.snapshot_download` with the engine's own file patterns
 (`engine.loader.HUB_PATTERNS`), into the standard HF cache unless a folder is given, so a model downloaded here is
-the same files `LLM("org/name")` would load. Each job runs in its own thread; the UI polls `jobs()`. The cache
-itself (listing, completeness, delete) is `app.hub_cache`, and the sentences for hub failures are `app.hub_errors`;
-`DownloadManager.local_models()` and `delete()` wrap the cache functions so that they take running jobs into account.
+the same files `LLM("org/name")` would load. A GGUF repo holds one file per quantization, each the size of a whole
+model: a job for one (`start(repo, gguf_file=...)`) fetches that file only, through the same snapshot_download
+call (so progress and cancel work the same), and sizes and the disk check count that file alone.
+
+Each job runs in its own thread; the UI polls `jobs()`. The cache itself (listing, completeness, delete) is
+`app.hub_cache`, and the sentences for hub failures are `app.hub_errors`; `DownloadManager.local_models()` and
+`delete()` wrap the cache functions so that they take running jobs into account.
 
 How byte progress is obtained: `snapshot_download(tqdm_class=...)` gets a tqdm subclass made for the job.
 huggingface_hub 2.4 (checked against its source) builds two aggregate *byte* bars from that class (unit "B": bytes
@@ -69,13 +73,14 @@ class DownloadJob:
 
     id: str
     repo_id: str
+    gguf_file: str = ""             # the one GGUF file this job fetches ("": the repo's engine files)
     status: str = "queued"          # queued, running, done, cancelled, error
     bytes_done: int = 0
     bytes_total: int = 0            # 0 until the size is known
     speed: float = 0.0              # bytes/s, smoothed
     eta_s: float | None = None
     error: str | None = None        # a sentence for the user when status == "error"
-    path: str | None = None         # the snapshot folder when status == "done"
+    path: str | None = None         # when status == "done": the snapshot folder, or the GGUF file
     started_at: float = 0.0
     finished_at: float | None = None
     cancel_requested: bool = False
@@ -94,7 +99,7 @@ class DiskCheck:
     """What the UI shows before a download starts."""
 
     repo_id: str
-    size_bytes: int                 # files the download takes (engine patterns only)
+    size_bytes: int                 # files the download takes (engine patterns, or the one GGUF file)
     needed_bytes: int               # minus what the cache already holds
     free_bytes: int
     fits: bool
@@ -191,7 +196,7 @@ class DownloadManager:
         self.use_xet = use_xet
         self._jobs: dict[str, _JobState] = {}
         self._lock = threading.Lock()
-        self._sizes: dict[str, _RepoFiles] = {}
+        self._sizes: dict[tuple[str, str], _RepoFiles] = {}  # (repo id, GGUF file or "") -> its files
         self._byte_bars = True  # tests turn this off to exercise the on-disk fallback
 
     # ---- where things are -------------------------------------------------------------------------------------
@@ -218,14 +223,23 @@ class DownloadManager:
 
         return HfApi(endpoint=self.endpoint, token=self.token)
 
-    def _repo_files(self, repo_id: str, refresh: bool = False) -> _RepoFiles:
-        if not refresh and repo_id in self._sizes:
-            return self._sizes[repo_id]
+    def _repo_files(self, repo_id: str, refresh: bool = False, gguf_file: str = "") -> _RepoFiles:
+        key = (repo_id, gguf_file)
+        if not refresh and key in self._sizes:
+            return self._sizes[key]
         from huggingface_hub.utils import filter_repo_objects
 
         info = self._api().model_info(repo_id, files_metadata=True)
-        siblings = list(filter_repo_objects(info.siblings or [], allow_patterns=HUB_PATTERNS,
-                                            key=lambda s: s.rfilename))
+        if gguf_file:
+            siblings = [s for s in info.siblings or [] if s.rfilename == gguf_file]
+            if not siblings:
+                others = sorted(s.rfilename for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf"))
+                listing = f" It holds {', '.join(others)}." if others else " It holds no GGUF file."
+                raise DownloadError(f"{repo_id} has no file {gguf_file}.{listing} Pick one of those, or check "
+                                    "the name on the repo's Hugging Face page.")
+        else:
+            siblings = list(filter_repo_objects(info.siblings or [], allow_patterns=HUB_PATTERNS,
+                                                key=lambda s: s.rfilename))
         files = []
         for s in siblings:
             lfs = getattr(s, "lfs", None)
@@ -233,21 +247,24 @@ class DownloadManager:
             blob = (lfs.sha256 if lfs is not None else None) or getattr(s, "blob_id", None) or ""
             files.append((s.rfilename, int(size or 0), blob))
         result = _RepoFiles(sum(f[1] for f in files), files, info.sha)
-        self._sizes[repo_id] = result
+        self._sizes[key] = result
         return result
 
-    def repo_files_size(self, repo_id: str) -> int:
-        """Bytes a download of `repo_id` takes (only the files the engine uses). Raises DownloadError."""
+    def repo_files_size(self, repo_id: str, gguf_file: str = "") -> int:
+        """Bytes a download of `repo_id` takes (only the files the engine uses, or only `gguf_file`).
+        Raises DownloadError."""
         _check_repo_id(repo_id)
         try:
-            return self._repo_files(repo_id, refresh=True).size_bytes
+            return self._repo_files(repo_id, refresh=True, gguf_file=gguf_file).size_bytes
+        except DownloadError:
+            raise
         except Exception as e:
             raise DownloadError(explain_error(e, repo_id, self.endpoint)) from e
 
-    def check_disk(self, repo_id: str, size_bytes: int | None = None) -> DiskCheck:
+    def check_disk(self, repo_id: str, size_bytes: int | None = None, gguf_file: str = "") -> DiskCheck:
         """Size of the download, free disk, and whether it fits. Raises DownloadError when the hub cannot say."""
-        size = self.repo_files_size(repo_id) if size_bytes is None else int(size_bytes)
-        cached = self._cached_bytes(repo_id) if repo_id in self._sizes else 0
+        size = self.repo_files_size(repo_id, gguf_file) if size_bytes is None else int(size_bytes)
+        cached = self._cached_bytes(repo_id, gguf_file) if (repo_id, gguf_file) in self._sizes else 0
         return self._disk_check(repo_id, size, max(0, size - cached))
 
     def _disk_check(self, repo_id: str, size: int, needed: int) -> DiskCheck:
@@ -286,19 +303,23 @@ class DownloadManager:
 
     # ---- jobs -------------------------------------------------------------------------------------------------
 
-    def start(self, repo_id: str) -> str:
-        """Start downloading `repo_id` in the background and return the job id.
+    def start(self, repo_id: str, gguf_file: str = "") -> str:
+        """Start downloading `repo_id` (only its file `gguf_file`, when given) in the background and return the
+        job id.
 
-        A job already active for the same repo is returned instead of a second one. Problems (no connection, gated
-        or missing repo, not enough disk) never raise here: the job ends with status "error" and a sentence in
-        `error`. Only a malformed repo id raises ValueError."""
-        repo_id = repo_id.strip()
+        A job already active for the same repo and file is returned instead of a second one. Problems (no
+        connection, gated or missing repo or file, not enough disk) never raise here: the job ends with status
+        "error" and a sentence in `error`. Only a malformed repo id or file name raises ValueError."""
+        repo_id, gguf_file = repo_id.strip(), (gguf_file or "").strip()
         _check_repo_id(repo_id)
+        if gguf_file and not gguf_file.lower().endswith(".gguf"):
+            raise ValueError(f"{gguf_file!r} is not a GGUF file name; it looks like 'Qwen3-8B-Q4_K_M.gguf'")
         with self._lock:
             for state in self._jobs.values():
-                if state.job.repo_id == repo_id and state.job.active and not state.cancel.is_set():
-                    return state.job.id
-            job = DownloadJob(id=uuid.uuid4().hex[:12], repo_id=repo_id, started_at=time.time())
+                job = state.job
+                if (job.repo_id, job.gguf_file) == (repo_id, gguf_file) and job.active and not state.cancel.is_set():
+                    return job.id
+            job = DownloadJob(id=uuid.uuid4().hex[:12], repo_id=repo_id, gguf_file=gguf_file, started_at=time.time())
             state = _JobState(job, storage=self.storage_folder(repo_id))
             self._jobs[job.id] = state
         state.thread = threading.Thread(target=self._run, args=(state,), name=f"download-{repo_id}", daemon=True)
@@ -367,8 +388,8 @@ class DownloadManager:
     def _run(self, state: _JobState) -> None:
         job = state.job
         try:
-            files = self._repo_files(job.repo_id, refresh=True)
-            state.cached_bytes = self._cached_bytes(job.repo_id)
+            files = self._repo_files(job.repo_id, refresh=True, gguf_file=job.gguf_file)
+            state.cached_bytes = self._cached_bytes(job.repo_id, job.gguf_file)
             state.disk_baseline = folder_bytes(state.storage / "blobs") if state.storage else 0
             with state.lock:
                 job.bytes_total = files.size_bytes
@@ -390,19 +411,25 @@ class DownloadManager:
                 constants.DOWNLOAD_CHUNK_SIZE = _PROGRESS_CHUNK  # process-wide, read at each chunk loop
             if not self.use_xet:
                 constants.HF_HUB_DISABLE_XET = True  # read at each file (utils.is_xet_available)
+            # A GGUF job names its one file: a literal pattern (fnmatch would read [ ] in a name as a set).
+            patterns = [_literal(job.gguf_file)] if job.gguf_file else HUB_PATTERNS
             path = snapshot_download(
-                job.repo_id, allow_patterns=HUB_PATTERNS, cache_dir=self.cache_dir, endpoint=self.endpoint,
+                job.repo_id, allow_patterns=patterns, cache_dir=self.cache_dir, endpoint=self.endpoint,
                 token=self.token, max_workers=self.max_workers, tqdm_class=self._bar_class(state),
             )
-            if state.cancel.is_set() and not snapshot_complete(Path(path), state.storage):
+            complete = (Path(path, job.gguf_file).is_file() if job.gguf_file
+                        else snapshot_complete(Path(path), state.storage))
+            if state.cancel.is_set() and not complete:
                 raise _Cancelled()
-            if not snapshot_complete(Path(path), state.storage):
+            if not complete:
                 self._finish(state, "error", error=f"The download of {job.repo_id} ended without all of its files; "
                                                    "start it again to resume.")
                 return
-            self._finish(state, "done", path=str(path))
+            self._finish(state, "done", path=str(Path(path, job.gguf_file) if job.gguf_file else path))
         except _Cancelled:
             self._finish(state, "cancelled")
+        except DownloadError as e:  # already a sentence for the user (a GGUF file the repo lacks)
+            self._finish(state, "error", error=str(e))
         except BaseException as e:  # noqa: BLE001 - every failure becomes the job's message
             if state.cancel.is_set():
                 self._finish(state, "cancelled")
@@ -469,8 +496,8 @@ class DownloadManager:
         grown = folder_bytes(state.storage / "blobs") - state.disk_baseline
         state.set_done(state.cached_bytes + max(0, grown))
 
-    def _cached_bytes(self, repo_id: str) -> int:
-        files = self._sizes.get(repo_id)
+    def _cached_bytes(self, repo_id: str, gguf_file: str = "") -> int:
+        files = self._sizes.get((repo_id, gguf_file))
         blobs = self.storage_folder(repo_id) / "blobs"
         if files is None or not blobs.is_dir():
             return 0
@@ -479,7 +506,7 @@ class DownloadManager:
     # ---- the local cache --------------------------------------------------------------------------------------
 
     def local_models(self, include_partial: bool = False) -> list[LocalModel]:
-        """Models in the cache that have a config.json, newest snapshot per repo, sorted by repo id.
+        """Models in the cache (a config.json or a GGUF file), newest snapshot per repo, sorted by repo id.
 
         An interrupted download is listed only with `include_partial=True` (with complete=False); a repo with
         an active job counts as partial."""
@@ -498,7 +525,8 @@ class DownloadManager:
             if state.thread is not None:
                 state.thread.join(30)
         freed = hub_cache.delete_repo(self.cache_path, repo_id)
-        self._sizes.pop(repo_id, None)
+        for key in [k for k in self._sizes if k[0] == repo_id]:
+            del self._sizes[key]
         return freed
 
 
@@ -507,6 +535,11 @@ class DownloadManager:
 def _check_repo_id(repo_id: str) -> None:
     if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id.strip()):
         raise ValueError(f"{repo_id!r} is not a hub repo id; it looks like 'Qwen/Qwen3-0.6B'")
+
+
+def _literal(name: str) -> str:
+    """An fnmatch pattern that matches exactly `name`."""
+    return re.sub(r"([\[\]*?])", r"[\1]", name)
 
 
 def _gib(n: int) -> str:

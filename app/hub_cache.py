@@ -5,6 +5,10 @@ same files `LLM("org/name")` would load. A download that was cancelled or failed
 cache (the next download reuses them) but the snapshot lacks weights: `local_models()` lists only complete snapshots
 (`include_partial=True` shows the rest), and `delete_repo()` removes partial repos too.
 
+A GGUF repo is downloaded one file at a time (the quantization the user picked): its snapshot holds that file and
+no config.json. huggingface_hub links a file into the snapshot only once it is whole, so a snapshot with a .gguf
+in it is a complete model.
+
 These functions know nothing about running downloads; `app.download_jobs.DownloadManager` wraps them so that a repo
 being downloaded counts as partial and is cancelled before it is deleted.
 """
@@ -21,7 +25,7 @@ from pathlib import Path
 from engine.loader import HUB_PATTERNS
 
 __all__ = ["LocalModel", "default_cache_path", "repo_folder", "local_models", "delete_repo", "snapshot_complete",
-           "folder_bytes"]
+           "gguf_files", "folder_bytes"]
 
 
 @dataclass
@@ -32,6 +36,15 @@ class LocalModel:
     complete: bool = True           # False: an interrupted download (listed only with include_partial=True)
     revision: str = ""              # commit hash of the snapshot
     architectures: tuple[str, ...] = ()
+    gguf_files: tuple[str, ...] = ()  # GGUF files in the snapshot, relative to it (a GGUF repo's downloads)
+
+    @property
+    def load_path(self) -> Path:
+        """What LLM(...) takes: the snapshot folder, or its GGUF file when it holds exactly one and no
+        Hugging Face model (config.json) beside it."""
+        if len(self.gguf_files) == 1 and not (self.path / "config.json").is_file():
+            return self.path / self.gguf_files[0]
+        return self.path
 
 
 def default_cache_path() -> Path:
@@ -47,7 +60,7 @@ def repo_folder(cache_path: Path, repo_id: str) -> Path:
 
 
 def local_models(cache_path: Path, include_partial: bool = False, busy: Collection[str] = ()) -> list[LocalModel]:
-    """Models in the cache that have a config.json, newest snapshot per repo, sorted by repo id.
+    """Models in the cache that have a config.json or a GGUF file, newest snapshot per repo, sorted by repo id.
 
     An interrupted download is listed only with `include_partial=True` (with complete=False); so is a repo in
     `busy`, because its files are still arriving."""
@@ -63,13 +76,14 @@ def local_models(cache_path: Path, include_partial: bool = False, busy: Collecti
             continue
         revision = _newest_revision(repo)
         path = Path(revision.snapshot_path)
-        if not (path / "config.json").is_file():
+        ggufs = gguf_files(path)
+        if not (path / "config.json").is_file() and not ggufs:
             continue
         complete = repo.repo_id not in busy and snapshot_complete(path, Path(repo.repo_path))
         if not complete and not include_partial:
             continue
         models.append(LocalModel(repo.repo_id, path, int(repo.size_on_disk), complete, revision.commit_hash,
-                                 _architectures(path)))
+                                 _architectures(path), ggufs))
     if include_partial:  # repos cut off before their first file finished have no snapshot to scan
         listed = {m.repo_id for m in models}
         for folder in sorted(cache_path.glob("models--*--*")):
@@ -104,10 +118,13 @@ def delete_repo(cache_path: Path, repo_id: str) -> int:
 
 
 def snapshot_complete(path: Path, storage: Path | None) -> bool:
-    """Whether a snapshot folder holds a whole model: config.json, every weight shard, and, when huggingface_hub
-    cached the commit's file listing (trees/<commit>.json, 2.x), every listed file the engine patterns select.
+    """Whether a snapshot folder holds a whole model: a GGUF file, or config.json, every weight shard, and, when
+    huggingface_hub cached the commit's file listing (trees/<commit>.json, 2.x), every listed file the engine
+    patterns select.
 
     `storage` is the repo folder (see `repo_folder`); None skips the file-listing check."""
+    if not any(path.glob("*.safetensors")) and gguf_files(path):
+        return True
     if not (path / "config.json").is_file():
         return False
     index = path / "model.safetensors.index.json"
@@ -131,6 +148,13 @@ def snapshot_complete(path: Path, storage: Path | None) -> bool:
         except (OSError, ValueError, AttributeError):
             pass
     return True
+
+
+def gguf_files(path: Path) -> tuple[str, ...]:
+    """The GGUF files under a snapshot folder (they may sit in subfolders of the repo), relative to it."""
+    if not path.is_dir():
+        return ()
+    return tuple(sorted(str(p.relative_to(path)) for p in path.rglob("*.gguf") if p.is_file()))
 
 
 def folder_bytes(folder: Path) -> int:

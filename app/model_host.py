@@ -32,22 +32,32 @@ class LoadState:
 
 def resolve_model(choice: str | None, downloaded: dict[str, Path] | None = None) -> tuple[str, str]:
     """(what to load, its short name) for a model the user chose: nothing or the bundled model's repo id
-    (the bundled model, prepared offline), a local folder, or a hub repo id. With `downloaded` (repo id
-    -> folder, the Models tab's list), a repo id must be downloaded already; without it (the command
-    line), the engine downloads it."""
+    (the bundled model, prepared offline), a local folder or .gguf file, or a hub repo id. With `downloaded`
+    (repo id -> snapshot folder or GGUF file, the Models tab's list), a repo id must be downloaded already;
+    without it (the command line), the engine downloads it. A catalog GGUF repo resolves to its one file."""
     from app.catalog import entry_for_repo
 
     entry = entry_for_repo(choice or "")
     if not choice or (entry is not None and entry.bundled):
         return default_model(None)
-    folder = Path(choice).expanduser()
-    if folder.is_dir():
-        return str(folder), folder.resolve().name
+    local = Path(choice).expanduser()
+    if local.is_dir() or (local.is_file() and local.suffix.lower() == ".gguf"):
+        return str(local), local.resolve().name
+    gguf = entry.gguf_file if entry is not None and entry.is_gguf else ""
     if downloaded is None:
-        return choice, choice
+        return (f"{entry.repo_id}/{gguf}" if gguf else choice), choice
+    parts = choice.split("/")
+    if entry is None and len(parts) >= 3 and choice.lower().endswith(".gguf"):  # a hub file: owner/repo/file.gguf
+        choice, gguf = "/".join(parts[:2]), "/".join(parts[2:])
     if choice not in downloaded:
         raise RuntimeError(f"{choice} is not downloaded yet: press Download first.")
-    return str(downloaded[choice]), choice
+    target = Path(downloaded[choice])
+    if gguf:
+        snapshot = target if target.is_dir() else target.parent
+        target = snapshot / gguf
+        if not target.is_file():
+            raise RuntimeError(f"{choice}: its file {gguf} is not downloaded yet: press Download first.")
+    return str(target), choice
 
 
 class ModelHost:
@@ -127,7 +137,8 @@ class ModelHost:
         old, self.backend = self.backend, LocalBackend(engine, label or model)
         s = engine.stats()
         took = time.time() - self.state.started
-        self.state = LoadState("ready", f"{self.label} is ready on {s.device} ({s.dtype}, context "
+        weights = f", {s.quantization} weights" if s.quantization != "none" else ""
+        self.state = LoadState("ready", f"{self.label} is ready on {s.device} ({s.dtype}{weights}, context "
                                         f"{s.max_model_len:,} tokens, {s.num_blocks:,} KV blocks) after {took:.0f} s.",
                                model, settings)
         if old is not None:

@@ -356,6 +356,7 @@ class RemoteBackend:
     models: list[str] = field(default_factory=list)
     _metrics: tuple[float, dict | None] = (0.0, None)
     kind = "remote"
+    quantization = ""  # the server does not say
 
     @property
     def label(self) -> str:

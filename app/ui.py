@@ -225,8 +225,8 @@ class PagodaUI:
         backend = self.host.backend
         if backend is None:
             return f"**Pagoda** · {self.host.status_message()}"
-        device = backend.device_label()
-        return f"**Pagoda** · {backend.label}" + (f" · {device}" if device else "")
+        parts = [backend.label, backend.quantization, backend.device_label()]
+        return "**Pagoda** · " + " · ".join(p for p in parts if p)
 
     def panels(self, query: str, request: gr.Request) -> tuple:
         """The timer's refresh of the KV grid, the header and the chat titles, for one page.

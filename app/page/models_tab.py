@@ -1,15 +1,118 @@
 """The Models tab: the catalog with a memory estimate, downloads with progress, load and unload, and
-a connection to a remote OpenAI-compatible server instead of a local model."""
+a connection to a remote OpenAI-compatible server instead of a local model.
+
+The load form offers the engine's weight-only quantization (none, int8, int4). It starts at the
+recommendation for the chosen model on this machine (app.catalog.quantization_advice) and is
+switched off for GGUF models, whose weights are quantized already."""
 from pathlib import Path
 
 import gradio as gr
 
-from app.catalog import entry_for_repo, fit_report, format_gib, load_catalog
+from app.catalog import (
+    QUANTIZATIONS,
+    CatalogEntry,
+    available_memory,
+    entry_for_repo,
+    fit_report,
+    format_gib,
+    load_catalog,
+    quantization_advice,
+)
 from app.download_jobs import DownloadManager
 from app.model_host import resolve_model
 from app.remote import RemoteError
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
+QUANT_INFO = "Weights stored in fewer bits at load: int8 needs about half the memory, int4 about a quarter"
+
+
+def is_gguf_choice(repo_id: str | None) -> bool:
+    """Whether the model field names a GGUF model (served as it is, so no quantization at load): a catalog GGUF
+    entry, a .gguf file or hub file, `owner/repo:Q4_K_M`, or a `...-GGUF` repo."""
+    choice = (repo_id or "").strip()
+    entry = entry_for_repo(choice)
+    if entry is not None:
+        return entry.is_gguf
+    local = Path(choice).expanduser()
+    if local.is_dir():  # the engine serves a folder's one GGUF when it has no config.json
+        return not (local / "config.json").is_file() and any(local.glob("*.gguf"))
+    if local.is_file():
+        return local.suffix.lower() == ".gguf"
+    return choice.lower().endswith((".gguf", "-gguf")) or (choice.count("/") == 1 and ":" in choice)
+
+
+def _estimate_dtype(dtype_name: str, device_name: str) -> str:
+    # "auto" is bf16 on a GPU; on a CPU it may be float32, so the estimate takes the larger.
+    if dtype_name != "auto":
+        return dtype_name
+    return "float32" if device_name.startswith("CPU") else "bfloat16"
+
+
+def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str | None,
+                  memory: tuple[str, int] | None = None) -> str:
+    """The estimate under the load form: download size, whether the model fits at this precision,
+    quantization and context, and which quantization fits this machine with how much context.
+    `memory` is (device description, free bytes); measured when not given."""
+    entry = entry_for_repo(repo_id or "")
+    if entry is None:
+        return "No estimate for a model outside the catalog until its config is known; it is checked when it loads."
+    device_name, free = memory if memory is not None else available_memory("auto")
+    dtype = _estimate_dtype(dtype_name, device_name)
+    ctx = int(ctx or 4096)
+    if entry.bundled:
+        size = "Bundled: no download. "
+    elif entry.is_gguf:
+        size = f"Download: {entry.gguf_file}, {format_gib(entry.download_bytes)} GiB. "
+    else:
+        size = f"Download: {format_gib(entry.download_bytes)} GiB. "
+    quant = None if entry.is_gguf else quantization
+    report = fit_report(entry, ctx, dtype, free_bytes=free, device_name=device_name, quantization=quant)
+    advice = quantization_advice(entry, ctx, dtype, free_bytes=free, device_name=device_name)
+    return f"{size}{report.message}\n\n{advice.message}"
+
+
+def quantization_field(repo_id: str | None, dtype_name: str = "auto", ctx=4096,
+                       memory: tuple[str, int] | None = None) -> dict:
+    """The Quantization dropdown for a model (gr.update keywords): the recommendation for this machine,
+    or off with the reason for a GGUF model."""
+    entry = entry_for_repo(repo_id or "")
+    if is_gguf_choice(repo_id):
+        kind = f" ({entry.gguf_type})" if entry is not None and entry.gguf_type else ""
+        return dict(value="none", interactive=False,
+                    info=f"Off: this GGUF model is already quantized{kind} and is served as it is")
+    if entry is None:
+        return dict(value="none", interactive=True, info=QUANT_INFO)
+    device_name, free = memory if memory is not None else available_memory("auto")
+    advice = quantization_advice(entry, int(ctx or 4096), _estimate_dtype(dtype_name, device_name),
+                                 free_bytes=free, device_name=device_name)
+    value = advice.recommended or "int4"  # nothing fits: the smallest is the best chance
+    return dict(value=value, interactive=True, info=f"{QUANT_INFO}. Recommended here: {value}")
+
+
+def load_settings(repo_id: str | None, dtype_name: str, ctx, kv, quantization: str | None,
+                  max_num_seqs: int) -> dict:
+    """The engine settings a Load press passes on. Quantization is dropped for a GGUF model (the engine
+    refuses to quantize one again)."""
+    settings = {"dtype": dtype_name, "max_model_len": int(ctx) if ctx else None, "max_num_seqs": max_num_seqs}
+    if kv:
+        settings["kv_cache_memory_bytes"] = int(float(kv) * 2**30)
+    quant = (quantization or "none").strip().lower()
+    if quant not in QUANTIZATIONS:
+        raise gr.Error(f"Unknown quantization {quantization!r}: pick none, int8 or int4.")
+    if quant != "none" and not is_gguf_choice(repo_id):
+        settings["quantization"] = quant
+    return settings
+
+
+def _download_target(repo_id: str, entry: CatalogEntry | None) -> tuple[str, str]:
+    """(repo id, GGUF file or "") to download: a catalog GGUF entry's file, or a hub file typed as
+    owner/repo/file.gguf."""
+    if entry is not None:
+        return entry.repo_id, entry.gguf_file
+    parts = repo_id.split("/")
+    if len(parts) >= 3 and repo_id.lower().endswith(".gguf"):
+        return "/".join(parts[:2]), "/".join(parts[2:])
+    return repo_id, ""
 
 
 def _describe_jobs(manager: DownloadManager) -> str:
@@ -19,7 +122,8 @@ def _describe_jobs(manager: DownloadManager) -> str:
         pct = f"{100 * done / total:.0f}%" if total else "…"
         speed = f" · {job.speed / 2**20:.1f} MiB/s" if job.speed else ""
         eta = f" · {job.eta_s:.0f} s left" if job.eta_s else ""
-        line = f"- **{job.repo_id}**: {job.status} {pct} ({format_gib(done)} / {format_gib(total)} GiB){speed}{eta}"
+        name = f"{job.repo_id}/{job.gguf_file}" if job.gguf_file else job.repo_id
+        line = f"- **{name}**: {job.status} {pct} ({format_gib(done)} / {format_gib(total)} GiB){speed}{eta}"
         if job.error:
             line += f"\n  {job.error}"
         lines.append(line)
@@ -27,7 +131,7 @@ def _describe_jobs(manager: DownloadManager) -> str:
 
 
 def _local_rows(manager: DownloadManager) -> list[list]:
-    return [[m.repo_id, f"{format_gib(m.size_bytes)} GiB", str(m.path)] for m in manager.local_models()]
+    return [[m.repo_id, f"{format_gib(m.size_bytes)} GiB", str(m.load_path)] for m in manager.local_models()]
 
 
 def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
@@ -37,22 +141,20 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     choices = [(f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}"
                 f"{' · gated' if e.gated else ''}", e.repo_id) for e in catalog]
 
-    def estimate(repo_id: str, dtype_name: str, ctx) -> str:
-        entry = entry_for_repo(repo_id or "")
-        if entry is None:
-            return "No estimate for a model outside the catalog until its config is known; it is checked when it loads."
-        size = f"Download: {format_gib(entry.download_bytes)} GiB. " if not entry.bundled else "Bundled: no download. "
-        dt = "float32" if dtype_name == "auto" else dtype_name
-        return size + fit_report(entry, int(ctx or 4096), dt).message
+    first = catalog[0].repo_id
+    memory = available_memory("auto")  # one measurement for the form's first render
+    first_quant = quantization_field(first, "auto", 4096, memory)
 
     status = gr.Markdown(ui.host.status_message, elem_id="model-status")
     with gr.Row():
         repo = gr.Dropdown(choices=choices, value=catalog[0].repo_id, label="Model", allow_custom_value=True,
                            info="Pick from the catalog, or type any Hugging Face repo id or local folder", scale=3)
         dtype = gr.Dropdown(DTYPES, value="auto", label="Precision", scale=1)
+        quant = gr.Dropdown(list(QUANTIZATIONS), label="Quantization", scale=1, elem_id="quantization",
+                            **first_quant)
         context = gr.Number(value=4096, precision=0, label="Context length (tokens)", scale=1)
         kv_gib = gr.Number(value=None, label="KV cache memory, GiB (CPU; empty = 1)", scale=1)
-    fit = gr.Markdown(estimate(catalog[0].repo_id, "auto", 4096))
+    fit = gr.Markdown(estimate_text(first, "auto", 4096, first_quant["value"], memory), elem_id="fit-estimate")
     with gr.Row():
         download_btn = gr.Button("Download")
         load_btn = gr.Button("Load", variant="primary")
@@ -78,17 +180,25 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             connect_btn = gr.Button("Connect", variant="primary", scale=1)
             disconnect_btn = gr.Button("Disconnect", scale=1)
 
-    for control in (repo, dtype, context):
-        control.change(estimate, [repo, dtype, context], fit)
+    def pick_model(repo_id: str, dtype_name: str, ctx):
+        """A new model: its recommended quantization (or none, off, for a GGUF) and its estimate."""
+        memory = available_memory("auto")
+        field = quantization_field(repo_id, dtype_name, ctx, memory)
+        return gr.update(**field), estimate_text(repo_id, dtype_name, ctx, field["value"], memory)
+
+    repo.change(pick_model, [repo, dtype, context], [quant, fit])
+    for control in (dtype, context, quant):
+        control.change(estimate_text, [repo, dtype, context, quant], fit)
 
     def start_download(repo_id: str):
-        entry = entry_for_repo(repo_id or "")
+        repo_id = (repo_id or "").strip()
+        entry = entry_for_repo(repo_id)
         if entry is not None and entry.bundled:
             raise gr.Error(f"{entry.name} is bundled with Pagoda: no download needed.")
-        if not repo_id or Path(repo_id).expanduser().is_dir():
-            raise gr.Error("Give a Hugging Face repo id to download (a local folder can be loaded directly).")
+        if not repo_id or Path(repo_id).expanduser().exists():
+            raise gr.Error("Give a Hugging Face repo id to download (a local folder or file can be loaded directly).")
         try:
-            manager.start(repo_id)
+            manager.start(*_download_target(repo_id, entry))
         except Exception as e:  # refused before starting: not enough disk, bad id
             raise gr.Error(str(e)) from e
         return _describe_jobs(manager)
@@ -109,22 +219,20 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
 
     delete_btn.click(delete, to_delete, [local, disk])
 
-    def load(repo_id: str, dtype_name: str, ctx, kv):
+    def load(repo_id: str, dtype_name: str, ctx, kv, quantization: str = "none"):
         try:
-            source, label = resolve_model(repo_id, downloaded={m.repo_id: m.path for m in manager.local_models()})
+            source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path
+                                                               for m in manager.local_models()})
         except RuntimeError as e:
             raise gr.Error(str(e)) from e
-        settings = {"dtype": dtype_name, "max_model_len": int(ctx) if ctx else None,
-                    "max_num_seqs": ui.max_concurrent_chats}
-        if kv:
-            settings["kv_cache_memory_bytes"] = int(float(kv) * 2**30)
+        settings = load_settings(repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats)
         try:
             ui.host.load(source, label=label, **settings)
         except RuntimeError as e:
             raise gr.Error(str(e)) from e
         return ui.host.status_message()
 
-    load_btn.click(load, [repo, dtype, context, kv_gib], status, api_name="load")
+    load_btn.click(load, [repo, dtype, context, kv_gib, quant], status, api_name="load")
     unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, status)
 
     def connect(url: str, key: str, model: str | None = None):

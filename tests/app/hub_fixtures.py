@@ -1,5 +1,6 @@
-"""The `hub` and `manager` fixtures (tests/app/conftest.py makes them available): a fake hub serving one small repo,
-huggingface_hub pointed at it with its cache under tmp_path, and a DownloadManager for that cache."""
+"""The `hub` and `manager` fixtures (tests/app/conftest.py makes them available): a fake hub serving a small
+safetensors repo and a GGUF repo with two quantizations, huggingface_hub pointed at it with its cache under
+tmp_path, and a DownloadManager for that cache."""
 
 import json
 import os
@@ -11,6 +12,8 @@ from app.download_jobs import DownloadManager
 
 REPO = "pagoda-test/tiny-chat"
 BIG = 4 * 1024 * 1024
+GGUF_REPO = "pagoda-test/tiny-chat-GGUF"
+GGUF_FILES = {"tiny-chat-Q4_K_M.gguf": 2 * 1024 * 1024, "tiny-chat-Q8_0.gguf": 3 * 1024 * 1024}
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "vocab_size": 320,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
           "max_position_embeddings": 512, "torch_dtype": "bfloat16", "tie_word_embeddings": True}
@@ -36,6 +39,11 @@ def hub(monkeypatch, tmp_path):
         "tokenizer.json": json.dumps({"model": {"type": "BPE"}}).encode(),
         "model.safetensors": os.urandom(BIG),
         "README.md": b"# not downloaded: the engine patterns skip it\n",
+    })
+    fake.add_repo(GGUF_REPO, {  # like Qwen/Qwen3-8B-GGUF: one file per quantization, no config.json
+        **{name: b"GGUF" + os.urandom(size - 4) for name, size in GGUF_FILES.items()},
+        "params.json": b"{}",
+        "README.md": b"# a GGUF repo\n",
     })
     with fake:
         # HF_ENDPOINT is read at import time into these two constants; the manager also passes endpoint= itself.

@@ -16,6 +16,8 @@ from app.catalog import (
     estimate_memory,
     fit_report,
     load_catalog,
+    quantization_advice,
+    weights_bytes,
 )
 
 REQUESTED = {
@@ -23,6 +25,15 @@ REQUESTED = {
     "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct",
     "Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-4B",
     "meta-llama/Llama-3.2-1B-Instruct", "meta-llama/Llama-3.2-3B-Instruct",
+    "Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+    "Qwen/Qwen3-8B-GGUF", "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF", "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+}
+# GGUF repos: the one file each entry downloads, and its quantization
+GGUF = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": ("SmolLM2-135M-Instruct.Q4_1.gguf", "Q4_1"),  # bundled
+    "Qwen/Qwen3-8B-GGUF": ("Qwen3-8B-Q4_K_M.gguf", "Q4_K_M"),
+    "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF": ("Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf", "Q4_K_M"),
+    "Qwen/Qwen2.5-0.5B-Instruct-GGUF": ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "Q4_K_M"),
 }
 
 # (layers, kv heads, head_dim, max_position_embeddings) from each repo's config.json
@@ -34,6 +45,10 @@ KNOWN = {
     "Qwen/Qwen3-4B": (36, 8, 128, 40960),
     "meta-llama/Llama-3.2-1B-Instruct": (16, 8, 64, 131072),
     "meta-llama/Llama-3.2-3B-Instruct": (28, 8, 128, 131072),
+    "Qwen/Qwen3-8B": (36, 8, 128, 40960),
+    "meta-llama/Llama-3.1-8B-Instruct": (32, 8, 128, 131072),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": (28, 4, 128, 131072),
+    "Qwen/Qwen3-8B-GGUF": (36, 8, 128, 40960),  # the model it was made from
 }
 
 
@@ -64,10 +79,16 @@ def test_every_entry_is_consistent(catalog):
                                num_key_value_heads=e.num_key_value_heads, head_dim=e.head_dim,
                                tie_word_embeddings=e.tie_word_embeddings, family=e.family)
         assert counted == e.params, e.repo_id
-        # bf16 download: 2 bytes per stored parameter (a tied head may be stored twice) plus tokenizer files.
-        low, high = 2 * e.params, 2 * (e.params + e.vocab_size * e.hidden_size) + 30 * MiB
-        assert low <= e.download_bytes <= high, e.repo_id
-        assert e.size_is_approximate
+        assert (e.gguf_file, e.gguf_type) == GGUF.get(e.repo_id, ("", "")), e.repo_id
+        if e.is_gguf:
+            # One quantized file: 4 to 8.5 bits a weight (small models keep their embedding at 8 bits).
+            assert 0.5 * e.params <= e.download_bytes <= 1.1 * e.params, e.repo_id
+            assert e.gguf_file.endswith(".gguf") and e.gguf_type in e.gguf_file.upper().replace(".", "_")
+        else:
+            # bf16 download: 2 bytes per stored parameter (a tied head may be stored twice) plus tokenizer files.
+            low, high = 2 * e.params, 2 * (e.params + e.vocab_size * e.hidden_size) + 30 * MiB
+            assert low <= e.download_bytes <= high, e.repo_id
+        assert e.size_is_approximate != e.bundled  # the bundled file's size is known exactly
         assert e.gated == e.repo_id.startswith("meta-llama/"), e.repo_id
         assert e.license and e.description and e.params_label
         assert e.params_label[:-1].replace(".", "").isdigit() and e.params_label[-1] in "MB"
@@ -84,6 +105,26 @@ def test_licenses(catalog):
     assert lic["meta-llama/Llama-3.2-1B-Instruct"] == "llama3.2"
     assert lic["Qwen/Qwen2.5-3B-Instruct"] == "qwen-research"
     assert lic["Qwen/Qwen3-0.6B"] == "apache-2.0"
+    assert lic["meta-llama/Llama-3.1-8B-Instruct"] == lic["bartowski/Meta-Llama-3.1-8B-Instruct-GGUF"] == "llama3.1"
+    assert lic["deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"] == "mit"
+
+
+def test_the_8b_models_have_their_known_sizes(catalog):
+    params = {e.repo_id: e.params for e in catalog}
+    # Unique parameters as published: Qwen3-8B 8.19B, Llama 3.1 8B 8.03B, DeepSeek-R1-Distill-Qwen-7B 7.62B.
+    assert params["Qwen/Qwen3-8B"] == params["Qwen/Qwen3-8B-GGUF"] == 8_190_735_360
+    assert params["meta-llama/Llama-3.1-8B-Instruct"] == 8_030_261_248
+    assert params["deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"] == 7_615_616_512
+    assert not any(e.tie_word_embeddings for e in catalog if e.params > 7e9)
+
+
+def test_an_old_catalog_without_gguf_keys_still_loads(tmp_path):
+    old = tmp_path / "catalog.json"
+    old.write_text(json.dumps({"models": [dict(repo_id="a/b", params=10**9, checkpoint_dtype="bfloat16",
+                                               download_bytes=2 * 10**9, num_hidden_layers=2, num_key_value_heads=1,
+                                               head_dim=64, max_position_embeddings=1024)]}))
+    (entry,) = load_catalog(old)
+    assert entry.gguf_file == entry.gguf_type == "" and not entry.is_gguf
 
 
 def test_entry_for_repo():
@@ -237,3 +278,94 @@ def test_load_catalog_errors_name_the_entry(tmp_path):
                                                 head_dim=64, max_position_embeddings=1024, future_key=1)]}))
     (entry,) = load_catalog(good)
     assert isinstance(entry, CatalogEntry) and entry.name == "b" and entry.params_label == "1B"
+
+
+# ---- quantization ---------------------------------------------------------------------------------------------
+
+GB = 10**9
+
+
+def test_weights_of_qwen3_8b_at_each_quantization():
+    e = entry_for_repo("Qwen/Qwen3-8B")
+    full = weights_bytes(e, "bfloat16")
+    int8 = weights_bytes(e, "bfloat16", "int8")
+    int4 = weights_bytes(e, "bfloat16", "int4")
+    assert full == e.params * 2
+    # int8: a byte a weight plus a bf16 scale per row, about 8.2 GB (7.6 GiB).
+    assert abs(int8 - 8.2 * GB) <= 0.1 * 8.2 * GB and int8 > e.params
+    # int4: half a byte plus a bf16 scale and zero per 64 columns (0.5625 bytes), about 4.6 GB (4.3 GiB). Its
+    # head is untied, so there is no second copy of it.
+    assert abs(int4 - 4.7 * GB) <= 0.1 * 4.7 * GB
+    assert int4 == pytest.approx(e.params * (0.5 + 4 / 64), rel=0.001)
+    assert estimate_memory(e, 4096, quantization="int4").weights_bytes == int4
+    with pytest.raises(ValueError, match="use none, int8 or int4"):
+        weights_bytes(e, "bfloat16", "int3")
+
+
+def test_int4_counts_a_second_copy_of_a_tied_head_and_int8_shares_it():
+    e = entry_for_repo("Qwen/Qwen3-0.6B")  # tied embeddings
+    head = e.vocab_size * e.hidden_size
+    untied = entry_for_repo("Qwen/Qwen3-0.6B")
+    untied.tie_word_embeddings = False
+    untied.params += head  # the same model with a head of its own
+    assert weights_bytes(e, "bfloat16", "int4") == pytest.approx(weights_bytes(untied, "bfloat16", "int4"), rel=1e-6)
+    assert weights_bytes(e, "bfloat16", "int8") < weights_bytes(untied, "bfloat16", "int8") - head
+
+
+def test_a_gguf_entry_weighs_its_file_whatever_is_asked():
+    e = entry_for_repo("Qwen/Qwen3-8B-GGUF")
+    assert e.is_gguf and weights_bytes(e, "bfloat16", "int8") == weights_bytes(e, "float32") == e.download_bytes
+    est = estimate_memory(e, 4096, quantization="int4")
+    assert est.weights_bytes == e.download_bytes and est.quantization == "GGUF Q4_K_M"
+    report = fit_report(e, 4096, free_bytes=8 * GiB, device_name="NVIDIA Test GPU (8.0 GiB)")
+    assert "GGUF Q4_K_M weights, bfloat16" in report.message and report.fits
+
+
+def test_advice_recommends_the_most_precise_that_leaves_room():
+    e = entry_for_repo("Qwen/Qwen3-8B")
+    gpu = "NVIDIA Test GPU (8.0 GiB)"
+    a = quantization_advice(e, 4096, free_bytes=int(7.1 * GiB), device_name=gpu)
+    assert a.recommended == "int4"
+    assert a.message == ("Fits in 7.1 GiB free: int4 leaves room for 10,240 tokens of context (recommended); "
+                         "int8 does not fit; full precision does not fit.")
+    assert [o.quantization for o in a.options] == ["none", "int8", "int4"]
+
+    a = quantization_advice(e, 4096, free_bytes=12 * GiB, device_name=gpu)
+    assert a.recommended == "int8"
+    assert a.message.startswith("Fits in 12.0 GiB free: int8 leaves room for 15,616 tokens of context (recommended); "
+                                "int4 fits 40,960; full precision does not fit")
+
+    roomy = quantization_advice(e, 4096, free_bytes=40 * GiB, device_name=gpu)
+    assert roomy.recommended == "none" and roomy.message.startswith("Fits in 40.0 GiB free: full precision leaves")
+
+    nothing = quantization_advice(e, 4096, free_bytes=4 * GiB, device_name=gpu)
+    assert nothing.recommended is None
+    assert nothing.message == "Does not fit in 4.0 GiB free, even at int4 with a short context: pick a smaller model."
+
+
+def test_advice_takes_what_fits_when_the_asked_context_does_not():
+    e = entry_for_repo("Qwen/Qwen3-8B")
+    a = quantization_advice(e, 32768, free_bytes=int(7.1 * GiB), device_name="NVIDIA Test GPU (8.0 GiB)")
+    assert a.recommended == "int4"
+    assert "int4 leaves room for 10,240 tokens of context (recommended; less than the 32,768 asked)" in a.message
+    # The asked context never exceeds what the model was trained for.
+    small = entry_for_repo("HuggingFaceTB/SmolLM2-360M-Instruct")
+    assert quantization_advice(small, 100_000, free_bytes=64 * GiB, device_name="x").recommended == "none"
+
+
+def test_advice_for_a_gguf_has_only_its_own_types():
+    e = entry_for_repo("Qwen/Qwen3-8B-GGUF")
+    a = quantization_advice(e, 4096, free_bytes=8 * GiB, device_name="CPU (16.0 GiB RAM)")
+    assert a.recommended == "none" and [o.quantization for o in a.options] == ["none"]
+    assert a.message.startswith("The GGUF Q4_K_M file is already quantized: it leaves room for ")
+    assert a.message.endswith(" tokens of context in 8.0 GiB free.")
+    tiny = quantization_advice(e, 4096, free_bytes=2 * GiB, device_name="x")
+    assert tiny.recommended is None and "pick a smaller model" in tiny.message
+
+
+def test_the_fit_sentence_names_the_quantization_and_suggests_int4():
+    e = entry_for_repo("Qwen/Qwen3-8B")
+    r = fit_report(e, 4096, free_bytes=8 * GiB, device_name="NVIDIA Test GPU (8.0 GiB)", quantization="int4")
+    assert r.fits and "(weights 4.3 + KV 0.56 at 4,096 tokens + 0.68 runtime, int4 weights, bfloat16)" in r.message
+    full = fit_report(e, 4096, free_bytes=8 * GiB, device_name="NVIDIA Test GPU (8.0 GiB)")
+    assert not full.fits and full.message.endswith("Pick a smaller model or int4 quantization.")

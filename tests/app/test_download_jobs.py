@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hub_fixtures import REPO, expected_size  # noqa: E402
+from hub_fixtures import GGUF_FILES, GGUF_REPO, REPO, expected_size  # noqa: E402
+
+Q4, Q8 = "tiny-chat-Q4_K_M.gguf", "tiny-chat-Q8_0.gguf"
 
 
 def watch(manager, job_id, timeout=20.0, on_sample=None):
@@ -138,3 +140,86 @@ def test_inspect_estimates_an_arbitrary_repo(manager, hub):
     assert entry.download_bytes == expected_size(hub) and not entry.size_is_approximate
     assert manager.local_models(include_partial=True) == [], "inspect must not leave files in the cache"
     assert manager.inspect("qwen/qwen3-0.6b").repo_id == "Qwen/Qwen3-0.6B", "catalog repos need no hub call"
+
+
+# ---- GGUF repos: one file of the repo ------------------------------------------------------------------------------
+
+def test_a_gguf_download_fetches_only_the_chosen_file_and_loads_from_it(manager, hub, monkeypatch):
+    from app import catalog
+    from app.model_host import resolve_model
+
+    size = GGUF_FILES[Q4]
+    assert manager.repo_files_size(GGUF_REPO, Q4) == size
+    check = manager.check_disk(GGUF_REPO, gguf_file=Q4)
+    assert check.size_bytes == size and check.fits
+
+    hub.throttle = 0.004
+    job, samples = watch(manager, manager.start(GGUF_REPO, gguf_file=Q4))
+    assert job.status == "done", job.error
+    assert job.gguf_file == Q4 and job.bytes_total == job.bytes_done == size
+    assert any(0 < s < size for s in samples), "no byte progress seen"
+    fetched = {r[1].rsplit("/", 1)[-1] for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]}
+    assert fetched == {Q4}, "only the chosen GGUF file is downloaded (not the other one, not params.json)"
+    assert Path(job.path).name == Q4 and Path(job.path).read_bytes() == hub.repos[GGUF_REPO].files[Q4]
+    assert not (Path(job.path).parent / Q8).exists()
+
+    [model] = manager.local_models()
+    assert model.repo_id == GGUF_REPO and model.complete and model.gguf_files == (Q4,)
+    assert model.load_path == Path(job.path) and model.size_bytes >= size
+
+    # Loading from the Models tab resolves to the local file: for a catalog entry by its gguf_file, and for
+    # any other repo by the one GGUF its snapshot holds.
+    downloaded = {m.repo_id: m.load_path for m in manager.local_models()}
+    assert resolve_model(GGUF_REPO, downloaded) == (str(model.load_path), GGUF_REPO)
+    assert resolve_model(f"{GGUF_REPO}/{Q4}", downloaded) == (str(model.load_path), GGUF_REPO)  # typed as a hub file
+    with pytest.raises(RuntimeError, match=f"its file {Q8} is not downloaded yet"):
+        resolve_model(f"{GGUF_REPO}/{Q8}", downloaded)
+    entry = catalog.CatalogEntry(repo_id=GGUF_REPO, params=10**6, checkpoint_dtype="bfloat16", download_bytes=size,
+                                 num_hidden_layers=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                                 gguf_file=Q4, gguf_type="Q4_K_M")
+    monkeypatch.setattr(catalog, "entry_for_repo", lambda repo_id: entry if repo_id == GGUF_REPO else None)
+    assert resolve_model(GGUF_REPO, downloaded) == (str(model.load_path), GGUF_REPO)
+    assert resolve_model(GGUF_REPO) == (f"{GGUF_REPO}/{Q4}", GGUF_REPO)  # the command line: the engine fetches it
+    entry.gguf_file = Q8
+    with pytest.raises(RuntimeError, match=f"its file {Q8} is not downloaded yet: press Download first"):
+        resolve_model(GGUF_REPO, downloaded)
+
+    assert manager.delete(GGUF_REPO) >= size
+    assert manager.local_models(include_partial=True) == []
+
+
+def test_a_second_gguf_file_of_the_same_repo_is_its_own_job(manager, hub):
+    first = manager.wait(manager.start(GGUF_REPO, gguf_file=Q4), timeout=20)
+    assert first.status == "done", first.error
+    second = manager.wait(manager.start(GGUF_REPO, gguf_file=Q8), timeout=20)
+    assert second.status == "done" and second.bytes_total == GGUF_FILES[Q8]
+    [model] = manager.local_models()
+    assert model.gguf_files == (Q4, Q8) and model.load_path == model.path  # two: the user names the one to load
+
+
+def test_a_gguf_file_the_repo_lacks_ends_the_job_with_the_files_it_has(manager, hub):
+    job = manager.wait(manager.start(GGUF_REPO, gguf_file="tiny-chat-Q2_K.gguf"), timeout=20)
+    assert job.status == "error"
+    assert job.error == (f"{GGUF_REPO} has no file tiny-chat-Q2_K.gguf. It holds {Q4}, {Q8}. Pick one of those, "
+                         "or check the name on the repo's Hugging Face page.")
+    assert not any("/resolve/" in r[1] for r in hub.requests)
+    with pytest.raises(ValueError, match="not a GGUF file name"):
+        manager.start(GGUF_REPO, gguf_file="model.safetensors")
+
+
+def test_a_cancelled_gguf_download_is_partial_and_resumes(manager, hub):
+    hub.throttle = 0.05
+    job_id = manager.start(GGUF_REPO, gguf_file=Q4)
+
+    def cancel_once_flowing(job):
+        if job.bytes_done > 100 * 1024 and not job.cancel_requested:
+            manager.cancel(job_id)
+
+    job, _ = watch(manager, job_id, on_sample=cancel_once_flowing)
+    assert job.status == "cancelled"
+    # Not a model; huggingface_hub 2.x drops the file in flight, so there may be nothing left to list at all.
+    assert manager.local_models() == []
+    assert not any(m.complete for m in manager.local_models(include_partial=True))
+    hub.throttle = 0.0
+    again = manager.wait(manager.start(GGUF_REPO, gguf_file=Q4), timeout=20)
+    assert again.status == "done" and [m.gguf_files for m in manager.local_models()] == [(Q4,)]

@@ -57,3 +57,24 @@ def test_complete_partial_and_snapshotless_repos(tmp_path):
 def test_an_absent_cache_is_empty(tmp_path):
     assert local_models(tmp_path / "nowhere", include_partial=True) == []
     assert delete_repo(tmp_path / "nowhere", "org/none") == 0
+
+
+def test_a_gguf_snapshot_is_a_model_that_loads_from_its_file(tmp_path):
+    cache = tmp_path / "hub"
+    one = add_snapshot(cache, "org/one-GGUF", {"one-Q4_K_M.gguf": b"GGUF" + b"w" * 100})
+    repo = repo_folder(cache, "org/nested-GGUF")
+    nested = repo / "snapshots" / "f00d" / "Q4"  # a repo that keeps each quantization in a folder
+    nested.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("f00d")
+    (repo / "blobs" / "b").write_bytes(b"GGUF")
+    (nested / "m-Q4_K_M.gguf").symlink_to(repo / "blobs" / "b")
+
+    assert snapshot_complete(one, repo_folder(cache, "org/one-GGUF"))
+    models = {m.repo_id: m for m in local_models(cache)}
+    assert models["org/one-GGUF"].gguf_files == ("one-Q4_K_M.gguf",)
+    assert models["org/one-GGUF"].load_path == one / "one-Q4_K_M.gguf"
+    assert models["org/nested-GGUF"].load_path == nested / "m-Q4_K_M.gguf"
+    safetensors = add_snapshot(cache, "org/done", {"config.json": CONFIG, "model.safetensors": b"w"}, commit="abc")
+    assert {m.repo_id: m for m in local_models(cache)}["org/done"].load_path == safetensors  # no GGUF: the folder

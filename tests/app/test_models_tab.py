@@ -1,0 +1,180 @@
+"""The Models tab's load form as the user meets it, built in-process: the Quantization dropdown, its default (the
+recommendation for the chosen model on this machine, off for GGUF models), the estimate under it, a Load that
+passes the choice on to the engine settings, and the header that names the quantization."""
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+import app.page.models_tab as models_tab
+from app.backend import LocalBackend
+from app.catalog import GiB
+from app.download_jobs import DownloadManager
+from app.model_host import ModelHost
+from app.store import ConversationStore
+from app.ui import PagodaUI, build
+
+GPU = ("NVIDIA Test GPU (8.0 GiB)", int(7.1 * GiB))
+
+
+@pytest.fixture
+def page(tmp_path, monkeypatch):
+    """(ui, demo): the whole page with its Models tab, on a machine with 7.1 GiB free on a GPU."""
+    monkeypatch.setattr(models_tab, "available_memory", lambda device="auto": GPU)
+    ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), ModelHost(), max_concurrent_chats=4)
+    manager = DownloadManager(tmp_path / "hub")
+    demo = build(ui, models_tab=lambda ui: models_tab.render_models_tab(ui, manager))
+    return ui, demo
+
+
+def component(demo: gr.Blocks, kind: type, label: str):
+    [found] = [b for b in demo.blocks.values() if isinstance(b, kind) and getattr(b, "label", None) == label]
+    return found
+
+
+def handler(demo: gr.Blocks, trigger, event: str = "change", api_name: str | None = None):
+    """The event handler wired to `trigger`'s event (or the one published under `api_name`)."""
+    for fn in demo.fns.values():
+        if api_name is not None and fn.api_name == api_name:
+            return fn
+        if api_name is None and (trigger._id, event) in [(t[0], t[1]) for t in fn.targets]:
+            return fn
+    raise AssertionError(f"no handler for {event} of {trigger} / {api_name}")
+
+
+def recording_load(ui, monkeypatch) -> list:
+    loads = []
+    monkeypatch.setattr(ui.host, "load", lambda source, label=None, **settings: loads.append((source, settings)))
+    return loads
+
+
+def test_the_form_offers_none_int8_and_int4_and_starts_off_for_the_bundled_gguf(page):
+    _, demo = page
+    quant = component(demo, gr.Dropdown, "Quantization")
+    assert [value for _, value in quant.choices] == ["none", "int8", "int4"]
+    # The first catalog entry is the bundled model, served from its Q4_1 GGUF: no quantization to choose.
+    assert quant.value == "none" and quant.interactive is False
+    assert "already quantized (Q4_1)" in quant.info
+    fit = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "fit-estimate")
+    assert "Bundled: no download." in fit.value
+    assert "The GGUF Q4_1 file is already quantized: it leaves room for 8,192 tokens of context" in fit.value
+
+
+def test_picking_a_model_sets_the_recommended_quantization(page):
+    _, demo = page
+    repo = component(demo, gr.Dropdown, "Model")
+    pick = handler(demo, repo)
+    update, text = pick.fn("Qwen/Qwen3-8B", "auto", 4096)
+    assert update["value"] == "int4" and update["interactive"] is True
+    assert update["info"].endswith("Recommended here: int4")
+    assert text.startswith("Download: 15.3 GiB. Qwen3 8B needs about")
+    assert text.endswith("Fits in 7.1 GiB free: int4 leaves room for 10,240 tokens of context (recommended); "
+                         "int8 does not fit; full precision does not fit.")
+
+    update, text = pick.fn("Qwen/Qwen3-8B-GGUF", "auto", 4096)
+    assert update["value"] == "none" and update["interactive"] is False
+    assert update["info"] == "Off: this GGUF model is already quantized (Q4_K_M) and is served as it is"
+    assert text.startswith("Download: Qwen3-8B-Q4_K_M.gguf, 4.7 GiB.")
+
+    update, _ = pick.fn("HuggingFaceTB/SmolLM2-360M-Instruct", "auto", 4096)
+    assert update["value"] == "none"  # fits at full precision: nothing is lost
+    assert pick.fn("someone/Some-Model-GGUF", "auto", 4096)[0]["interactive"] is False
+    assert pick.fn("someone/some-model", "auto", 4096)[0]["value"] == "none"
+
+
+def test_the_estimate_follows_the_quantization(page):
+    _, demo = page
+    quant = component(demo, gr.Dropdown, "Quantization")
+    estimate = handler(demo, quant)
+    assert [c.label for c in estimate.inputs] == ["Model", "Precision", "Context length (tokens)", "Quantization"]
+    int4 = estimate.fn("Qwen/Qwen3-8B", "bfloat16", 4096, "int4")
+    assert "(weights 4.3 + KV 0.56 at 4,096 tokens + 0.68 runtime, int4 weights, bfloat16)" in int4
+    assert ": fits." in int4
+    int8 = estimate.fn("Qwen/Qwen3-8B", "bfloat16", 4096, "int8")
+    assert "weights 7.6 + " in int8 and "int8 weights, bfloat16" in int8 and "does not fit" in int8
+
+
+def test_load_passes_the_quantization_to_the_engine_settings(page, monkeypatch, tmp_path):
+    ui, demo = page
+    loads = recording_load(ui, monkeypatch)
+    load = handler(demo, None, api_name="load")
+    assert [c.label for c in load.inputs][-1] == "Quantization"
+    folder = tmp_path / "some-model"
+    folder.mkdir()
+    load.fn(str(folder), "auto", 2048, None, "int4")
+    load.fn(str(folder), "bfloat16", 2048, 1.5, "int8")
+    load.fn(str(folder), "auto", 2048, None, "none")
+    assert [settings.get("quantization") for _, settings in loads] == ["int4", "int8", None]
+    assert loads[0] == (str(folder), {"dtype": "auto", "max_model_len": 2048, "max_num_seqs": 4,
+                                      "quantization": "int4"})
+    assert loads[1][1]["kv_cache_memory_bytes"] == int(1.5 * GiB)
+
+    # A GGUF file is served as it is: the engine would refuse to quantize it again, so the choice is dropped.
+    gguf = tmp_path / "model-Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    load.fn(str(gguf), "auto", 2048, None, "int4")
+    assert loads[-1][0] == str(gguf) and "quantization" not in loads[-1][1]
+    with pytest.raises(gr.Error, match="pick none, int8 or int4"):
+        load.fn(str(folder), "auto", 2048, None, "int3")
+
+
+def test_a_catalog_gguf_loads_its_downloaded_file(page, monkeypatch, tmp_path):
+    ui, demo = page
+    loads = recording_load(ui, monkeypatch)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "Qwen3-8B-Q4_K_M.gguf").write_bytes(b"GGUF")
+    local = SimpleNamespace(repo_id="Qwen/Qwen3-8B-GGUF", load_path=snapshot / "Qwen3-8B-Q4_K_M.gguf")
+    monkeypatch.setattr(DownloadManager, "local_models", lambda self, include_partial=False: [local])
+    handler(demo, None, api_name="load").fn("Qwen/Qwen3-8B-GGUF", "auto", 4096, None, "int4")
+    assert loads == [(str(snapshot / "Qwen3-8B-Q4_K_M.gguf"), {"dtype": "auto", "max_model_len": 4096,
+                                                                "max_num_seqs": 4})]
+
+
+def test_downloading_a_catalog_gguf_asks_for_its_one_file(page, monkeypatch):
+    _, demo = page
+    started = []
+    monkeypatch.setattr(DownloadManager, "start", lambda self, repo_id, gguf_file="": started.append(
+        (repo_id, gguf_file)))
+    download = handler(demo, next(b for b in demo.blocks.values() if isinstance(b, gr.Button)
+                                  and b.value == "Download"), "click")
+    download.fn("Qwen/Qwen3-8B-GGUF")
+    download.fn("Qwen/Qwen3-8B")
+    download.fn("someone/repo-GGUF/sub/file-Q5_K_M.gguf")
+    assert started == [("Qwen/Qwen3-8B-GGUF", "Qwen3-8B-Q4_K_M.gguf"), ("Qwen/Qwen3-8B", ""),
+                       ("someone/repo-GGUF", "sub/file-Q5_K_M.gguf")]
+
+
+def fake_engine(quantization: str) -> SimpleNamespace:
+    return SimpleNamespace(stats=lambda: SimpleNamespace(quantization=quantization), device="cpu")
+
+
+def test_the_header_names_the_quantization(tmp_path):
+    ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), ModelHost())
+    ui.host.backend = LocalBackend(fake_engine("GGUF Q4_1, Q8_0"), "SmolLM2-135M-Instruct")
+    assert ui.header() == "**Pagoda** · SmolLM2-135M-Instruct · GGUF Q4_1, Q8_0 · CPU"
+    ui.host.backend = LocalBackend(fake_engine("int4 (groups of 64)"), "Qwen/Qwen3-8B")
+    assert ui.header() == "**Pagoda** · Qwen/Qwen3-8B · int4 (groups of 64) · CPU"
+    ui.host.backend = LocalBackend(fake_engine("none"), "Qwen/Qwen3-0.6B")
+    assert ui.header() == "**Pagoda** · Qwen/Qwen3-0.6B · CPU"
+
+
+def test_a_model_loaded_with_int8_says_so_in_the_status_and_header(tmp_path, tiny_llama):
+    host = ModelHost()
+    host.load(str(tiny_llama), label="tiny llama", wait=True, dtype="float32", num_kvcache_blocks=64,
+              max_num_seqs=2, quantization="int8")
+    try:
+        ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
+        assert host.engine.stats().quantization == "int8"
+        assert host.state.message.startswith("tiny llama is ready on cpu (float32, int8 weights, context ")
+        assert ui.header() == "**Pagoda** · tiny llama · int8 · CPU"
+    finally:
+        host.unload()
+
+
+def test_the_e2e_load_call_matches_the_form(page):
+    """tests/app/test_e2e.py calls /load positionally: keep its argument order in step with the form."""
+    _, demo = page
+    load = handler(demo, None, api_name="load")
+    assert [c.label for c in load.inputs] == ["Model", "Precision", "Context length (tokens)",
+                                              "KV cache memory, GiB (CPU; empty = 1)", "Quantization"]
