@@ -66,7 +66,7 @@ class LLMEngine:
         if self.tokenizer is None:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
+        self.dtype = pick_dtype(config.dtype, self.device, quantized=gguf_path is not None or bool(config.quantization))
         if config.dtype == "auto":
             log.info("dtype auto: using %s on %s (checkpoint stores %s)", self.dtype, self.device,
                      checkpoint_dtype(hf_config))

@@ -30,7 +30,7 @@ from engine.quantization.kernels import (
     choose_matmul,
 )
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
-from engine.quantization.modules import QuantizedLinear
+from engine.quantization.modules import KernelTarget, QuantizedLinear
 
 CPU = torch.device("cpu")
 BF16_BOUND = 2.0**-7  # see the module docstring
@@ -154,12 +154,12 @@ def test_quantized_linear_with_mixed_shards_and_bias(onednn, monkeypatch):
     k = 96
     shards = _mixed_shards(k)
     bias = torch.nn.Parameter(torch.randn(sum(s.shape[0] for s in shards)), requires_grad=False)
-    linear = QuantizedLinear(k, [s.shape[0] for s in shards], bias, None, 64)
-    for i in (2, 0, 3, 1):  # shards arrive in any order
+    target = KernelTarget(CPU, torch.float32, onednn=onednn and torch.backends.mkldnn.is_available())
+    linear = QuantizedLinear(k, [s.shape[0] for s in shards], bias, None, 64, target)
+    for i in (2, 0, 3, 1):  # shards arrive in any order; the kernels are built when the last one lands
         assert not linear.loaded
         linear.load_quantizable(shards[i], i)
     assert linear.loaded
-    linear.finalize(CPU, torch.float32, onednn=onednn and torch.backends.mkldnn.is_available())
     assert linear.pending == {}
     # runs of one layout share a kernel: [int4, int4] [Q8_0-like] [dense]
     assert len(linear.parts) == 3 and [p.out_features for p in linear.parts] == [32, 16, 12]
@@ -176,10 +176,9 @@ def test_quantized_linear_with_mixed_shards_and_bias(onednn, monkeypatch):
 
     # with every quantized run forced onto the float32 kernel, it is float32-exact
     monkeypatch.setattr(kernels, "candidates", lambda qw, device, dtype: [lambda: DequantMatmul(qw, dtype)])
-    exact = QuantizedLinear(k, [s.shape[0] for s in shards], bias, None, 64)
+    exact = QuantizedLinear(k, [s.shape[0] for s in shards], bias, None, 64, KernelTarget(CPU, torch.float32, False))
     for i, s in enumerate(shards):
         exact.load_quantizable(s, i)
-    exact.finalize(CPU, torch.float32, onednn=False)
     assert [type(p) for p in exact.parts] == [DequantMatmul, DequantMatmul, DenseMatmul]
     x = torch.randn(5, k)
     torch.testing.assert_close(exact(x), _reference(shards, bias, x), atol=1e-5, rtol=1e-5)
@@ -188,11 +187,13 @@ def test_quantized_linear_with_mixed_shards_and_bias(onednn, monkeypatch):
 def test_quantized_linear_quantizes_full_precision_shards_and_refuses_quantized_ones():
     k, gen = 64, torch.Generator().manual_seed(0)
     q, v = torch.randn(32, k, generator=gen), torch.randn(16, k, generator=gen)
-    linear = QuantizedLinear(k, [32, 16], None, "int4", 32)
+    linear = QuantizedLinear(k, [32, 16], None, "int4", 32, KernelTarget(CPU, torch.float32, False))
     linear.load_quantizable(q, 0)
-    linear.load_quantizable(v, 1)
-    assert all(isinstance(p, QuantizedWeight) and p.source == "int4" for p in linear.pending.values())
-    assert torch.equal(linear.pending[1].q, quantize_int4(v, 32).q)
+    assert isinstance(linear.pending[0], QuantizedWeight) and linear.pending[0].source == "int4"
+    assert torch.equal(linear.pending[0].q, quantize_int4(q, 32).q)
+    linear.load_quantizable(v, 1)  # the last shard: the layer builds its kernel and drops the codes it held
+    assert linear.pending == {} and [(p.bits, p.source, p.out_features) for p in linear.parts] == [(4, "int4", 48)]
+    linear = QuantizedLinear(k, [32, 16], None, "int4", 32, KernelTarget(CPU, torch.float32, False))
     with pytest.raises(ValueError, match=r"already quantized \(Q8_0\).*quantization='int4'"):
         linear.load_quantizable(QuantizedWeight(8, torch.zeros(32, k, dtype=torch.int8), torch.ones(32, 2), None, 32,
                                                 "Q8_0"), 0)

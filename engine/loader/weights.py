@@ -176,12 +176,15 @@ def cpu_has_fast_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+def pick_dtype(requested: str, device: torch.device, quantized: bool = False) -> torch.dtype:
+    """The activations' dtype (and full-precision weights'). On a CPU, quantized weights get float32
+    activations: their kernels multiply in bf16 themselves, and around them float32's fused norm and
+    attention paths decode faster than bf16's (bench/RESULTS.md, "CPU quantized")."""
     if requested != "auto":
         return getattr(torch, requested)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() and not quantized else torch.float32
 
 
 def pick_device(requested: str) -> torch.device:
