@@ -127,12 +127,24 @@ class GGUFCheckpoint:
         return value
 
     def hf_config(self) -> Any:
-        """The transformers config (LlamaConfig, Qwen2Config or Qwen3Config) the file's metadata describes."""
-        from transformers import AutoConfig
+        """The transformers config (LlamaConfig, Qwen2Config or Qwen3Config) the file's metadata describes.
 
-        # transformers' own GGUF metadata mapping: reads the header only, no tensor data.
-        config = AutoConfig.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        Built from the metadata this reader holds already: transformers' `from_pretrained(gguf_file=)`
+        would parse the whole header again, vocabulary included (5 s for SmolLM2's)."""
+        import transformers
+
         arch = self.architecture
+        names = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+                 "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+                 "max_position_embeddings": "context_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon"}
+        settings = {ours: self._field(f"{arch}.{theirs}") for ours, theirs in names.items()}
+        # files of models without grouped-query attention may leave the KV head count out
+        settings["num_key_value_heads"] = self.metadata(f"{arch}.attention.head_count_kv",
+                                                        settings["num_attention_heads"])
+        settings = {k: (float(v) if k == "rms_norm_eps" else int(v)) for k, v in settings.items()}
+        vocab = self.metadata(f"{arch}.vocab_size")
+        settings["vocab_size"] = int(vocab) if vocab is not None else len(self._field("tokenizer.ggml.tokens"))
+        config = getattr(transformers, ARCHITECTURES[arch].replace("ForCausalLM", "Config"))(**settings)
         config.architectures = [ARCHITECTURES[arch]]
         # transformers maps no head size for qwen2/qwen3 (Qwen3Config would fall back to its default of 128)
         head_dim = self.metadata(f"{arch}.attention.key_length")
@@ -143,13 +155,13 @@ class GGUFCheckpoint:
             value = self.metadata(f"tokenizer.ggml.{attr}")
             if value is not None:
                 setattr(config, attr, int(value))
-        rope = self._rope_parameters(float(self.metadata(f"{arch}.rope.freq_base", 10000.0)))
-        if rope is not None:
-            if hasattr(config, "rope_parameters"):
-                config.rope_parameters = rope
-            else:  # transformers 4
-                config.rope_theta = rope["rope_theta"]
-                config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        theta = float(self.metadata(f"{arch}.rope.freq_base", 10000.0))
+        rope = self._rope_parameters(theta) or {"rope_type": "default", "rope_theta": theta}
+        if hasattr(config, "rope_parameters"):
+            config.rope_parameters = rope
+        else:  # transformers 4
+            config.rope_theta = rope["rope_theta"]
+            config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return config
 
     def tokenizer(self) -> Any:

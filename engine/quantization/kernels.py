@@ -71,14 +71,29 @@ class DenseMatmul(nn.Module):
 class QuantizedMatmul(nn.Module):
     """A kernel over one QuantizedWeight; subclasses keep it in the layout their kernel reads."""
 
+    # From this many rows up, dequantize the weight to bf16 and multiply that: PyTorch's weight-only
+    # kernels are built for few rows, and at prefill's hundreds the one-off dequantization costs less
+    # than they lose (measured per shape by `choose_prefill_rows`; None: never).
+    dense_from_rows: int | None = None
+
     def __init__(self, qw: QuantizedWeight):
         super().__init__()
         self.out_features, self.in_features = qw.shape
         self.bits, self.group_size, self.source = qw.bits, qw.group_size, qw.source
 
+    def dequantized_bf16(self) -> torch.Tensor | None:
+        """The weight in bf16, rebuilt from this kernel's own layout; None where that is not known."""
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_from_rows is not None and x.shape[0] >= self.dense_from_rows:
+            return F.linear(x.to(torch.bfloat16), self.dequantized_bf16()).to(x.dtype)
+        return super().__call__(x)
+
     def extra_repr(self) -> str:
         group = "per row" if self.group_size >= self.in_features else f"groups of {self.group_size}"
-        return f"{self.in_features} -> {self.out_features}, {self.source}: {self.bits}-bit, {group}"
+        prefill = f", bf16 from {self.dense_from_rows} rows" if self.dense_from_rows else ""
+        return f"{self.in_features} -> {self.out_features}, {self.source}: {self.bits}-bit, {group}{prefill}"
 
 
 class DequantMatmul(QuantizedMatmul):
@@ -116,6 +131,24 @@ def _int4pack_scales_and_zeros(scale: torch.Tensor, offset: torch.Tensor | None,
     return F.pad(pairs, (0, 0, 0, n - scale.shape[0])).to(torch.bfloat16).contiguous()
 
 
+def _unpack_int4pack(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """Codes [n, k] from PyTorch's CPU int4 packing as measured on x86 (torch 2.13): rows in blocks of
+    `block`; in a block, byte (kk, j) holds code kk of row j (low nibble) and of row j + block / 2."""
+    b = packed.view(n // block, k, block // 2)
+    return torch.cat((b & 15, b >> 4), dim=2).transpose(1, 2).reshape(n, k)
+
+
+def _int4pack_block(packed: torch.Tensor, codes: torch.Tensor) -> int | None:
+    """The row block of PyTorch's int4 packing of `codes`, found by unpacking it; None when none of the
+    known layouts gives the codes back (another torch version or CPU), which turns prefill's
+    dequantized path off rather than risk a wrong weight."""
+    n, k = codes.shape
+    for block in (64, 32, 16):
+        if n % block == 0 and torch.equal(_unpack_int4pack(packed, n, k, block), codes.to(torch.uint8)):
+            return block
+    return None
+
+
 class Int4PackMatmul(QuantizedMatmul):
     """4-bit codes in PyTorch's CPU int4 layout; scales and zeros are rounded to bf16."""
 
@@ -134,6 +167,16 @@ class Int4PackMatmul(QuantizedMatmul):
         scale = F.pad(qw.scale, (0, groups - qw.scale.shape[1]))
         offset = None if qw.offset is None else F.pad(qw.offset, (0, groups - qw.offset.shape[1]))
         self.scales_and_zeros = _int4pack_scales_and_zeros(scale, offset, n)
+        self.layout_block = _int4pack_block(self.packed, codes)
+
+    def dequantized_bf16(self) -> torch.Tensor | None:
+        if self.layout_block is None:
+            return None
+        n, k = self.packed.shape[0], self.padded_k
+        codes = _unpack_int4pack(self.packed, n, k, self.layout_block).view(n, -1, self.group_size)
+        scale, zero = self.scales_and_zeros.transpose(0, 1).unsqueeze(-1).unbind(2)
+        w = (codes.to(torch.bfloat16) - 8) * scale + zero
+        return w.view(n, k)[: self.out_features, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _pad_columns(x.to(torch.bfloat16), self.padded_k)  # zero activations make the pad columns count nothing
@@ -156,6 +199,9 @@ class Int8PackMatmul(QuantizedMatmul):
         self.codes = qw.q.contiguous()
         self.scale = qw.scale[:, 0].to(torch.bfloat16)
 
+    def dequantized_bf16(self) -> torch.Tensor:
+        return self.codes.to(torch.bfloat16) * self.scale[:, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(self.dtype)
 
@@ -175,6 +221,10 @@ class SplitInt4Matmul(QuantizedMatmul):
         hi = QuantizedWeight(4, unsigned >> 4, 16 * qw.scale, offset, qw.group_size, qw.source)
         lo = QuantizedWeight(4, unsigned & 15, qw.scale, None, qw.group_size, qw.source)
         self.high, self.low = Int4PackMatmul(hi, dtype), Int4PackMatmul(lo, dtype)
+
+    def dequantized_bf16(self) -> torch.Tensor | None:
+        high, low = self.high.dequantized_bf16(), self.low.dequantized_bf16()
+        return None if high is None or low is None else high + low
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.high(x) + self.low(x)
@@ -228,4 +278,30 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
     if best is None:
         raise RuntimeError(f"no kernel multiplies a {qw.source} weight of shape {qw.shape} correctly on {device}")
     _CHOICES[key] = best
+    choose_prefill_rows(best_kernel, dtype)
     return best_kernel
+
+
+PREFILL_ROWS = (128, 512)  # where prefill's dequantized path is tried, fewest first
+_PREFILL_CHOICES: dict[tuple, int | None] = {}
+
+
+@torch.inference_mode()
+def choose_prefill_rows(kernel: nn.Module, dtype: torch.dtype) -> None:
+    """Set `kernel.dense_from_rows` to the fewest rows of PREFILL_ROWS at which multiplying by the
+    dequantized bf16 weight beats the kernel, if any, where the kernel can rebuild its weight."""
+    if not isinstance(kernel, QuantizedMatmul) or kernel.dequantized_bf16() is None:
+        return
+    key = (type(kernel), kernel.out_features, kernel.in_features, kernel.group_size, dtype)
+    if key not in _PREFILL_CHOICES:
+        _PREFILL_CHOICES[key] = None
+        for rows in PREFILL_ROWS:
+            x = torch.randn(rows, kernel.in_features, dtype=dtype)
+            plain = _seconds_per_call(kernel, x, calls=3)
+            kernel.dense_from_rows = rows
+            dense = _seconds_per_call(kernel, x, calls=3)
+            kernel.dense_from_rows = None
+            if dense < plain:
+                _PREFILL_CHOICES[key] = rows
+                break
+    kernel.dense_from_rows = _PREFILL_CHOICES[key]

@@ -3,7 +3,12 @@ reference; skipped elsewhere (the CPU tests run them in Triton's interpreter at 
 import pytest
 import torch
 
-from engine.layers.quant_matmul import (
+if not torch.cuda.is_available():
+    # Skip before importing the kernels: Triton decides at decoration time whether a kernel is
+    # interpreted, and the CPU tests that import them later set TRITON_INTERPRET first.
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from engine.layers.quant_matmul import (  # noqa: E402
     choose_quant_tiles,
     pack_for_triton,
     quant_gemv,
@@ -15,9 +20,7 @@ from engine.layers.quant_matmul import (
     tinygemm_matmul,
     tinygemm_pack,
 )
-from engine.quantization.layout import quantize_int4, quantize_int8
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from engine.quantization.layout import quantize_int4, quantize_int8  # noqa: E402
 
 # Qwen3-8B: fused q/k/v (32 + 2 * 8 heads of 128), fused gate/up, and down.
 SHAPES = [(6144, 4096), (24576, 4096), (4096, 12288)]
