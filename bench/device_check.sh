@@ -2,7 +2,7 @@
 # The one device check: GPU tests, then the GPU benchmarks, on a CUDA machine with only
 # torch, transformers and triton installed and no network. Prints one table last.
 #   bash bench/device_check.sh [output folder]
-# A rerun can skip a half that already ran: SKIP_TESTS=1 or SKIP_BENCH=1.
+# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_BENCH=1 or SKIP_QUANT=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/pagoda-device-check}}
@@ -21,5 +21,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     timeout ${BENCH_TIMEOUT:-240} python3 -m bench.gpu_bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | grep -v "Loading weights"
     bench_rc=${PIPESTATUS[0]}
 fi
-echo "device_check: tests exit $tests_rc, benchmarks exit $bench_rc"
-[[ "$tests_rc" =~ ^(0|skipped)$ ]] && [[ "$bench_rc" =~ ^(0|skipped)$ ]]
+quant_rc=skipped
+if [ -z "${SKIP_QUANT:-}" ]; then
+    echo "== Quantized weights (int4 Qwen3-8B shape in an 8 GiB budget, against bf16; 0.6B against its reference)"
+    timeout ${QUANT_TIMEOUT:-300} python3 -m bench.gpu_quantized 2>&1 | tee "$out/quantized.log" | grep -v "Loading weights"
+    quant_rc=${PIPESTATUS[0]}
+fi
+echo "device_check: tests exit $tests_rc, benchmarks exit $bench_rc, quantized exit $quant_rc"
+[[ "$tests_rc" =~ ^(0|skipped)$ ]] && [[ "$bench_rc" =~ ^(0|skipped)$ ]] && [[ "$quant_rc" =~ ^(0|skipped)$ ]]

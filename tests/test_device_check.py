@@ -44,6 +44,12 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path):
         assert (tmp_path / written).is_file(), written
 
 
+def test_gpu_quantized_smoke_runs(tmp_path):
+    result = run_without_app("runpy.run_module('bench.gpu_quantized', run_name='__main__')", "--smoke")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "| smoke: int4 on the CPU | Int4PackMatmul" in result.stdout or "DequantMatmul" in result.stdout
+
+
 def test_gpu_tests_collect_without_the_app():
     result = run_without_app("import pytest; sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider']))")
     # On the CPU every GPU test skips; what is checked is that the module and its fixtures import.
@@ -55,10 +61,10 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     """The shell script itself (here its GPU tests all skip, and the benchmarks are skipped as on a rerun)."""
     import os
 
-    env = {**os.environ, "SKIP_BENCH": "1",
+    env = {**os.environ, "SKIP_BENCH": "1", "SKIP_QUANT": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
     result = subprocess.run(["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True,
                             capture_output=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "device_check: tests exit 0, benchmarks exit skipped" in result.stdout
+    assert "device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped" in result.stdout
     assert "skipped" in (tmp_path / "tests.log").read_text()

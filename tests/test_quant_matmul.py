@@ -220,6 +220,26 @@ def test_choose_never_takes_a_tile_that_disagrees(monkeypatch):
     assert choice.tiles == {1: Tile("gemv", 1, 2, 64)}
 
 
+def test_the_engine_module_runs_the_chosen_tiles_for_any_row_count(monkeypatch):
+    """TritonQuantMatmul, what a quantized layer holds on a GPU: float32 activations go in as bf16,
+    each row count runs its bucket's tile, and the result matches the reference."""
+    from engine.quantization.kernels import TritonQuantMatmul
+
+    monkeypatch.setattr(qm, "tile_candidates", small_candidates)
+    real = qm.choose_quant_tiles
+    monkeypatch.setattr(qm, "choose_quant_tiles", lambda qw, w, bias, dtype: real(
+        qw, w, bias, dtype, ScriptedTimer(lambda t: 1.0 / t.block_n), buckets=(1, 4, 16)))
+    qw = make_weight(4, 24, 64, 32, True)
+    kernel = TritonQuantMatmul(qw, torch.float32)
+    assert kernel.tinygemm is None and set(kernel.tiles) == {1, 4, 16}
+    for rows in (1, 3, 20):
+        x = randn(rows, 64, dtype=torch.float32, seed=rows)
+        got = kernel(x)
+        assert got.dtype == torch.float32
+        check(got.to(torch.bfloat16), x.to(torch.bfloat16), as_held(qw, torch.bfloat16).dequantize(), None,
+              weight_rounded=rows > 8)
+
+
 # --------------------------------------------------------------------------------------------
 # Compiling for the GPUs Pagoda runs on
 

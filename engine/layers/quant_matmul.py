@@ -343,9 +343,11 @@ def run_tile(x: torch.Tensor, w: TritonQuantWeight, bias: torch.Tensor | None, t
 
 
 def tile_for(tiles: dict[int, Tile], rows: int) -> Tile | None:
-    """The chosen tile for `rows` rows: that of the smallest bucket >= rows, or of the largest."""
-    bucket = next((b for b in ROW_BUCKETS if rows <= b), ROW_BUCKETS[-1])
-    return tiles.get(bucket)
+    """The chosen tile for `rows` rows: that of the smallest measured bucket >= rows, or of the largest."""
+    if not tiles:
+        return None
+    bucket = min((b for b in tiles if rows <= b), default=max(tiles))
+    return tiles[bucket]
 
 
 def reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

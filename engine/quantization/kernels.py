@@ -13,6 +13,9 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
 - DequantMatmul: any layout; dequantizes a slab of rows at a time into the activations' dtype and
   multiplies it, so no whole weight is ever expanded. The fallback, and the reference's speed.
 - DenseMatmul: a full-precision weight (a GGUF F16 tensor, say), oneDNN-packed on the CPU.
+
+On NVIDIA GPUs: TritonQuantMatmul, Pagoda's Triton dequant-GEMV and GEMM (or tinygemm where it
+measures faster), any layout.
 """
 import logging
 import time
@@ -230,10 +233,45 @@ class SplitInt4Matmul(QuantizedMatmul):
         return self.high(x) + self.low(x)
 
 
+class TritonQuantMatmul(QuantizedMatmul):
+    """NVIDIA GPUs: Pagoda's Triton dequant-GEMV (decode) and dequant-GEMM (prefill) over the packed
+    codes (engine/layers/quant_matmul.py), with a tile per row count measured at load; or PyTorch's
+    tinygemm int4 kernel for every row count where that measured faster at one row."""
+
+    @staticmethod
+    def applies(qw: QuantizedWeight, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        from engine.layers import quant_matmul  # Triton is imported only where a GPU runs it
+
+        super().__init__(qw)
+        self.dtype = dtype
+        self.kernels = quant_matmul
+        # The kernels multiply fp16/bf16 activations; a float32 model's are rounded to bf16 for them.
+        self.kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        packed = quant_matmul.pack_for_triton(qw, self.kernel_dtype)
+        choice = quant_matmul.choose_quant_tiles(qw, packed, None, self.kernel_dtype)
+        self.tiles = choice.tiles
+        self.tinygemm = quant_matmul.tinygemm_pack(qw) if choice.tinygemm else None
+        self.weight = None if self.tinygemm is not None else packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.kernel_dtype)
+        if self.tinygemm is not None:
+            y = self.kernels.tinygemm_matmul(x, self.tinygemm, None)
+        else:
+            y = self.kernels.run_tile(x, self.weight, None, self.kernels.tile_for(self.tiles, x.shape[0]))
+        return y.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", tinygemm" if self.tinygemm is not None else ", triton")
+
+
 def candidates(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> list[Callable[[], nn.Module]]:
     """Constructors of every kernel that can multiply by `qw` here, the fallback last."""
-    made = [lambda cls=cls: cls(qw, dtype) for cls in (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul)
-            if cls.applies(qw, device)]
+    kinds = (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul, TritonQuantMatmul)
+    made = [lambda cls=cls: cls(qw, dtype) for cls in kinds if cls.applies(qw, device)]
     return [*made, lambda: DequantMatmul(qw, dtype)]
 
 
@@ -255,6 +293,15 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
     key = (qw.shape, qw.bits, qw.group_size, qw.offset is None, device.type, dtype)
     if len(makers) == 1:
         return makers[0]()
+    if device.type == "cuda":
+        # The Triton kernel measures its own tiles with CUDA events; the slab fallback is far slower on a
+        # GPU (it would need a timing that waits for the device to compare at all).
+        try:
+            return makers[0]()
+        except RuntimeError as e:
+            log.warning("the Triton quantized kernel cannot run a %s weight %s here (%s); using the slow "
+                        "dequantizing fallback", qw.source, qw.shape, str(e).splitlines()[0])
+            return makers[-1]()
     if key in _CHOICES:
         return makers[_CHOICES[key]]()
     x = torch.randn(1, qw.shape[1], device=device, dtype=dtype)
