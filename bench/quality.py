@@ -1,12 +1,14 @@
 """What quantization costs in quality: perplexity, and KL divergence from the full-precision model.
 
-    python -m bench.quality TEXT_FILE [--model M] [--variants none,int8,int4] [--max-tokens N] [--window W]
+    python -m bench.quality TEXT_FILE [--model M] [--variants none,int8,int4,gguf] [--max-tokens N] [--window W]
 
 The text is tokenized and cut into windows of --window tokens (at most --max-tokens in all); each
 variant scores every window through the engine's `prompt_logprobs`, so the numbers come from the
 same paged, chunked path that serves chats. Variant `none` is the model as loaded (the reference;
-it runs first even when not listed); any other name is passed as `LLM(model, quantization=name)`,
-and a variant the engine cannot load is reported and skipped.
+it runs first even when not listed); `int8`, `int4` and `int4/gN` (groups of N) are passed as
+`LLM(model, quantization=...)`; `gguf` is the bundled model's own Q4_1 file (whose dequantized
+weights the default model folder holds) and a path to a .gguf file is served as it is. A variant
+the engine cannot load is reported and skipped.
 
 - Perplexity: exp of the mean negative logprob of each token after the first of its window.
 - Mean KL: KL(reference || variant) per position, averaged. The engine returns the top
@@ -46,8 +48,23 @@ def windows(token_ids: list[int], window: int, max_tokens: int) -> list[list[int
     return [token_ids[i : i + window] for i in range(0, len(token_ids), window) if len(token_ids[i : i + window]) > 1]
 
 
+def variant_load(model: str, variant: str, settings: dict) -> tuple[str, dict]:
+    """(what to load, its settings) for a variant: `none`; `int8`, `int4`, `int4/gN` (groups of N);
+    `gguf` (the bundled model's own Q4_1 file); or a path to a .gguf file."""
+    if variant == "none":
+        return model, dict(settings)
+    if variant == "gguf":
+        from engine.loader.bundled import bundled_gguf_path
+
+        return str(bundled_gguf_path()), dict(settings)
+    if variant.endswith(".gguf"):
+        return variant, dict(settings)
+    method, _, group = variant.partition("/g")
+    return model, {**settings, "quantization": method, **({"quantization_group_size": int(group)} if group else {})}
+
+
 def score(model: str, variant: str, prompts: list[list[int]], settings: dict) -> Scores:
-    kwargs = dict(settings) if variant == "none" else {**settings, "quantization": variant}
+    model, kwargs = variant_load(model, variant, settings)
     llm = LLM(model, **kwargs)
     try:
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=MAX_LOGPROBS)

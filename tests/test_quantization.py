@@ -24,6 +24,7 @@ from engine.quantization import kernels
 from engine.quantization.kernels import (
     DenseMatmul,
     DequantMatmul,
+    HalvesSplitInt4Matmul,
     Int4PackMatmul,
     Int8PackMatmul,
     SplitInt4Matmul,
@@ -89,6 +90,33 @@ def test_split_int4_matmul(rows, n, k, group, with_offset):
     qw = make_weight(8, n, k, group, with_offset)
     assert SplitInt4Matmul.applies(qw, CPU)
     check_kernel(SplitInt4Matmul(qw, torch.float32), qw, rows, BF16_BOUND)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", [(40, 80), (13, 64), (64, 256), (7, 24)])
+def test_halves_split_int4_matmul(rows, n, k):
+    """6-bit codes in groups of 16 (GGUF Q6_K) as four exact 4-bit products, each half of a 32-column
+    group with its own scale; K need not fill the last group."""
+    qw = make_weight(8, n, k, 16, with_offset=False)
+    qw.q = qw.q.clamp(-32, 31)
+    assert HalvesSplitInt4Matmul.applies(qw, CPU)
+    check_kernel(HalvesSplitInt4Matmul(qw, torch.float32), qw, rows, BF16_BOUND)
+    wide = make_weight(8, n, k, 16, with_offset=False)  # codes beyond 6 bits: not this kernel's
+    assert not HalvesSplitInt4Matmul.applies(wide, CPU)
+
+
+def test_prefill_rows_through_the_dequantized_weight_match():
+    """From `dense_from_rows` rows a kernel multiplies its weight rebuilt in bf16 from its own packing."""
+    for qw, cls in [(make_weight(4, 64, 128, 32, True), Int4PackMatmul),
+                    (make_weight(8, 64, 128, 32, True), SplitInt4Matmul),
+                    (make_weight(8, 64, 128, 128, False), Int8PackMatmul)]:
+        kernel = cls(qw, torch.float32)
+        rebuilt = kernel.dequantized_bf16()
+        assert rebuilt is not None, cls  # PyTorch's int4 packing of 64-row blocks is the one measured
+        # bf16 scales and zeros, and bf16 arithmetic: off by a few bf16 steps of the group's largest value
+        assert ((rebuilt.float() - qw.dequantize()).abs() <= 4 * BF16_BOUND * group_magnitude(qw)).all(), cls
+        kernel.dense_from_rows = 8
+        check_kernel(kernel, qw, 17, BF16_BOUND * 2)
 
 
 @pytest.mark.parametrize("rows", ROWS)

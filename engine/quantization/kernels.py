@@ -10,6 +10,7 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
 - Int8PackMatmul: `_weight_int8pack_mm`, 8-bit codes with one scale per row (the int8 setting).
 - SplitInt4Matmul: 8-bit codes in groups of 32 (GGUF Q8_0, Q5_*): each code is 16*hi + lo with hi
   and lo 4-bit, so the product is two 4-bit products, each exact.
+- HalvesSplitInt4Matmul: 6-bit codes in groups of 16 (GGUF Q6_K) as four exact 4-bit products.
 - DequantMatmul: any layout; dequantizes a slab of rows at a time into the activations' dtype and
   multiplies it, so no whole weight is ever expanded. The fallback, and the reference's speed.
 - DenseMatmul: a full-precision weight (a GGUF F16 tensor, say), oneDNN-packed on the CPU.
@@ -233,6 +234,49 @@ class SplitInt4Matmul(QuantizedMatmul):
         return self.high(x) + self.low(x)
 
 
+class HalvesSplitInt4Matmul(QuantizedMatmul):
+    """6-bit signed codes (-32..31) in groups of 16, GGUF Q6_K's layout, as four exact 4-bit products.
+
+    The int4 kernel takes groups of 32 and computes (q - 8) * scale + zero. Each group of 32 columns
+    runs twice, with the scale of its first 16 columns and then of its last 16, the other half masked
+    to zero (code 8, zero 0). A code c is 8 * hi + lo - 32 with hi, lo in 0..7: lo stored as it is
+    gives s * (lo - 8), hi stored as hi + 5 with scale 8s gives 8s * hi - 24s, and the two add up to
+    s * c."""
+
+    @staticmethod
+    def applies(qw: QuantizedWeight, device: torch.device) -> bool:
+        return (device.type == "cpu" and qw.bits == 8 and qw.group_size == 16 and qw.offset is None
+                and int(qw.q.min()) >= -32 and int(qw.q.max()) <= 31)
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        super().__init__(qw)
+        n, k = qw.shape
+        padded = _round_up(k, 32)
+        unsigned = F.pad(qw.q.to(torch.int16) + 32, (0, padded - k)).to(torch.uint8)
+        scale = F.pad(qw.scale, (0, padded // 16 - qw.scale.shape[1]))
+        half = (torch.arange(padded, device=qw.q.device) // 16) % 2  # which half of its group each column is
+        terms = []
+        for h in (0, 1):
+            mask, s = half == h, scale[:, h::2]
+            masked = unsigned.where(mask, 0)
+            low = torch.where(mask, masked % 8, 8).to(torch.uint8)
+            high = torch.where(mask, masked // 8 + 5, 8).to(torch.uint8)
+            terms += [QuantizedWeight(4, low, s, -8 * s, 32, qw.source),
+                      QuantizedWeight(4, high, 8 * s, -64 * s, 32, qw.source)]
+        self.terms = nn.ModuleList(Int4PackMatmul(t, dtype) for t in terms)
+        self.in_features = k
+
+    def dequantized_bf16(self) -> torch.Tensor | None:
+        parts = [t.dequantized_bf16() for t in self.terms]
+        return None if any(p is None for p in parts) else sum(parts)[:, : self.in_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.terms[0](x)
+        for term in self.terms[1:]:
+            y = y + term(x)
+        return y
+
+
 class TritonQuantMatmul(QuantizedMatmul):
     """NVIDIA GPUs: Pagoda's Triton dequant-GEMV (decode) and dequant-GEMM (prefill) over the packed
     codes (engine/layers/quant_matmul.py), with a tile per row count measured at load; or PyTorch's
@@ -270,7 +314,7 @@ class TritonQuantMatmul(QuantizedMatmul):
 
 def candidates(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> list[Callable[[], nn.Module]]:
     """Constructors of every kernel that can multiply by `qw` here, the fallback last."""
-    kinds = (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul, TritonQuantMatmul)
+    kinds = (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul, HalvesSplitInt4Matmul, TritonQuantMatmul)
     made = [lambda cls=cls: cls(qw, dtype) for cls in kinds if cls.applies(qw, device)]
     return [*made, lambda: DequantMatmul(qw, dtype)]
 
