@@ -55,7 +55,7 @@ _HEADROOM = 0.90
 QUANTIZATIONS = ("none", "int8", "int4")
 _QUANT_LABELS = {"none": "full precision", "int8": "int8", "int4": "int4"}
 # Columns sharing one int4 scale and zero (the engine's default quantization_group_size).
-_INT4_GROUP = 64
+_INT4_GROUP = 32
 # The context a recommendation aims for when none is asked: enough for a real conversation.
 _WANTED_CONTEXT = 4096
 
@@ -256,8 +256,9 @@ def _check_quantization(quantization: str | None) -> str:
 def weights_bytes(entry: CatalogEntry, dtype: str = "bfloat16", quantization: str | None = None,
                   on_cpu: bool = False) -> int:
     """Bytes the weights take once loaded: at `dtype`, quantized at load (int8: a byte per weight and a bf16 scale
-    per row; int4: half a byte plus a bf16 scale and zero per group of 64 columns, and a second copy of a tied
-    output head), or, for a GGUF entry, the size of its file, whose blocks stay quantized in memory.
+    per row; int4: half a byte plus a bf16 scale and zero per group of 32 columns, with the output head at int8
+    as the engine keeps it, shared with a tied embedding), or, for a GGUF entry, the size of its file, whose
+    blocks stay quantized in memory.
 
     `on_cpu`: the engine hands float32 weights to oneDNN in its packed layout there, and a tied output
     head gets a packed copy of its own, apart from the embedding table (engine/layers/linear.py)."""
@@ -276,8 +277,8 @@ def weights_bytes(entry: CatalogEntry, dtype: str = "bfloat16", quantization: st
     if quant == "int8":
         return matrix + 2 * rows + rest   # a tied head shares the embedding's codes
     per_weight = 0.5 + 4 / _INT4_GROUP
-    tied_copy = head * per_weight if entry.tie_word_embeddings else 0
-    return int(matrix * per_weight + tied_copy) + rest
+    # the head at int8, a byte a weight (a tied embedding shares it; an untied one is int4 like the layers)
+    return int((matrix - head) * per_weight) + head + rest
 
 
 def _matrix_params(entry: CatalogEntry) -> tuple[int, int]:

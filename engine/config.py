@@ -40,7 +40,7 @@ class EngineConfig:
     quantization: str | None = setting(None, "weight-only quantization at load: int8 (a scale per output "
                                              "channel) or int4 (a scale and offset per group of columns); "
                                              "GGUF files keep their own types (default: none)", QUANTIZATIONS)
-    quantization_group_size: int = setting(64, "columns that share one scale in int4 weights")
+    quantization_group_size: int = setting(32, "columns that share one scale and offset in int4 weights")
     seed: int = setting(0, "seed of the random generator that requests without their own seed sample from")
 
     def __post_init__(self) -> None:

@@ -224,7 +224,7 @@ class ModelRunner:
         if self.gguf is not None:
             return "GGUF " + quantization.weight_types(self.model)
         if self.config.quantization == "int4":
-            return f"int4 (groups of {self.config.quantization_group_size})"
+            return f"int4 (groups of {self.config.quantization_group_size}; LM head int8)"
         return self.config.quantization or "none"
 
     def _triton_matmuls_apply(self) -> bool:

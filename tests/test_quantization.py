@@ -32,6 +32,7 @@ from engine.quantization.kernels import (
 )
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
 from engine.quantization.modules import KernelTarget, QuantizedLinear
+from engine.quantization.passes import head_method
 
 CPU = torch.device("cpu")
 BF16_BOUND = 2.0**-7  # see the module docstring
@@ -408,11 +409,15 @@ def dequantized_copy(src: Path, dst: Path, method: str, group_size: int) -> Path
     """`src` with every tensor the engine quantizes replaced by its quantized-then-dequantized value,
     in float32: what a quantized engine computes, as a plain checkpoint."""
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tied = json.loads((src / "config.json").read_text()).get("tie_word_embeddings", False)
     for file in sorted(src.glob("*.safetensors")):
         tensors = load_file(file)
         for name, t in tensors.items():
             if name.endswith(QUANTIZED_TENSORS):
-                qw = quantize_int8(t) if method == "int8" else quantize_int4(t, group_size)
+                # the engine's rule: under int4 the head (and a tied embedding, its table) is int8
+                table = name.endswith("lm_head.weight") or (tied and name.endswith("embed_tokens.weight"))
+                how = head_method(method) if table else method
+                qw = quantize_int8(t) if how == "int8" else quantize_int4(t, group_size)
                 tensors[name] = qw.dequantize()
             else:
                 tensors[name] = t.float()
@@ -531,8 +536,9 @@ def test_print_model_and_stats_name_the_kernels(tiny_qwen2):
               quantization_group_size=32)
     text, matmul = str(llm.model_runner.model), llm.stats().matmul
     assert "Int4PackMatmul(" in text and "int4: 4-bit, groups of 32" in text and "QuantizedEmbedding(" in text
-    # qkv, o, gate_up, down per layer (2 layers) and the head: 9 kernels, named with their counts
-    assert matmul == "Int4PackMatmul x9", matmul
+    # qkv, o, gate_up, down per layer (2 layers) at int4, and the head at int8: named with their counts
+    assert matmul == "Int4PackMatmul x8, Int8PackMatmul x1", matmul
+    assert llm.stats().quantization == "int4 (groups of 32; LM head int8)"
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------

@@ -15,12 +15,19 @@ from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.quantization.kernels import DenseMatmul, QuantizedMatmul
 from engine.quantization.modules import METHODS, KernelTarget, QuantizedEmbedding, QuantizedLinear
 
-DEFAULT_GROUP_SIZE = 64  # chosen by measurement: bench/RESULTS.md, "int4 group size"
+DEFAULT_GROUP_SIZE = 32  # chosen by measurement: bench/RESULTS.md, "int4 group size"
 
 
 def check_method(method: str | None) -> None:
     if method is not None and method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
+
+
+def head_method(method: str | None) -> str | None:
+    """How the LM head is stored: int8 under int4 as well. Every logit comes from the head, and 4-bit
+    codes there cost SmolLM2 far more perplexity than 4-bit layers do (bench/RESULTS.md, "int4
+    head"); llama.cpp's Q4_K_M keeps its output at 6 bits for the same reason."""
+    return "int8" if method == "int4" else method
 
 
 def quantize(model: nn.Module, method: str | None, target: KernelTarget,
@@ -32,9 +39,12 @@ def quantize(model: nn.Module, method: str | None, target: KernelTarget,
     for name, module in list(model.named_modules()):
         bias = getattr(module, "bias", None)
         if isinstance(module, ParallelLMHead):
-            swapped = QuantizedLinear(module.embedding_dim, [module.num_embeddings], None, method, group_size, target)
+            swapped = QuantizedLinear(module.embedding_dim, [module.num_embeddings], None, head_method(method),
+                                      group_size, target)
         elif isinstance(module, VocabParallelEmbedding):
-            swapped = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, method, group_size, target)
+            # A tied table is stored as the head stores it, once; an untied embedding only has rows looked up.
+            table = head_method(method) if getattr(model, "tie_word_embeddings", False) else method
+            swapped = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, table, group_size, target)
         elif isinstance(module, ColumnParallelLinear):
             swapped = QuantizedLinear(module.in_features, module.output_sizes, bias, method, group_size, target)
         elif isinstance(module, RowParallelLinear):

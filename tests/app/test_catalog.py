@@ -293,22 +293,25 @@ def test_weights_of_qwen3_8b_at_each_quantization():
     assert full == e.params * 2
     # int8: a byte a weight plus a bf16 scale per row, about 8.2 GB (7.6 GiB).
     assert abs(int8 - 8.2 * GB) <= 0.1 * 8.2 * GB and int8 > e.params
-    # int4: half a byte plus a bf16 scale and zero per 64 columns (0.5625 bytes), about 4.6 GB (4.3 GiB). Its
-    # head is untied, so there is no second copy of it.
-    assert abs(int4 - 4.7 * GB) <= 0.1 * 4.7 * GB
-    assert int4 == pytest.approx(e.params * (0.5 + 4 / 64), rel=0.001)
+    # int4: half a byte plus a bf16 scale and zero per 32 columns (0.625 bytes), with the untied head
+    # (151,936 x 4,096) at int8: about 5.35 GB (5.0 GiB).
+    head = e.vocab_size * e.hidden_size
+    assert abs(int4 - 5.35 * GB) <= 0.05 * 5.35 * GB
+    assert int4 == pytest.approx((e.params - head) * (0.5 + 4 / 32) + head, rel=0.001)
     assert estimate_memory(e, 4096, quantization="int4").weights_bytes == int4
     with pytest.raises(ValueError, match="use none, int8 or int4"):
         weights_bytes(e, "bfloat16", "int3")
 
 
-def test_int4_counts_a_second_copy_of_a_tied_head_and_int8_shares_it():
+def test_a_tied_table_is_counted_once_and_an_untied_embedding_is_int4_under_int4():
     e = entry_for_repo("Qwen/Qwen3-0.6B")  # tied embeddings
     head = e.vocab_size * e.hidden_size
     untied = entry_for_repo("Qwen/Qwen3-0.6B")
     untied.tie_word_embeddings = False
     untied.params += head  # the same model with a head of its own
-    assert weights_bytes(e, "bfloat16", "int4") == pytest.approx(weights_bytes(untied, "bfloat16", "int4"), rel=1e-6)
+    # under int4 the head is int8 (a byte a weight) and a tied embedding is that table; untied, it is int4
+    assert weights_bytes(untied, "bfloat16", "int4") - weights_bytes(e, "bfloat16", "int4") == \
+        pytest.approx(head * (0.5 + 4 / 32), rel=1e-6)
     assert weights_bytes(e, "bfloat16", "int8") < weights_bytes(untied, "bfloat16", "int8") - head
 
 
@@ -326,14 +329,14 @@ def test_advice_recommends_the_most_precise_that_leaves_room():
     gpu = "NVIDIA Test GPU (8.0 GiB)"
     a = quantization_advice(e, 4096, free_bytes=int(7.1 * GiB), device_name=gpu)
     assert a.recommended == "int4"
-    assert a.message == ("Fits in 7.1 GiB free: int4 leaves room for 10,240 tokens of context (recommended); "
+    assert a.message == ("Fits in 7.1 GiB free: int4 leaves room for 4,608 tokens of context (recommended); "
                          "int8 does not fit; full precision does not fit.")
     assert [o.quantization for o in a.options] == ["none", "int8", "int4"]
 
     a = quantization_advice(e, 4096, free_bytes=12 * GiB, device_name=gpu)
     assert a.recommended == "int8"
     assert a.message.startswith("Fits in 12.0 GiB free: int8 leaves room for 15,616 tokens of context (recommended); "
-                                "int4 fits 40,960; full precision does not fit")
+                                "int4 fits 36,864; full precision does not fit")
 
     roomy = quantization_advice(e, 4096, free_bytes=40 * GiB, device_name=gpu)
     assert roomy.recommended == "none" and roomy.message.startswith("Fits in 40.0 GiB free: full precision leaves")
@@ -347,7 +350,7 @@ def test_advice_takes_what_fits_when_the_asked_context_does_not():
     e = entry_for_repo("Qwen/Qwen3-8B")
     a = quantization_advice(e, 32768, free_bytes=int(7.1 * GiB), device_name="NVIDIA Test GPU (8.0 GiB)")
     assert a.recommended == "int4"
-    assert "int4 leaves room for 10,240 tokens of context (recommended; less than the 32,768 asked)" in a.message
+    assert "int4 leaves room for 4,608 tokens of context (recommended; less than the 32,768 asked)" in a.message
     # The asked context never exceeds what the model was trained for.
     small = entry_for_repo("HuggingFaceTB/SmolLM2-360M-Instruct")
     assert quantization_advice(small, 100_000, free_bytes=64 * GiB, device_name="x").recommended == "none"
@@ -366,6 +369,6 @@ def test_advice_for_a_gguf_has_only_its_own_types():
 def test_the_fit_sentence_names_the_quantization_and_suggests_int4():
     e = entry_for_repo("Qwen/Qwen3-8B")
     r = fit_report(e, 4096, free_bytes=8 * GiB, device_name="NVIDIA Test GPU (8.0 GiB)", quantization="int4")
-    assert r.fits and "(weights 4.3 + KV 0.56 at 4,096 tokens + 0.68 runtime, int4 weights, bfloat16)" in r.message
+    assert r.fits and "(weights 5.0 + KV 0.56 at 4,096 tokens + 0.75 runtime, int4 weights, bfloat16)" in r.message
     full = fit_report(e, 4096, free_bytes=8 * GiB, device_name="NVIDIA Test GPU (8.0 GiB)")
     assert not full.fits and full.message.endswith("Pick a smaller model or int4 quantization.")

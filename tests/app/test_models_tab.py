@@ -68,7 +68,7 @@ def test_picking_a_model_sets_the_recommended_quantization(page):
     assert update["value"] == "int4" and update["interactive"] is True
     assert update["info"].endswith("Recommended here: int4")
     assert text.startswith("Download: 15.3 GiB. Qwen3 8B needs about")
-    assert text.endswith("Fits in 7.1 GiB free: int4 leaves room for 10,240 tokens of context (recommended); "
+    assert text.endswith("Fits in 7.1 GiB free: int4 leaves room for 4,608 tokens of context (recommended); "
                          "int8 does not fit; full precision does not fit.")
 
     update, text = pick.fn("Qwen/Qwen3-8B-GGUF", "auto", 4096)
@@ -88,7 +88,7 @@ def test_the_estimate_follows_the_quantization(page):
     estimate = handler(demo, quant)
     assert [c.label for c in estimate.inputs] == ["Model", "Precision", "Context length (tokens)", "Quantization"]
     int4 = estimate.fn("Qwen/Qwen3-8B", "bfloat16", 4096, "int4")
-    assert "(weights 4.3 + KV 0.56 at 4,096 tokens + 0.68 runtime, int4 weights, bfloat16)" in int4
+    assert "(weights 5.0 + KV 0.56 at 4,096 tokens + 0.75 runtime, int4 weights, bfloat16)" in int4
     assert ": fits." in int4
     int8 = estimate.fn("Qwen/Qwen3-8B", "bfloat16", 4096, "int8")
     assert "weights 7.6 + " in int8 and "int8 weights, bfloat16" in int8 and "does not fit" in int8
