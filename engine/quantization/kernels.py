@@ -347,7 +347,9 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
                         "dequantizing fallback", qw.source, qw.shape, str(e).splitlines()[0])
             return makers[-1]()
     if key in _CHOICES:
-        return makers[_CHOICES[key]]()
+        kernel = makers[_CHOICES[key]]()
+        choose_prefill_rows(kernel, dtype)  # measured once per shape too; this sets the layer's copy
+        return kernel
     x = torch.randn(1, qw.shape[1], device=device, dtype=dtype)
     reference = F.linear(x.float(), qw.dequantize().to(device))
     tolerance = 0.02 * reference.abs().max().item() + 1e-3  # bf16 activations round each product at 2^-8
