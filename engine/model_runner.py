@@ -75,9 +75,11 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.packed_weights = device.type == "cpu" and can_pack_for_cpu(dtype)
         self.gguf = model_path if isinstance(model_path, GGUFCheckpoint) else None
-        self.quantized = config.quantization is not None or self.gguf is not None
+        self.from_gguf = self.gguf is not None
+        self.quantized = config.quantization is not None or self.from_gguf
         self._check_host_memory(model_path)
         self.model = self._load_model(model_path)
+        self.gguf = None  # the reader holds the file's parsed metadata (160 MB for SmolLM2's): not past loading
         self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
         self.attention_layers, self.backend = self._bind_attention_backend()
         # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
@@ -221,7 +223,7 @@ class ModelRunner:
     @property
     def weight_format(self) -> str:
         """How the weights are stored, for stats(): "none", "int8", "int4 (groups of 64)", "GGUF Q4_1, Q8_0"."""
-        if self.gguf is not None:
+        if self.from_gguf:
             return "GGUF " + quantization.weight_types(self.model)
         if self.config.quantization == "int4":
             return f"int4 (groups of {self.config.quantization_group_size}; LM head int8)"
