@@ -26,6 +26,7 @@ from engine import LLM, SamplingParams
 from engine.quantization import kernels
 from engine.quantization.kernels import DequantMatmul
 from tests.conftest import build_tokenizer
+from tests.quantized_weights import logprob_differences
 
 VOCAB = 320
 SIZES = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -249,14 +250,6 @@ def rows(result) -> list[dict[int, float]]:
     return [*result["prompt_logprobs"][1:], *result["logprobs"]]
 
 
-def differences(got: list[dict], want: list[dict], min_common: int) -> list[float]:
-    assert len(got) == len(want)
-    diffs = []
-    for i, (g, w) in enumerate(zip(got, want)):
-        common = g.keys() & w.keys()
-        assert len(common) >= min_common, f"position {i}: top tokens {sorted(g)} vs {sorted(w)}"
-        diffs += [abs(g[t] - w[t]) for t in common]
-    return diffs
 
 
 # ---- every type against its dequantization ---------------------------------------------------------------------------
@@ -279,7 +272,7 @@ def check_against_reference(llm, reference_folder, seed: int) -> None:
 
     def diffs_of(engine):
         got, want = greedy(engine, [sequence], max_tokens=1)[0], greedy(reference, [sequence], max_tokens=1)[0]
-        return differences(rows(got)[:-1], rows(want)[:-1], min_common=12)
+        return logprob_differences(rows(got)[:-1], rows(want)[:-1], min_common=12)
 
     diffs = diffs_of(llm)
     if {part.rsplit(" x", 1)[0] for part in llm.stats().matmul.split(", ")} <= {"DenseMatmul", "DequantMatmul"}:
@@ -314,7 +307,7 @@ def test_engine_on_the_float32_kernel_equals_the_dequantized_model(type_name, fa
     for got, want in zip(greedy(llm, prompts), greedy(reference, prompts)):
         assert got["token_ids"] == want["token_ids"]
         # float32 both sides, only sum order differs; these logits span ~25, so 1e-4 is ~4e-6 of that
-        assert max(differences(rows(got), rows(want), min_common=20)) <= 1e-4
+        assert max(logprob_differences(rows(got), rows(want), min_common=20)) <= 1e-4
 
 
 def test_mixed_types_like_q4_k_m(gguf_pair):
@@ -403,4 +396,4 @@ def test_bundled_gguf_replies_as_its_dequantized_folder(bundled_model, monkeypat
     assert gguf_ids == ids  # the file's tokenizer and chat template give the folder's tokens
     got = gguf_llm.generate([ids], params, use_tqdm=False)[0]
     assert got["token_ids"] == want["token_ids"], (got["text"], want["text"])
-    assert max(differences(got["logprobs"], want["logprobs"], min_common=5)) <= 1e-4
+    assert max(logprob_differences(got["logprobs"], want["logprobs"], min_common=5)) <= 1e-4

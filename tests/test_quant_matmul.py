@@ -29,23 +29,12 @@ from engine.layers.quant_matmul import (  # noqa: E402
 )
 from engine.quantization.layout import QuantizedWeight, quantize_int4  # noqa: E402
 from tests.gpu_compile import TARGETS, compile_in_subprocess, record_launches  # noqa: E402
+from tests.quantized_weights import random_quantized_weight as make_weight  # noqa: E402
 
 STEP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}  # one step of the significand
 GROUPS = [16, 32, 64, 128, "channel"]
 
 
-def make_weight(bits: int, n: int, k: int, group: int | str, with_offset: bool, seed: int = 0) -> QuantizedWeight:
-    """Random codes over the whole range, scales across two decades, offsets of either sign."""
-    gen = torch.Generator().manual_seed(seed)
-    group_size = k if group == "channel" else group
-    groups = -(-k // group_size)
-    if bits == 4:
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    else:
-        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    scale = 10 ** (torch.rand(n, groups, generator=gen) * 2 - 3)
-    offset = torch.randn(n, groups, generator=gen) * 8 * scale if with_offset else None
-    return QuantizedWeight(bits, q, scale, offset, group_size, "test")
 
 
 def as_held(qw: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:

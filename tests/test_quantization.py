@@ -33,23 +33,14 @@ from engine.quantization.kernels import (
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
 from engine.quantization.modules import KernelTarget, QuantizedLinear
 from engine.quantization.passes import head_method
+from tests.quantized_weights import logprob_differences
+from tests.quantized_weights import random_quantized_weight as make_weight
 
 CPU = torch.device("cpu")
 BF16_BOUND = 2.0**-7  # see the module docstring
 ROWS = (1, 3, 17)  # decode, a small batch, a prefill chunk (int4pack pads M internally)
 
 
-def make_weight(bits: int, n: int, k: int, group_size: int, with_offset: bool, seed: int = 0) -> QuantizedWeight:
-    """Codes over the whole range, scales across two decades, offsets of either sign (like GGUF's)."""
-    gen = torch.Generator().manual_seed(seed)
-    groups = -(-k // group_size)
-    if bits == 4:
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    else:
-        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    scale = 10 ** (torch.rand(n, groups, generator=gen) * 2 - 3)
-    offset = torch.randn(n, groups, generator=gen) * 8 * scale if with_offset else None
-    return QuantizedWeight(bits, q, scale, offset, group_size, "test")
 
 
 def group_magnitude(qw: QuantizedWeight) -> torch.Tensor:
@@ -461,12 +452,7 @@ def logprob_rows(result) -> list[dict[int, float]]:
 def compare_rows(got: list[dict], want: list[dict], atol: float, min_common: int, mean_atol: float | None = None):
     """Values agree within `atol` (and on average within `mean_atol`) on the tokens both rows list: a
     top-k can swap members that tie within the tolerance."""
-    assert len(got) == len(want)
-    diffs = []
-    for i, (g, w) in enumerate(zip(got, want)):
-        common = g.keys() & w.keys()
-        assert len(common) >= min_common, f"position {i}: top tokens {sorted(g)} vs {sorted(w)}"
-        diffs += [abs(g[t] - w[t]) for t in common]
+    diffs = logprob_differences(got, want, min_common)
     worst, mean = max(diffs), sum(diffs) / len(diffs)
     assert worst <= atol, f"logprobs differ by up to {worst:.3g} (allowed {atol})"
     assert mean_atol is None or mean <= mean_atol, f"logprobs differ by {mean:.3g} on average (allowed {mean_atol})"

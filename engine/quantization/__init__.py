@@ -6,12 +6,11 @@ from engine.quantization.modules import KernelTarget
 from engine.quantization.passes import (
     DEFAULT_GROUP_SIZE,
     finalize,
-    is_quantized,
     kernel_summary,
     quantize,
     weight_tensors,
     weight_types,
 )
 
-__all__ = ["DEFAULT_GROUP_SIZE", "KernelTarget", "QuantizedWeight", "finalize", "is_quantized", "kernel_summary",
+__all__ = ["DEFAULT_GROUP_SIZE", "KernelTarget", "QuantizedWeight", "finalize", "kernel_summary",
            "quantize", "quantize_int4", "quantize_int8", "weight_tensors", "weight_types"]

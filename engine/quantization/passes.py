@@ -56,10 +56,6 @@ def quantize(model: nn.Module, method: str | None, target: KernelTarget,
     return model
 
 
-def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in model.modules())
-
-
 def finalize(model: nn.Module) -> None:
     """Once every tensor has loaded: the linear layers have built their kernels already; the embedding
     goes last, so that it may share a tied head's codes."""
