@@ -10,6 +10,7 @@ from engine.sequence import Sequence
 
 # A UTF-8 character spans at most 4 bytes, so a longer undecodable run is genuinely invalid text.
 MAX_HELD_TOKENS = 8
+INCOMPLETE_CHARACTER_BYTES = 3
 
 
 class Detokenizer:
@@ -34,9 +35,15 @@ class Detokenizer:
         full_text = self.decode(seq.token_ids[start + seq.prefix_offset :])
         num_output = len(seq.token_ids) - start
         held = num_output - seq.read_offset
-        if full_text.endswith("\ufffd") and not final and held < MAX_HELD_TOKENS:
-            return ""  # wait for the rest of the character
+        upto = num_output
+        if full_text.endswith("\ufffd") and not final:
+            if held < MAX_HELD_TOKENS:
+                return ""  # wait for the rest of the character
+            # Invalid text: let out all but the last tokens, which may still start a character (an
+            # incomplete one has at most 3 bytes); emitting those too would fix their U+FFFD for good.
+            upto = num_output - INCOMPLETE_CHARACTER_BYTES
+            full_text = self.decode(seq.token_ids[start + seq.prefix_offset : start + upto])
         new_text = full_text[len(prefix_text) :]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, num_output
+        seq.prefix_offset, seq.read_offset = seq.read_offset, upto
         seq.output_text += new_text
         return new_text

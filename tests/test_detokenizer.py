@@ -84,6 +84,15 @@ def test_arbitrary_token_streams_add_up_to_the_full_decode(tokenizer, ids):
     assert "".join(increments) == seq.output_text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def test_a_character_completed_after_a_long_invalid_run_is_not_emitted_broken(tokenizer):
+    # Byte 0xE0 six times (invalid), then 0xE0 0xA1 0xA1 (U+0861): the hold limit is reached while
+    # that character is half there; what is let out must leave its bytes to the next step.
+    ids = [159] * 6 + [159, 97, 97]
+    assert [tokenizer.convert_ids_to_tokens(i) for i in (159, 97)] == ["à", "¡"]  # bytes E0 and A1
+    increments, seq = stream(tokenizer, ids)
+    assert "".join(increments) == tokenizer.decode(ids) and tokenizer.decode(ids).endswith("\u0861")
+
+
 def test_engine_streams_the_same_text_as_decoding_its_tokens(tiny_models, make_llm, random_prompt):
     llm = make_llm(tiny_models["qwen3"])
     ids = [llm.add_request(random_prompt(5 + i, 1000 + i), SamplingParams(temperature=1.0, max_tokens=40, seed=i))
