@@ -96,15 +96,18 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid)),
                    inputs=bar.current, outputs=[tab.meter, bar.conversations])
     limit = ui.max_concurrent_chats
-    send = tab.msg.submit(ui.respond, reply_inputs, reply_outputs, concurrency_limit=limit, concurrency_id="reply",
-                          api_name="respond")
+    # No status overlay on a reply's outputs: the streaming text shows progress itself, and an overlay
+    # left on the message box (a reply whose following was cancelled by switching chats could leave
+    # one saying "Error") would block typing the next message. gr.Error still shows as a toast.
+    quiet = dict(concurrency_limit=limit, concurrency_id="reply", show_progress="hidden")
+    send = tab.msg.submit(ui.respond, reply_inputs, reply_outputs, api_name="respond", **quiet)
     send.then(**refresh)
     regen = tab.regen_btn.click(ui.regenerate, [bar.current, tab.system, *tab.sliders], reply_outputs,
-                                concurrency_limit=limit, concurrency_id="reply", api_name="regenerate")
+                                api_name="regenerate", **quiet)
     regen.then(**refresh)
     # Opening a chat stops following the previous one (its reply runs on) and follows this one's.
     opening = bar.current.change(ui.open, bar.current, opened, cancels=[send, regen])
-    follow = opening.then(ui.follow, bar.current, reply_outputs, concurrency_limit=limit, concurrency_id="reply")
+    follow = opening.then(ui.follow, bar.current, reply_outputs, **quiet)
     tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg])
     tab.stop_btn.click(ui.stop, bar.current, None, cancels=[send, regen, follow], api_name="stop")
 
