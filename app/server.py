@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 show_error=True, app_kwargs=guarded(policy), ssr_mode=False, **launch_kwargs())
     if not isinstance(demo.server_app.middleware_stack, HTTPGuard):
         demo.close()
+        host.unload()
+        store.close()
         raise SystemExit("Pagoda's Host and Origin checks did not install in front of Gradio's app (a Gradio "
                          "version that builds its app differently?); not serving without them")
     if getattr(demo, "share_url", None):

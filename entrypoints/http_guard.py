@@ -226,13 +226,18 @@ class HTTPGuard:
         api = path == "/v1" or path.startswith("/v1/")
         host = headers.get("host", "")
         if not self.policy.host_allowed(host):
-            name = host_name(host) or "(none)"
-            return error(403, api, f"Host {name!r} is not allowed; start with --allowed-hosts {name} to allow it",
-                         "host_not_allowed")
+            name = host_name(host)
+            message = (f"Host {name!r} is not allowed; start with --allowed-hosts {name} to allow it" if name else
+                       "the request has no Host header; send one naming this server (e.g. Host: localhost)")
+            return error(403, api, message, "host_not_allowed")
         origin = headers.get("origin")
         if origin is not None and not self.policy.origin_allowed(origin):
-            return error(403, api, f"Requests from the web page at {origin} are not allowed; start with "
-                                   f"--cors-origins {origin} to allow that site", "origin_not_allowed")
+            if normal_origin(origin):
+                message = (f"Requests from the web page at {origin} are not allowed; start with --cors-origins "
+                           f"{origin} to allow that site")
+            else:  # `null`: a sandboxed frame or a local file, which no setting can name
+                message = f"Requests from pages without an origin of their own ({origin!r}) are not allowed"
+            return error(403, api, message, "origin_not_allowed")
         if api and scope["type"] == "http" and scope["method"] == "POST":
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":

@@ -44,11 +44,12 @@ def test_a_foreign_host_gets_a_403_on_every_route(server, host, method, path, kw
     generated = server.metric("vllm:generation_tokens_total")
     r = call(server, method, path, host, **kwargs)
     assert r.status_code == 403
+    hint = "--allowed-hosts" if host else "no Host header"
     if path.startswith("/v1"):
         error = r.json()["error"]
-        assert error["code"] == "host_not_allowed" and "--allowed-hosts" in error["message"]
+        assert error["code"] == "host_not_allowed" and hint in error["message"]
     else:
-        assert "--allowed-hosts" in r.text
+        assert hint in r.text
     assert server.metric("vllm:generation_tokens_total") == generated  # refused before any route ran
 
 
@@ -84,7 +85,7 @@ def test_another_sites_page_is_refused_and_gets_no_cors_headers(server, origin):
     generated = server.metric("vllm:generation_tokens_total")
     for method, path, kwargs in ROUTES[:4]:
         r = call(server, method, path, headers={"Origin": origin}, **kwargs)
-        assert r.status_code == 403 and "--cors-origins" in r.text
+        assert r.status_code == 403 and ("--cors-origins" in r.text or origin == "null")
         assert "access-control-allow-origin" not in r.headers
     preflight = call(server, "OPTIONS", "/v1/chat/completions", headers={
         "Origin": origin, "Access-Control-Request-Method": "POST",

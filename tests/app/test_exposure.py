@@ -120,6 +120,8 @@ def test_listen_without_auth_prints_a_login(lan_app):
     user, password = app.printed_login()
     assert user and len(password) >= 12
     assert "LAN login" in app.log.read_text()
+    page = request(app, "GET", "/")  # the login form, with none of the page's components
+    assert page.status_code == 200 and "auth_required" in page.text
 
 
 @pytest.mark.parametrize("method, path, kwargs", PROTECTED)
