@@ -4,6 +4,11 @@ import logging
 import os
 import secrets
 import sys
+import webbrowser
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+from entrypoints.http_guard import AccessPolicy, HTTPGuard, add_access_options
 
 log = logging.getLogger("pagoda")
 
@@ -13,30 +18,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", help="a local Hugging Face model folder or hub repo id "
                                     "(default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--port", type=int, default=7860)
-    ap.add_argument("--listen", action="store_true", help="serve on the LAN (0.0.0.0), not only on 127.0.0.1")
+    ap.add_argument("--listen", action="store_true", help="serve on the LAN (0.0.0.0), not only on 127.0.0.1; "
+                                                          "always behind a password")
     ap.add_argument("--share", action="store_true", help="make a public Gradio link, always behind a password")
-    ap.add_argument("--auth", help="user:password required to open the page (generated for --share if not given)")
+    ap.add_argument("--auth", help="user:password required to open the page and call its API (generated and "
+                                   "printed for --listen and --share if not given)")
     ap.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
                     help="key for the OpenAI-compatible API under /v1 (env PAGODA_API_KEY; generated and printed when "
                     "--listen or --share makes it reachable from other machines)")
     ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     ap.add_argument("--max-chats", type=int, default=16, help="chats that can stream at once (engine sequence slots)")
+    add_access_options(ap)
     return ap.parse_args(argv)
 
 
 def resolve_auth(args: argparse.Namespace) -> tuple[str, str] | None:
-    """The login for the page. A share link is public, so it never goes out without one."""
+    """The login for the page and its API. A share link is public and the LAN is other people's machines: the
+    chats, their system prompts and model load/connect never go out there without one."""
     if args.auth:
         user, sep, password = args.auth.partition(":")
         if not sep or not user or not password:
             raise SystemExit("--auth takes user:password, for example --auth alice:correct-horse")
         return user, password
-    if args.share:
+    if args.share or args.listen:
         user, password = "pagoda", secrets.token_urlsafe(12)
-        print(f"Share link login (generated; pass --auth user:pass to choose your own): {user} / {password}",
+        where = "Share link" if args.share else "LAN"
+        print(f"{where} login (generated; pass --auth user:pass to choose your own): {user} / {password}",
               flush=True)
         return user, password
     return None
+
+
+def guarded(policy: AccessPolicy) -> dict:
+    """launch()'s app_kwargs that put HTTPGuard in front of all Gradio serves: the page, its API and /v1.
+
+    Gradio adds its own middleware (a CORS one that answers any origin on a LAN address) outside any given to it,
+    and builds the stack as the server starts. So the guard wraps the built stack in the app's lifespan, which
+    runs before the server accepts its first connection."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        app.middleware_stack = HTTPGuard(app.middleware_stack or app.build_middleware_stack(), policy)
+        yield
+
+    return {"lifespan": lifespan}
 
 
 def serve_openai_api(demo, host, api_key: str | None) -> None:
@@ -79,9 +104,24 @@ def main(argv: list[str] | None = None) -> int:
     ui = PagodaUI(store, host, max_concurrent_chats=args.max_chats)
     demo = build(ui, models_tab=render_models_tab)
     demo.queue(default_concurrency_limit=4)
-    demo.launch(server_name="0.0.0.0" if args.listen else "127.0.0.1", server_port=args.port, share=args.share,
-                auth=auth, inbrowser=not args.no_browser, prevent_thread_lock=True, show_error=True, **launch_kwargs())
+    bind = "0.0.0.0" if args.listen else "127.0.0.1"
+    policy = AccessPolicy.for_bind(bind, args.allowed_hosts, args.cors_origins)
+    # No static-file workers (GRADIO_NUM_WORKERS) and no Node front (GRADIO_SSR_MODE): both would answer on
+    # ports of their own, outside the guard.
+    os.environ.pop("GRADIO_NUM_WORKERS", None)
+    demo.launch(server_name=bind, server_port=args.port, share=args.share, auth=auth, prevent_thread_lock=True,
+                show_error=True, app_kwargs=guarded(policy), ssr_mode=False, **launch_kwargs())
+    if not isinstance(demo.server_app.middleware_stack, HTTPGuard):
+        demo.close()
+        host.unload()
+        store.close()
+        raise SystemExit("Pagoda's Host and Origin checks did not install in front of Gradio's app (a Gradio "
+                         "version that builds its app differently?); not serving without them")
+    if getattr(demo, "share_url", None):
+        policy.allow_host(urlsplit(demo.share_url).hostname)
     serve_openai_api(demo, host, api_key)
+    if not args.no_browser:  # opened here rather than by launch(), once the share link's host is allowed
+        webbrowser.open(demo.share_url or demo.local_url)
     if args.share and not getattr(demo, "share_url", None):
         print("Could not create the share link: Gradio's tunnel helper (frpc) is missing and could not be downloaded, "
               "or the share server is unreachable. Pagoda keeps running locally at "

@@ -1,9 +1,11 @@
 """Pagoda's engine as a headless OpenAI-compatible server, and the API-key rule the app shares.
 
     python -m engine.serve --model PATH_OR_REPO [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                           [--allowed-hosts NAMES] [--cors-origins ORIGINS]
 
 Serves /v1/chat/completions, /v1/completions, /v1/models and /metrics. Listening beyond
-localhost needs an API key: give one, or one is generated and printed. The engine's settings
+localhost needs an API key: give one, or one is generated and printed. Requests for another Host
+or from another site's page are refused (entrypoints/http_guard.py). The engine's settings
 are flags made from EngineConfig's fields (`--max-num-seqs`, `--kvcache-block-size`, ...), so a
 new setting is a flag without being listed here.
 """
@@ -17,6 +19,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from engine.config import EngineConfig
+from entrypoints.http_guard import AccessPolicy, add_access_options
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Where the headless server's defaults differ from the engine's: fewer sequence slots (a GPU
@@ -63,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
                     help="key every /v1 request must send as a Bearer token (env PAGODA_API_KEY); "
                          "required, and generated if absent, when --host is not local")
+    add_access_options(ap)
     names = add_engine_settings(ap, SERVE_DEFAULTS)
     args = ap.parse_args(argv)
     args.engine_settings = {name: getattr(args, name) for name in names if hasattr(args, name)}
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     model, name = default_model(args.model)
     engine = EngineThread(LLM(model, **args.engine_settings))
     name = args.served_model_name or name
-    app = create_app(engine, name, api_key)
+    policy = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.cors_origins)
+    app = create_app(engine, name, api_key, policy)
     print(f"Serving {name} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -52,7 +52,8 @@ def check_app_and_v1(thread: EngineThread, ids: list[int], expected: dict) -> No
     assert prompt_tokens == len(ids)
     assert "".join(delta.text for delta in stream) == expected["text"]
 
-    with TestClient(create_app(thread, "smollm2", api_key=None)) as client:
+    # 127.0.0.1: create_app serves only this machine's own names (TestClient's default Host, testserver, is not one)
+    with TestClient(create_app(thread, "smollm2", api_key=None), base_url="http://127.0.0.1") as client:
         reply = client.post("/v1/chat/completions", json={"model": "smollm2", "messages": MESSAGES,
                                                           "temperature": 0, "max_tokens": 24}).json()
     assert reply["choices"][0]["message"]["content"] == expected["text"]

@@ -18,6 +18,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from engine import EngineThread, RequestStream, SamplingParams
+from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from entrypoints.openai.protocol import APIError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 
@@ -332,10 +333,13 @@ def create_metrics_router(models: ModelSource) -> APIRouter:
     return router
 
 
-def create_app(engine: EngineThread, model_name: str, api_key: str | None) -> FastAPI:
-    """A FastAPI app serving one EngineThread: the headless server."""
+def create_app(engine: EngineThread, model_name: str, api_key: str | None,
+               policy: AccessPolicy | None = None) -> FastAPI:
+    """A FastAPI app serving one EngineThread: the headless server. `policy`: the hosts and sites it answers
+    (default: this machine's loopback names only)."""
     served = ServedModel(engine, model_name)
     app = FastAPI(title="Pagoda OpenAI-compatible API")
+    app.add_middleware(HTTPGuard, policy=policy or AccessPolicy())
     app.include_router(create_router(lambda: served, api_key))
     app.include_router(create_metrics_router(lambda: served))
     return app

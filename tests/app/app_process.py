@@ -1,5 +1,6 @@
 """A real Pagoda app process for end-to-end tests."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,11 +15,19 @@ class PortTaken(RuntimeError):
 
 
 class AppProcess:
-    def __init__(self, model: Path, home: Path):
+    """`args`: more start-up options (`--listen`); `auth`: the login its API client uses (default: none, or the
+    one the app prints when it generates one)."""
+
+    def __init__(self, model: Path, home: Path, *args: str, auth: tuple[str, str] | None = None):
         self.model, self.home, self.port = model, home, free_port()
+        self.args, self.auth = args, auth
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log = home / f"app-{self.port}.log"
         self.proc = None
+
+    def printed_login(self) -> tuple[str, str] | None:
+        found = re.search(r"login \(generated[^)]*\): (\S+) / (\S+)", self.log.read_text())
+        return found.groups() if found else None
 
     def start(self):
         for _attempt in range(3):
@@ -35,8 +44,9 @@ class AppProcess:
         self.url = f"http://127.0.0.1:{self.port}/"
         env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(self.model), "--port", str(self.port),
-                                      "--no-browser", "--max-chats", "4"], env=env, stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+                                      "--no-browser", "--max-chats", "4", *self.args], env=env,
+                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     cwd=Path(__file__).resolve().parents[2])
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -45,7 +55,7 @@ class AppProcess:
                     raise PortTaken(log[-3000:])
                 raise RuntimeError(f"the app exited: {log[-3000:]}")
             try:
-                client = Client(self.url, verbose=False)
+                client = Client(self.url, verbose=False, auth=self.auth or self.printed_login())
                 if client.predict(api_name="/model_status")["status"] == "ready":
                     return client
             except Exception:

@@ -46,10 +46,10 @@ def open_page(session):
     app, _, browser = session
     opened = []
 
-    def open_tab():
+    def open_tab(host: str = "127.0.0.1"):
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         opened.append(page)
-        page.goto(app.url)
+        page.goto(app.url.replace("127.0.0.1", host))
         page.locator("#context-meter").get_by_text("Context:").wait_for()  # the first chat is open
         return page
 
@@ -201,4 +201,22 @@ def test_keyboard_and_look_header_shift_enter_escape_and_dark_mode(session, open
     assert bot_text(page)  # what was written so far stays
     page.get_by_role("button", name="Light / dark").click()
     assert page.evaluate(dark) is was_dark
+    page.close()
+
+
+def test_the_page_chats_on_localhost_too(session, open_page):
+    """The Host and Origin checks let the app's own page through under either local name."""
+    _, client, _ = session
+    running = lambda: client.predict(api_name="/engine_stats")["num_running"]
+    page = open_page("localhost")
+    page.get_by_role("button", name="New chat").click()
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    send(page, "Say hello.")
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    page.keyboard.press("Escape")
+    deadline = time.time() + 20
+    while running() and time.time() < deadline:
+        time.sleep(0.2)
+    assert running() == 0
     page.close()

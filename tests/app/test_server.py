@@ -22,11 +22,19 @@ def test_share_without_auth_generates_a_login_and_prints_it(capsys):
     assert password in capsys.readouterr().out
 
 
+def test_listen_without_auth_generates_a_login_and_prints_it(capsys):
+    user, password = resolve_auth(parse_args(["--listen"]))
+    assert user and len(password) >= 12
+    out = capsys.readouterr().out
+    assert "LAN login" in out and password in out
+    assert resolve_auth(parse_args(["--listen", "--auth", "alice:s3cret"])) == ("alice", "s3cret")
+
+
 def test_auth_is_parsed_and_a_malformed_one_is_refused():
     assert resolve_auth(parse_args(["--auth", "alice:s3cret:x"])) == ("alice", "s3cret:x")
     assert resolve_auth(parse_args([])) is None  # local only, no password needed
     with pytest.raises(SystemExit, match="user:password"):
-        resolve_auth(argparse.Namespace(auth="alice", share=False))
+        resolve_auth(argparse.Namespace(auth="alice", share=False, listen=False))
 
 
 def test_share_with_no_tunnel_says_so_and_keeps_serving_locally_behind_the_login(tiny_llama, tmp_path):
