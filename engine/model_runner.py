@@ -26,7 +26,7 @@ from engine.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks,
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
-from engine.layers.linear import PackableLinear, can_pack_for_cpu, pack_for_cpu
+from engine.layers.linear import OneDNNMatmul, PackableLinear, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
 from engine.layers.sampler import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs
 from engine.loader import GGUFCheckpoint, checkpoint_numel, load_tensors, load_weights, safetensors_files
@@ -446,8 +446,7 @@ class ModelRunner:
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this rank holds (a tied head counted once, unless packed apart)."""
-        packed = [m.packed_weight for m in self.model.modules()
-                  if isinstance(m, PackableLinear) and m.packed_weight is not None]
+        packed = [m.packed for m in self.model.modules() if isinstance(m, OneDNNMatmul)]
         held = [*self.model.parameters(), *packed, *quantization.weight_tensors(self.model)]
         tensors = {id(t): t for t in held}  # a tied table is counted once
         return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -82,7 +82,7 @@ def test_layer_dispatches_by_row_count():
         calls.append(args[0].shape[0])
         return real(*args)
 
-    layer.gemv_tiles = {1: (4, 256), 2: (8, 256)}
+    layer.kernel = gemv_module.TritonGemv({1: (4, 256), 2: (8, 256)})
     gemv_module.gemv, saved = spy, gemv_module.gemv
     try:
         with torch.no_grad():
@@ -126,13 +126,14 @@ def test_choose_takes_the_kernel_only_where_clearly_faster():
     (layer,) = half_layers((24, 256))
     used = choose_gemv([layer], ScriptedTimer(cublas_ms=1.0, kernel_ms=0.5))
     assert used == {1: 1, 2: 1, 4: 1}
-    assert set(layer.gemv_tiles) == {1, 2, 3, 4}
-    assert layer.gemv_tiles[3] == layer.gemv_tiles[4] in tile_candidates(4)
+    assert set(layer.kernel.tiles) == {1, 2, 3, 4}
+    assert layer.kernel.tiles[3] == layer.kernel.tiles[4] in tile_candidates(4)
+    assert "(kernel): TritonGemv(1 row: " in repr(layer)  # print(model) shows the swap
 
     (slow,) = half_layers((24, 256))
     gemv_module._CHOICES.clear()
     assert choose_gemv([slow], ScriptedTimer(cublas_ms=1.0, kernel_ms=0.95)) == {1: 0, 2: 0, 4: 0}
-    assert slow.gemv_tiles == {}
+    assert slow.kernel is None  # cuBLAS
 
 
 def test_choose_measures_each_shape_once_and_skips_float32():
@@ -142,8 +143,8 @@ def test_choose_measures_each_shape_once_and_skips_float32():
     choose_gemv(layers + fp32, timer)
     per_shape = sum(1 + len(tile_candidates(b)) for b in ROW_BUCKETS)
     assert timer.calls == 2 * per_shape  # two distinct half-precision shapes
-    assert layers[0].gemv_tiles == layers[1].gemv_tiles != {}
-    assert not fp32[0].gemv_tiles
+    assert layers[0].kernel.tiles == layers[1].kernel.tiles != {}
+    assert fp32[0].kernel is None
 
 
 def test_choose_never_takes_a_tile_that_disagrees(monkeypatch):
@@ -151,7 +152,7 @@ def test_choose_never_takes_a_tile_that_disagrees(monkeypatch):
     real = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda x, w, b, bn, bk: real(x, w, b, bn, bk) + 1)
     assert choose_gemv([layer], ScriptedTimer(cublas_ms=1.0, kernel_ms=0.1)) == {1: 0, 2: 0, 4: 0}
-    assert layer.gemv_tiles == {}
+    assert layer.kernel is None
 
 
 def test_choose_skips_tiles_that_would_leave_sms_idle(monkeypatch):
@@ -163,4 +164,4 @@ def test_choose_skips_tiles_that_would_leave_sms_idle(monkeypatch):
     choose_gemv([layer], timer)
     narrow = sum(1 + sum(bn == 2 for bn, _ in tile_candidates(b)) for b in ROW_BUCKETS)
     assert timer.calls == narrow
-    assert all(bn == 2 for bn, _ in layer.gemv_tiles.values())
+    assert all(bn == 2 for bn, _ in layer.kernel.tiles.values())

@@ -112,7 +112,8 @@ def test_packed_matmuls_match_plain_ones_and_drop_the_plain_weights():
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
     assert model.qkv.weight is None and model.out.weight is None  # no second copy of the weights
     assert model.embed.weight is not None  # the tied table still serves lookups
-    assert model.head.packed_weight is not None
+    assert isinstance(model.head.kernel, linear_mod.OneDNNMatmul)
+    assert "(kernel): OneDNNMatmul(16 -> 32, torch.float32)" in repr(model.qkv)  # print(model) shows the swap
 
 
 def test_without_onednn_support_for_the_dtype_the_engine_keeps_plain_weights(monkeypatch, tiny_llama):
@@ -126,7 +127,7 @@ def test_without_onednn_support_for_the_dtype_the_engine_keeps_plain_weights(mon
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", num_kvcache_blocks=16)
     assert llm.stats().matmul == "torch"
     model = llm.model_runner.model
-    assert model.lm_head.packed_weight is None and model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.kernel is None and model.lm_head.weight is model.model.embed_tokens.weight
     out = llm.generate([[3, 4, 5]], use_tqdm=False)[0]  # still serves, on F.linear
     assert len(out["token_ids"]) > 0
 

@@ -63,7 +63,7 @@ def test_matches_the_unfused_layers_on_every_tile(n, k, with_bias, with_residual
 
 def test_the_layer_runs_the_fused_kernel_only_at_one_row():
     layer, norm = layer_and_norm(24, 256, bias=False)
-    layer.normed_tile = (4, 512)
+    layer.normed_kernel = normed_module.NormedGemv((4, 512))
     calls = []
     real = normed_module.normed_gemv
 
@@ -121,13 +121,14 @@ def test_choose_takes_the_fused_kernel_only_where_clearly_faster():
     pairs = [(qkv, norm, None), (gate_up, post_norm, SiluAndMul())]
     with torch.no_grad():
         assert choose_normed(pairs, ScriptedTimer(unfused_ms=1.0, fused_ms=0.5)) == 2
-    assert qkv.normed_tile in normed_tile_candidates(False)
-    assert gate_up.normed_tile in normed_tile_candidates(True)
+    assert qkv.normed_kernel.tile in normed_tile_candidates(False)
+    assert gate_up.normed_kernel.tile in normed_tile_candidates(True)
+    assert "(normed_kernel): NormedGemv(tile=" in repr(qkv)  # print(model) shows the swap
 
     normed_module._CHOICES.clear()
     with torch.no_grad():
         assert choose_normed(pairs, ScriptedTimer(unfused_ms=1.0, fused_ms=0.95)) == 0
-    assert qkv.normed_tile is None and gate_up.normed_tile is None
+    assert qkv.normed_kernel is None and gate_up.normed_kernel is None
 
 
 def test_choose_measures_each_shape_once_and_skips_float32():
@@ -139,8 +140,8 @@ def test_choose_measures_each_shape_once_and_skips_float32():
     with torch.no_grad():
         choose_normed([(layer, norm, None) for layer, norm in layers] + [(fp32_layer, fp32_norm, None)], timer)
     assert timer.calls == 1 + len(normed_tile_candidates(False))
-    assert layers[0][0].normed_tile == layers[1][0].normed_tile is not None
-    assert fp32_layer.normed_tile is None
+    assert layers[0][0].normed_kernel.tile == layers[1][0].normed_kernel.tile
+    assert fp32_layer.normed_kernel is None
 
 
 def test_choose_never_takes_a_kernel_that_disagrees(monkeypatch):
@@ -154,7 +155,7 @@ def test_choose_never_takes_a_kernel_that_disagrees(monkeypatch):
     monkeypatch.setattr(normed_module, "normed_gemv", off_by_one)
     with torch.no_grad():
         assert choose_normed([(layer, norm, None)], ScriptedTimer(unfused_ms=1.0, fused_ms=0.1)) == 0
-    assert layer.normed_tile is None
+    assert layer.normed_kernel is None
 
 
 def test_a_decoder_with_every_norm_fused_gives_the_same_tokens_and_close_logits(tiny_llama, monkeypatch):
@@ -175,8 +176,8 @@ def test_a_decoder_with_every_norm_fused_gives_the_same_tokens_and_close_logits(
     unfused_logits, logits_by_row[:] = list(logits_by_row), []
     layers = model.model.layers
     for layer in layers:
-        layer.self_attn.qkv_proj.normed_tile = (8, 512)  # the widest tiles: fewest programs to interpret
-        layer.mlp.gate_up_proj.normed_tile = (4, 512)
+        layer.self_attn.qkv_proj.normed_kernel = normed_module.NormedGemv((8, 512))  # widest: fewest programs
+        layer.mlp.gate_up_proj.normed_kernel = normed_module.NormedGemv((4, 512))
     calls = []
     real = normed_module.normed_gemv
     monkeypatch.setattr(normed_module, "normed_gemv", lambda *a, **kw: calls.append(kw["silu_mul"]) or real(*a, **kw))
@@ -201,6 +202,6 @@ def test_choose_skips_a_tile_this_gpu_cannot_run_and_says_so(monkeypatch, caplog
     monkeypatch.setattr(normed_module, "normed_gemv", out_of_resources)
     with torch.no_grad(), caplog.at_level("WARNING", logger="engine"):
         assert choose_normed([(layer, norm, None)], ScriptedTimer(unfused_ms=1.0, fused_ms=0.5)) == 1
-    assert layer.normed_tile is not None and layer.normed_tile[0] != 2
+    assert layer.normed_kernel is not None and layer.normed_kernel.tile[0] != 2
     assert ("fused norm+GEMV tile 2x1024 failed on (48, 256) and is not used: out of resources: shared memory"
             in caplog.text)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import nn
 
 log = logging.getLogger("engine")
 
@@ -187,9 +188,10 @@ TIMINGS: dict[tuple, tuple[float, float | None]] = {}
 
 
 def choose_gemv(modules: list, timer: Callable[[Callable[[], object]], float] | None = None) -> dict[int, int]:
-    """Set each linear module's `gemv_tiles` (rows -> (BLOCK_N, BLOCK_K)) for every row count whose
-    bucket measured faster with the kernel than with cuBLAS, and agreed with it. Modules are
-    PackableLinear layers (`weight`, `bias`). Returns how many modules took the kernel per bucket."""
+    """Swap a `TritonGemv` into each linear module's `kernel` with its tiles (rows -> (BLOCK_N, BLOCK_K))
+    for every row count whose bucket measured faster with the kernel than with cuBLAS, and agreed with
+    it; a module with no such row count keeps cuBLAS. Modules are PackableLinear layers (`weight`,
+    `bias`). Returns how many modules took the kernel per bucket."""
     timer = timer or cuda_timer
     used = {b: 0 for b in ROW_BUCKETS}
     for module in modules:
@@ -204,8 +206,26 @@ def choose_gemv(modules: list, timer: Callable[[Callable[[], object]], float] | 
             if _CHOICES[key] is not None:
                 tiles.update(dict.fromkeys(range(low + 1, bucket + 1), _CHOICES[key]))
                 used[bucket] += 1
-        module.gemv_tiles = tiles
+        module.kernel = TritonGemv(tiles) if tiles else None
     return used
+
+
+class TritonGemv(nn.Module):
+    """x W^T (+ b) with the Triton kernel at the row counts it holds a tile for (where it measured
+    faster than cuBLAS), and cuBLAS at the others."""
+
+    def __init__(self, tiles: dict[int, tuple[int, int]]):
+        super().__init__()
+        self.tiles = tiles  # rows -> (BLOCK_N, BLOCK_K)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        tile = self.tiles.get(x.shape[0])
+        if tile is None:
+            return F.linear(x, weight, bias)
+        return gemv(x, weight, bias, *tile)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{rows} row{'s' * (rows > 1)}: {n}x{k}" for rows, (n, k) in sorted(self.tiles.items()))
 
 
 def try_tile(run: Callable[[], object], kernel: str, tile: tuple[int, int], weight: torch.Tensor) -> object | None:

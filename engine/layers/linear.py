@@ -21,35 +21,51 @@ from engine.distributed import SINGLE, TPGroup
 log = logging.getLogger("engine")
 
 
-class PackableLinear(nn.Module):
-    """A layer computing x W^T (+ b) whose W may be swapped for oneDNN's packed copy, on the CPU."""
+class OneDNNMatmul(nn.Module):
+    """x W^T (+ b) through oneDNN's prepacked copy of W, on the CPU: what `pack_for_cpu` swaps in."""
 
-    packed_weight: torch.Tensor | None = None
-    # rows -> (BLOCK_N, BLOCK_K) of the Triton kernel, where it measured faster (engine/layers/gemv.py)
-    gemv_tiles: dict[int, tuple[int, int]] | None = None
-    # (BLOCK_N, BLOCK_K) of the kernel that runs the norm before this layer inside it, at one row
-    # (engine/layers/normed_gemv.py), where it measured faster; column-parallel layers only
-    normed_tile: tuple[int, int] | None = None
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        if weight is not None:  # the packed copy is this kernel's weight; another would be silently ignored
+            raise ValueError("OneDNNMatmul multiplies by its own packed weight; pass weight=None")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.dtype}"
+
+
+class PackableLinear(nn.Module):
+    """A layer computing x W^T (+ b). How it multiplies is a swappable child module, `kernel`, which
+    `print(model)` shows: none (F.linear), oneDNN's packed copy on the CPU (`pack_for_cpu`), or the
+    Triton GEMV at the row counts where it measured faster (engine/layers/gemv.py). `normed_kernel`,
+    set on column-parallel layers only, runs the norm before the layer inside it at one row
+    (engine/layers/normed_gemv.py)."""
+
+    def __init__(self) -> None:
+        # The layers' own __init__ (nn.Linear's, the embedding's) call this one through super().__init__().
+        # A class attribute would hide the swapped-in module, which nn.Module keeps apart from __dict__.
+        super().__init__()
+        self.kernel: nn.Module | None = None
+        self.normed_kernel: nn.Module | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return self.matmul_with(x, self.weight, bias)
 
-    def matmul_with(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul_with(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias) the way this layer multiplies its own weight (timings pass copies)."""
-        if self.gemv_tiles:
-            tile = self.gemv_tiles.get(x.shape[0])
-            if tile is not None:
-                from engine.layers.gemv import gemv  # Triton is imported only where the kernel is chosen
-
-                return gemv(x, weight, bias, *tile)
+        if self.kernel is not None:
+            return self.kernel(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def pack(self) -> None:
-        """Replace the weight by its packed copy. The plain weight is dropped, unless another module
-        shares it (a tied embedding), which keeps it for its lookups."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        """Swap in oneDNN's packed copy of the weight. The plain weight is dropped, unless another
+        module shares it (a tied embedding), which keeps it for its lookups."""
+        self.kernel = OneDNNMatmul(self.weight)
         self.weight = None
 
 
@@ -115,13 +131,10 @@ class ColumnParallelLinear(nn.Linear, PackableLinear):
                act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(act(self(norm(x + residual))), x + residual): a decoder layer's residual add and RMSNorm
         `norm`, this projection, and `act` (a SiluAndMul, for gate/up) if given. One kernel at one
-        row where that measured faster (engine/layers/normed_gemv.py). Without `residual`, the
-        norm is of x, and x is returned as the residual."""
-        if self.normed_tile is not None and x.shape[0] == 1:
-            from engine.layers.normed_gemv import normed_gemv  # Triton is imported only where the kernel is chosen
-
-            return normed_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias, *self.normed_tile,
-                               silu_mul=act is not None)
+        row where `normed_kernel` is set. Without `residual`, the norm is of x, and x is returned
+        as the residual."""
+        if self.normed_kernel is not None and x.shape[0] == 1:
+            return self.normed_kernel(x, residual, norm, self.weight, self.bias, act)
         return self.normed_unfused(x, residual, norm, act)
 
     def normed_unfused(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,

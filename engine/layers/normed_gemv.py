@@ -18,6 +18,7 @@ import logging
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 from engine.layers.gemv import MIN_SPEEDUP, cold_copies, cuda_timer, try_tile
 
@@ -111,6 +112,22 @@ def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return out, new_residual
 
 
+class NormedGemv(nn.Module):
+    """A decoder layer's residual add and RMSNorm, the projection after it, and SiluAndMul (for
+    gate/up) in one kernel at one row, with one tile: ColumnParallelLinear.normed runs it."""
+
+    def __init__(self, tile: tuple[int, int]):
+        super().__init__()
+        self.tile = tile  # (BLOCK_N, BLOCK_K)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, weight: torch.Tensor,
+                bias: torch.Tensor | None, act: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return normed_gemv(x, residual, norm.weight, norm.eps, weight, bias, *self.tile, silu_mul=act is not None)
+
+    def extra_repr(self) -> str:
+        return f"tile={self.tile[0]}x{self.tile[1]}"
+
+
 def normed_tile_candidates(silu_mul: bool) -> list[tuple[int, int]]:
     """(BLOCK_N, BLOCK_K) pairs that load 4 or 8 KiB of bf16 weights a chunk (with `silu_mul`, the
     gate and the up tile together), from 2 rows by 1,024 columns to 16 by 256. Every program
@@ -127,9 +144,9 @@ TIMINGS: dict[tuple, tuple[float, float | None]] = {}  # the same keys -> (unfus
 
 def choose_normed(pairs: list, timer=None) -> int:
     """For each (linear, norm, act) that a decoder layer runs in a row (`act` a SiluAndMul or None),
-    set the linear's `normed_tile` where the fused kernel, checked against the unfused ops, measured
-    faster than them at one row. The norms' and the activation's functions are timed as they are
-    set when this runs (ModelRunner calls it with the compiled ones in place). Returns how many
+    swap a `NormedGemv` into the linear's `normed_kernel` where the fused kernel, checked against the
+    unfused ops, measured faster than them at one row. The norms' and the activation's functions are
+    timed as they are set when this runs (ModelRunner calls it with the compiled ones in place). Returns how many
     linears took the fused kernel."""
     timer = timer or cuda_timer
     used = 0
@@ -140,8 +157,9 @@ def choose_normed(pairs: list, timer=None) -> int:
         key = (*weight.shape, weight.dtype, bias is not None, act is not None)
         if key not in _CHOICES:
             _CHOICES[key] = _measure(linear, norm, act, timer)
-        linear.normed_tile = _CHOICES[key]
-        used += _CHOICES[key] is not None
+        tile = _CHOICES[key]
+        linear.normed_kernel = NormedGemv(tile) if tile is not None else None
+        used += tile is not None
     return used
 
 
