@@ -172,6 +172,10 @@ class LLMEngine:
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        vocab = self.model_runner.vocab_size
+        outside = [t for t in sampling_params.logit_bias or {} if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary (0..{vocab - 1})")
         seq = Sequence(self.encode_prompt(prompt), sampling_params, request_id or f"req-{next(self._request_ids)}",
                        self.max_model_len)
         if seq.request_id in self.requests:

@@ -172,6 +172,7 @@ class ModelRunner:
         # Values assigned through tensor indices must already be on the device: a Python scalar is
         # staged through a blocking copy that waits for every step in flight.
         self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
+        self.one_on_device = torch.ones((), dtype=torch.float32, device=device)
         # Sampled tokens come back through two pinned buffers taking turns (StagingBuffer's mirror for
         # the way back): one step's are read while the next's arrive.
         self.readback = self.readback_done = None
@@ -351,12 +352,24 @@ class ModelRunner:
         floats, ints = columns.floats, columns.ints
         f = dict(zip(floats, self.upload(list(floats.values()), torch.float32), strict=True))
         i = dict(zip(ints, self.upload(list(ints.values()), torch.int64), strict=True))
-        seen = None
+        seen = counts = bias = None
+        pending = None  # (rows, tokens) of penalised rows whose last sampled token is still only on the device
+        if "pending_rows" in ints and ints["pending_rows"].size:
+            pending = (i["pending_rows"], self.last_sampled[i["pending_sources"]])
         if "repetition_penalties" in f:
             seen = torch.zeros(len(batch), self.vocab_size, dtype=torch.bool, device=self.device)
             seen.index_put_((i["seen_rows"], i["seen_ids"]), self.true_on_device)
-            if ints["pending_rows"].size:
-                seen.index_put_((i["pending_rows"], self.last_sampled[i["pending_sources"]]), self.true_on_device)
+            if pending is not None:
+                seen.index_put_(pending, self.true_on_device)
+        if "presence_penalties" in f:
+            counts = torch.zeros(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
+            counts.index_put_((i["output_rows"], i["output_ids"]), self.one_on_device.expand(len(i["output_ids"])),
+                              accumulate=True)
+            if pending is not None:
+                counts.index_put_(pending, self.one_on_device.expand(len(pending[0])), accumulate=True)
+        if "logit_bias_values" in f:
+            bias = torch.zeros(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
+            bias.index_put_((i["logit_bias_rows"], i["logit_bias_ids"]), f["logit_bias_values"])
         return SamplingBatch(
             temperatures=f.get("temperatures"),
             top_k=i.get("top_k"),
@@ -364,6 +377,10 @@ class ModelRunner:
             min_p=f.get("min_p"),
             repetition_penalties=f.get("repetition_penalties"),
             seen_tokens=seen,
+            logit_bias=bias,
+            presence_penalties=f.get("presence_penalties"),
+            frequency_penalties=f.get("frequency_penalties"),
+            output_counts=counts,
             generators=[s.seq.generator for s in batch],
             all_greedy=columns.all_greedy,
         )

@@ -1,6 +1,9 @@
 """Per-request sampling settings, with vLLM's names and meanings."""
 from dataclasses import dataclass, field
 
+# OpenAI's ranges: penalties in [-2, 2] (negative ones encourage repeats), logit biases in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 # The most top tokens `logprobs` and `prompt_logprobs` may ask for: vLLM's default max_logprobs, and
 # OpenAI's top_logprobs limit. Each asked-for token costs a top-k over the vocabulary per row.
 MAX_LOGPROBS = 20
@@ -13,6 +16,13 @@ class SamplingParams:
     top_k: int = -1  # -1 (or 0) means the whole vocabulary
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # Subtracted from a token's logit if it appears in the output so far (presence), and once per time it
+    # appears (frequency): OpenAI's and vLLM's meanings. The prompt does not count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Added to the logits of the given token ids before anything else: -100 all but bans a token, 100
+    # all but forces it
+    logit_bias: dict[int, float] | None = None
     max_tokens: int = 64
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -35,6 +45,20 @@ class SamplingParams:
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or >= 0, got {self.top_k}")
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            check(number and -MAX_PENALTY <= value <= MAX_PENALTY,
+                  f"{name} must be a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}, got {value!r}")
+        bias = dict(self.logit_bias or {})
+        for token, value in bias.items():
+            check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                  f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+                  f"logit_bias values must be numbers from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got {value!r} "
+                  f"for token {token}")
+        self.logit_bias = bias or None
         check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
               f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")

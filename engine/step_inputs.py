@@ -65,9 +65,13 @@ class SamplingColumns:
     """Each row's sampling parameters as host columns, only those some row uses."""
 
     all_greedy: bool
-    floats: dict[str, np.ndarray]  # repetition_penalties, temperatures, top_p, min_p
-    # top_k; and with a repetition penalty, the (row, token) pairs each penalised row has seen
-    # (seen_rows, seen_ids) and its pending input token (pending_rows, pending_sources), still on the device
+    # repetition_penalties, presence_penalties and frequency_penalties (both or neither), temperatures, top_p,
+    # min_p; and logit_bias_values
+    floats: dict[str, np.ndarray]
+    # top_k; with a repetition penalty, the (row, token) pairs each penalised row has seen (seen_rows,
+    # seen_ids); with presence/frequency penalties, the (row, token) pairs of each such row's output
+    # (output_rows, output_ids); with either, the penalised rows' pending input tokens (pending_rows,
+    # pending_sources), still on the device; with logit biases, (logit_bias_rows, logit_bias_ids)
     ints: dict[str, np.ndarray]
 
 
@@ -197,7 +201,7 @@ def sampling_columns(batch: list[ScheduledSeq], vocab_size: int, sampled_rows: M
 
     A column no row needs is left out, so the sampler skips its work: top_k only where some row
     limits it below the vocabulary (the others get the whole vocabulary), top_p and min_p only where
-    set, and nothing but the repetition penalty when every row is greedy."""
+    set, and only what changes the logits (penalties, logit biases) when every row is greedy."""
     params = [s.seq.sampling_params for s in batch]
     vocab = vocab_size
     all_greedy = all(p.temperature == 0 for p in params)
@@ -213,12 +217,32 @@ def sampling_columns(batch: list[ScheduledSeq], vocab_size: int, sampled_rows: M
     ints: dict[str, np.ndarray] = {}
     if not all_greedy and any(0 < p.top_k < vocab for p in params):
         ints["top_k"] = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params], np.int64)
-    if "repetition_penalties" in floats:  # the tokens each penalised row has seen, as (row, token) pairs
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        floats["presence_penalties"] = np.array([p.presence_penalty for p in params], np.float32)
+        floats["frequency_penalties"] = np.array([p.frequency_penalty for p in params], np.float32)
+    if any(p.logit_bias for p in params):
+        biases = [p.logit_bias or {} for p in params]
+        ints["logit_bias_rows"] = np.repeat(np.arange(len(batch)), [len(b) for b in biases])
+        ints["logit_bias_ids"] = np.fromiter(chain.from_iterable(biases), np.int64)
+        floats["logit_bias_values"] = np.fromiter(chain.from_iterable(b.values() for b in biases), np.float32)
+
+    def token_pairs(seqs: list, tokens) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, ids): each row's `tokens(seq)` as (row, token) pairs; rows whose seq is None have none."""
+        lists = [tokens(s) if s else [] for s in seqs]
+        rows = np.repeat(np.arange(len(seqs)), [len(t) for t in lists])
+        return rows, np.fromiter(chain.from_iterable(lists), np.int64, len(rows))
+
+    if "repetition_penalties" in floats:  # the tokens each penalised row has seen: prompt and output
         seqs = [s.seq if p.repetition_penalty != 1.0 else None for s, p in zip(batch, params, strict=True)]
-        counts = [len(s.token_ids) if s else 0 for s in seqs]
-        ints["seen_rows"] = np.repeat(np.arange(len(batch)), counts)
-        ints["seen_ids"] = np.fromiter(chain.from_iterable(s.token_ids for s in seqs if s), np.int64, sum(counts))
-        pending = [row for row, s in enumerate(seqs) if s and s.num_pending_tokens]  # its input, still on the device
+        ints["seen_rows"], ints["seen_ids"] = token_pairs(seqs, lambda seq: seq.token_ids)
+    if "presence_penalties" in floats:  # the output only, as OpenAI defines these two
+        seqs = [s.seq if p.presence_penalty or p.frequency_penalty else None
+                for s, p in zip(batch, params, strict=True)]
+        ints["output_rows"], ints["output_ids"] = token_pairs(seqs, lambda seq: seq.output_token_ids)
+    if "repetition_penalties" in floats or "presence_penalties" in floats:
+        # A pending input token is a sampled one, so it is in the output too. Rows penalised by neither kind
+        # may be listed: a penalty of 1 (repetition) or 0 (presence, frequency) changes nothing.
+        pending = [row for row, s in enumerate(batch) if s.seq.num_pending_tokens]
         ints["pending_rows"] = np.array(pending, np.int64)
-        ints["pending_sources"] = rows_in_last_sampled([seqs[row] for row in pending], sampled_rows)
+        ints["pending_sources"] = rows_in_last_sampled([batch[row].seq for row in pending], sampled_rows)
     return SamplingColumns(all_greedy, floats, ints)

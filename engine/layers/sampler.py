@@ -23,6 +23,16 @@ class SamplingBatch:
     seen_tokens: torch.Tensor | None  # [B, V] bool, prompt and output tokens, for the penalty
     generators: list[torch.Generator | None]
     all_greedy: bool
+    logit_bias: torch.Tensor | None = None  # [B, V] float32, added to the logits first
+    presence_penalties: torch.Tensor | None = None  # [B] float32; with frequency_penalties, both or neither
+    frequency_penalties: torch.Tensor | None = None  # [B] float32
+    output_counts: torch.Tensor | None = None  # [B, V] float32: how often each token is in the row's output
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything but temperature and truncation applies: greedy rows then need it too."""
+        return (self.repetition_penalties is not None or self.logit_bias is not None
+                or self.presence_penalties is not None)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
@@ -30,6 +40,13 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties
     p = penalties[:, None]
     penalized = torch.where(logits > 0, logits / p, logits * p)
     return torch.where(seen, penalized, logits)
+
+
+def apply_output_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                           frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties, as vLLM applies them: subtract `frequency` for each time
+    a token is in the output so far, and `presence` once if it is there at all."""
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -48,13 +65,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 def pick_tokens(logits: torch.Tensor, temperatures: torch.Tensor | None, top_k: torch.Tensor | None,
                 top_p: torch.Tensor | None, min_p: torch.Tensor | None, repetition_penalties: torch.Tensor | None,
-                seen_tokens: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
+                seen_tokens: torch.Tensor | None, noise: torch.Tensor | None, logit_bias: torch.Tensor | None = None,
+                presence_penalties: torch.Tensor | None = None, frequency_penalties: torch.Tensor | None = None,
+                output_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Everything in sampling but drawing the noise: a pure function of tensors, so that one
     torch.compile of it fuses its passes over the [batch, vocab] logits. `temperatures` None:
-    every row is greedy (and `noise` is None)."""
+    every row is greedy (and `noise` is None). The logits change in vLLM's order: logit bias,
+    repetition penalty, presence and frequency penalties; then temperature, top-k/top-p, min-p."""
     logits = logits.float()
+    if logit_bias is not None:
+        logits = logits + logit_bias
     if repetition_penalties is not None:
         logits = apply_repetition_penalty(logits, seen_tokens, repetition_penalties)
+    if presence_penalties is not None:
+        logits = apply_output_penalties(logits, output_counts, presence_penalties, frequency_penalties)
     greedy = logits.argmax(dim=-1)
     if temperatures is None:
         return greedy
@@ -112,7 +136,7 @@ class Sampler(nn.Module):
         return "eager"
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.all_greedy and batch.repetition_penalties is None:
+        if batch.all_greedy and not batch.changes_logits:
             return logits.argmax(dim=-1)  # exact in half precision too: no float32 copy of the logits needed
         noise = None
         if not batch.all_greedy:
@@ -121,7 +145,8 @@ class Sampler(nn.Module):
                 if generator is not None:
                     noise[row].exponential_(generator=generator)
         return self.pick(logits, None if batch.all_greedy else batch.temperatures, batch.top_k, batch.top_p,
-                         batch.min_p, batch.repetition_penalties, batch.seen_tokens, noise)
+                         batch.min_p, batch.repetition_penalties, batch.seen_tokens, noise, batch.logit_bias,
+                         batch.presence_penalties, batch.frequency_penalties, batch.output_counts)
 
 
 @dataclass
