@@ -23,6 +23,7 @@ from app.remote import (
     split_base_url,
     summarize_metrics,
 )
+from tests.app.app_process import AppProcess, reply_text
 from tests.processes import ServeProcess, free_port, wait_until
 
 
@@ -319,8 +320,7 @@ def test_cancel_from_another_thread_hangs_up_at_once(endless_server):
     outs = []
     reader = threading.Thread(target=lambda: outs.extend(stream))
     reader.start()
-    while len(outs) < 3:
-        time.sleep(0.01)
+    assert wait_until(lambda: len(outs) >= 3, timeout=60), "no reply streamed from the canned server"
     stream.cancel()  # the Stop button: another thread than the one reading
     reader.join(5)
     assert not reader.is_alive()
@@ -360,8 +360,6 @@ class ServerProcess(ServeProcess):
 @pytest.fixture(scope="module")
 def setup(bundled_model, tmp_path_factory):
     """(server, app client): both start at once, which halves the wait on 2 cores."""
-    from tests.app.app_process import AppProcess
-
     home = tmp_path_factory.mktemp("remote_home")
     server = ServerProcess(bundled_model, home)
     app = AppProcess(bundled_model, home)
@@ -424,9 +422,8 @@ def test_connect_lists_the_servers_models_and_serves_the_chats_from_it(setup):
 def test_stop_aborts_the_request_on_the_server(setup):
     server, client = setup
     conv = client.predict(SYSTEM, "", api_name="/new_chat")["value"]
-    reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=900)
-    assert wait_until(lambda: server.running() >= 1)
-    time.sleep(0.5)
+    job = reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=900)
+    assert wait_until(lambda: reply_text(job), timeout=120), "no token streamed"  # Stop once some text is there
     client.predict(conv, api_name="/stop")  # the Stop button
     assert wait_until(lambda: server.running() == 0, timeout=10)
     assert wait_until(lambda: client.predict(conv, api_name="/messages")[-1]["meta"].get("finish_reason") == "abort")
