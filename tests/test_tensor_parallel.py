@@ -136,11 +136,14 @@ def test_tp1_makes_no_distributed_calls(tiny_llama, random_prompt, monkeypatch):
     def refuse(*args):
         raise AssertionError("a collective was called with tensor_parallel_size=1")
 
+    batch = prompts(random_prompt)
+    expected = greedy_ids(LLM(str(tiny_llama), **SETTINGS), batch)
     for name in ("all_reduce", "gather", "min"):
         monkeypatch.setattr(TPGroup, name, refuse)
     llm = LLM(str(tiny_llama), **SETTINGS)
     assert llm.workers is None
-    assert greedy_ids(llm, prompts(random_prompt))
+    got = greedy_ids(llm, batch)
+    assert got == expected and [len(ids) for ids in got] == [GREEDY.max_tokens] * len(batch)
 
 
 # ---- the bundled SmolLM2-135M: 9 heads, 3 KV heads, tied embeddings -------------------------------
