@@ -5,6 +5,8 @@ streaming HTTP server for Stop); then the app against a second Pagoda server pro
 OpenAI-compatible server over HTTP (`python -m engine.serve`), not a mock.
 """
 import json
+import socket
+import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -278,6 +280,111 @@ def test_a_server_failing_mid_reply_keeps_the_text_and_says_why(tmp_path):
     assert reply.content == "Hel" and "out of memory" in reply.meta["error"]
     assert "out of memory" in ui.history(conv)[-1]["content"]  # and the page says so when the chat is opened again
     assert ui.context_meter(conv).startswith("Context: unknown")
+
+
+def test_a_forbidden_request_is_named_in_the_chat_and_no_empty_reply_is_left(tmp_path):
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(403, json={"error": {"message": "this key may not use model m"}})
+
+    ui = remote_ui(tmp_path, server)
+    conv = ui.store.create().id
+    *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
+    assert last[2]["value"] == "**http://srv/v1 refused the request (403, forbidden): this key may not use model m**"
+    assert [m.role for m in ui.store.messages(conv)] == ["user"]  # the question is kept, for a retry
+
+
+def test_a_stream_line_that_is_not_json_stops_the_reply_and_keeps_its_text(tmp_path):
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(200, content=sse(chunk("Hel")) + b"data: <html>502 Bad Gateway</html>\n\n" + REPLY)
+
+    ui = remote_ui(tmp_path, server)
+    conv = ui.store.create().id
+    *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
+    says = "stopped: The server sent a stream line that is not JSON: '<html>502 Bad Gateway</html>'"
+    assert last[0][-1]["content"] == f"Hel\n\n<sub>{says}</sub>"
+    reply = ui.store.messages(conv)[-1]
+    assert reply.content == "Hel" and "not JSON" in reply.meta["error"]
+
+
+class Misbehaving(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server that sends the first piece of a reply, then stalls or resets the connection."""
+
+    protocol_version = "HTTP/1.1"
+    mode = "stall"
+    release = threading.Event()  # ends a stall (the test's teardown)
+    reset_when = staticmethod(lambda: True)  # a reset waits for this: data the client has not read dies with it
+
+    def do_GET(self):
+        found = self.path.endswith("/models")
+        body = json.dumps({"data": [{"id": "m"}]} if found else {"detail": "Not Found"}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        data = sse(chunk("Hel"))
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+        self.close_connection = True
+        if self.mode == "stall":
+            self.release.wait(120)
+        else:  # a reset: close with SO_LINGER 0, which sends RST instead of FIN
+            wait_until(self.reset_when, timeout=60)
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def misbehaving_server():
+    Misbehaving.release.clear()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    Misbehaving.release.set()
+    server.shutdown()
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("stall", "did not answer in time (ReadTimeout)"),
+    ("reset", "Connection reset by peer"),
+], ids=["stall", "reset"])
+def test_a_server_that_stalls_or_resets_mid_reply_keeps_the_text_and_says_why(
+        tmp_path, misbehaving_server, monkeypatch, mode, says):
+    from app.model_host import ModelHost
+    from app.store import ConversationStore
+    from app.ui import PagodaUI
+
+    monkeypatch.setattr(Misbehaving, "mode", mode)
+    monkeypatch.setattr("app.remote.READ_TIMEOUT_S", 1.0)  # a stall is seen after this long between chunks
+    host = ModelHost()
+    host.backend = connect(misbehaving_server)
+    ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
+    conv = ui.store.create().id
+    # The server resets once the page has the first piece (else the reset could beat it and take it along).
+    monkeypatch.setattr(Misbehaving, "reset_when", staticmethod(
+        lambda: ui.replies.get(conv) is not None and ui.replies.get(conv).turn.text == "Hel"))
+    *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
+    shown = last[0][-1]["content"]
+    assert shown.startswith("Hel\n\n<sub>stopped: ") and says in shown, shown
+    assert f"{misbehaving_server}/v1" in shown  # which server
+    reply = ui.store.messages(conv)[-1]
+    assert reply.content == "Hel" and says in reply.meta["error"]
+    assert says in ui.history(conv)[-1]["content"]  # and so it reads when the chat is opened again
+    host.backend.close()
 
 
 # ---- Stop over a real socket ---------------------------------------------------------------------------
