@@ -47,6 +47,7 @@ def test_concurrent_streams_are_batched_and_match_offline_generate(front, tiny_l
     assert [results[i][1] for i in range(4)] == [e["token_ids"] for e in expected]
     assert [results[i][0] for i in range(4)] == [e["text"] for e in expected]
     assert max(batch_sizes) >= 2  # the chats ran in one batch, not one after another
+    assert front.stats().max_batch_size == max(batch_sizes)  # the peak the server's /metrics reports
 
 
 def test_leaving_a_stream_early_aborts_it_and_frees_its_blocks(front):
