@@ -16,6 +16,9 @@ from engine.loader import bundled
 from engine.loader.bundled import MODEL_NAME, bundled_model_path
 from tests.processes import wait_until
 
+# The first test builds the bundled model from its GGUF: minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

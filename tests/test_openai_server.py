@@ -9,6 +9,9 @@ openai = pytest.importorskip("openai")
 from entrypoints.cli import resolve_api_key  # noqa: E402
 from tests.processes import ServeProcess, wait_until  # noqa: E402
 
+# Starting the server on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
 KEY = "sk-pagoda-test"
 MODEL = "smollm2"
 SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "

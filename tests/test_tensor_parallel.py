@@ -155,6 +155,7 @@ CHATS = [
 ]
 
 
+@pytest.mark.timeout(900)  # builds the bundled model when it runs first, then three processes load it
 def test_smollm2_tp3_greedy_tokens_and_weight_shares(bundled_model):
     settings = dict(dtype="float32", device="cpu", num_kvcache_blocks=32)
     whole = LLM(str(bundled_model), **settings)

@@ -5,6 +5,9 @@ import pytest
 from tests.app.app_process import AppProcess
 from tests.processes import wait_until
 
+# Starting the app on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
 openai = pytest.importorskip("openai")
 
 KEY = "sk-app-test"

@@ -13,6 +13,9 @@ import pytest
 
 from tests.app.app_process import AppProcess
 
+# Starting the app and a browser on the bundled model takes minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"

@@ -4,6 +4,9 @@ import pytest
 from tests.app.app_process import AppProcess, reply_text
 from tests.processes import wait_until
 
+# Starting the app on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
 SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer briefly, "
           "you say so when you do not know, and you never make up facts about the user.")
 GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty

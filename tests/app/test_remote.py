@@ -28,6 +28,9 @@ from app.remote import (
 from tests.app.app_process import AppProcess, reply_text
 from tests.processes import ServeProcess, free_port, wait_until
 
+# The last tests start a server and an app on the bundled model: minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
 
 # ---- canned answers ---------------------------------------------------------------------------------
 def sse(*events) -> bytes:
