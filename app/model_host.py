@@ -85,7 +85,10 @@ class ModelHost:
     def status_message(self) -> str:
         """The status line. While a model loads it counts the seconds: a first load on a GPU also
         compiles kernels, a minute or more of a line that would otherwise not change."""
-        state = self.state
+        state, engine = self.state, self.engine
+        if state.status == "ready" and engine is not None and engine.error is not None:
+            return (f"{self.label} stopped: the engine failed ({type(engine.error).__name__}: {engine.error}). "
+                    "Load the model again from the Models tab.")
         if state.status == "loading" and state.started:
             return f"{state.message} {time.time() - state.started:.0f} s so far."
         return state.message

@@ -24,6 +24,7 @@ from app.remote import RemoteError
 from app.sessions import Replies, Session, Sessions
 from app.store import ConversationStore
 from app.visualizer import visualizer_css
+from engine import EngineFailed
 
 log = logging.getLogger("pagoda")
 UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
@@ -110,8 +111,9 @@ class PagodaUI:
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
         try:
             stream, num_prompt_tokens = backend.submit(chat_messages(system_prompt, messages), settings)
-        except (ContextOverflow, RemoteError) as e:  # too long a chat, or the server refused: say so in the chat
-            overflow = isinstance(e, ContextOverflow) or e.context_overflow
+        except (ContextOverflow, RemoteError, EngineFailed) as e:  # too long a chat, the server refused, or the
+            # engine crashed on an earlier step: say so in the chat
+            overflow = isinstance(e, ContextOverflow) or getattr(e, "context_overflow", False)
             if overflow and isinstance(e, RemoteError):
                 e = f"{e} Drop the oldest messages, lower the reply length, or start a new chat."
             yield (self.history(conversation_id), "", gr.update(visible=True, value=f"**{e}**"),

@@ -20,6 +20,11 @@ log = logging.getLogger("engine")
 _DONE = object()
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread stopped on an error (a step raised): the streams that were open ended with it,
+    and the engine takes no more requests. Load the model again to go on."""
+
+
 class EngineThread:
     """Everything a server or the app needs of a loaded model; callers never reach into `engine`
     (which tests and benchmarks may read), since only this thread may touch it between steps."""
@@ -65,8 +70,11 @@ class EngineThread:
         request_id = f"chat-{next(self._ids)}"
         stream = _Channel()
         with self._lock:  # checked under the lock: a request is either refused or seen by shutdown()
-            if self.error is not None or self._stop:
-                raise RuntimeError(f"the engine thread has stopped ({self.error!r}); restart the model")
+            if self.error is not None:
+                raise EngineFailed(f"the engine failed ({type(self.error).__name__}: {self.error}) and takes no "
+                                   "more requests; load the model again")
+            if self._stop:
+                raise RuntimeError("the engine thread has stopped; load the model again")
             self.engine.add_request(prompt, params, request_id)
             self._streams[request_id] = stream
         self._wake.set()
@@ -211,7 +219,7 @@ class RequestStream:
         if item is _DONE:
             return None
         if isinstance(item, BaseException):
-            raise RuntimeError(f"the engine failed: {item}") from item
+            raise EngineFailed(f"the engine failed ({type(item).__name__}: {item}); load the model again") from item
         self.finished = item.finished
         return item
 

@@ -88,6 +88,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._request_ids = count()
         self.num_generated_tokens = 0
+        self.max_batch_size = 0  # see EngineStats.max_batch_size
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = (self.device.type == "cuda" and config.tensor_parallel_size == 1
@@ -201,6 +202,7 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.max_batch_size = max(self.max_batch_size, len(batch))
         launched = self._launch(batch) if batch else None
         if self.async_scheduling:  # read back the step before, while the device runs this one
             launched, self._in_flight = self._in_flight, launched
@@ -327,6 +329,7 @@ class LLMEngine:
             sampler=self.model_runner.sampler.kind,
             async_scheduling=self.async_scheduling,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            max_batch_size=self.max_batch_size,
         )
 
     def kv_blocks(self) -> list[KVBlock]:

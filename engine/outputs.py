@@ -49,6 +49,9 @@ class EngineStats:
     sampler: str  # "compiled" (large GPU batches through torch.compile) or "eager"
     async_scheduling: bool  # the host plans step N+1 while the device runs step N
     tensor_parallel_size: int  # processes (GPUs) the model is split across
+    # The most requests one step has run together, since start. A recorded peak: sampling num_running from
+    # outside misses short peaks, most of all on a loaded machine.
+    max_batch_size: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -9,12 +9,15 @@ import pathlib
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from engine.loader import bundled
 from engine.loader.bundled import MODEL_NAME, bundled_model_path
+from tests.processes import wait_until
+
+# The first test builds the bundled model from its GGUF: minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -102,9 +105,12 @@ def test_second_call_is_instant(built: tuple[pathlib.Path, list[str], float], mo
     weights_mtime = (path / "model.safetensors").stat().st_mtime_ns
     messages: list[str] = []
 
-    started = time.monotonic()
+    def not_on_the_fast_path(*args, **kwargs):
+        raise AssertionError("a built model's second call looked for the GGUF, took the lock or converted")
+
+    for name in ("_find_gguf", "_build_lock", "_convert", "_require"):
+        monkeypatch.setattr(bundled, name, not_on_the_fast_path)
     again = bundled_model_path(progress=messages.append)
-    assert time.monotonic() - started < 1.0
     assert again == path
     assert messages == []
     assert (path / "model.safetensors").stat().st_mtime_ns == weights_mtime
@@ -112,10 +118,10 @@ def test_second_call_is_instant(built: tuple[pathlib.Path, list[str], float], mo
     # In a fresh interpreter the fast path must not load torch or transformers
     # (only the call is measured: the engine package itself may import torch).
     probe = (
-        "import sys, time; from engine.loader.bundled import bundled_model_path; "
-        "before = set(sys.modules); t = time.monotonic(); p = bundled_model_path(); "
+        "import sys; from engine.loader.bundled import bundled_model_path; "
+        "before = set(sys.modules); p = bundled_model_path(); "
         "loaded = {m.split('.')[0] for m in set(sys.modules) - before}; "
-        "print(time.monotonic() - t, 'torch' in loaded, 'transformers' in loaded, p)"
+        "print('torch' in loaded, 'transformers' in loaded, p)"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe],
@@ -126,8 +132,7 @@ def test_second_call_is_instant(built: tuple[pathlib.Path, list[str], float], mo
         timeout=120,
         check=True,
     )
-    seconds, torch_loaded, transformers_loaded, printed = result.stdout.split(maxsplit=3)
-    assert float(seconds) < 1.0
+    torch_loaded, transformers_loaded, printed = result.stdout.split(maxsplit=2)
     assert torch_loaded == "False" and transformers_loaded == "False"
     assert pathlib.Path(printed.strip()) == path
 
@@ -146,15 +151,15 @@ def test_waiter_reuses_a_folder_finished_while_it_waited(tmp_path: pathlib.Path,
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         waiter = threading.Thread(target=lambda: results.append(bundled_model_path(progress=messages.append)))
         waiter.start()
-        time.sleep(0.5)
-        assert waiter.is_alive(), "a second builder must wait for the lock"
+        assert wait_until(lambda: messages, timeout=60), "the second builder never reached the lock"
+        assert messages[0].startswith("Waiting for another process") and waiter.is_alive()
         # Play the other process: publish a finished folder, then release the lock.
         finished = models / ".finished"
         finished.mkdir()
         (finished / ".pagoda-bundled.json").write_text(json.dumps({"format": bundled._FORMAT}))
         os.rename(finished, dest)
         fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-    waiter.join(timeout=30)
+    waiter.join(timeout=120)
 
     assert results == [dest]
     assert len(messages) == 1 and messages[0].startswith("Waiting for another process")

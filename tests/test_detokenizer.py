@@ -106,3 +106,20 @@ def test_engine_streams_the_same_text_as_decoding_its_tokens(tiny_models, make_l
                 final[out.request_id] = out.token_ids
     for rid in ids:
         assert "".join(texts[rid]) == llm.tokenizer.decode(final[rid], skip_special_tokens=True)
+
+
+def test_an_invalid_byte_run_is_held_back_only_up_to_the_cap(tokenizer):
+    """A model that samples stray bytes (0xE0 never completes a character here) must not stall its
+    stream: past MAX_HELD_TOKENS the text goes out, broken characters and all, as the full decode has it."""
+    from engine.detokenizer import MAX_HELD_TOKENS
+
+    ids = [159] * 24  # byte E0 again and again: invalid UTF-8 for as long as it lasts
+    detok = Detokenizer(tokenizer)
+    seq = Sequence([5, 6, 7], SamplingParams())
+    held = []
+    for token in ids:
+        seq.token_ids.append(token)
+        detok.update(seq)  # never final: the stream is still going
+        held.append(len(seq.token_ids) - seq.num_prompt_tokens - seq.read_offset)
+    assert max(held) <= MAX_HELD_TOKENS, held
+    assert seq.output_text and tokenizer.decode(ids).startswith(seq.output_text)

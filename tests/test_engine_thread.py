@@ -47,6 +47,7 @@ def test_concurrent_streams_are_batched_and_match_offline_generate(front, tiny_l
     assert [results[i][1] for i in range(4)] == [e["token_ids"] for e in expected]
     assert [results[i][0] for i in range(4)] == [e["text"] for e in expected]
     assert max(batch_sizes) >= 2  # the chats ran in one batch, not one after another
+    assert front.stats().max_batch_size == max(batch_sizes)  # the peak the server's /metrics reports
 
 
 def test_leaving_a_stream_early_aborts_it_and_frees_its_blocks(front):
@@ -137,3 +138,59 @@ def test_callers_get_the_engine_between_two_steps_however_busy_the_loop():
         assert max(waits) <= 2, f"a caller waited {max(waits)} steps for the lock (all waits: {waits})"
     finally:
         thread.shutdown()
+
+
+def test_a_step_that_raises_ends_every_open_stream_and_refuses_new_requests(front):
+    """A crashed step (a CUDA error, a bug) must not leave a caller waiting forever: every open stream,
+    threaded or async, ends with the engine's error, and the engine says so to whoever submits next."""
+    import asyncio
+
+    from engine import EngineFailed
+
+    crash = threading.Event()
+    step = front.engine.step
+
+    def failing_step():
+        if crash.is_set():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return step()
+
+    front.engine.step = failing_step
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    streams = [front.submit(p, params) for p in PROMPTS[:3]]
+    iterators = [iter(s) for s in streams[:2]]
+    for it in iterators:
+        assert next(it).new_token_ids  # mid-stream: each has its first token
+    errors: dict[str, BaseException] = {}
+
+    def drain(name, it):
+        try:
+            for _ in it:
+                pass
+        except BaseException as e:
+            errors[name] = e
+
+    async def drain_async():
+        async for _ in streams[2]:
+            pass
+
+    def drain_async_in_loop():
+        try:
+            asyncio.run(drain_async())
+        except BaseException as e:
+            errors["async"] = e
+
+    readers = [threading.Thread(target=drain, args=(f"thread{i}", it)) for i, it in enumerate(iterators)]
+    readers.append(threading.Thread(target=drain_async_in_loop))
+    for r in readers:
+        r.start()
+    crash.set()
+    for r in readers:
+        r.join(60)
+    assert not any(r.is_alive() for r in readers), "a stream was left waiting after the engine failed"
+    assert set(errors) == {"thread0", "thread1", "async"}
+    for e in errors.values():
+        assert isinstance(e, EngineFailed) and "the engine failed" in str(e) and "illegal memory access" in str(e)
+    with pytest.raises(EngineFailed, match=r"the engine failed \(RuntimeError: CUDA error.*load the model again"):
+        front.submit(PROMPTS[3], params)
+    front.stats()  # the dashboard may still look

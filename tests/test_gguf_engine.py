@@ -377,6 +377,7 @@ def _smollm_path() -> Path:
     return path
 
 
+@pytest.mark.timeout(900)  # builds the bundled model when it runs first
 def test_bundled_gguf_replies_as_its_dequantized_folder(bundled_model, monkeypatch):
     """The bundled folder is the same file dequantized by transformers (gguf-py's dequantization: equal to
     ours bit for bit, tests/test_gguf.py). With the GGUF's weights on the float32 DequantMatmul both

@@ -1,6 +1,5 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real server process."""
 import threading
-import time
 
 import httpx
 import pytest
@@ -9,6 +8,9 @@ openai = pytest.importorskip("openai")
 
 from entrypoints.cli import resolve_api_key  # noqa: E402
 from tests.processes import ServeProcess, wait_until  # noqa: E402
+
+# Starting the server on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
 
 KEY = "sk-pagoda-test"
 MODEL = "smollm2"
@@ -113,13 +115,7 @@ def test_max_tokens_ends_with_length_and_seed_repeats(client):
 
 
 def test_sixteen_concurrent_streams_complete_in_one_batch(client, server):
-    results, peak = {}, [0]
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            peak[0] = max(peak[0], server.metric("vllm:num_requests_running"))
-            time.sleep(0.05)
+    results = {}
 
     def one(i):
         stream = client.chat.completions.create(model=MODEL, messages=chat(f"Count from {i} to {i + 20}."),
@@ -128,18 +124,15 @@ def test_sixteen_concurrent_streams_complete_in_one_batch(client, server):
         chunks = list(stream)
         results[i] = (chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1])
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(180)
-    done.set()
-    watcher.join()
+        t.join(300)
     assert len(results) == 16
     assert all(reason in ("stop", "length") and n >= 1 for n, reason in results.values())
-    assert peak[0] >= 12  # the engine ran them as one batch, not one after another
+    # The engine ran them as one batch, not one after another: the largest step it recorded, not a sampled gauge.
+    assert server.metric("pagoda:max_batch_size") >= 12
 
 
 def test_a_client_that_disconnects_mid_stream_aborts_its_request(client, server):

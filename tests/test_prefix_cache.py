@@ -189,3 +189,33 @@ def test_kv_blocks_and_stats_while_two_requests_share_blocks(tiny_qwen2, make_ll
     s = llm.stats()
     assert (s.free_blocks, s.used_blocks, s.num_running) == (20, 0, 0)
     assert s.cached_blocks == sum(b.cached for b in blocks) > 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_mid_chunked_prefill_frees_its_blocks_and_a_retry_reuses_the_ones_it_wrote(
+        async_scheduling, tiny_qwen2, make_llm, system, random_prompt):
+    """A user who presses Stop while a long prompt is still being prefilled: its blocks go back to the
+    pool, the full ones it wrote stay registered, and sending the same prompt again starts from them and
+    gives the tokens an uncached engine gives."""
+    prompt = system + random_prompt(30, 500)  # 70 tokens: 2 cached blocks, then chunks of 7
+    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(), use_tqdm=False)[0]
+
+    llm = make_llm(tiny_qwen2, max_num_batched_tokens=7, async_scheduling=async_scheduling)
+    llm.generate([system + random_prompt(5, 301)], greedy(max_tokens=1), use_tqdm=False)  # caches the system prompt
+    rid = llm.add_request(prompt, greedy())
+    for _ in range(3):
+        assert llm.step() == []  # prefill chunks sample nothing
+    seq = llm.scheduler.running[0]
+    assert seq.request_id == rid and seq.num_cached_tokens == 32
+    assert seq.num_computed_tokens == 32 + 3 * 7 < len(prompt)  # mid-prefill: 3 full blocks written, more to go
+    assert llm.abort_request(rid)
+    while llm.has_unfinished_requests():  # a chunk still in flight (async) is read back and dropped
+        assert llm.step() == []
+    s = llm.stats()
+    assert (s.num_running, s.num_waiting, s.used_blocks, s.free_blocks) == (0, 0, 0, s.num_blocks)
+    assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
+    assert s.cached_blocks >= 3
+
+    again = llm.generate([prompt], greedy(), use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == 48  # the system prompt's 2 blocks and the one the aborted chunks filled
+    assert again["token_ids"] == reference["token_ids"] and again["text"] == reference["text"]

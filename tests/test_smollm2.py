@@ -4,6 +4,9 @@ import torch
 
 from engine import LLM, SamplingParams
 
+# The bundled model, built once per session and compared with transformers: minutes on 2 cores.
+pytestmark = pytest.mark.timeout(900)
+
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     [{"role": "system", "content": "You are a helpful assistant."},

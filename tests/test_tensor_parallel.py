@@ -3,9 +3,11 @@ the weights, and the worker processes never outlive their engine."""
 import gc
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -136,11 +138,14 @@ def test_tp1_makes_no_distributed_calls(tiny_llama, random_prompt, monkeypatch):
     def refuse(*args):
         raise AssertionError("a collective was called with tensor_parallel_size=1")
 
+    batch = prompts(random_prompt)
+    expected = greedy_ids(LLM(str(tiny_llama), **SETTINGS), batch)
     for name in ("all_reduce", "gather", "min"):
         monkeypatch.setattr(TPGroup, name, refuse)
     llm = LLM(str(tiny_llama), **SETTINGS)
     assert llm.workers is None
-    assert greedy_ids(llm, prompts(random_prompt))
+    got = greedy_ids(llm, batch)
+    assert got == expected and [len(ids) for ids in got] == [GREEDY.max_tokens] * len(batch)
 
 
 # ---- the bundled SmolLM2-135M: 9 heads, 3 KV heads, tied embeddings -------------------------------
@@ -150,6 +155,7 @@ CHATS = [
 ]
 
 
+@pytest.mark.timeout(900)  # builds the bundled model when it runs first, then three processes load it
 def test_smollm2_tp3_greedy_tokens_and_weight_shares(bundled_model):
     settings = dict(dtype="float32", device="cpu", num_kvcache_blocks=32)
     whole = LLM(str(bundled_model), **settings)
@@ -230,3 +236,92 @@ def test_workers_exit_when_the_parent_is_killed(tiny_llama):
         parent.kill()
         parent.wait()
     assert wait_gone(pids, 10)
+
+
+# ---- a worker that fails in the middle of a step ----------------------------------------------------
+class RaiseOnLoad:
+    """Unpickled by a worker at the start of its step, it raises there: rank 0, already in the step's
+    forward pass, waits in a collective the worker never joins."""
+
+    def __reduce__(self):
+        return int, ("a worker's step failed here",)
+
+
+class ExitOnLoad:
+    """Unpickled by a worker at the start of its step, it ends the worker process at once (exit code 3)."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def poison_next_step(llm, poison) -> None:
+    """The next step's message to the workers carries `poison`; rank 0 runs its share of the step as usual."""
+    pool = llm.workers
+    send = pool.send_step
+
+    def send_poisoned(step):
+        pool.send_step = send
+        send((poison, step))
+
+    pool.send_step = send_poisoned
+
+
+def step_in_thread(llm) -> BaseException | None:
+    """One engine step, on a thread joined with a generous bound: a step that never returns is a hang."""
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            llm.step()
+        except BaseException as e:
+            failure.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "rank 0 still waits in a collective after its worker failed"
+    return failure[0] if failure else None
+
+
+@pytest.mark.parametrize("poison, says", [
+    (RaiseOnLoad(), r"tensor-parallel worker rank 1 failed:\n.*ValueError: invalid literal for int\(\) with base 10: "
+                    r"\"a worker's step failed here\".*create a new LLM"),
+    (ExitOnLoad(), r"tensor-parallel worker rank 1 exited unexpectedly \(exit code 3\).*create a new LLM"),
+], ids=["raises", "dies"])
+def test_a_worker_failing_mid_step_is_a_clear_error_and_no_hang(tiny_llama, random_prompt, poison, says):
+    from engine.tp_workers import WorkerError
+
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, **SETTINGS)
+    pids = llm.workers.pids
+    try:
+        for p in prompts(random_prompt):
+            llm.add_request(p, GREEDY)
+        assert step_in_thread(llm) is None  # mid-generation: a step went through on both ranks
+        poison_next_step(llm, poison)
+        error = step_in_thread(llm)
+        assert isinstance(error, WorkerError), error
+        assert re.search(says, str(error), re.S), str(error)
+        with pytest.raises(RuntimeError, match="create a new LLM"):  # and it stays an error
+            llm.generate(prompts(random_prompt), GREEDY, use_tqdm=False)
+        assert wait_gone(pids, 30)  # no worker is left waiting in the collective
+    finally:
+        llm.close()
+
+
+def test_a_worker_dying_mid_stream_ends_the_engine_threads_streams(tiny_llama, random_prompt):
+    from engine import EngineFailed, EngineThread
+
+    thread = EngineThread(LLM(str(tiny_llama), tensor_parallel_size=2, **SETTINGS))
+    try:
+        stream = iter(thread.submit(prompts(random_prompt)[2], SamplingParams(temperature=0, max_tokens=200,
+                                                                               ignore_eos=True)))
+        assert next(stream).new_token_ids
+        poison_next_step(thread.engine, ExitOnLoad())
+        with pytest.raises(EngineFailed, match=r"the engine failed \(WorkerError: tensor-parallel worker rank 1 "
+                                               r"exited unexpectedly \(exit code 3\)"):
+            for _ in stream:
+                pass
+        with pytest.raises(EngineFailed, match="load the model again"):
+            thread.submit(prompts(random_prompt)[0], GREEDY)
+    finally:
+        thread.shutdown()

@@ -306,6 +306,7 @@ METRICS = [  # vLLM's name, Prometheus type, help, the engine stat it reads
     ("vllm:num_preemptions", "counter", "Requests preempted for lack of KV blocks.", "num_preemptions"),
     ("vllm:num_requests_running", "gauge", "Requests in the running batch.", "num_running"),
     ("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", "num_waiting"),
+    ("pagoda:max_batch_size", "gauge", "The most requests one step has run together, since start.", "max_batch_size"),
 ]
 
 

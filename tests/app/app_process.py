@@ -69,3 +69,14 @@ class AppProcess:
             self.proc.wait(10)
 
 
+def reply_text(job) -> str:
+    """The reply text the page has shown so far for a /respond job ("" before its first token)."""
+    outputs = job.outputs()
+    if not outputs:
+        return ""
+    last = outputs[-1][0][-1] if outputs[-1][0] else {}
+    if last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    parts = content if isinstance(content, list) else [{"text": content}]
+    return "".join(p.get("text") or "" for p in parts if isinstance(p, dict)).strip()

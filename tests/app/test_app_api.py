@@ -5,9 +5,13 @@ import pytest
 from tests.app.app_process import AppProcess
 from tests.processes import wait_until
 
+# Starting the app on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
 openai = pytest.importorskip("openai")
 
 KEY = "sk-app-test"
+SYSTEM = "You are Pagoda, a careful assistant. You answer briefly."
 GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
 
 
@@ -27,13 +31,20 @@ def monkeypatch_module():
 
 
 def test_v1_on_the_app_port_answers_the_openai_client(app):
-    proc, _ = app
+    proc, client = app
     api = openai.OpenAI(base_url=f"{proc.url}v1", api_key=KEY, max_retries=0)
     model = api.models.list().data[0].id
     assert model == "SmolLM2-135M-Instruct" or model == proc.model.name
-    reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
-                                        temperature=0, max_tokens=8)
-    assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+    reply = api.chat.completions.create(model=model, temperature=0, max_tokens=16, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hello."}])
+    # The same greedy request from the page: one engine, one chat template, so the same reply and counts.
+    conv = client.predict(SYSTEM, "", api_name="/new_chat")["value"]
+    list(client.submit(conv, "Say hello.", SYSTEM, *GREEDY, 16, api_name="/respond"))  # the slider's least
+    page = client.predict(conv, api_name="/messages")[-1]
+    assert page["role"] == "assistant" and page["content"].strip()
+    assert reply.choices[0].message.content == page["content"]
+    assert reply.usage.completion_tokens == page["meta"]["output_tokens"]
+    assert reply.usage.prompt_tokens == page["meta"]["prompt_tokens"]
 
 
 def test_the_key_is_checked_on_v1_and_the_page_still_opens(app):

@@ -77,3 +77,43 @@ def test_the_status_line_counts_the_seconds_of_a_load():
     host.state = LoadState("ready", "Qwen3-0.6B is ready on cuda (bfloat16, context 40,960 tokens, 9,000 KV "
                            "blocks) after 61 s.")
     assert host.status_message() == host.state.message
+
+
+def test_an_engine_that_crashes_mid_reply_is_shown_and_the_model_loads_again(host, tiny_llama, tmp_path):
+    """A step that raises: the chat keeps what streamed and says the engine failed, the next message is
+    refused with the same words, the status line tells the user to load the model again, and loading it
+    brings the chats back."""
+    from app.store import ConversationStore
+    from app.ui import PagodaUI
+
+    greedy = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
+    ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
+    engine = host.engine.engine
+    steps, real_step = [0], engine.step
+
+    def step_that_fails_third():  # the prefill and one decode stream two tokens, then the device fails
+        steps[0] += 1
+        if steps[0] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_step()
+
+    engine.step = step_that_fails_third
+    conv = ui.store.create().id
+    *_, last = ui.respond(conv, "Tell me a story.", "", *greedy, 200, None)
+    shown = last[0][-1]["content"]
+    assert "stopped: the engine failed (RuntimeError: CUDA error" in shown
+    reply = ui.store.messages(conv)[-1]
+    assert reply.role == "assistant" and reply.content and shown.startswith(reply.content)  # the partial reply
+    assert "the engine failed" in reply.meta["error"]  # kept with the reply, for when the chat is opened again
+
+    *_, refused = ui.respond(conv, "Are you there?", "", *greedy, 16, None)
+    assert "the engine failed" in refused[2]["value"] and "load the model again" in refused[2]["value"]
+    assert host.status_message().startswith("tiny llama stopped: the engine failed")
+    assert "Load the model again" in host.status_message()
+
+    host.load(str(tiny_llama), label="tiny llama", wait=True, **SETTINGS)
+    assert host.state.status == "ready" and host.status_message() == host.state.message
+    *_, last = ui.respond(conv, "Are you there now?", "", *greedy, 8, None)
+    reply = ui.store.messages(conv)[-1]
+    assert reply.role == "assistant" and reply.content and "error" not in reply.meta
+    assert reply.meta["finish_reason"] in ("stop", "length")

@@ -5,6 +5,8 @@ streaming HTTP server for Stop); then the app against a second Pagoda server pro
 OpenAI-compatible server over HTTP (`python -m engine.serve`), not a mock.
 """
 import json
+import socket
+import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +25,11 @@ from app.remote import (
     split_base_url,
     summarize_metrics,
 )
+from tests.app.app_process import AppProcess, reply_text
 from tests.processes import ServeProcess, free_port, wait_until
+
+# The last tests start a server and an app on the bundled model: minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
 
 
 # ---- canned answers ---------------------------------------------------------------------------------
@@ -279,6 +285,111 @@ def test_a_server_failing_mid_reply_keeps_the_text_and_says_why(tmp_path):
     assert ui.context_meter(conv).startswith("Context: unknown")
 
 
+def test_a_forbidden_request_is_named_in_the_chat_and_no_empty_reply_is_left(tmp_path):
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(403, json={"error": {"message": "this key may not use model m"}})
+
+    ui = remote_ui(tmp_path, server)
+    conv = ui.store.create().id
+    *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
+    assert last[2]["value"] == "**http://srv/v1 refused the request (403, forbidden): this key may not use model m**"
+    assert [m.role for m in ui.store.messages(conv)] == ["user"]  # the question is kept, for a retry
+
+
+def test_a_stream_line_that_is_not_json_stops_the_reply_and_keeps_its_text(tmp_path):
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(200, content=sse(chunk("Hel")) + b"data: <html>502 Bad Gateway</html>\n\n" + REPLY)
+
+    ui = remote_ui(tmp_path, server)
+    conv = ui.store.create().id
+    *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
+    says = "stopped: The server sent a stream line that is not JSON: '<html>502 Bad Gateway</html>'"
+    assert last[0][-1]["content"] == f"Hel\n\n<sub>{says}</sub>"
+    reply = ui.store.messages(conv)[-1]
+    assert reply.content == "Hel" and "not JSON" in reply.meta["error"]
+
+
+class Misbehaving(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server that sends the first piece of a reply, then stalls or resets the connection."""
+
+    protocol_version = "HTTP/1.1"
+    mode = "stall"
+    release = threading.Event()  # ends a stall (the test's teardown)
+    reset_when = staticmethod(lambda: True)  # a reset waits for this: data the client has not read dies with it
+
+    def do_GET(self):
+        found = self.path.endswith("/models")
+        body = json.dumps({"data": [{"id": "m"}]} if found else {"detail": "Not Found"}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        data = sse(chunk("Hel"))
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+        self.close_connection = True
+        if self.mode == "stall":
+            self.release.wait(120)
+        else:  # a reset: close with SO_LINGER 0, which sends RST instead of FIN
+            wait_until(self.reset_when, timeout=60)
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def misbehaving_server():
+    Misbehaving.release.clear()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    Misbehaving.release.set()
+    server.shutdown()
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("stall", "did not answer in time (ReadTimeout)"),
+    ("reset", "Connection reset by peer"),
+], ids=["stall", "reset"])
+def test_a_server_that_stalls_or_resets_mid_reply_keeps_the_text_and_says_why(
+        tmp_path, misbehaving_server, monkeypatch, mode, says):
+    from app.model_host import ModelHost
+    from app.store import ConversationStore
+    from app.ui import PagodaUI
+
+    monkeypatch.setattr(Misbehaving, "mode", mode)
+    monkeypatch.setattr("app.remote.READ_TIMEOUT_S", 1.0)  # a stall is seen after this long between chunks
+    host = ModelHost()
+    host.backend = connect(misbehaving_server)
+    ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
+    conv = ui.store.create().id
+    # The server resets once the page has the first piece (else the reset could beat it and take it along).
+    monkeypatch.setattr(Misbehaving, "reset_when", staticmethod(
+        lambda: ui.replies.get(conv) is not None and ui.replies.get(conv).turn.text == "Hel"))
+    *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
+    shown = last[0][-1]["content"]
+    assert shown.startswith("Hel\n\n<sub>stopped: ") and says in shown, shown
+    assert f"{misbehaving_server}/v1" in shown  # which server
+    reply = ui.store.messages(conv)[-1]
+    assert reply.content == "Hel" and says in reply.meta["error"]
+    assert says in ui.history(conv)[-1]["content"]  # and so it reads when the chat is opened again
+    host.backend.close()
+
+
 # ---- Stop over a real socket ---------------------------------------------------------------------------
 class EndlessReply(BaseHTTPRequestHandler):
     """Streams a token every 50 ms until the client hangs up, and records that it did."""
@@ -319,8 +430,7 @@ def test_cancel_from_another_thread_hangs_up_at_once(endless_server):
     outs = []
     reader = threading.Thread(target=lambda: outs.extend(stream))
     reader.start()
-    while len(outs) < 3:
-        time.sleep(0.01)
+    assert wait_until(lambda: len(outs) >= 3, timeout=60), "no reply streamed from the canned server"
     stream.cancel()  # the Stop button: another thread than the one reading
     reader.join(5)
     assert not reader.is_alive()
@@ -360,8 +470,6 @@ class ServerProcess(ServeProcess):
 @pytest.fixture(scope="module")
 def setup(bundled_model, tmp_path_factory):
     """(server, app client): both start at once, which halves the wait on 2 cores."""
-    from tests.app.app_process import AppProcess
-
     home = tmp_path_factory.mktemp("remote_home")
     server = ServerProcess(bundled_model, home)
     app = AppProcess(bundled_model, home)
@@ -424,9 +532,8 @@ def test_connect_lists_the_servers_models_and_serves_the_chats_from_it(setup):
 def test_stop_aborts_the_request_on_the_server(setup):
     server, client = setup
     conv = client.predict(SYSTEM, "", api_name="/new_chat")["value"]
-    reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=900)
-    assert wait_until(lambda: server.running() >= 1)
-    time.sleep(0.5)
+    job = reply(client, conv, "Write a very long story about a dragon, with many chapters.", max_tokens=900)
+    assert wait_until(lambda: reply_text(job), timeout=120), "no token streamed"  # Stop once some text is there
     client.predict(conv, api_name="/stop")  # the Stop button
     assert wait_until(lambda: server.running() == 0, timeout=10)
     assert wait_until(lambda: client.predict(conv, api_name="/messages")[-1]["meta"].get("finish_reason") == "abort")

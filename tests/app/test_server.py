@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -13,7 +12,7 @@ import urllib.request
 import pytest
 
 from app.server import parse_args, resolve_auth
-from tests.processes import free_port
+from tests.processes import REPO, free_port, wait_until
 
 
 def test_share_without_auth_generates_a_login_and_prints_it(capsys):
@@ -37,41 +36,72 @@ def test_auth_is_parsed_and_a_malformed_one_is_refused():
         resolve_auth(argparse.Namespace(auth="alice", share=False, listen=False))
 
 
-def test_share_with_no_tunnel_says_so_and_keeps_serving_locally_behind_the_login(tiny_llama, tmp_path):
+# The app with --share, its tunnel replaced by one that fails at once: with or without internet the test
+# never reaches Gradio's share server, and what it checks is what protects a public link, the login and the key.
+SHARE_WITHOUT_TUNNEL = """
+import sys
+from gradio import networking
+
+def no_tunnel(*args, **kwargs):
+    raise RuntimeError("no tunnel in this test")
+
+networking.setup_tunnel = no_tunnel
+from app.server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_share_serves_only_behind_the_login_and_the_api_key(tiny_llama, tmp_path):
     port = free_port()
     log = tmp_path / "share.log"
-    env = {**os.environ, "PAGODA_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(tiny_llama), "--port", str(port), "--share",
-                             "--no-browser"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 120
-        while "Could not create the share link" not in log.read_text() and time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"the app exited: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
-        text = log.read_text()
-        assert "Could not create the share link" in text and f"127.0.0.1:{port}" in text
-        password = re.search(r"pagoda / (\S+)", text).group(1)
-        base = f"http://127.0.0.1:{port}"
-        with pytest.raises(urllib.error.HTTPError) as refused:
+    env = {**os.environ, "PAGODA_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "PAGODA_API_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-c", SHARE_WITHOUT_TUNNEL, "--model", str(tiny_llama), "--port",
+                             str(port), "--share", "--no-browser"], env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, cwd=REPO)
+    base = f"http://127.0.0.1:{port}"
+
+    def page_refused() -> bool:  # the page is up, and answers 401 without the login
+        if proc.poll() is not None:
+            pytest.fail(f"the app exited: {log.read_text()[-2000:]}")
+        try:
             urllib.request.urlopen(f"{base}/config", timeout=10)
-        assert refused.value.code == 401  # nothing is served without the login
+        except urllib.error.HTTPError as e:
+            assert e.code == 401, f"the page answered {e.code} without the login"
+            return True
+        except OSError:
+            return False
+        pytest.fail("the shared app served its page without the login")
+
+    try:
+        assert wait_until(page_refused, timeout=240, interval=0.5), log.read_text()[-2000:]
+        # No tunnel is no crash: the app says so and keeps serving locally.
+        assert wait_until(lambda: "Could not create the share link" in log.read_text(), timeout=60), log.read_text()
+        text = log.read_text()
+        assert f"127.0.0.1:{port}" in text
+        password = re.search(r"pagoda / (\S+)", text).group(1)
+        wrong = urllib.parse.urlencode({"username": "pagoda", "password": password + "x"}).encode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{base}/login", data=wrong, timeout=10)
+        assert refused.value.code in (400, 401)
         body = urllib.parse.urlencode({"username": "pagoda", "password": password}).encode()
         assert urllib.request.urlopen(f"{base}/login", data=body, timeout=10).status == 200
         # The share link would expose the OpenAI-compatible API too: it got a generated key, printed.
         key = re.search(r"every /v1 request needs this key.*\n\s+(pagoda-\S+)", text).group(1)
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(f"{base}/v1/models", timeout=10)
-        assert refused.value.code == 401
+        for headers in ({}, {"Authorization": "Bearer pagoda-wrong"}):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(f"{base}/v1/models", headers=headers), timeout=10)
+            assert refused.value.code == 401
         with_key = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
-        deadline = time.time() + 120
-        while True:  # the key is accepted at once; the model may still be loading (503) for a while
+
+        def models_served() -> bool:  # the key is accepted at once; the model may still be loading (503)
             try:
-                assert urllib.request.urlopen(with_key, timeout=10).status == 200
-                break
+                return urllib.request.urlopen(with_key, timeout=10).status == 200
             except urllib.error.HTTPError as e:
-                assert e.code == 503 and time.time() < deadline, e
-                time.sleep(0.5)
+                assert e.code == 503, e
+                return False
+
+        assert wait_until(models_served, timeout=240, interval=0.5), log.read_text()[-2000:]
     finally:
         proc.kill()
         proc.wait(10)
