@@ -65,8 +65,10 @@ class EngineThread:
         """The model's tokenizer, for decoding in the caller's thread (as `tokenize` encodes there)."""
         return self.engine.tokenizer
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> "RequestStream":
-        """Queue a request. Invalid input raises here, in the caller's thread."""
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               priority: int = 0) -> "RequestStream":
+        """Queue a request. Invalid input raises here, in the caller's thread. `priority`: lower is more
+        urgent (LLMEngine.add_request)."""
         request_id = f"chat-{next(self._ids)}"
         stream = _Channel()
         with self._lock:  # checked under the lock: a request is either refused or seen by shutdown()
@@ -75,7 +77,7 @@ class EngineThread:
                                    "more requests; load the model again")
             if self._stop:
                 raise RuntimeError("the engine thread has stopped; load the model again")
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, priority)
             self._streams[request_id] = stream
         self._wake.set()
         return RequestStream(self, request_id, stream)

@@ -168,8 +168,11 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request and return its id. Invalid requests raise and change nothing."""
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a request and return its id. Invalid requests raise and change nothing. `priority`: vLLM's,
+        lower is more urgent; a step serves only the most urgent requests present (engine/scheduler.py)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int (lower is more urgent; 0 is the default), got {priority!r}")
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
@@ -178,7 +181,7 @@ class LLMEngine:
         if outside:
             raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary (0..{vocab - 1})")
         seq = Sequence(self.encode_prompt(prompt), sampling_params, request_id or f"req-{next(self._request_ids)}",
-                       self.max_model_len)
+                       self.max_model_len, priority)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         if sampling_params.seed is not None:
@@ -347,8 +350,9 @@ class LLMEngine:
 
     # ---- offline API ----------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Complete every prompt; one dict per prompt, in order, with text, token_ids and finish_reason."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:
+        """Complete every prompt; one dict per prompt, in order, with text, token_ids and finish_reason.
+        `priority`: one per prompt, as vLLM takes it (see add_request)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -362,8 +366,12 @@ class LLMEngine:
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
         encoded = [self.encode_prompt(p) for p in prompts]  # validate everything before queuing anything
-        seqs = [self.requests[self.add_request(e, p)] for e, p in zip(encoded, params)]
+        seqs = [self.requests[self.add_request(e, p, priority=rank)]
+                for e, p, rank in zip(encoded, params, priority, strict=True)]
         for s in seqs:
             s.stream_text = False
         bar = None

@@ -6,17 +6,28 @@ leaves. Then waiting requests are admitted first come, first served, starting on
 prefix. When KV blocks run out, the newest running request is preempted: its blocks are freed
 and it goes back to the front of the queue, to be recomputed later. Nothing is ever dropped.
 
+Requests carry a priority (vLLM's `priority`: lower is more urgent, 0 by default), and the
+order above is by priority first. Priority is strict: a step serves only the most
+urgent priority among the requests present. Less urgent running requests keep their blocks but get
+no tokens, are the first to be preempted, and are preempted to admit a more urgent request. So a
+background job (a title, a summary) can never slow a chat that is streaming: on a CPU even one
+long-context decode row in the batch would. With every priority equal, this is plain FCFS.
+
 With asynchronous scheduling a step is planned while the previous one still runs, so some
 sampled tokens are pending (see `Sequence`). A pending token is planned as the next step's
 input; a request whose pending tokens reach its length limit gets no further step; and a
 preempted request is readmitted only once its pending token has been read back, because a
 prefill's inputs come from the host.
 """
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.priority
 
 
 @dataclass
@@ -34,12 +45,14 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        # Both by priority; within one, the order FCFS gives (preempted requests first in `waiting`, and
+        # last admitted last in `running`, where the last is the first to be preempted).
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort_right(self.waiting, seq, key=_priority)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -57,9 +70,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
+        # The most urgent priority present: only its requests get tokens this step.
+        level = min(seq.priority for seq in (*self.running[:1], *self.waiting[:1])) if self.has_unfinished() else 0
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and self.running[i].priority == level:
             seq = self.running[i]
             # Its last token is pending: it finishes once read back.
             if seq.num_pending_tokens and len(seq) >= seq.max_len:
@@ -81,7 +96,7 @@ class Scheduler:
                 i += 1
 
         # Admitting new work right after a preemption would only preempt again.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and self.waiting[0].priority == level:
             seq = self.waiting[0]
             # Preempted with a token in flight: its prefill needs that token's value. (Today a step that
             # preempts admits nothing anyway, and the token is read back before the next one.)
@@ -89,13 +104,21 @@ class Scheduler:
                 break
             cached = bm.find_cached_prefix(seq)
             n = min(len(seq) - len(cached) * bm.block_size, budget)
-            if not bm.can_admit(seq, cached, n):
-                break
-            self.waiting.popleft()
+            if len(self.running) >= self.max_num_seqs or not bm.can_admit(seq, cached, n):
+                # Room is made only by less urgent requests, which wait for this one anyway.
+                if not self.running or self.running[-1].priority <= seq.priority:
+                    break
+                victim = self.running.pop()
+                if victim.num_pending_tokens:  # its token in flight must be read back first: next step
+                    self.running.append(victim)
+                    break
+                self._preempt(victim)
+                continue
+            self.waiting.pop(0)
             bm.admit(seq, cached)
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort_right(self.running, seq, key=_priority)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
@@ -103,5 +126,5 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        bisect.insort_left(self.waiting, seq, key=_priority)  # first of its priority, as it is the oldest
         self.num_preemptions += 1

@@ -22,8 +22,9 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                 max_model_len: int | None = None):
-        self.seq_id = next(Sequence._ids)
+                 max_model_len: int | None = None, priority: int = 0):
+        self.seq_id = next(Sequence._ids)  # also the arrival order: ids only grow
+        self.priority = priority  # vLLM's: lower is served first; see Scheduler
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)

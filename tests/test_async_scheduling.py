@@ -184,7 +184,7 @@ def test_scheduler_plans_around_pending_tokens():
 
     sched.running.remove(long)  # as if preempted with its token in flight
     bm.free(long)
-    sched.waiting.appendleft(long)
+    sched.waiting.insert(0, long)
     assert sched.schedule() == []  # `short` waits for its token; `long` may not be prefilled yet
     long.token_ids.append(9)  # the token is read back
     long.num_pending_tokens = 0

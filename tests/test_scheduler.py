@@ -199,3 +199,90 @@ def test_one_token_prefill_chunks_beside_decodes(tiny_qwen2, make_llm, random_pr
         outputs.update({out.request_id: out.token_ids for out in llm.step() if out.finished})
     assert log.steps[1][1] == [(ids[0], 1, True), (ids[1], 1, True), (ids[2], 1, True), (ids[3], 1, False)]
     assert [outputs[rid] for rid in ids] == expected
+
+
+# ---- priority ---------------------------------------------------------------------------------------
+def advance(batch) -> None:
+    """What the engine does after the model ran: each chunk's KV is written, and a sampling one adds a token."""
+    for x in batch:
+        x.seq.num_computed_tokens += x.num_new_tokens
+        if x.samples:
+            x.seq.token_ids.append(7)
+
+
+def test_a_more_urgent_request_takes_every_step_and_the_others_wait_with_their_blocks():
+    bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    background = Sequence([1, 2, 3], greedy(8), priority=1)
+    sched.add(background)
+    advance(sched.schedule())
+    chat = Sequence([4, 5, 6, 7], greedy(2))
+    sched.add(chat)
+    held = list(background.block_table)
+    batch = sched.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in batch] == [(chat, 4)]  # no decode row for the background job
+    advance(batch)
+    assert [x.seq for x in sched.schedule()] == [chat]
+    assert background.block_table == held and background.status == SequenceStatus.RUNNING
+    chat.token_ids.append(7)  # the chat reaches its 2 tokens and finishes
+    sched.remove(chat)
+    assert [(x.seq, x.num_new_tokens) for x in sched.schedule()] == [(background, 1)]  # back to work
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    bm = BlockManager(num_blocks=32, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    late, first, second = Sequence([1, 2], greedy(4), priority=5), Sequence([3, 4], greedy(4)), \
+        Sequence([5, 6], greedy(4))
+    for s in (late, first, second):
+        sched.add(s)
+    assert sched.waiting == [first, second, late]
+    assert [x.seq for x in sched.schedule()] == [first, second]
+
+
+def test_a_more_urgent_request_preempts_less_urgent_ones_for_a_seat_or_blocks():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=100)
+    old, new = Sequence([1, 2, 3], greedy(8), priority=2), Sequence([4, 5], greedy(8), priority=1)
+    sched.add(old)
+    advance(sched.schedule())
+    sched.add(new)
+    advance(sched.schedule())  # more urgent: admitted beside the old one, which waits
+    assert sched.running == [new, old] and bm.num_free_blocks == 1
+    chat = Sequence([6, 7, 8, 9, 10, 11, 12], greedy(1))  # needs all 4 blocks: both others give theirs up
+    sched.add(chat)
+    batch = sched.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in batch] == [(chat, 7)]
+    assert sched.running == [chat] and sched.waiting == [new, old]
+    assert sched.num_preemptions == 2 and old.num_computed_tokens == new.num_computed_tokens == 0
+
+
+def test_equal_priorities_never_preempt_to_admit(tiny_qwen2, make_llm, random_prompt):
+    """With every priority equal, a waiting request waits for room: it does not take a running one's."""
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=100)
+    a, b = Sequence([1, 2, 3], greedy(8), priority=3), Sequence([4, 5], greedy(8), priority=3)
+    sched.add(a)
+    advance(sched.schedule())
+    sched.add(b)
+    assert [x.seq for x in sched.schedule()] == [a]
+    assert sched.num_preemptions == 0 and sched.waiting == [b]
+
+
+def test_generate_serves_urgent_prompts_first_and_gives_the_same_tokens(tiny_qwen2, make_llm, random_prompt,
+                                                                        monkeypatch):
+    prompts = [random_prompt(n, 80 + n) for n in (6, 9, 12)]
+    params = greedy(6)
+    llm = make_llm(tiny_qwen2)
+    alone = [llm.generate([p], params, use_tqdm=False)[0]["token_ids"] for p in prompts]
+    log = BatchLog(llm, monkeypatch)
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=[1, 0, 1])
+    assert [o["token_ids"] for o in outs] == alone
+    served = [{rid for rid, _, _ in batch} for _, batch, _ in log.steps if batch]
+    urgent = next(iter(served[0]))
+    assert all(s == {urgent} for s in served[:6])  # the urgent prompt's prefill and its 5 decodes, alone
+    assert len(served[6]) == 2  # then the other two, batched
+    with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
+        llm.generate(prompts, params, priority=[0, 1])
+    with pytest.raises(TypeError, match="priority must be an int"):
+        llm.add_request([1, 2], params, priority="high")
