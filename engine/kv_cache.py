@@ -1,15 +1,16 @@
-"""The paged KV cache: how many blocks fit, and the one tensor that holds them.
+"""The paged KV cache: how many blocks fit, and the tensors that hold them.
 
-Every layer's keys and values live in a single tensor, so one allocation sizes and frees them all:
+Each layer's keys and values live in tensors of their own:
 
-    kv_cache: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-               |      |          |           |
-               |      |          |           +-- slot within the block: token position % block_size
-               |      |          +-- block id, as BlockManager hands them out (a sequence's block_table)
-               |      +-- one slice per Attention layer: layer.k_cache = kv_cache[0, i],
-               |                                          layer.v_cache = kv_cache[1, i]
-               +-- 0: keys, 1: values
+    layer.k_cache, layer.v_cache: (num_blocks, block_size, num_kv_heads, head_dim), for each Attention layer
+                                    |           |
+                                    |           +-- slot within the block: token position % block_size
+                                    +-- block id, as BlockManager hands them out (a sequence's block_table)
     and per slot, one (num_kv_heads, head_dim) key or value: this rank's KV heads under tensor parallelism.
+
+Separate tensors, not views of one: a compiled decode step writes each cache in place, which the
+compiler does only for a tensor that is no view of a larger one (with one shared tensor it copied
+the whole cache for every layer, 50-250 ms a step; engine/compiled_decode.py).
 
     one sequence, block_size 4, block_table [7, 2, 9]:
 
@@ -63,8 +64,9 @@ class KVCacheLayout:
     def bytes_per_block(self) -> int:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's keys (or values)."""
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
 def blocks_for_budget(budget: int, bytes_per_block: int) -> int:
@@ -98,12 +100,15 @@ def choose_num_blocks(config: EngineConfig, layout: KVCacheLayout, device: torch
 
 
 def allocate_kv_cache(layout: KVCacheLayout, num_blocks: int, attention_layers: Sequence[Attention],
-                      device: torch.device) -> torch.Tensor:
-    """The zeroed cache tensor, with each Attention layer's k_cache and v_cache bound to its slices."""
-    kv_cache = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
-    for i, layer in enumerate(attention_layers):
-        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
-    log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, layout.block_size, kv_cache.nbytes / 2**20)
+                      device: torch.device) -> list[torch.Tensor]:
+    """The zeroed cache tensors, bound to each Attention layer's k_cache and v_cache: [k, v, k, v, ...]."""
+    kv_cache = []
+    for layer in attention_layers:
+        layer.k_cache, layer.v_cache = (torch.zeros(layout.layer_shape(num_blocks), dtype=layout.dtype, device=device)
+                                        for _ in range(2))
+        kv_cache += [layer.k_cache, layer.v_cache]
+    log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, layout.block_size,
+             sum(t.nbytes for t in kv_cache) / 2**20)
     return kv_cache
 
 

@@ -330,6 +330,7 @@ class LLMEngine:
             matmul=self.model_runner.matmul_kind,
             quantization=self.model_runner.weight_format,
             sampler=self.model_runner.sampler.kind,
+            decode=self.model_runner.decode_kind,
             async_scheduling=self.async_scheduling,
             tensor_parallel_size=self.config.tensor_parallel_size,
             max_batch_size=self.max_batch_size,

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine import quantization
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
+from engine.compiled_decode import CompiledDecode, compile_disabled_by_env
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.distributed import SINGLE, TPGroup
@@ -89,6 +90,7 @@ class ModelRunner:
         self.kv_cache, self.num_blocks = self._allocate_kv_cache()
         self.max_model_len = self._max_model_len(hf_config)
         self.graphs = self._capture_graphs()
+        self.compiled_decode, self.decode_kind = self._compile_decode()
 
     # ---- start-up steps, in the order __init__ runs them ----------------------------------------
     def _check_host_memory(self, model_path) -> None:
@@ -181,9 +183,10 @@ class ModelRunner:
             self.readback = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self.readback_done = [torch.cuda.Event() for _ in range(2)]
 
-    def _allocate_kv_cache(self) -> tuple[torch.Tensor, int]:
-        """The KV cache and its number of blocks (engine/kv_cache.py); each attention layer is bound
-        to its slices. On a GPU without an explicit size, a warm-up step measures what is left."""
+    def _allocate_kv_cache(self) -> tuple[list[torch.Tensor], int]:
+        """The KV cache (keys and values of each layer, a tensor each) and its number of blocks
+        (engine/kv_cache.py); each attention layer is bound to its two. On a GPU without an explicit
+        size, a warm-up step measures what is left."""
         def measure_gpu_budget() -> int:
             return gpu_kv_budget(self.model, self.attention_layers, self.kv_layout, self.config, self.device,
                                  self._gpu_bytes_before, self.use_graphs)
@@ -208,6 +211,25 @@ class ModelRunner:
         with self._compiled_small_ops():
             graphs.capture()
         return graphs
+
+    @torch.inference_mode()
+    def _compile_decode(self) -> tuple[CompiledDecode | None, str]:
+        """On the CPU, decode steps compiled into graphs where that measures faster than eager
+        (engine/compiled_decode.py); with how decode steps run, for stats()."""
+        if self.graphs is not None:
+            return None, "cuda-graphs"
+        if self.device.type != "cpu":
+            return None, "eager"
+        if self.config.enforce_eager or compile_disabled_by_env() or self.tp.size > 1 or self.backend.name != "torch":
+            return None, "eager"
+        try:
+            compiled = CompiledDecode(self.model, self.config.max_num_seqs)
+        except Exception as e:  # no C++ compiler, an op inductor cannot lower, a refused trace: still serve
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            log.warning("decode steps run eagerly: compiling them failed (%s). They work, only slower; "
+                        "enforce_eager=True skips the attempt", reason)
+            return None, "eager (compile failed)"
+        return (compiled if compiled.graphs else None), compiled.describe()
 
     @property
     def matmul_kind(self) -> str:
@@ -299,7 +321,7 @@ class ModelRunner:
     def release(self) -> None:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
         the device. `launch` refuses to run afterwards."""
-        self.graphs = self.model = self.kv_cache = self.last_sampled = None
+        self.graphs = self.compiled_decode = self.model = self.kv_cache = self.last_sampled = None
         self.attention_layers, self.last_sampled_rows, self.logprobs_rows = [], SampledRows([]), []
         self.staging = self.readback = None
         if self.device.type == "cuda":
@@ -443,6 +465,9 @@ class ModelRunner:
         and the prompt logprobs asked for (None if none); (None, None) on the other ranks.
         Call it under torch.inference_mode(), as `launch` and the worker loop do."""
         input_ids, positions, meta, logits_index, self.logprobs_rows = self.to_device(step)
+        compiled = self.compiled_decode
+        if compiled is not None and not step.prompt_logits_index.size and compiled.can_run(meta, logits_index.numel()):
+            return compiled.run(input_ids, positions, meta, logits_index), None
         hidden = self.forward(input_ids, positions, meta)
         prompt_logprobs = self._prompt_logprobs(hidden, step) if step.prompt_logits_index.size else None
         if logits_index.numel() == 0:

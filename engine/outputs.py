@@ -47,6 +47,9 @@ class EngineStats:
     # models list their kernels, e.g. "Int4PackMatmul x210, SplitInt4Matmul x1"
     quantization: str  # how the weights are stored: "none", "int8", "int4 (groups of 64)", "GGUF Q4_1, Q8_0"
     sampler: str  # "compiled" (large GPU batches through torch.compile) or "eager"
+    # How decode steps run: "cuda-graphs", "compiled (1 row, 2-256 rows)" on a CPU (the graphs that measured
+    # faster than eager; engine/compiled_decode.py), "eager", or "eager (compile failed)"
+    decode: str
     async_scheduling: bool  # the host plans step N+1 while the device runs step N
     tensor_parallel_size: int  # processes (GPUs) the model is split across
     # The most requests one step has run together, since start. A recorded peak: sampling num_running from

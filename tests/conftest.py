@@ -1,10 +1,16 @@
 """Shared fixtures: tiny random-weight checkpoints of each supported family, built on the fly."""
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# Engines built here run their CPU decode steps eagerly: compiling them (engine/compiled_decode.py) costs
+# each of the suite's many small engines seconds to save milliseconds. tests/test_compiled_decode.py
+# tests the compiled steps, and PAGODA_CPU_COMPILE=1 runs the whole suite compiled. App and server
+# processes the tests start inherit it.
+os.environ.setdefault("PAGODA_CPU_COMPILE", "0")
 
 VOCAB = 320
 

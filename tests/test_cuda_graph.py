@@ -49,4 +49,4 @@ def test_graph_replay_with_padding_matches_eager(tiny_llama, monkeypatch):
     assert got == expected
     assert runner.graphs.graphs[4].replays > 0
     # Padded rows wrote nothing, though their stale slot pointed at block 31.
-    assert runner.kv_cache[:, :, 31].abs().sum() == 0
+    assert all(cache[31].abs().sum() == 0 for cache in runner.kv_cache)

@@ -194,7 +194,7 @@ def never_measured() -> int:
 
 def test_kv_cache_layout():
     assert LAYOUT.bytes_per_block == BLOCK_BYTES == 4096
-    assert LAYOUT.shape(10) == (2, 2, 10, 16, 2, 8)
+    assert LAYOUT.layer_shape(10) == (10, 16, 2, 8)  # the keys (or values) of one of the 2 layers
 
 
 def test_blocks_from_a_byte_budget():

@@ -8,7 +8,9 @@ pay for the longest one's padding; and a group whose rows share one length (batc
 does) runs without a mask.
 
 It reads sequence lengths on the host. Under a CUDA graph those are upper bounds
-(`host_lens_exact` is False), and only the masked path is taken.
+(`host_lens_exact` is False), and only the masked path is taken. Inside a compiled CPU decode
+step (engine/compiled_decode.py) nothing is read on the host: `compiled_decode` attends from the
+device tensors alone, so the compiler traces no Python values it would have to specialise on.
 """
 from dataclasses import dataclass
 
@@ -28,7 +30,10 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = padded token
 ) -> None:
-    tokens, slots = _valid_slots(slot_mapping)
+    if torch.compiler.is_compiling():  # compiled decode steps have no padded tokens, and no host state
+        tokens, slots = None, slot_mapping
+    else:
+        tokens, slots = _valid_slots(slot_mapping)
     if tokens is not None:
         key, value = key[tokens], value[tokens]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
@@ -129,6 +134,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return compiled_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     decodes, prefills = _plan(meta, k_cache.shape[1])
     if len(decodes) == 1 and decodes[0].token_idx is None and not prefills:
         return _decode(query, k_cache, v_cache, decodes[0], scale)
@@ -153,3 +160,19 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale,
                                        enable_gqa=True).squeeze(2)
     return o if plan.live is None else torch.where(plan.live, o, 0.0)
+
+
+def compiled_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode rows (one query token per sequence) from device tensors only: every row reads all of
+    `block_tables`' blocks (-1 entries read block 0), masked to its own length."""
+    blocks = block_tables.clamp(min=0).long()
+    rows, length = blocks.shape[0], blocks.shape[1] * k_cache.shape[1]
+    # Indexing, not `_gather`'s index_select: after the in-place KV write of the same step, inductor
+    # copied the whole cache around an index_select (60 copies of 18 MB a step on SmolLM2), not around this.
+    k = k_cache[blocks].view(rows, length, *k_cache.shape[2:]).transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
+    v = v_cache[blocks].view(rows, length, *v_cache.shape[2:]).transpose(1, 2).to(query.dtype)
+    valid = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None]
+    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(2)

@@ -21,6 +21,25 @@ from engine.distributed import SINGLE, TPGroup
 log = logging.getLogger("engine")
 
 
+@torch.library.custom_op("pagoda::onednn_linear", mutates_args=())
+def _onednn_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_onednn_linear_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) with W in oneDNN's packed layout (`torch.ops.mkldnn._reorder_linear_weight`).
+    A compiled graph calls it as an opaque op: inductor lowers oneDNN's own op only for weights it
+    has frozen into constants, which the compiled decode steps' weights are not (they stay inputs)."""
+    if torch.compiler.is_compiling():
+        return _onednn_linear_op(x, packed, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class OneDNNMatmul(nn.Module):
     """x W^T (+ b) through oneDNN's prepacked copy of W, on the CPU: what `pack_for_cpu` swaps in."""
 
@@ -33,7 +52,7 @@ class OneDNNMatmul(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         if weight is not None:  # the packed copy is this kernel's weight; another would be silently ignored
             raise ValueError("OneDNNMatmul multiplies by its own packed weight; pass weight=None")
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return onednn_linear(x, self.packed, bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.dtype}"

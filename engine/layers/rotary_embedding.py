@@ -88,10 +88,18 @@ class RotaryEmbedding(nn.Module):
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         """qk: [tokens, q heads + k heads, head_dim], q's heads first. With `q_norm` and `k_norm`
         (Qwen3), each head is normalised first."""
-        if positions is not self._positions:
-            self._positions = positions
-            self._cos_sin = (self.cos_cache[positions].unsqueeze(1).to(qk.dtype),
-                             self.signed_sin_cache[positions].unsqueeze(1).to(qk.dtype))
+        if torch.compiler.is_compiling():
+            # No attribute writes in a compiled graph (it is called without replaying them); the
+            # compiler computes the lookup once for all layers anyway.
+            cos_sin = self._lookup(positions, qk.dtype)
+        else:
+            if positions is not self._positions:
+                self._positions, self._cos_sin = positions, self._lookup(positions, qk.dtype)
+            cos_sin = self._cos_sin
         if q_norm is None:
-            return self.fn(qk, *self._cos_sin)
-        return self.norm_fn(qk, q_norm.weight, k_norm.weight, num_q_heads, q_norm.eps, k_norm.eps, *self._cos_sin)
+            return self.fn(qk, *cos_sin)
+        return self.norm_fn(qk, q_norm.weight, k_norm.weight, num_q_heads, q_norm.eps, k_norm.eps, *cos_sin)
+
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
+                self.signed_sin_cache[positions].unsqueeze(1).to(dtype))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import onednn_linear
 from engine.quantization.layout import QuantizedWeight
 
 log = logging.getLogger("engine")
@@ -65,7 +66,7 @@ class DenseMatmul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+            return onednn_linear(x, self.weight)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
@@ -90,7 +91,10 @@ class QuantizedMatmul(nn.Module):
         return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_from_rows is not None and x.shape[0] >= self.dense_from_rows:
+        # Not inside a compiled decode step: its batch size is symbolic there, and the compiled graph
+        # is called without re-checking the branch it took (decode batches keep the kernel).
+        if (self.dense_from_rows is not None and not torch.compiler.is_compiling()
+                and x.shape[0] >= self.dense_from_rows):
             return F.linear(x.to(torch.bfloat16), self.dequantized_bf16()).to(x.dtype)
         return super().__call__(x)
 

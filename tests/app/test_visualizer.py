@@ -81,7 +81,7 @@ def engine_stats(**fields) -> EngineStats:
     defaults = dict(num_blocks=12, free_blocks=12, cached_blocks=0, used_blocks=0, block_size=BS,
                     prefix_cache_queries=0, prefix_cache_hits=0, num_running=2, num_waiting=0, num_preemptions=0,
                     num_generated_tokens=0, max_model_len=2048, device="cpu", dtype="float32",
-                    attention_backend="torch", matmul="torch", quantization="none", sampler="eager",
+                    attention_backend="torch", matmul="torch", quantization="none", sampler="eager", decode="eager",
                     async_scheduling=False,
                     tensor_parallel_size=1)
     return EngineStats(**{**defaults, **fields})

@@ -1,0 +1,148 @@
+"""Compiled CPU decode steps (engine/compiled_decode.py): the same tokens as transformers and as the
+eager steps, through block boundaries, batches of mixed lengths, preemption and the prefix cache;
+the rule for what a trace may assume; and the eager steps taking over whenever a graph cannot be
+trusted or is not faster."""
+import logging
+import time
+
+import pytest
+import sympy
+import torch
+
+from engine import SamplingParams
+from engine import compiled_decode as cd
+from tests.test_parity import hf_greedy
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture
+def compiling(monkeypatch):
+    monkeypatch.setenv(cd.ENV_SWITCH, "1")  # the suite's conftest turns compiling off for every other test
+
+
+def calls(llm) -> dict[str, int]:
+    return {name: g.calls for name, g in llm.model_runner.compiled_decode.graphs.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_match_transformers_alone_and_batched(compiling, family, tiny_models, make_llm, hf_model,
+                                                             random_prompt):
+    llm = make_llm(tiny_models[family], max_num_seqs=4)
+    assert llm.stats().decode == "compiled (1 row, 2-4 rows)"
+    # 40 new tokens cross two or three 16-token blocks; batched, the rows have different lengths.
+    prompts = [random_prompt(n, seed) for n, seed in ((5, 1), (19, 2), (33, 3))]
+    expected = [hf_greedy(hf_model(tiny_models[family]), p, GREEDY.max_tokens) for p in prompts]
+    before = calls(llm)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0]["token_ids"] for p in prompts]
+    together = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert alone == expected
+    assert together == expected
+    after = calls(llm)
+    # Every decode step ran compiled: 39 per request alone (the first token comes from the prefill), and
+    # batched every step until the rows finish together.
+    assert after["one row"] - before["one row"] == 3 * 39
+    assert after["rows"] - before["rows"] == 39
+
+
+def test_preemption_and_prefix_cache_under_compiled_steps(compiling, tiny_llama, make_llm, hf_model, random_prompt):
+    """KV written by compiled steps is what preempted requests recompute over and what later requests
+    share: the same tokens as transformers, with preemptions and prefix hits both happening."""
+    system = random_prompt(32, 7)  # two full blocks every request shares
+    prompts = [system + random_prompt(6 + i, 10 + i) for i in range(4)]
+    expected = [hf_greedy(hf_model(tiny_llama), p, GREEDY.max_tokens) for p in prompts]
+    llm = make_llm(tiny_llama, max_num_seqs=4, num_kvcache_blocks=12)  # 4 requests of 5 blocks: too few
+    got = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    stats = llm.stats()
+    assert got == expected
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    assert calls(llm)["rows"] > 0
+
+
+def test_quantized_model_matches_its_eager_steps(compiling, monkeypatch, tiny_qwen2, make_llm, random_prompt):
+    """int4 weights (PyTorch's int4 kernel inside the graph): tokens equal to the eager engine's, and
+    the sampled tokens' logprobs within bf16 rounding of them."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    prompts = [random_prompt(9, 4), random_prompt(21, 5)]
+    compiled = make_llm(tiny_qwen2, quantization="int4", max_num_seqs=2)
+    assert compiled.stats().decode == "compiled (1 row, 2-2 rows)"
+    got = compiled.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setenv(cd.ENV_SWITCH, "0")
+    eager = make_llm(tiny_qwen2, quantization="int4", max_num_seqs=2)
+    assert eager.stats().decode == "eager"
+    want = eager.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g["token_ids"] == w["token_ids"]
+        for g_lp, w_lp, token in zip(g["logprobs"], w["logprobs"], g["token_ids"], strict=True):
+            assert g_lp[token] == pytest.approx(w_lp[token], abs=2e-2)
+
+
+def test_eager_when_told(tiny_llama, make_llm, monkeypatch):
+    monkeypatch.setenv(cd.ENV_SWITCH, "1")
+    assert make_llm(tiny_llama, enforce_eager=True).stats().decode == "eager"
+    monkeypatch.setenv(cd.ENV_SWITCH, "0")
+    llm = make_llm(tiny_llama)
+    assert llm.stats().decode == "eager"
+    assert llm.model_runner.compiled_decode is None
+
+
+def test_a_failed_compile_leaves_eager_steps_serving(compiling, monkeypatch, tiny_llama, make_llm, hf_model,
+                                                     random_prompt, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Compiler: cc is not found")
+
+    monkeypatch.setattr(cd, "capture", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        llm = make_llm(tiny_llama)
+    assert llm.stats().decode == "eager (compile failed)"
+    assert "compiling them failed (Compiler: cc is not found)" in caplog.text
+    prompt = random_prompt(11, 8)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(hf_model(tiny_llama), prompt, 40)
+
+
+def test_a_graph_that_disagrees_with_eager_is_not_used(compiling, monkeypatch, tiny_llama, make_llm):
+    real = cd.eager_forward
+    monkeypatch.setattr(cd, "eager_forward", lambda *args: real(*args) + 1.0)
+    llm = make_llm(tiny_llama, max_num_seqs=2)
+    assert llm.stats().decode == "eager"
+    assert llm.model_runner.compiled_decode is None
+
+
+def test_a_graph_slower_than_eager_is_not_kept(compiling, monkeypatch, tiny_llama, make_llm):
+    real = cd.DecodeGraph.__call__
+
+    def slow(self, args):
+        time.sleep(0.05)  # far beyond a tiny model's eager step
+        return real(self, args)
+
+    monkeypatch.setattr(cd.DecodeGraph, "__call__", slow)
+    assert make_llm(tiny_llama, max_num_seqs=2).stats().decode == "eager"
+
+
+def test_what_a_trace_may_assume_about_its_sizes():
+    rows_a, rows_b, blocks = sympy.symbols("s0 s1 s2", integer=True, positive=True)
+    hints = {rows_a: cd._TRACE_ROWS, rows_b: cd._TRACE_ROWS, blocks: cd._TRACE_BLOCKS}
+    # That two inputs have the same rows, or that there are at least 2 blocks, holds for every step.
+    cd._check_guards([sympy.Eq(rows_a, rows_b), sympy.Ge(blocks, 2)], hints, max_rows=256)
+    with pytest.raises(cd.CaptureRefused, match="false at 256 rows"):  # a branch that holds below 128 rows only
+        cd._check_guards([sympy.Lt(rows_a, 128)], hints, max_rows=256)
+    with pytest.raises(cd.CaptureRefused, match="false at 2 rows and 1024 blocks"):
+        cd._check_guards([sympy.Lt(blocks, 100)], hints, max_rows=256)
+    with pytest.raises(cd.CaptureRefused, match="other than the rows and blocks"):
+        other = sympy.Symbol("s9", integer=True)
+        cd._check_guards([sympy.Eq(other, 5)], {**hints, other: 5}, max_rows=256)
+
+
+@torch.inference_mode()
+def test_a_captured_graph_is_called_with_each_steps_tensors_and_sizes(compiling, tiny_llama, make_llm):
+    """The calling plan: weights and KV tensors fixed, the step tensors and both sizes filled in per
+    call, so a step of other sizes than the traced ones gives the eager step's logits."""
+    llm = make_llm(tiny_llama, max_num_seqs=8)
+    model = llm.model_runner.model
+    graph = cd.capture(model, cd.example_args(cd._TRACE_ROWS, cd._TRACE_BLOCKS), dynamic_rows=True, max_rows=8)
+    assert {name for _, name in graph.size_slots} == {"rows", "blocks"}
+    assert sorted(index for _, index in graph.step_slots) == list(range(6))
+    args = cd.example_args(5, 4)
+    torch.testing.assert_close(graph(args), cd.eager_forward(model, *args), rtol=1e-4, atol=1e-4)
