@@ -13,10 +13,11 @@ tensors took 1.2 ms a step (12% at 100 tok/s). Nothing it checks changes after l
 KV tensors and kernel modules are fixed, the step tensors keep their dtypes and layouts, and the
 sizes that vary are the traced symbols. `capture` refuses a trace that assumed anything about them.
 
-Each graph is measured at load against the eager forward on the same inputs. It must agree with it
-and is kept only where faster (`describe` says what was chosen, for stats()). The first load of a
-model compiles (tens of seconds on two cores); inductor caches what it built on disk, under the
-user's cache folder, so later loads of the same model skip most of that.
+Each graph is measured against the eager forward on the same inputs. It must agree with it and is
+kept only where faster (`describe` says what was chosen, for stats()). The ModelRunner builds this in
+a background thread after load, while steps run eagerly: the first load of a model compiles for about
+a minute on two cores, later loads for seconds (inductor keeps what it built in the user's cache
+folder). The traces and timings write only a scratch KV block that no request is given.
 """
 import logging
 import os
@@ -158,12 +159,13 @@ def capture(model: nn.Module, args: tuple[torch.Tensor, ...], dynamic_rows: bool
     return DecodeGraph(compiled, template, step_slots, size_slots)
 
 
-def example_args(rows: int, blocks: int) -> tuple[torch.Tensor, ...]:
-    """A decode step of `rows` rows at positions 0..rows-1, all in block 0 (free at load, when no
-    sequence exists yet): input_ids, positions, slot_mapping, block_tables, seq_lens, logits_index."""
+def example_args(rows: int, blocks: int, block_size: int, scratch_block: int) -> tuple[torch.Tensor, ...]:
+    """A decode step of `rows` rows at positions 0..rows-1, all in `scratch_block`, a block no sequence
+    uses: input_ids, positions, slot_mapping, block_tables, seq_lens, logits_index."""
     positions = torch.arange(rows)
-    return (torch.zeros(rows, dtype=torch.int64), positions, positions.clone(),
-            torch.zeros(rows, blocks, dtype=torch.int32), (positions + 1).to(torch.int32), torch.arange(rows))
+    return (torch.zeros(rows, dtype=torch.int64), positions, scratch_block * block_size + positions,
+            torch.full((rows, blocks), scratch_block, dtype=torch.int32), (positions + 1).to(torch.int32),
+            torch.arange(rows))
 
 
 def _seconds_per_call(fn: Callable[[], torch.Tensor], calls: int = 5) -> float:
@@ -179,7 +181,9 @@ def _seconds_per_call(fn: Callable[[], torch.Tensor], calls: int = 5) -> float:
 class CompiledDecode:
     """The compiled graphs of one model's decode steps, those that measured faster than eager."""
 
-    def __init__(self, model: nn.Module, max_num_seqs: int):
+    def __init__(self, model: nn.Module, max_num_seqs: int, block_size: int, scratch_block: int):
+        """Traces and times the steps in `scratch_block`, a KV block outside the block manager's, so
+        the engine may run requests meanwhile (from another thread)."""
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[str, DecodeGraph] = {}  # "one row", "rows"
         self.notes: list[str] = []
@@ -187,7 +191,7 @@ class CompiledDecode:
         self._set_cache_dir()
         shapes = [("one row", 1, False)] + ([("rows", _TRACE_ROWS, True)] if max_num_seqs > 1 else [])
         for name, rows, dynamic in shapes:
-            args = example_args(rows, _TRACE_BLOCKS)
+            args = example_args(rows, _TRACE_BLOCKS, block_size, scratch_block)
             graph = self._measure(name, model, capture(model, args, dynamic, max_num_seqs), args)
             if graph is not None:
                 self.graphs[name] = graph

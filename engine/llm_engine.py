@@ -353,7 +353,8 @@ class LLMEngine:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:
         """Complete every prompt; one dict per prompt, in order, with text, token_ids and finish_reason.
-        `priority`: one per prompt, as vLLM takes it (see add_request)."""
+        `priority`: one per prompt, as vLLM takes it (see add_request). Waits first for the CPU decode
+        steps to compile, if they still are (engine/compiled_decode.py)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -371,6 +372,11 @@ class LLMEngine:
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
         encoded = [self.encode_prompt(p) for p in prompts]  # validate everything before queuing anything
+        if not self.model_runner.compiled_decode_ready.is_set():
+            # An offline batch runs at the speed its decode steps were chosen for; the online front
+            # (EngineThread) serves eagerly meanwhile instead.
+            log.info("waiting for the decode steps to compile (engine/compiled_decode.py)")
+            self.model_runner.wait_for_compiled_decode()
         seqs = [self.requests[self.add_request(e, p, priority=rank)]
                 for e, p, rank in zip(encoded, params, priority, strict=True)]
         for s in seqs:

@@ -9,6 +9,7 @@ engine/kv_cache.py; this file keeps what touches the device.
 """
 import gc
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ class ModelRunner:
         self.kv_cache, self.num_blocks = self._allocate_kv_cache()
         self.max_model_len = self._max_model_len(hf_config)
         self.graphs = self._capture_graphs()
-        self.compiled_decode, self.decode_kind = self._compile_decode()
+        self._start_compiling_decode()
 
     # ---- start-up steps, in the order __init__ runs them ----------------------------------------
     def _check_host_memory(self, model_path) -> None:
@@ -192,7 +193,11 @@ class ModelRunner:
                                  self._gpu_bytes_before, self.use_graphs)
 
         num_blocks = choose_num_blocks(self.config, self.kv_layout, self.device, self.tp, measure_gpu_budget)
-        return allocate_kv_cache(self.kv_layout, num_blocks, self.attention_layers, self.device), num_blocks
+        # One more block than the block manager hands out, where the compiled decode steps are traced
+        # and timed while requests may already be running.
+        self.scratch_block = num_blocks if self._decode_compiles() else None
+        extra = 0 if self.scratch_block is None else 1
+        return allocate_kv_cache(self.kv_layout, num_blocks + extra, self.attention_layers, self.device), num_blocks
 
     def _max_model_len(self, hf_config) -> int:
         capacity = self.num_blocks * self.block_size
@@ -212,24 +217,48 @@ class ModelRunner:
             graphs.capture()
         return graphs
 
-    @torch.inference_mode()
-    def _compile_decode(self) -> tuple[CompiledDecode | None, str]:
-        """On the CPU, decode steps compiled into graphs where that measures faster than eager
-        (engine/compiled_decode.py); with how decode steps run, for stats()."""
+    def _decode_compiles(self) -> bool:
+        """Whether decode steps get compiled graphs: on the CPU, with one process and the torch attention
+        backend, unless enforce_eager or PAGODA_CPU_COMPILE=0 says no (a GPU has CUDA graphs instead)."""
+        return (self.device.type == "cpu" and not self.config.enforce_eager and not compile_disabled_by_env()
+                and self.tp.size == 1 and self.backend.name == "torch")
+
+    def _start_compiling_decode(self) -> None:
+        """Compile the decode steps in a background thread (engine/compiled_decode.py): steps run eagerly
+        until the graphs are ready, so a load is not held up by the compiler (about a minute on two cores
+        the first time, seconds once inductor's disk cache has them). `compiled_decode_ready` is set
+        when the graphs are in use, or once it is known they will not be."""
+        self.compiled_decode: CompiledDecode | None = None
+        self.compiled_decode_ready = threading.Event()
         if self.graphs is not None:
-            return None, "cuda-graphs"
-        if self.device.type != "cpu":
-            return None, "eager"
-        if self.config.enforce_eager or compile_disabled_by_env() or self.tp.size > 1 or self.backend.name != "torch":
-            return None, "eager"
+            self.decode_kind = "cuda-graphs"
+        elif self.scratch_block is None:
+            self.decode_kind = "eager"
+        else:
+            self.decode_kind = "eager (compiling)"
+            threading.Thread(target=self._compile_decode, name="pagoda-compile-decode", daemon=True).start()
+            return
+        self.compiled_decode_ready.set()
+
+    @torch.inference_mode()
+    def _compile_decode(self) -> None:
         try:
-            compiled = CompiledDecode(self.model, self.config.max_num_seqs)
+            compiled = CompiledDecode(self.model, self.config.max_num_seqs, self.block_size, self.scratch_block)
         except Exception as e:  # no C++ compiler, an op inductor cannot lower, a refused trace: still serve
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning("decode steps run eagerly: compiling them failed (%s). They work, only slower; "
                         "enforce_eager=True skips the attempt", reason)
-            return None, "eager (compile failed)"
-        return (compiled if compiled.graphs else None), compiled.describe()
+            self.decode_kind = "eager (compile failed)"
+        else:
+            if self.model is not None:  # not released meanwhile
+                self.compiled_decode = compiled if compiled.graphs else None
+            self.decode_kind = compiled.describe()
+        finally:
+            self.compiled_decode_ready.set()
+
+    def wait_for_compiled_decode(self, timeout: float | None = None) -> bool:
+        """Wait until decode steps run as they will from now on (compiled, or eager for good)."""
+        return self.compiled_decode_ready.wait(timeout)
 
     @property
     def matmul_kind(self) -> str:

@@ -3,6 +3,7 @@ eager steps, through block boundaries, batches of mixed lengths, preemption and 
 the rule for what a trace may assume; and the eager steps taking over whenever a graph cannot be
 trusted or is not faster."""
 import logging
+import threading
 import time
 
 import pytest
@@ -22,14 +23,26 @@ def compiling(monkeypatch):
     monkeypatch.setenv(cd.ENV_SWITCH, "1")  # the suite's conftest turns compiling off for every other test
 
 
+@pytest.fixture
+def compiled_llm(make_llm):
+    """`compiled_llm(path, **settings)`: make_llm's engine once its decode steps have compiled (or not)."""
+
+    def make(path, **settings):
+        llm = make_llm(path, **settings)
+        assert llm.model_runner.wait_for_compiled_decode(timeout=600)
+        return llm
+
+    return make
+
+
 def calls(llm) -> dict[str, int]:
     return {name: g.calls for name, g in llm.model_runner.compiled_decode.graphs.items()}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_match_transformers_alone_and_batched(compiling, family, tiny_models, make_llm, hf_model,
+def test_greedy_tokens_match_transformers_alone_and_batched(compiling, family, tiny_models, compiled_llm, hf_model,
                                                              random_prompt):
-    llm = make_llm(tiny_models[family], max_num_seqs=4)
+    llm = compiled_llm(tiny_models[family], max_num_seqs=4)
     assert llm.stats().decode == "compiled (1 row, 2-4 rows)"
     # 40 new tokens cross two or three 16-token blocks; batched, the rows have different lengths.
     prompts = [random_prompt(n, seed) for n, seed in ((5, 1), (19, 2), (33, 3))]
@@ -46,13 +59,14 @@ def test_greedy_tokens_match_transformers_alone_and_batched(compiling, family, t
     assert after["rows"] - before["rows"] == 39
 
 
-def test_preemption_and_prefix_cache_under_compiled_steps(compiling, tiny_llama, make_llm, hf_model, random_prompt):
+def test_preemption_and_prefix_cache_under_compiled_steps(compiling, tiny_llama, compiled_llm, hf_model,
+                                                           random_prompt):
     """KV written by compiled steps is what preempted requests recompute over and what later requests
     share: the same tokens as transformers, with preemptions and prefix hits both happening."""
     system = random_prompt(32, 7)  # two full blocks every request shares
     prompts = [system + random_prompt(6 + i, 10 + i) for i in range(4)]
     expected = [hf_greedy(hf_model(tiny_llama), p, GREEDY.max_tokens) for p in prompts]
-    llm = make_llm(tiny_llama, max_num_seqs=4, num_kvcache_blocks=12)  # 4 requests of 5 blocks: too few
+    llm = compiled_llm(tiny_llama, max_num_seqs=4, num_kvcache_blocks=12)  # 4 requests of 5 blocks: too few
     got = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     stats = llm.stats()
     assert got == expected
@@ -61,12 +75,13 @@ def test_preemption_and_prefix_cache_under_compiled_steps(compiling, tiny_llama,
     assert calls(llm)["rows"] > 0
 
 
-def test_quantized_model_matches_its_eager_steps(compiling, monkeypatch, tiny_qwen2, make_llm, random_prompt):
+def test_quantized_model_matches_its_eager_steps(compiling, monkeypatch, tiny_qwen2, make_llm, compiled_llm,
+                                                 random_prompt):
     """int4 weights (PyTorch's int4 kernel inside the graph): tokens equal to the eager engine's, and
     the sampled tokens' logprobs within bf16 rounding of them."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     prompts = [random_prompt(9, 4), random_prompt(21, 5)]
-    compiled = make_llm(tiny_qwen2, quantization="int4", max_num_seqs=2)
+    compiled = compiled_llm(tiny_qwen2, quantization="int4", max_num_seqs=2)
     assert compiled.stats().decode == "compiled (1 row, 2-2 rows)"
     got = compiled.generate(prompts, params, use_tqdm=False)
     monkeypatch.setenv(cd.ENV_SWITCH, "0")
@@ -88,29 +103,29 @@ def test_eager_when_told(tiny_llama, make_llm, monkeypatch):
     assert llm.model_runner.compiled_decode is None
 
 
-def test_a_failed_compile_leaves_eager_steps_serving(compiling, monkeypatch, tiny_llama, make_llm, hf_model,
+def test_a_failed_compile_leaves_eager_steps_serving(compiling, monkeypatch, tiny_llama, compiled_llm, hf_model,
                                                      random_prompt, caplog):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Compiler: cc is not found")
 
     monkeypatch.setattr(cd, "capture", no_compiler)
     with caplog.at_level(logging.WARNING, logger="engine"):
-        llm = make_llm(tiny_llama)
+        llm = compiled_llm(tiny_llama)
     assert llm.stats().decode == "eager (compile failed)"
     assert "compiling them failed (Compiler: cc is not found)" in caplog.text
     prompt = random_prompt(11, 8)
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(hf_model(tiny_llama), prompt, 40)
 
 
-def test_a_graph_that_disagrees_with_eager_is_not_used(compiling, monkeypatch, tiny_llama, make_llm):
+def test_a_graph_that_disagrees_with_eager_is_not_used(compiling, monkeypatch, tiny_llama, compiled_llm):
     real = cd.eager_forward
     monkeypatch.setattr(cd, "eager_forward", lambda *args: real(*args) + 1.0)
-    llm = make_llm(tiny_llama, max_num_seqs=2)
+    llm = compiled_llm(tiny_llama, max_num_seqs=2)
     assert llm.stats().decode == "eager"
     assert llm.model_runner.compiled_decode is None
 
 
-def test_a_graph_slower_than_eager_is_not_kept(compiling, monkeypatch, tiny_llama, make_llm):
+def test_a_graph_slower_than_eager_is_not_kept(compiling, monkeypatch, tiny_llama, compiled_llm):
     real = cd.DecodeGraph.__call__
 
     def slow(self, args):
@@ -118,7 +133,7 @@ def test_a_graph_slower_than_eager_is_not_kept(compiling, monkeypatch, tiny_llam
         return real(self, args)
 
     monkeypatch.setattr(cd.DecodeGraph, "__call__", slow)
-    assert make_llm(tiny_llama, max_num_seqs=2).stats().decode == "eager"
+    assert compiled_llm(tiny_llama, max_num_seqs=2).stats().decode == "eager"
 
 
 def test_what_a_trace_may_assume_about_its_sizes():
@@ -136,13 +151,51 @@ def test_what_a_trace_may_assume_about_its_sizes():
 
 
 @torch.inference_mode()
-def test_a_captured_graph_is_called_with_each_steps_tensors_and_sizes(compiling, tiny_llama, make_llm):
+def test_a_captured_graph_is_called_with_each_steps_tensors_and_sizes(tiny_llama, make_llm):
     """The calling plan: weights and KV tensors fixed, the step tensors and both sizes filled in per
     call, so a step of other sizes than the traced ones gives the eager step's logits."""
-    llm = make_llm(tiny_llama, max_num_seqs=8)
-    model = llm.model_runner.model
-    graph = cd.capture(model, cd.example_args(cd._TRACE_ROWS, cd._TRACE_BLOCKS), dynamic_rows=True, max_rows=8)
+    llm = make_llm(tiny_llama, max_num_seqs=8)  # eager (the conftest's switch): this test captures its own
+    model, block_size = llm.model_runner.model, llm.model_runner.block_size
+    graph = cd.capture(model, cd.example_args(cd._TRACE_ROWS, cd._TRACE_BLOCKS, block_size, 0), dynamic_rows=True,
+                       max_rows=8)
     assert {name for _, name in graph.size_slots} == {"rows", "blocks"}
     assert sorted(index for _, index in graph.step_slots) == list(range(6))
-    args = cd.example_args(5, 4)
+    args = cd.example_args(5, 4, block_size, 1)
     torch.testing.assert_close(graph(args), cd.eager_forward(model, *args), rtol=1e-4, atol=1e-4)
+
+
+def test_requests_run_eagerly_and_correctly_while_the_steps_compile(compiling, monkeypatch, tiny_qwen2, make_llm,
+                                                                     hf_model, random_prompt):
+    """The load returns before the compiler is done; the engine's own steps run beside the trace (both
+    through the same layers), and the graphs take over once ready, with the scratch block untouched
+    by any request."""
+    tracing = threading.Event()
+    real_capture = cd.capture
+
+    def capture(*args, **kwargs):
+        tracing.set()
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(cd, "capture", capture)
+    llm = make_llm(tiny_qwen2, max_num_seqs=4)
+    runner = llm.model_runner
+    assert tracing.wait(60)
+    prompts = [random_prompt(13 + i, 20 + i) for i in range(3)]
+    expected = [hf_greedy(hf_model(tiny_qwen2), p, GREEDY.max_tokens) for p in prompts]
+    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    got = {i: [] for i in ids}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            got[out.request_id] += out.token_ids
+    assert [got[i] for i in ids] == expected
+    assert runner.wait_for_compiled_decode(timeout=600)
+    assert llm.stats().decode == "compiled (1 row, 2-4 rows)"
+    assert runner.scratch_block == runner.num_blocks == llm.stats().num_blocks  # the cache holds one block more
+    assert runner.attention_layers[0].k_cache.shape[0] == runner.num_blocks + 1
+    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    got = {i: [] for i in ids}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            got[out.request_id] += out.token_ids
+    assert [got[i] for i in ids] == expected
+    assert calls(llm)["rows"] > 7  # beyond the load's measurement

@@ -69,9 +69,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_position, self.params = head_dim, max_position, params
         self.init_caches()
-        # One instance serves every layer: look up a step's cos/sin once, not once per layer.
-        self._positions: torch.Tensor | None = None
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        # One instance serves every layer: look up a step's cos/sin once, not once per layer. One
+        # tuple, read and replaced whole: a second thread's forward (the compiled decode steps' trace
+        # and measurement, engine/compiled_decode.py) may run beside the engine's.
+        self._step: tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None] = (None, None)
 
     def init_caches(self, device: torch.device | None = None) -> None:
         """(Re)compute the cos/sin tables, on `device` if given: a model built on the meta device and
@@ -93,9 +94,10 @@ class RotaryEmbedding(nn.Module):
             # compiler computes the lookup once for all layers anyway.
             cos_sin = self._lookup(positions, qk.dtype)
         else:
-            if positions is not self._positions:
-                self._positions, self._cos_sin = positions, self._lookup(positions, qk.dtype)
-            cos_sin = self._cos_sin
+            step = self._step
+            if step[0] is not positions:
+                step = self._step = (positions, self._lookup(positions, qk.dtype))
+            cos_sin = step[1]
         if q_norm is None:
             return self.fn(qk, *cos_sin)
         return self.norm_fn(qk, q_norm.weight, k_norm.weight, num_q_heads, q_norm.eps, k_norm.eps, *cos_sin)
