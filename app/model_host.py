@@ -130,6 +130,7 @@ class ModelHost:
                 self.state.message = f"Loading {label or model}… ({unloaded} was unloaded to free the GPU.)"
             old.close()  # its replies still streaming end as stopped; its memory goes back
         try:
+            # Built in this thread, which ends once the load does: see EngineThread's note on OpenMP's pools.
             engine = EngineThread(LLM(model, **settings))
         except Exception as e:  # any failure: say it, keep the previous backend
             log.exception("loading %s failed", model)

@@ -4,6 +4,14 @@ Callers on any thread `submit()` a request and iterate its stream of increments 
 it on an event loop, which then never blocks on the engine). Abandoning the iteration (closing
 the generator, a dropped browser connection) aborts the request in the engine, which frees its
 KV blocks. All requests share one step loop, so concurrent callers are batched together.
+
+On a CPU, build the engine with `EngineThread.load` (or in another thread that then ends), not
+in a thread that lives on beside the engine's, such as a server's main thread. OpenMP (GNU
+libgomp, which PyTorch ships) keeps a pool of workers for every thread that has run parallel work;
+once the pools hold more threads than there are cores, the workers sleep between parallel regions
+instead of spinning, and each of a decode step's hundreds of small ones waits for them to wake.
+Measured on 2 cores, bundled SmolLM2: 29 tok/s with the engine built in the main thread, 57 with
+it built in a thread that ended (bench/RESULTS.md).
 """
 import asyncio
 import logging
@@ -39,6 +47,27 @@ class EngineThread:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+
+    @classmethod
+    def load(cls, model: str, name: str = "pagoda-engine", **settings) -> "EngineThread":
+        """`EngineThread(LLM(model, **settings))`, with the LLM built in a thread that ends once it is
+        (see the module's note on OpenMP's pools). Load errors are raised here, as LLM raises them."""
+        from engine.llm_engine import LLM
+
+        built: dict = {}
+
+        def build() -> None:
+            try:
+                built["llm"] = LLM(model, **settings)
+            except BaseException as e:  # handed to the caller's thread, raised there
+                built["error"] = e
+
+        loader = threading.Thread(target=build, name=f"{name}-load")
+        loader.start()
+        loader.join()
+        if "error" in built:
+            raise built["error"]
+        return cls(built["llm"], name)
 
     # ---- caller side ----------------------------------------------------------------------------
     @property

@@ -99,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     api_key = resolve_api_key(args.api_key, exposed=args.host not in LOCAL_HOSTS)
     import uvicorn
 
-    from engine import LLM, EngineThread
+    from engine import EngineThread
     from entrypoints.openai.server import create_app
 
     model, name = default_model(args.model)
-    engine = EngineThread(LLM(model, **args.engine_settings))
+    engine = EngineThread.load(model, **args.engine_settings)
     name = args.served_model_name or name
     policy = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.cors_origins)
     app = create_app(engine, name, api_key, policy)

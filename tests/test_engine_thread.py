@@ -88,7 +88,7 @@ def test_shutdown_releases_the_engines_memory(tiny_llama):
 
     llm = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, max_num_seqs=8)
     runner = llm.model_runner
-    held = [weakref.ref(runner.kv_cache), weakref.ref(runner.model), weakref.ref(next(runner.model.parameters()))]
+    held = [*map(weakref.ref, runner.kv_cache), weakref.ref(runner.model), weakref.ref(next(runner.model.parameters()))]
     thread = EngineThread(llm)
     stream = thread.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(list(stream)) > 0
@@ -96,7 +96,7 @@ def test_shutdown_releases_the_engines_memory(tiny_llama):
     with pytest.raises(RuntimeError, match="the engine thread has stopped"):
         thread.submit(PROMPTS[0])
     gc.collect()
-    assert [ref() for ref in held] == [None, None, None]
+    assert [ref() for ref in held] == [None] * len(held)
     assert llm.stats().num_blocks == 64  # still answers, for a dashboard that looks once more
     with pytest.raises(RuntimeError, match="closed; create a new LLM"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -194,3 +194,27 @@ def test_a_step_that_raises_ends_every_open_stream_and_refuses_new_requests(fron
     with pytest.raises(EngineFailed, match=r"the engine failed \(RuntimeError: CUDA error.*load the model again"):
         front.submit(PROMPTS[3], params)
     front.stats()  # the dashboard may still look
+
+
+def test_load_builds_the_engine_in_a_thread_that_ends_and_raises_its_errors(tiny_llama, tmp_path, monkeypatch):
+    """EngineThread.load keeps the model's parallel work off the caller's thread, which lives on (a
+    server's main thread; see the module's note on OpenMP), and still raises a load's error there."""
+    import engine.llm_engine
+
+    builders = []
+
+    class Recording(engine.llm_engine.LLM):
+        def __init__(self, *args, **kwargs):
+            builders.append(threading.current_thread())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine.llm_engine, "LLM", Recording)
+    thread = EngineThread.load(str(tiny_llama), dtype="float32", num_kvcache_blocks=64)
+    try:
+        assert len(builders) == 1 and builders[0] is not threading.current_thread() and not builders[0].is_alive()
+        out = list(thread.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+        assert sum(len(o.token_ids) for o in out) == 4
+    finally:
+        thread.shutdown()
+    with pytest.raises(TypeError, match="unknown engine setting"):
+        EngineThread.load(str(tiny_llama), no_such_setting=1)
