@@ -154,6 +154,8 @@ class LocalBackend:
             import torch
 
             return torch.cuda.get_device_name(self.engine.device)
+        if self.engine.stats().decode == "eager (compiling)":  # a minute after a first load, on a laptop's CPU
+            return "CPU (compiling faster decode steps…)"
         return "CPU"
 
     def close(self) -> None:

@@ -145,8 +145,8 @@ def test_downloading_a_catalog_gguf_asks_for_its_one_file(page, monkeypatch):
                        ("someone/repo-GGUF", "sub/file-Q5_K_M.gguf")]
 
 
-def fake_engine(quantization: str) -> SimpleNamespace:
-    return SimpleNamespace(stats=lambda: SimpleNamespace(quantization=quantization), device="cpu")
+def fake_engine(quantization: str, decode: str = "compiled (1 row)") -> SimpleNamespace:
+    return SimpleNamespace(stats=lambda: SimpleNamespace(quantization=quantization, decode=decode), device="cpu")
 
 
 def test_the_header_names_the_quantization(tmp_path):
@@ -157,6 +157,12 @@ def test_the_header_names_the_quantization(tmp_path):
     assert ui.header() == "**Pagoda** · Qwen/Qwen3-8B · int4 (groups of 64) · CPU"
     ui.host.backend = LocalBackend(fake_engine("none"), "Qwen/Qwen3-0.6B")
     assert ui.header() == "**Pagoda** · Qwen/Qwen3-0.6B · CPU"
+
+
+def test_the_header_says_while_the_decode_steps_compile(tmp_path):
+    ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), ModelHost())
+    ui.host.backend = LocalBackend(fake_engine("none", decode="eager (compiling)"), "SmolLM2")
+    assert ui.header() == "**Pagoda** · SmolLM2 · CPU (compiling faster decode steps…)"
 
 
 def test_a_model_loaded_with_int8_says_so_in_the_status_and_header(tmp_path, tiny_llama):
