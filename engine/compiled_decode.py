@@ -13,11 +13,12 @@ tensors took 1.2 ms a step (12% at 100 tok/s). Nothing it checks changes after l
 KV tensors and kernel modules are fixed, the step tensors keep their dtypes and layouts, and the
 sizes that vary are the traced symbols. `capture` refuses a trace that assumed anything about them.
 
-Each graph is measured against the eager forward on the same inputs. It must agree with it and is
-kept only where faster (`describe` says what was chosen, for stats()). The ModelRunner builds this in
-a background thread after load, while steps run eagerly: the first load of a model compiles for about
-a minute on two cores, later loads for seconds (inductor keeps what it built in the user's cache
-folder). The traces and timings write only a scratch KV block that no request is given.
+The ModelRunner builds this in a background thread after load, while steps run eagerly: the first
+load of a model compiles for about a minute on two cores, later loads for seconds (inductor keeps
+what it built in the user's cache folder). Then, in the thread that steps the engine, `choose`
+measures each graph against the eager forward on the same inputs; a graph must agree with it and is
+kept only where faster (`describe` says what was chosen, for stats()). The traces and timings write
+only a scratch KV block that no request is given.
 """
 import logging
 import os
@@ -119,7 +120,8 @@ def capture(model: nn.Module, args: tuple[torch.Tensor, ...], dynamic_rows: bool
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list):
         shape_env = torch._guards.TracingContext.get().fake_mode.shape_env
-        compiled = compile_fx(gm, example_inputs)
+        # A C++ wrapper calls the graph's kernels without Python between them: 4% of a SmolLM2 step.
+        compiled = compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True})
         captured.append((gm, list(example_inputs), compiled, [g.expr for g in shape_env.guards],
                          dict(shape_env.backed_var_to_val)))
         return compiled
@@ -179,24 +181,33 @@ def _seconds_per_call(fn: Callable[[], torch.Tensor], calls: int = 5) -> float:
 
 
 class CompiledDecode:
-    """The compiled graphs of one model's decode steps, those that measured faster than eager."""
+    """The compiled graphs of one model's decode steps: traced and compiled on construction (in a
+    background thread), then `choose` keeps those that measure faster than eager."""
 
     def __init__(self, model: nn.Module, max_num_seqs: int, block_size: int, scratch_block: int):
-        """Traces and times the steps in `scratch_block`, a KV block outside the block manager's, so
-        the engine may run requests meanwhile (from another thread)."""
-        self.max_num_seqs = max_num_seqs
-        self.graphs: dict[str, DecodeGraph] = {}  # "one row", "rows"
+        """Traces the steps in `scratch_block`, a KV block outside the block manager's, so the engine
+        may run requests meanwhile (from another thread)."""
+        self.model, self.max_num_seqs = model, max_num_seqs
+        self.graphs: dict[str, DecodeGraph] = {}  # "one row", "rows": the ones `choose` kept
+        self.candidates: dict[str, tuple[DecodeGraph, tuple[torch.Tensor, ...]]] = {}
         self.notes: list[str] = []
         start = time.perf_counter()
         self._set_cache_dir()
         shapes = [("one row", 1, False)] + ([("rows", _TRACE_ROWS, True)] if max_num_seqs > 1 else [])
         for name, rows, dynamic in shapes:
             args = example_args(rows, _TRACE_BLOCKS, block_size, scratch_block)
-            graph = self._measure(name, model, capture(model, args, dynamic, max_num_seqs), args)
-            if graph is not None:
+            self.candidates[name] = (capture(model, args, dynamic, max_num_seqs), args)
+        self.notes.append(f"compiled in {time.perf_counter() - start:.1f} s")
+
+    def choose(self) -> None:
+        """Keep each graph that agrees with the eager step and runs it faster. Call it in the thread
+        that steps the engine, once the compiling thread has ended: the timings then see OpenMP's
+        workers as the steps will (engine/engine_thread.py's note on them)."""
+        for name, (graph, args) in self.candidates.items():
+            if self._measure(name, self.model, graph, args) is not None:
                 self.graphs[name] = graph
-        log.info("decode steps: %s (compiled and measured in %.1f s: %s)", self.describe(),
-                 time.perf_counter() - start, "; ".join(self.notes))
+        self.candidates = {}
+        log.info("decode steps: %s (%s)", self.describe(), "; ".join(self.notes))
 
     def _measure(self, name: str, model: nn.Module, graph: DecodeGraph,
                  args: tuple[torch.Tensor, ...]) -> DecodeGraph | None:
@@ -204,9 +215,15 @@ class CompiledDecode:
         def eager() -> torch.Tensor:
             return eager_forward(model, *args)
 
-        reference, got = eager().float(), graph(args).float()
+        reference, got = eager(), graph(args).float()
+        # Half-precision eager steps round every op's output and the graph rounds only what it stores:
+        # on SmolLM2 in bf16 the eager logits were 7.5 off float32's (of 28), the graph's 0.8. So the
+        # bound is loose there, and the most likely token must agree as well.
+        share = 0.35 if reference.dtype in (torch.bfloat16, torch.float16) else 0.02
+        reference = reference.float()
         error = (got - reference).abs().max().item()
-        if error > 0.02 * reference.abs().max().item() + 1e-3:  # bf16 rounding of the same sums is far below
+        if error > share * reference.abs().max().item() + 1e-3 or not torch.equal(got.argmax(-1),
+                                                                                 reference.argmax(-1)):
             self.notes.append(f"{name}: disagrees with eager by {error:.3g}")
             log.warning("the compiled decode graph (%s) disagrees with the eager step by %.3g; not used", name, error)
             return None

@@ -224,41 +224,59 @@ class ModelRunner:
                 and self.tp.size == 1 and self.backend.name == "torch")
 
     def _start_compiling_decode(self) -> None:
-        """Compile the decode steps in a background thread (engine/compiled_decode.py): steps run eagerly
-        until the graphs are ready, so a load is not held up by the compiler (about a minute on two cores
-        the first time, seconds once inductor's disk cache has them). `compiled_decode_ready` is set
-        when the graphs are in use, or once it is known they will not be."""
+        """Trace and compile the decode steps in a background thread (engine/compiled_decode.py): steps
+        run eagerly meanwhile, so a load is not held up by the compiler (about a minute on two cores
+        the first time, seconds once inductor's disk cache has them). The thread that steps the engine
+        then measures the graphs, at its next `launch` (or in `wait_for_compiled_decode`), and keeps
+        those that pay. `compiled_decode_ready` is set once that is decided."""
         self.compiled_decode: CompiledDecode | None = None
         self.compiled_decode_ready = threading.Event()
+        self._captured: CompiledDecode | None = None  # compiled, not yet measured
+        self._compiler: threading.Thread | None = None
+        self._adopt_lock = threading.Lock()
         if self.graphs is not None:
             self.decode_kind = "cuda-graphs"
         elif self.scratch_block is None:
             self.decode_kind = "eager"
         else:
             self.decode_kind = "eager (compiling)"
-            threading.Thread(target=self._compile_decode, name="pagoda-compile-decode", daemon=True).start()
+            self._compiler = threading.Thread(target=self._compile_decode, name="pagoda-compile-decode", daemon=True)
+            self._compiler.start()
             return
         self.compiled_decode_ready.set()
 
     @torch.inference_mode()
     def _compile_decode(self) -> None:
         try:
-            compiled = CompiledDecode(self.model, self.config.max_num_seqs, self.block_size, self.scratch_block)
+            self._captured = CompiledDecode(self.model, self.config.max_num_seqs, self.block_size, self.scratch_block)
         except Exception as e:  # no C++ compiler, an op inductor cannot lower, a refused trace: still serve
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning("decode steps run eagerly: compiling them failed (%s). They work, only slower; "
                         "enforce_eager=True skips the attempt", reason)
             self.decode_kind = "eager (compile failed)"
-        else:
-            if self.model is not None:  # not released meanwhile
-                self.compiled_decode = compiled if compiled.graphs else None
-            self.decode_kind = compiled.describe()
-        finally:
+            self.compiled_decode_ready.set()
+
+    @torch.inference_mode()
+    def _adopt_compiled_decode(self) -> None:
+        """Measure the compiled graphs in this thread and serve with those that pay."""
+        with self._adopt_lock:
+            captured, self._captured = self._captured, None
+            if captured is None or self.model is None:  # adopted already, or released meanwhile
+                return
+            self._compiler.join()  # it has finished compiling; once it has ended its OpenMP workers are gone
+            captured.choose()
+            self.compiled_decode = captured if captured.graphs else None
+            self.decode_kind = captured.describe()
             self.compiled_decode_ready.set()
 
     def wait_for_compiled_decode(self, timeout: float | None = None) -> bool:
-        """Wait until decode steps run as they will from now on (compiled, or eager for good)."""
-        return self.compiled_decode_ready.wait(timeout)
+        """Wait for the decode steps to compile, then measure them here (call it from the thread that
+        steps the engine). Returns whether decode steps now run as they will from now on."""
+        if self._compiler is not None:
+            self._compiler.join(timeout)
+        if self._captured is not None:
+            self._adopt_compiled_decode()
+        return self.compiled_decode_ready.is_set()
 
     @property
     def matmul_kind(self) -> str:
@@ -442,6 +460,8 @@ class ModelRunner:
         host. On a GPU this returns while the device works; `collect` waits for the tokens."""
         if self.model is None:
             raise RuntimeError("this engine is closed; create a new LLM")
+        if self._captured is not None:  # the graphs have compiled: measure them, once, between two steps
+            self._adopt_compiled_decode()
         plan = logprobs_plan(batch)
         step = self.prepare(batch, plan)
         if self.workers is None:

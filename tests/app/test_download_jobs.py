@@ -239,6 +239,10 @@ def test_deleting_a_repo_mid_download_stops_its_job_and_leaves_no_partial_file(m
     def delete_once_weights_flow(job):
         if not seen and job.bytes_done > 300 * 1024:
             before = cache_files(manager, REPO)
+            # A partial blob that this download did not start (a crashed process's, or an older
+            # huggingface_hub's that cancelling leaves behind): the delete must remove it too.
+            stale = manager.storage_folder(REPO) / "blobs" / "0123abcd.incomplete"
+            stale.write_bytes(b"\0" * 1024)
             assert manager.delete(REPO) > 0  # the Models tab's Delete while the download runs
             # Once delete() returns, the job's thread is over: nothing writes into the cache any more.
             seen.append((before, manager._jobs[job_id].thread.is_alive(), manager.job(job_id).active))
