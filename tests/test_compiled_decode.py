@@ -164,6 +164,16 @@ def test_a_captured_graph_is_called_with_each_steps_tensors_and_sizes(tiny_llama
     torch.testing.assert_close(graph(args), cd.eager_forward(model, *args), rtol=1e-4, atol=1e-4)
 
 
+def stepped(llm, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of `prompts`, through add_request and step as the online front drives the engine."""
+    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    got = {i: [] for i in ids}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            got[out.request_id] += out.token_ids
+    return [got[i] for i in ids]
+
+
 def test_requests_run_eagerly_and_correctly_while_the_steps_compile(compiling, monkeypatch, tiny_qwen2, make_llm,
                                                                      hf_model, random_prompt):
     """The load returns before the compiler is done; the engine's own steps run beside the trace (both
@@ -182,20 +192,10 @@ def test_requests_run_eagerly_and_correctly_while_the_steps_compile(compiling, m
     assert tracing.wait(60)
     prompts = [random_prompt(13 + i, 20 + i) for i in range(3)]
     expected = [hf_greedy(hf_model(tiny_qwen2), p, GREEDY.max_tokens) for p in prompts]
-    ids = [llm.add_request(p, GREEDY) for p in prompts]
-    got = {i: [] for i in ids}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            got[out.request_id] += out.token_ids
-    assert [got[i] for i in ids] == expected
+    assert stepped(llm, prompts) == expected
     assert runner.wait_for_compiled_decode(timeout=600)
     assert llm.stats().decode == "compiled (1 row, 2-4 rows)"
     assert runner.scratch_block == runner.num_blocks == llm.stats().num_blocks  # the cache holds one block more
     assert runner.attention_layers[0].k_cache.shape[0] == runner.num_blocks + 1
-    ids = [llm.add_request(p, GREEDY) for p in prompts]
-    got = {i: [] for i in ids}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            got[out.request_id] += out.token_ids
-    assert [got[i] for i in ids] == expected
+    assert stepped(llm, prompts) == expected
     assert calls(llm)["rows"] > 7  # beyond the load's measurement
