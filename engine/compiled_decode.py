@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.tracing import decode_step_trace
 
 log = logging.getLogger("engine")
 
@@ -132,7 +133,8 @@ def capture(model: nn.Module, args: tuple[torch.Tensor, ...], dynamic_rows: bool
             torch._dynamo.mark_dynamic(t, 0)
     with _CAPTURE_LOCK:
         try:
-            torch.compile(_forward, backend=backend, fullgraph=True, dynamic=False)(model, *args)
+            with decode_step_trace():
+                torch.compile(_forward, backend=backend, fullgraph=True, dynamic=False)(model, *args)
         finally:
             # The graphs are called directly from here on; torch.compile's cache entry for this code
             # (guarded on this model) would only count towards its limit of entries per function.

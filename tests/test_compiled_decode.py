@@ -12,6 +12,7 @@ import torch
 
 from engine import SamplingParams
 from engine import compiled_decode as cd
+from engine.tracing import tracing_decode_step
 from tests.test_parity import hf_greedy
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -199,3 +200,30 @@ def test_requests_run_eagerly_and_correctly_while_the_steps_compile(compiling, m
     assert runner.attention_layers[0].k_cache.shape[0] == runner.num_blocks + 1
     assert stepped(llm, prompts) == expected
     assert calls(llm)["rows"] > 7  # beyond the load's measurement
+
+
+def test_eager_steps_ignore_another_threads_trace(monkeypatch, tiny_llama, make_llm, hf_model, random_prompt):
+    """While the background thread traces, torch.compiler.is_compiling() is True for the whole process;
+    the engine's eager steps must still take the eager branches (a prefill through the decode-only
+    attention raised). Only the tracing thread's own flag switches the layers."""
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # as while another thread traces
+    assert torch.compiler.is_compiling()
+    llm = make_llm(tiny_llama)  # eager (the conftest's switch)
+    prompts = [random_prompt(19, 30), random_prompt(7, 31)]
+    expected = [hf_greedy(hf_model(tiny_llama), p, GREEDY.max_tokens) for p in prompts]
+    assert stepped(llm, prompts) == expected
+    held, release, seen = threading.Event(), threading.Event(), []
+
+    def trace_in_another_thread():
+        with cd.decode_step_trace():
+            seen.append(tracing_decode_step())
+            held.set()
+            release.wait(60)
+
+    other = threading.Thread(target=trace_in_another_thread)
+    other.start()
+    assert held.wait(60)
+    seen.append(tracing_decode_step())
+    release.set()
+    other.join()
+    assert seen == [True, False]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.tracing import tracing_decode_step
 
 DECODE_GROUP_ROWS = 8  # decode rows per length group (fewer calls vs. less padding)
 MAX_DECODE_GROUPS = 4
@@ -30,7 +31,7 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = padded token
 ) -> None:
-    if torch.compiler.is_compiling():  # compiled decode steps have no padded tokens, and no host state
+    if tracing_decode_step():  # compiled decode steps have no padded tokens, and no host state
         tokens, slots = None, slot_mapping
     else:
         tokens, slots = _valid_slots(slot_mapping)
@@ -134,7 +135,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    if torch.compiler.is_compiling():
+    if tracing_decode_step():
         return compiled_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     decodes, prefills = _plan(meta, k_cache.shape[1])
     if len(decodes) == 1 and decodes[0].token_idx is None and not prefills:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TPGroup
+from engine.tracing import tracing_decode_step
 
 log = logging.getLogger("engine")
 
@@ -35,7 +36,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """x W^T (+ b) with W in oneDNN's packed layout (`torch.ops.mkldnn._reorder_linear_weight`).
     A compiled graph calls it as an opaque op: inductor lowers oneDNN's own op only for weights it
     has frozen into constants, which the compiled decode steps' weights are not (they stay inputs)."""
-    if torch.compiler.is_compiling():
+    if tracing_decode_step():
         return _onednn_linear_op(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engine.layers.layernorm import RMSNorm, rms_norm
+from engine.tracing import tracing_decode_step
 
 
 def rope_parameters(hf_config) -> dict:
@@ -89,7 +90,7 @@ class RotaryEmbedding(nn.Module):
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         """qk: [tokens, q heads + k heads, head_dim], q's heads first. With `q_norm` and `k_norm`
         (Qwen3), each head is normalised first."""
-        if torch.compiler.is_compiling():
+        if tracing_decode_step():
             # No attribute writes in a compiled graph (it is called without replaying them); the
             # compiler computes the lookup once for all layers anyway.
             cos_sin = self._lookup(positions, qk.dtype)

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.layers.linear import onednn_linear
 from engine.quantization.layout import QuantizedWeight
+from engine.tracing import tracing_decode_step
 
 log = logging.getLogger("engine")
 
@@ -93,7 +94,7 @@ class QuantizedMatmul(nn.Module):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Not inside a compiled decode step: its batch size is symbolic there, and the compiled graph
         # is called without re-checking the branch it took (decode batches keep the kernel).
-        if (self.dense_from_rows is not None and not torch.compiler.is_compiling()
+        if (self.dense_from_rows is not None and not tracing_decode_step()
                 and x.shape[0] >= self.dense_from_rows):
             return F.linear(x.to(torch.bfloat16), self.dequantized_bf16()).to(x.dtype)
         return super().__call__(x)
