@@ -11,6 +11,11 @@ torch.set_num_threads(1)
 # tests the compiled steps, and PAGODA_CPU_COMPILE=1 runs the whole suite compiled. App and server
 # processes the tests start inherit it.
 os.environ.setdefault("PAGODA_CPU_COMPILE", "0")
+# Without a GPU, Triton's kernels run under its interpreter. The switch is read when triton is first
+# imported, and importing torch._dynamo (the engine does, for engine/tracing.py) imports it: set by the
+# kernel tests' own modules, it came after test_compiled_decode.py's collection and every kernel failed.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 320
 
