@@ -1,7 +1,7 @@
 """Pagoda's engine as a headless OpenAI-compatible server, and the API-key rule the app shares.
 
     python -m engine.serve --model PATH_OR_REPO [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                           [--allowed-hosts NAMES] [--cors-origins ORIGINS]
+                           [--allowed-hosts NAMES] [--cors-origins ORIGINS] [--default-max-tokens N]
 
 Serves /v1/chat/completions, /v1/completions, /v1/models and /metrics. Listening beyond
 localhost needs an API key: give one, or one is generated and printed. Requests for another Host
@@ -55,6 +55,14 @@ def add_engine_settings(ap: argparse.ArgumentParser, defaults: dict | None = Non
     return names
 
 
+def add_default_max_tokens(ap: argparse.ArgumentParser) -> None:
+    from entrypoints.openai.server import DEFAULT_MAX_TOKENS
+
+    ap.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                    help="tokens an API request without max_tokens may generate, at most (default "
+                         f"{DEFAULT_MAX_TOKENS}; 0: the rest of the context)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m engine.serve",
                                  description="Pagoda's engine behind an OpenAI-compatible API.")
@@ -67,8 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="key every /v1 request must send as a Bearer token (env PAGODA_API_KEY); "
                          "required, and generated if absent, when --host is not local")
     add_access_options(ap)
+    add_default_max_tokens(ap)
     names = add_engine_settings(ap, SERVE_DEFAULTS)
     args = ap.parse_args(argv)
+    if args.default_max_tokens < 0:
+        ap.error("--default-max-tokens must be 0 (the rest of the context) or more")
     args.engine_settings = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return args
 
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = EngineThread.load(model, **args.engine_settings)
     name = args.served_model_name or name
     policy = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.cors_origins)
-    app = create_app(engine, name, api_key, policy)
+    app = create_app(engine, name, api_key, policy, args.default_max_tokens or None)
     print(f"Serving {name} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

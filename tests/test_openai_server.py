@@ -13,6 +13,7 @@ from tests.processes import ServeProcess, wait_until  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 KEY = "sk-pagoda-test"
+DEFAULT_MAX_TOKENS = 20  # the server's cap for requests that send no max_tokens
 MODEL = "smollm2"
 SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
           "sentence, you say so when you do not know, and you never make up facts about the user.")
@@ -22,6 +23,7 @@ SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own compu
 def server(bundled_model, tmp_path_factory):
     srv = ServeProcess(bundled_model, tmp_path_factory.mktemp("serve") / "server.log", "--served-model-name", MODEL,
                        "--api-key", KEY, "--max-num-seqs", "16", "--max-model-len", "2048",
+                       "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
                        # float32: its sums come out the same whether a prompt's system prompt was cached by an
                        # earlier test or not, so replies and logprobs can be compared with the reference's exactly
                        "--dtype", "float32").wait_ready()
@@ -302,3 +304,86 @@ def test_bad_logprobs_requests_are_refused(server, body):
     r = httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
                    json={"model": MODEL, "prompt": "hi", **body})
     assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+# ---- penalties, logit_bias, the default max_tokens, the request log -----------------------------------
+def test_penalties_and_logit_bias_give_the_engines_own_reply(client, bundled_model, reference_llm):
+    from engine import SamplingParams
+
+    messages = chat("List the days of the week.")
+    ids = chat_ids(bundled_model, messages)
+    plain = reference_llm.generate([ids], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    banned = plain["token_ids"][0]  # the greedy reply's first token, which the bias takes away
+    settings = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={banned: -100.0})
+    expected = reference_llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, **settings),
+                                      use_tqdm=False)[0]
+    assert expected["token_ids"][0] != banned and expected["text"] != plain["text"]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                           frequency_penalty=1.5, presence_penalty=0.5,
+                                           logit_bias={str(banned): -100})
+    assert reply.choices[0].message.content == expected["text"]
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("logit_bias", {"hello": 5}, "token ids"),
+    ("logit_bias", {"99999999": 5}, "outside the vocabulary"),
+    ("logit_bias", {"1": 101}, "from -100 to 100"),
+    ("presence_penalty", 2.5, "less than or equal to 2"),
+    ("frequency_penalty", -3, "greater than or equal to -2"),
+    ("reasoning_effort", "low", "reasoning_effort is not supported"),
+    ("priority", "high", "valid integer"),
+])
+def test_bad_sampling_fields_are_refused_by_name(server, field, value, words):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                   timeout=30)
+    assert r.status_code == 400
+    assert words in r.json()["error"]["message"]
+    assert field in r.json()["error"]["message"] or r.json()["error"]["param"] == field
+
+
+def test_a_request_without_max_tokens_gets_the_servers_default(client, bundled_model):
+    from transformers import AutoTokenizer
+
+    # Every end-of-turn token banned, so only the cap ends the reply.
+    tok = AutoTokenizer.from_pretrained(bundled_model)
+    stops = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")} | {tok.eos_token_id}
+    reply = client.chat.completions.create(model=MODEL, messages=chat("Tell me a long story."), temperature=0,
+                                           logit_bias={str(t): -100 for t in stops})
+    assert reply.usage.completion_tokens == DEFAULT_MAX_TOKENS and reply.choices[0].finish_reason == "length"
+
+
+def test_each_request_gets_a_log_line_with_its_tokens(client, server):
+    messages = chat("Name a colour.")
+    client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=3)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in reply][-1]
+    httpx.post(f"{server.base}/v1/chat/completions", json={"model": MODEL}, timeout=30)  # no key: refused
+
+    def logged(text: str) -> bool:
+        return text in server.log.read_text()
+
+    u = usage
+    streamed = (f"POST /v1/chat/completions 200 · prompt {u.prompt_tokens} tokens "
+                f"({u.prompt_tokens_details.cached_tokens} cached) · completion {u.completion_tokens} tokens · ")
+    assert wait_until(lambda: logged(streamed), timeout=10), server.log.read_text()[-2000:]
+    assert u.prompt_tokens_details.cached_tokens > 0  # the second time, its prompt came from the cache
+    assert wait_until(lambda: logged("POST /v1/chat/completions 401 · "), timeout=10)
+
+
+def test_the_default_max_tokens_fits_the_context_and_0_means_all_of_it(capsys):
+    from entrypoints.cli import parse_args
+    from entrypoints.openai.protocol import ChatCompletionBody
+    from entrypoints.openai.server import DEFAULT_MAX_TOKENS, sampling_params
+
+    body = ChatCompletionBody(messages=[{"role": "user", "content": "hi"}])
+    assert sampling_params(body, 90, None, 100, 2048).max_tokens == 10  # the room left, when less
+    assert sampling_params(body, 10, None, 5000, 2048).max_tokens == 2048
+    assert sampling_params(body, 10, None, 5000, None).max_tokens == 4990
+    assert sampling_params(body, 10, 7, 5000, 2048).max_tokens == 7  # the request's own wins
+    assert parse_args([]).default_max_tokens == DEFAULT_MAX_TOKENS
+    assert parse_args(["--default-max-tokens", "0"]).default_max_tokens == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--default-max-tokens", "-1"])
+    assert "--default-max-tokens must be 0" in capsys.readouterr().err

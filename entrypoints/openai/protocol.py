@@ -1,7 +1,7 @@
 """OpenAI's request bodies and error shape, as Pagoda accepts them.
 
-The fields are OpenAI's, plus vLLM's `top_k`, `min_p` and `repetition_penalty`. A field Pagoda
-cannot honour is refused with a 400 that names it, never silently ignored.
+The fields are OpenAI's, plus vLLM's `top_k`, `min_p`, `repetition_penalty` and `priority`. A field
+Pagoda cannot honour is refused with a 400 that names it, never silently ignored.
 """
 import json
 from typing import Literal
@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import MAX_LOGPROBS, MAX_PENALTY
 
 
 class APIError(Exception):
@@ -39,18 +39,32 @@ class RequestBody(BaseModel):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+    # vLLM's: lower is more urgent. A request waits while a more urgent one runs (0 is the default).
+    priority: int = 0
+    reasoning_effort: str | None = None
 
     def check_supported(self) -> None:
         """Fields Pagoda would otherwise ignore: refuse them rather than answer something else."""
         if self.n != 1:
             raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead",
                            param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported; use repetition_penalty (vLLM's name) instead",
-                               param=name)
+        if self.reasoning_effort is not None:
+            raise APIError(400, "reasoning_effort is not supported: Pagoda has no thinking switch for this model; "
+                                "leave it out", param="reasoning_effort")
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with int token ids."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise APIError(400, f"logit_bias keys are token ids (digits), got {key!r}", param="logit_bias")
+            biases[int(key)] = value
+        return biases
 
     @property
     def include_usage(self) -> bool:

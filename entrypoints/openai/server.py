@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from engine import EngineThread, RequestStream, SamplingParams
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
+from entrypoints.openai import request_log
 from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from entrypoints.openai.protocol import APIError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 
@@ -36,8 +37,17 @@ ModelSource = Callable[[], ServedModel | None]
 
 
 # ---- the routes ------------------------------------------------------------------------------------
-def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
-    """The /v1 routes. With an api_key, every one of them wants `Authorization: Bearer <key>`."""
+# What a request without max_tokens gets. Open WebUI sends its tags and follow-up tasks without one, and
+# a small model that never stops then ran for 7,465 tokens (15 minutes on a CPU). 2048 tokens is a
+# long answer (about 1,500 words) and bounds a runaway; a reply cut there ends with finish_reason
+# "length". None: the rest of the context, as vLLM does.
+DEFAULT_MAX_TOKENS = 2048
+
+
+def create_router(models: ModelSource, api_key: str | None = None,
+                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> APIRouter:
+    """The /v1 routes. With an api_key, every one of them wants `Authorization: Bearer <key>`.
+    `default_max_tokens`: for requests that send none (None: the rest of the context)."""
 
     async def check_key(request: Request) -> None:
         if api_key is None:
@@ -84,7 +94,7 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
                         for m in body.messages]
             token_ids = await anyio.to_thread.run_sync(encode_chat, model.engine, messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            return await complete(request, model, body, token_ids, max_tokens, chat=True)
+            return await complete(request, model, body, token_ids, max_tokens, default_max_tokens, chat=True)
         return await guarded(request, handler)
 
     @router.post("/completions")
@@ -107,7 +117,8 @@ def create_router(models: ModelSource, api_key: str | None = None) -> APIRouter:
                 text = prompt if isinstance(prompt, str) else await anyio.to_thread.run_sync(
                     model.engine.tokenizer.decode, token_ids)
                 echo = Echo(text, token_ids, only=body.echo_only)
-            return await complete(request, model, body, token_ids, body.max_tokens, chat=False, echo=echo)
+            return await complete(request, model, body, token_ids, body.max_tokens, default_max_tokens, chat=False,
+                                  echo=echo)
         return await guarded(request, handler)
 
     return router
@@ -122,7 +133,9 @@ def encode_chat(engine: EngineThread, messages: list[dict]) -> list[int]:
 
 
 def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int | None,
-                    max_model_len: int) -> SamplingParams:
+                    max_model_len: int, default_max_tokens: int | None = None) -> SamplingParams:
+    """The request's sampling settings. Without max_tokens: `default_max_tokens`, or as many as the
+    context has room for, whichever is fewer."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
@@ -142,10 +155,14 @@ def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int |
         prompt_logprobs = logprobs if body.echo else None
         if body.echo_only:  # one token is generated (the engine always samples one) and left out of the reply
             max_tokens = 1
+    if max_tokens is None:
+        max_tokens = min(room, default_max_tokens or room)
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                              repetition_penalty=body.repetition_penalty, max_tokens=max_tokens or room,
-                              stop=body.stop, seed=body.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                              frequency_penalty=body.frequency_penalty, logit_bias=body.token_biases(),
+                              max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
@@ -166,17 +183,19 @@ def token_texts(tokenizer) -> TokenTexts:
 
 
 async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int],
-                   max_tokens: int | None, chat: bool, echo: Echo | None = None) -> object:
+                   max_tokens: int | None, default_max_tokens: int | None, chat: bool,
+                   echo: Echo | None = None) -> object:
     engine = model.engine
-    params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len)
+    params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len, default_max_tokens)
     try:
-        stream = await anyio.to_thread.run_sync(engine.submit, token_ids, params)
+        stream = await anyio.to_thread.run_sync(engine.submit, token_ids, params, body.priority)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
     texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
     reply = Reply(model.name, chat, len(token_ids), params.logprobs, texts, echo)
+    request_log.record(request, reply)
     if body.stream:
         return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -335,12 +354,13 @@ def create_metrics_router(models: ModelSource) -> APIRouter:
 
 
 def create_app(engine: EngineThread, model_name: str, api_key: str | None,
-               policy: AccessPolicy | None = None) -> FastAPI:
+               policy: AccessPolicy | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> FastAPI:
     """A FastAPI app serving one EngineThread: the headless server. `policy`: the hosts and sites it answers
     (default: this machine's loopback names only)."""
     served = ServedModel(engine, model_name)
     app = FastAPI(title="Pagoda OpenAI-compatible API")
     app.add_middleware(HTTPGuard, policy=policy or AccessPolicy())
-    app.include_router(create_router(lambda: served, api_key))
+    app.add_middleware(request_log.RequestLog)  # outermost: requests the guard refuses are logged too
+    app.include_router(create_router(lambda: served, api_key, default_max_tokens))
     app.include_router(create_metrics_router(lambda: served))
     return app
