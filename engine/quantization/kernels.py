@@ -9,8 +9,9 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
 - Int4PackMatmul: `_weight_int4pack_mm_for_cpu`, 4-bit codes in groups of 32/64/128/256.
 - Int8PackMatmul: `_weight_int8pack_mm`, 8-bit codes with one scale per row (the int8 setting).
 - SplitInt4Matmul: 8-bit codes in groups of 32 (GGUF Q8_0, Q5_*): each code is 16*hi + lo with hi
-  and lo 4-bit, so the product is two 4-bit products, each exact.
-- HalvesSplitInt4Matmul: 6-bit codes in groups of 16 (GGUF Q6_K) as four exact 4-bit products.
+  and lo 4-bit, so the weight is the sum of two exact 4-bit weights, multiplied side by side in one
+  int4 call (SideBySideInt4Matmul).
+- HalvesSplitInt4Matmul: 6-bit codes in groups of 16 (GGUF Q6_K) as four exact 4-bit terms, likewise.
 - DequantMatmul: any layout; dequantizes a slab of rows at a time into the activations' dtype and
   multiplies it, so no whole weight is ever expanded. The fallback, and the reference's speed.
 - DenseMatmul: a full-precision weight (a GGUF F16 tensor, say), oneDNN-packed on the CPU.
@@ -215,35 +216,62 @@ class Int8PackMatmul(QuantizedMatmul):
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(self.dtype)
 
 
-class SplitInt4Matmul(QuantizedMatmul):
-    """8-bit codes in groups the int4 kernel takes, as two exact 4-bit products: a code c in
-    -128..127 is 16 * hi + lo - 128 with hi, lo in 0..15, so w = 16s * hi + s * lo + (offset - 128s)."""
+class SideBySideInt4Matmul(QuantizedMatmul):
+    """A weight that is a sum of 4-bit terms over the same columns, W = W_1 + ... + W_r, multiplied
+    as one int4 product: x W^T = [x | ... | x] [W_1 | ... | W_r]^T. One kernel call reads the bytes r
+    calls would, for less: at one row on 2 cores, 21 against 35 us at 576 x 576 (bench/RESULTS.md)."""
+
+    def __init__(self, qw: QuantizedWeight, terms: list[QuantizedWeight], dtype: torch.dtype):
+        super().__init__(qw)
+        self.dtype = dtype
+        # Each term's columns padded to whole groups, so that every group of the joined weight is one term's.
+        self.term_k = _round_up(terms[0].shape[1], terms[0].group_size)
+        self.count = len(terms)
+
+        def padded(t: QuantizedWeight) -> QuantizedWeight:
+            groups = self.term_k // t.group_size
+            pad = lambda m: F.pad(m, (0, groups - m.shape[1]))
+            return QuantizedWeight(4, F.pad(t.q, (0, self.term_k - t.shape[1])), pad(t.scale),
+                                   None if t.offset is None else pad(t.offset), t.group_size, t.source)
+
+        parts = [padded(t) for t in terms]
+        offsets = [p.offset if p.offset is not None else torch.zeros_like(p.scale) for p in parts]
+        joined = QuantizedWeight(4, torch.cat([p.q for p in parts], 1), torch.cat([p.scale for p in parts], 1),
+                                 torch.cat(offsets, 1), terms[0].group_size, qw.source)
+        self.joined = Int4PackMatmul(joined, dtype)
+
+    def dequantized_bf16(self) -> torch.Tensor | None:
+        w = self.joined.dequantized_bf16()
+        if w is None:
+            return None
+        return w.view(w.shape[0], self.count, self.term_k).sum(1)[:, : self.in_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _pad_columns(x.to(torch.bfloat16), self.term_k)  # zero activations make the pad columns count nothing
+        return self.joined(x.repeat(1, self.count)).to(self.dtype)
+
+
+class SplitInt4Matmul(SideBySideInt4Matmul):
+    """8-bit codes in groups the int4 kernel takes, as two exact 4-bit terms: a code c in -128..127 is
+    16 * hi + lo - 128 with hi, lo in 0..15, so w = 16s * hi + s * lo + (offset - 128s)."""
 
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         return device.type == "cpu" and qw.bits == 8 and qw.group_size in INT4PACK_GROUPS
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
-        super().__init__(qw)
         unsigned = (qw.q.to(torch.int16) + 128).to(torch.uint8)
         offset = -128 * qw.scale if qw.offset is None else qw.offset - 128 * qw.scale
         hi = QuantizedWeight(4, unsigned >> 4, 16 * qw.scale, offset, qw.group_size, qw.source)
         lo = QuantizedWeight(4, unsigned & 15, qw.scale, None, qw.group_size, qw.source)
-        self.high, self.low = Int4PackMatmul(hi, dtype), Int4PackMatmul(lo, dtype)
-
-    def dequantized_bf16(self) -> torch.Tensor | None:
-        high, low = self.high.dequantized_bf16(), self.low.dequantized_bf16()
-        return None if high is None or low is None else high + low
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.high(x) + self.low(x)
+        super().__init__(qw, [hi, lo], dtype)
 
 
-class HalvesSplitInt4Matmul(QuantizedMatmul):
-    """6-bit signed codes (-32..31) in groups of 16, GGUF Q6_K's layout, as four exact 4-bit products.
+class HalvesSplitInt4Matmul(SideBySideInt4Matmul):
+    """6-bit signed codes (-32..31) in groups of 16, GGUF Q6_K's layout, as four exact 4-bit terms.
 
     The int4 kernel takes groups of 32 and computes (q - 8) * scale + zero. Each group of 32 columns
-    runs twice, with the scale of its first 16 columns and then of its last 16, the other half masked
+    counts twice, with the scale of its first 16 columns and then of its last 16, the other half masked
     to zero (code 8, zero 0). A code c is 8 * hi + lo - 32 with hi, lo in 0..7: lo stored as it is
     gives s * (lo - 8), hi stored as hi + 5 with scale 8s gives 8s * hi - 24s, and the two add up to
     s * c."""
@@ -254,7 +282,6 @@ class HalvesSplitInt4Matmul(QuantizedMatmul):
                 and int(qw.q.min()) >= -32 and int(qw.q.max()) <= 31)
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
-        super().__init__(qw)
         n, k = qw.shape
         padded = _round_up(k, 32)
         unsigned = F.pad(qw.q.to(torch.int16) + 32, (0, padded - k)).to(torch.uint8)
@@ -268,18 +295,7 @@ class HalvesSplitInt4Matmul(QuantizedMatmul):
             high = torch.where(mask, masked // 8 + 5, 8).to(torch.uint8)
             terms += [QuantizedWeight(4, low, s, -8 * s, 32, qw.source),
                       QuantizedWeight(4, high, 8 * s, -64 * s, 32, qw.source)]
-        self.terms = nn.ModuleList(Int4PackMatmul(t, dtype) for t in terms)
-        self.in_features = k
-
-    def dequantized_bf16(self) -> torch.Tensor | None:
-        parts = [t.dequantized_bf16() for t in self.terms]
-        return None if any(p is None for p in parts) else sum(parts)[:, : self.in_features]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.terms[0](x)
-        for term in self.terms[1:]:
-            y = y + term(x)
-        return y
+        super().__init__(qw, terms, dtype)
 
 
 class TritonQuantMatmul(QuantizedMatmul):

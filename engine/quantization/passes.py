@@ -75,7 +75,7 @@ def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
 def kernel_summary(model: nn.Module) -> str:
     """The kernels the linear layers run and how many run each, e.g. "Int4PackMatmul x210"."""
     kernels = [m for m in model.modules() if isinstance(m, QuantizedMatmul | DenseMatmul)]
-    # SplitInt4Matmul runs two Int4PackMatmul halves: count the kernel a layer chose, not its parts
+    # SplitInt4Matmul runs its terms as one Int4PackMatmul: count the kernel a layer chose, not its parts
     nested = {id(part) for m in kernels for part in m.modules() if part is not m}
     kinds = Counter(type(m).__name__ for m in kernels if id(m) not in nested)
     return ", ".join(f"{name} x{count}" for name, count in kinds.most_common())
