@@ -8,7 +8,7 @@ import webbrowser
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
-from entrypoints.cli import add_default_max_tokens
+from entrypoints.cli import add_api_options, check_api_options
 from entrypoints.http_guard import AccessPolicy, HTTPGuard, add_access_options
 from entrypoints.openai.request_log import RequestLog
 
@@ -31,10 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     ap.add_argument("--max-chats", type=int, default=16, help="chats that can stream at once (engine sequence slots)")
     add_access_options(ap)
-    add_default_max_tokens(ap)
+    add_api_options(ap)
     args = ap.parse_args(argv)
-    if args.default_max_tokens < 0:
-        ap.error("--default-max-tokens must be 0 (the rest of the context) or more")
+    check_api_options(ap, args)
     return args
 
 
@@ -71,7 +70,8 @@ def guarded(policy: AccessPolicy) -> dict:
     return {"lifespan": lifespan}
 
 
-def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | None) -> None:
+def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | None,
+                     max_request_bytes: int) -> None:
     """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
     from entrypoints.openai.protocol import APIError
     from entrypoints.openai.server import ServedModel, create_metrics_router, create_router
@@ -87,7 +87,7 @@ def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | 
         return ServedModel(engine, host.label) if engine is not None else None
 
     # Gradio has already built its FastAPI app; routes added now are matched like its own.
-    demo.server_app.include_router(create_router(served, api_key, default_max_tokens))
+    demo.server_app.include_router(create_router(served, api_key, default_max_tokens, max_request_bytes))
     demo.server_app.include_router(create_metrics_router(served))
     log.info("OpenAI-compatible API at %s/v1%s", demo.local_url.rstrip("/"), " (API key required)" if api_key else "")
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                          "version that builds its app differently?); not serving without them")
     if getattr(demo, "share_url", None):
         policy.allow_host(urlsplit(demo.share_url).hostname)
-    serve_openai_api(demo, host, api_key, args.default_max_tokens or None)
+    serve_openai_api(demo, host, api_key, args.default_max_tokens or None, args.max_request_bytes)
     if not args.no_browser:  # opened here rather than by launch(), once the share link's host is allowed
         webbrowser.open(demo.share_url or demo.local_url)
     if args.share and not getattr(demo, "share_url", None):

@@ -14,6 +14,7 @@ of the model; `close()` stops them (garbage collection and interpreter exit do t
 """
 import logging
 from itertools import count
+from pathlib import Path
 
 import torch
 
@@ -39,9 +40,24 @@ from engine.sequence import Sequence, SequenceStatus
 log = logging.getLogger("engine")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
+
+
+def load_tokenizer(path: str):
+    """The folder's tokenizer. A folder without one ended in transformers' advice to install
+    sentencepiece or tiktoken, which would not help: say what is missing."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the model's "
+                         "tokenizer files into it, or load the model from its hub repo")
+    return AutoTokenizer.from_pretrained(path)
+
+
 class LLMEngine:
     def __init__(self, model: str, **settings):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         self.config = config = EngineConfig.from_kwargs(str(model), **settings)
         gguf_path = resolve_gguf(config.model)
@@ -64,7 +80,7 @@ class LLMEngine:
 
         model_class(hf_config)  # fail on an unsupported architecture before loading anything
         if self.tokenizer is None:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.tokenizer = load_tokenizer(path)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device, quantized=gguf_path is not None or bool(config.quantization))
         if config.dtype == "auto":

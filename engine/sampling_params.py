@@ -61,7 +61,9 @@ class SamplingParams:
         self.logit_bias = bias or None
         check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
               f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                    and -(2**63) <= self.seed < 2**64),
+              f"seed must be None or an int from -2**63 to 2**64 - 1 (what torch's generators take), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS),

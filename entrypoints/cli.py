@@ -2,6 +2,7 @@
 
     python -m engine.serve --model PATH_OR_REPO [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                            [--allowed-hosts NAMES] [--cors-origins ORIGINS] [--default-max-tokens N]
+                           [--max-request-bytes N]
 
 Serves /v1/chat/completions, /v1/completions, /v1/models and /metrics. Listening beyond
 localhost needs an API key: give one, or one is generated and printed. Requests for another Host
@@ -13,6 +14,7 @@ import argparse
 import logging
 import os
 import secrets
+import socket
 import sys
 import types
 from dataclasses import MISSING, fields
@@ -55,12 +57,23 @@ def add_engine_settings(ap: argparse.ArgumentParser, defaults: dict | None = Non
     return names
 
 
-def add_default_max_tokens(ap: argparse.ArgumentParser) -> None:
+def add_api_options(ap: argparse.ArgumentParser) -> None:
+    """The API's limits, shared by the headless server and the app; `check_api_options` checks them."""
+    from entrypoints.openai.protocol import MAX_REQUEST_BYTES
     from entrypoints.openai.server import DEFAULT_MAX_TOKENS
 
     ap.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                     help="tokens an API request without max_tokens may generate, at most (default "
                          f"{DEFAULT_MAX_TOKENS}; 0: the rest of the context)")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
+                    help=f"larger API request bodies are refused with a 413 (default {MAX_REQUEST_BYTES:,})")
+
+
+def check_api_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.default_max_tokens < 0:
+        ap.error("--default-max-tokens must be 0 (the rest of the context) or more")
+    if args.max_request_bytes < 1024:
+        ap.error("--max-request-bytes must be at least 1024")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,11 +88,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="key every /v1 request must send as a Bearer token (env PAGODA_API_KEY); "
                          "required, and generated if absent, when --host is not local")
     add_access_options(ap)
-    add_default_max_tokens(ap)
+    add_api_options(ap)
+    ap.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
+                    help="on Ctrl+C or SIGTERM, how long running requests may finish before they are aborted "
+                         "(default 5)")
+    ap.add_argument("--debug", action="store_true", help="show the traceback when the model cannot be loaded")
     names = add_engine_settings(ap, SERVE_DEFAULTS)
     args = ap.parse_args(argv)
-    if args.default_max_tokens < 0:
-        ap.error("--default-max-tokens must be 0 (the rest of the context) or more")
+    check_api_options(ap, args)
     args.engine_settings = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return args
 
@@ -104,23 +120,50 @@ def default_model(model: str | None) -> tuple[str, str]:
     return str(bundled_gguf_path()), MODEL_NAME
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a busy port is said at once, and "Serving"
+    is printed only once the server can answer."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the kernel's queue until uvicorn accepts them
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"Cannot listen on {host}:{port} ({e.strerror}). Is another server running there? "
+                         "Pass another --port.") from None
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    api_key = resolve_api_key(args.api_key, exposed=args.host not in LOCAL_HOSTS)
+    exposed = args.host not in LOCAL_HOSTS
+    api_key = resolve_api_key(args.api_key, exposed=exposed)
     import uvicorn
 
     from engine import EngineThread
     from entrypoints.openai.server import create_app
 
+    sock = bind(args.host, args.port)
     model, name = default_model(args.model)
-    engine = EngineThread.load(model, **args.engine_settings)
+    try:
+        engine = EngineThread.load(model, **args.engine_settings)
+    except Exception as e:
+        if args.debug:
+            raise
+        sock.close()
+        print(f"Cannot load {model}: {e}\n(--debug shows the traceback)", file=sys.stderr, flush=True)
+        return 1
     name = args.served_model_name or name
     policy = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.cors_origins)
-    app = create_app(engine, name, api_key, policy, args.default_max_tokens or None)
+    app = create_app(engine, name, api_key, policy, args.default_max_tokens or None, args.max_request_bytes, exposed)
+    # After the grace period uvicorn cancels the requests still running, which aborts their generation.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_grace))
     print(f"Serving {name} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     return 0

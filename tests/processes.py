@@ -35,6 +35,9 @@ class ServeProcess:
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"
         self.log = log
+        # /metrics wants the key when the server is exposed; sending it always is right either way
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--model", str(model), "--port",
                                       str(self.port),
@@ -45,7 +48,7 @@ class ServeProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")
             try:
-                return httpx.get(f"{self.base}/metrics", timeout=2).status_code == 200
+                return httpx.get(f"{self.base}/metrics", headers=self.headers, timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -55,7 +58,7 @@ class ServeProcess:
 
     def metric(self, name: str) -> float:
         """One of its /metrics values (vLLM's names)."""
-        for line in httpx.get(f"{self.base}/metrics", timeout=10).text.splitlines():
+        for line in httpx.get(f"{self.base}/metrics", headers=self.headers, timeout=10).text.splitlines():
             if line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)

@@ -150,3 +150,12 @@ def test_bad_cors_origins_say_what_to_give(value):
 
 def test_origins_compare_with_default_ports_left_out():
     assert parse_origins("https://Notes.example:443,http://[::1]:8080") == ["https://notes.example", "http://[::1]:8080"]
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/docs", "/redoc", "/openapi.json"])
+def test_metrics_and_api_docs_want_the_key_when_exposed(server, path):
+    """On localhost they stay open (tests/test_openai_server.py reads /metrics without the key)."""
+    assert httpx.get(f"{server.base}{path}", timeout=30).status_code == 401
+    wrong = httpx.get(f"{server.base}{path}", headers={"Authorization": "Bearer sk-wrong"}, timeout=30)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert call(server, "GET", path).status_code == 200

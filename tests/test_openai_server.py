@@ -1,4 +1,5 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real server process."""
+import json
 import threading
 
 import httpx
@@ -387,3 +388,40 @@ def test_the_default_max_tokens_fits_the_context_and_0_means_all_of_it(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--default-max-tokens", "-1"])
     assert "--default-max-tokens must be 0" in capsys.readouterr().err
+
+
+# ---- hardening: sizes, strict types, no 5xx ------------------------------------------------------------
+def post_chat(server, content: bytes | None = None, **fields) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    return httpx.post(f"{server.base}/v1/chat/completions", headers=headers,
+                      content=content if content is not None else json.dumps(body), timeout=60)
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "2"), ("max_tokens", True), ("stream", "yes"),
+                                          ("temperature", "0.5"), ("seed", 2**64), ("max_tokens", 2.5)])
+def test_fields_are_typed_strictly_and_named(server, field, value):
+    r = post_chat(server, **{field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid JSON"),
+    (b"[" * 1000 + b"]" * 1000, "not valid JSON"),
+    (b'{"model": "smollm2", "max_tokens": ' + b"9" * 5000 + b', "messages": []}', "not valid JSON"),
+    (b'["a list"]', "must be a JSON object"),
+])
+def test_bodies_that_once_gave_500s_are_400s(server, content, words):
+    r = post_chat(server, content)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_a_413_and_a_huge_prompt_is_refused_before_tokenizing(server):
+    r = post_chat(server, messages=[{"role": "user", "content": "x" * (5 << 20)}])  # over the 4 MiB default
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = post_chat(server, messages=[{"role": "user", "content": "word " * 600_000}])  # 3 MB: under the limit
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters" in r.json()["error"]["message"]  # refused by its length, not by counting its tokens
+    assert post_chat(server).status_code == 200  # and the server still answers

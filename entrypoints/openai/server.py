@@ -6,6 +6,7 @@ calls then share one batch) and `python -m engine.serve` runs them headless (`cr
 prefix-cache counters too.
 """
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -21,7 +22,16 @@ from engine import EngineThread, RequestStream, SamplingParams
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.openai import request_log
 from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from entrypoints.openai.protocol import APIError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
+from entrypoints.openai.protocol import (
+    MAX_REQUEST_BYTES,
+    APIError,
+    ChatCompletionBody,
+    CompletionBody,
+    RequestBody,
+    parse_body,
+)
+
+log = logging.getLogger("pagoda.api")
 
 
 @dataclass
@@ -37,6 +47,19 @@ ModelSource = Callable[[], ServedModel | None]
 
 
 # ---- the routes ------------------------------------------------------------------------------------
+def key_required() -> APIError:
+    return APIError(401, "a valid API key is required: send it as `Authorization: Bearer <key>`",
+                    type="authentication_error", code="invalid_api_key")
+
+
+def has_key(authorization: str, api_key: str | None) -> bool:
+    """Whether an Authorization header carries the key (any header does when there is no key)."""
+    if api_key is None:
+        return True
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
+
+
 # What a request without max_tokens gets. Open WebUI sends its tags and follow-up tasks without one, and
 # a small model that never stops then ran for 7,465 tokens (15 minutes on a CPU). 2048 tokens is a
 # long answer (about 1,500 words) and bounds a runaway; a reply cut there ends with finish_reason
@@ -45,17 +68,15 @@ DEFAULT_MAX_TOKENS = 2048
 
 
 def create_router(models: ModelSource, api_key: str | None = None,
-                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> APIRouter:
+                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                  max_request_bytes: int = MAX_REQUEST_BYTES) -> APIRouter:
     """The /v1 routes. With an api_key, every one of them wants `Authorization: Bearer <key>`.
-    `default_max_tokens`: for requests that send none (None: the rest of the context)."""
+    `default_max_tokens`: for requests that send none (None: the rest of the context);
+    `max_request_bytes`: larger bodies get a 413."""
 
     async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError(401, "a valid API key is required: send it as `Authorization: Bearer <key>`",
-                           type="authentication_error", code="invalid_api_key")
+        if not has_key(request.headers.get("authorization", ""), api_key):
+            raise key_required()
 
     async def guarded(request: Request, handler) -> object:
         try:
@@ -63,6 +84,10 @@ def create_router(models: ModelSource, api_key: str | None = None,
             return await handler()
         except APIError as e:
             return e.response()
+        except Exception as e:  # a bug of ours: still OpenAI's error shape, and the traceback in the log
+            log.exception("%s %s failed", request.method, request.url.path)
+            return APIError(500, f"Pagoda failed on this request ({type(e).__name__}: {e}); the server log has "
+                                 "the details", type="server_error").response()
 
     router = APIRouter(prefix="/v1")
 
@@ -88,10 +113,11 @@ def create_router(models: ModelSource, api_key: str | None = None,
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         async def handler():
-            body = await parse_body(request, ChatCompletionBody)
+            body = await parse_body(request, ChatCompletionBody, max_request_bytes)
             model = served(body.model)
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in body.messages]
+            refuse_what_cannot_fit(model.engine, sum(len(m["content"]) for m in messages), "messages")
             token_ids = await anyio.to_thread.run_sync(encode_chat, model.engine, messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await complete(request, model, body, token_ids, max_tokens, default_max_tokens, chat=True)
@@ -100,7 +126,7 @@ def create_router(models: ModelSource, api_key: str | None = None,
     @router.post("/completions")
     async def completions(request: Request):
         async def handler():
-            body = await parse_body(request, CompletionBody)
+            body = await parse_body(request, CompletionBody, max_request_bytes)
             model = served(body.model)
             prompt = body.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -109,6 +135,7 @@ def create_router(models: ModelSource, api_key: str | None = None,
                                    param="prompt")
                 prompt = prompt[0]
             if isinstance(prompt, str):
+                refuse_what_cannot_fit(model.engine, len(prompt), "prompt")
                 token_ids = await anyio.to_thread.run_sync(model.engine.tokenize, prompt)
             else:
                 token_ids = list(prompt)
@@ -122,6 +149,23 @@ def create_router(models: ModelSource, api_key: str | None = None,
         return await guarded(request, handler)
 
     return router
+
+
+@lru_cache(maxsize=4)
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for: its spelling's length (byte-level BPE spells each byte as
+    one character, SentencePiece each character), so n tokens never hold more than n times this."""
+    return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t)
+
+
+def refuse_what_cannot_fit(engine: EngineThread, chars: int, param: str) -> None:
+    """A 400 for text too long for the context whatever its tokens, before tokenizing it: a 10 MB prompt
+    once took 21 s to tokenize only to be refused."""
+    most = engine.max_model_len * max_token_chars(engine.tokenizer)
+    if chars > most:
+        raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, which hold "
+                            f"at most {most:,} characters, and this request sends {chars:,}. Shorten the {param}.",
+                       code="context_length_exceeded", param=param)
 
 
 def encode_chat(engine: EngineThread, messages: list[dict]) -> list[int]:
@@ -353,14 +397,37 @@ def create_metrics_router(models: ModelSource) -> APIRouter:
     return router
 
 
+class KeyedPaths:
+    """ASGI middleware: these paths want the API key too. The headless server puts /metrics and its API
+    docs behind it when it is reachable from other machines (on localhost they stay open)."""
+
+    def __init__(self, app, api_key: str, paths: tuple[str, ...]):
+        self.app, self.api_key, self.paths = app, api_key, paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] in self.paths:
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not has_key(authorization, self.api_key):
+                await key_required().response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+SIDE_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
 def create_app(engine: EngineThread, model_name: str, api_key: str | None,
-               policy: AccessPolicy | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> FastAPI:
+               policy: AccessPolicy | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+               max_request_bytes: int = MAX_REQUEST_BYTES, exposed: bool = False) -> FastAPI:
     """A FastAPI app serving one EngineThread: the headless server. `policy`: the hosts and sites it answers
-    (default: this machine's loopback names only)."""
+    (default: this machine's loopback names only); `exposed`: reachable from other machines, where
+    /metrics and the API docs want the key as /v1 does."""
     served = ServedModel(engine, model_name)
     app = FastAPI(title="Pagoda OpenAI-compatible API")
+    if exposed and api_key:
+        app.add_middleware(KeyedPaths, api_key=api_key, paths=SIDE_PATHS)
     app.add_middleware(HTTPGuard, policy=policy or AccessPolicy())
     app.add_middleware(request_log.RequestLog)  # outermost: requests the guard refuses are logged too
-    app.include_router(create_router(lambda: served, api_key, default_max_tokens))
+    app.include_router(create_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
     app.include_router(create_metrics_router(lambda: served))
     return app

@@ -119,7 +119,7 @@ def test_v1_during_a_model_load_says_it_is_loading():
 
     host = ModelHost()
     demo = SimpleNamespace(server_app=FastAPI(), local_url="http://127.0.0.1:1/")
-    serve_openai_api(demo, host, api_key=None, default_max_tokens=None)
+    serve_openai_api(demo, host, api_key=None, default_max_tokens=None, max_request_bytes=1 << 20)
     client = TestClient(demo.server_app)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
