@@ -17,7 +17,7 @@ from app.backend import DEFAULT_SETTINGS, ContextOverflow, chat_messages
 from app.chat import ReplyTask, summary
 from app.model_host import ModelHost
 from app.page.api import add_api
-from app.page.chat_tab import KEYS_JS, SLIDERS, render_chat_tab, wire_chat_tab
+from app.page.chat_tab import CHAT_CSS, KEYS_JS, SLIDERS, render_chat_tab, wire_chat_tab
 from app.page.kv_tab import render_kv_tab, track_kv_tab
 from app.page.sidebar import load_first_view, render_sidebar, wire_sidebar
 from app.remote import RemoteError
@@ -29,6 +29,7 @@ from engine import EngineFailed
 log = logging.getLogger("pagoda")
 UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
 UNWATCHED_S = 2.0  # a reply whose page has not polled it for this long is not being watched
+STOP_WAIT_S = 10.0  # how long editing or regenerating waits for the chat's running reply to stop
 UNCHANGED = tuple(gr.update() for _ in range(4))  # a reply stream's outputs, left as they are
 
 
@@ -40,6 +41,7 @@ class PagodaUI:
         self.max_concurrent_chats = max_concurrent_chats
         self.sessions = Sessions()
         self.replies = Replies()
+        self.export_dir = Path(tempfile.mkdtemp(prefix="pagoda-export-"))  # each chat's files, rewritten in place
 
     # ---- conversations --------------------------------------------------------------------------
     def conversation_choices(self, query: str = "") -> list[tuple[str, int]]:
@@ -78,11 +80,11 @@ class PagodaUI:
             with self.sessions.edit(request.session_hash) as session:
                 session.viewing = int(conversation_id)
         if conversation_id is None:
-            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", ""
+            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", None, None
         conv = self.store.get(conversation_id)
         settings = {**DEFAULT_SETTINGS, **conv.settings}
         return (self.history(conversation_id), conv.system_prompt, *[settings[k] for k, *_ in SLIDERS],
-                self.context_meter(conversation_id), conv.title)
+                self.context_meter(conversation_id), conv.title, *self.export_files(conversation_id))
 
     def new_chat(self, system_prompt: str, query: str):
         conv = self.store.create(system_prompt=system_prompt or "")
@@ -186,6 +188,7 @@ class PagodaUI:
     def regenerate(self, conversation_id, system_prompt: str, temperature: float, top_p: float, top_k: int,
                    min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
         """Replace the last reply with a new one (or answer the last message, when its reply never came)."""
+        self._stop_reply(conversation_id)
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
         if not msgs:
             raise gr.Error("There is no reply to regenerate yet.")
@@ -194,8 +197,21 @@ class PagodaUI:
         yield from self.respond(conversation_id, "", system_prompt, temperature, top_p, top_k, min_p,
                                 repetition_penalty, max_tokens, request)
 
+    def _stop_reply(self, conversation_id) -> None:
+        """Stop the chat's running reply, if any, and wait until it has stored its last words. Editing and
+        regenerating delete messages: a reply still streaming into a deleted one left the page showing it
+        with an internal error ("No message with id ...")."""
+        task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
+        if task is None:
+            return
+        task.cancel()
+        if not task.done.wait(STOP_WAIT_S):
+            raise gr.Error("The reply is still stopping; try again in a moment.")
+        self.replies.finish(int(conversation_id), task)
+
     def edit_last(self, conversation_id):
         """Put the last user message back in the box and remove it (and its reply) from the chat."""
+        self._stop_reply(conversation_id)
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
         last_user = next((m for m in reversed(msgs) if m.role == "user"), None)
         if last_user is None:
@@ -212,13 +228,26 @@ class PagodaUI:
         self.store.delete_messages(conversation_id, [m.id for m in msgs[:next_user]])
         return self.history(conversation_id)
 
+    def export_files(self, conversation_id) -> tuple[str | None, str | None]:
+        """The chat as a Markdown and a JSON file, for the Export buttons to hold. A DownloadButton
+        downloads the file it holds at the click, before any handler of the click runs, so the files
+        are made whenever the chat changes (opened, answered, edited), never on the click: made on the
+        click, each download was the previous click's file, after a switch the previous chat's."""
+        if conversation_id is None:
+            return None, None
+        return self.export(conversation_id, "md"), self.export(conversation_id, "json")
+
     def export(self, conversation_id, kind: str) -> str:
         if conversation_id is None:
             raise gr.Error("Open a chat to export it.")
         title = self.store.get(conversation_id).title
         safe = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in title).strip() or "chat"
         text = self.store.export_markdown(conversation_id) if kind == "md" else self.store.export_json(conversation_id)
-        path = Path(tempfile.mkdtemp(prefix="pagoda-export-")) / f"{safe}.{kind}"
+        folder = self.export_dir / str(int(conversation_id))
+        folder.mkdir(exist_ok=True)
+        for old in folder.glob(f"*.{kind}"):  # a renamed chat's file under its old title
+            old.unlink()
+        path = folder / f"{safe}.{kind}"
         path.write_text(text, encoding="utf-8")
         return str(path)
 
@@ -294,6 +323,6 @@ def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) ->
 
 
 def launch_kwargs() -> dict:
-    return {"css": visualizer_css(), "theme": gr.themes.Soft()}
+    return {"css": visualizer_css() + CHAT_CSS, "theme": gr.themes.Soft()}
 
 

@@ -19,6 +19,10 @@ SLIDERS = [  # setting, label, minimum, maximum, step; in the order PagodaUI.res
     ("repetition_penalty", "Repetition penalty", 0.8, 2.0, 0.05),
     ("max_tokens", "Max reply tokens", 16, 4096, 16),
 ]
+# Gradio's chatbot has a trash icon that clears only the view: the chat stays stored, is still sent to
+# the model and comes back on reload. Gradio offers no switch for it, so the page hides it; New chat
+# and Delete are the real ways.
+CHAT_CSS = '#chatbot button[aria-label="Clear"] { display: none; }\n'
 KEYS_JS = """
 () => {
   document.addEventListener('keydown', (e) => {
@@ -90,11 +94,14 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
 
     tab.save_preset_btn.click(save_preset, [tab.preset_name, tab.system], [tab.preset, tab.preset_name])
 
-    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title]
+    exports = [tab.md_btn, tab.json_btn]  # they hold the open chat's files (PagodaUI.export_files says why)
+    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title, *exports]
     reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row]
     reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
-    refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid)),
-                   inputs=bar.current, outputs=[tab.meter, bar.conversations])
+    refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid),
+                                   *ui.export_files(cid)),
+                   inputs=bar.current, outputs=[tab.meter, bar.conversations, *exports])
+    refresh_exports = dict(fn=ui.export_files, inputs=bar.current, outputs=exports)
     limit = ui.max_concurrent_chats
     # No status overlay on a reply's outputs: the streaming text shows progress itself, and an overlay
     # left on the message box (a reply whose following was cancelled by switching chats could leave
@@ -108,11 +115,16 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     # Opening a chat stops following the previous one (its reply runs on) and follows this one's.
     opening = bar.current.change(ui.open, bar.current, opened, cancels=[send, regen])
     follow = opening.then(ui.follow, bar.current, reply_outputs, **quiet)
-    tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg])
+    follow.then(**refresh_exports)
+    # Editing stops the chat's reply (PagodaUI.edit_last), and this page stops drawing it first, so that
+    # its last frame cannot land after the edited chat.
+    tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg], cancels=[send, regen, follow]).then(
+        **refresh_exports)
     tab.stop_btn.click(ui.stop, bar.current, None, cancels=[send, regen, follow], api_name="stop")
 
     tab.drop_btn.click(ui.drop_oldest_turn, bar.current, tab.chatbot).then(
-        lambda: (gr.update(visible=False), gr.update(visible=False)), None, [tab.overflow, tab.overflow_row])
+        lambda: (gr.update(visible=False), gr.update(visible=False)), None, [tab.overflow, tab.overflow_row]).then(
+        **refresh_exports)
 
     def fresh(cid, system_prompt):
         conv = ui.store.create(system_prompt=system_prompt or "")
@@ -120,5 +132,3 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
                 gr.update(visible=False))
 
     tab.fresh_btn.click(fresh, [bar.current, tab.system], [bar.conversations, tab.overflow, tab.overflow_row])
-    tab.md_btn.click(lambda cid: ui.export(cid, "md"), bar.current, tab.md_btn)
-    tab.json_btn.click(lambda cid: ui.export(cid, "json"), bar.current, tab.json_btn)

@@ -226,3 +226,61 @@ def test_the_page_chats_on_localhost_too(session, open_page):
         time.sleep(0.2)
     assert running() == 0
     page.close()
+
+
+def exported_json(page) -> dict:
+    """Click Export JSON once and read the file the browser downloads."""
+    import json
+
+    with page.expect_download(timeout=20000) as download:
+        page.get_by_role("button", name="Export JSON").click()
+    return json.loads(Path(download.value.path()).read_text(encoding="utf-8"))
+
+
+def test_export_downloads_the_chat_on_screen_at_the_first_click(session, open_page):
+    """Each Export click gives the open chat as it is: it once gave the previous click's file, which after
+    a chat switch was the other chat."""
+    _, client, _ = session
+    running = lambda: client.predict(api_name="/engine_stats")["num_running"]
+    page = open_page()
+    texts = {}
+    for name in ("Alpha", "Beta"):
+        page.get_by_role("button", name="New chat").click()
+        wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0",
+                    timeout=20000)
+        texts[name] = f"{name} question: name a colour."
+        send(page, texts[name])
+        wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                          "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }",
+                    timeout=60000)
+        page.keyboard.press("Escape")  # stopped: the reply is final, so the files are made again
+        deadline = time.time() + 20
+        while running() and time.time() < deadline:
+            time.sleep(0.2)
+        # Made when the reply ended; a click now downloads the chat with its reply.
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            chat = exported_json(page)
+            if [m["role"] for m in chat["messages"]] == ["user", "assistant"]:
+                break
+            time.sleep(0.5)
+        assert chat["messages"][0]["content"] == texts[name]
+    page.locator("#chat-list").get_by_text(texts["Alpha"][:12]).first.click()  # back to the first chat
+    wait_for_js(page, "() => document.querySelector('#chatbot').innerText.includes('Alpha question')", timeout=20000)
+    chat = exported_json(page)  # the first click after the switch
+    assert [m["content"] for m in chat["messages"] if m["role"] == "user"] == [texts["Alpha"]]
+    page.close()
+
+
+def test_the_chatbots_own_clear_icon_is_not_offered(session, open_page):
+    """Gradio's trash icon cleared only the view: the history was still sent and came back on reload."""
+    page = open_page()
+    page.get_by_role("button", name="New chat").click()
+    send(page, "Say hi.")
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    page.keyboard.press("Escape")
+    assert page.locator('#chatbot button[aria-label="Copy conversation"]').is_visible()  # its toolbar is there
+    assert page.locator('#chatbot button[aria-label="Clear"]').count() >= 1  # Gradio still renders it...
+    assert not page.locator('#chatbot button[aria-label="Clear"]').first.is_visible()  # ...but nobody sees it
+    page.close()

@@ -167,3 +167,26 @@ def test_an_ended_page_aborts_only_the_replies_it_started_that_nobody_watches(tm
     assert not wait_until(lambda: tasks[watched].done.is_set() or tasks[elsewhere].done.is_set(), timeout=0.5)
     for task in tasks.values():
         task.cancel()
+
+
+@pytest.mark.parametrize("action", ["edit", "regenerate"])
+def test_editing_or_regenerating_while_a_reply_streams_stops_it_first(tmp_path, action):
+    host = ModelHost()
+    host.backend = EndlessBackend()
+    ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
+    conv = ui.store.create().id
+    page = SimpleNamespace(session_hash="page")
+    running = start_reply(ui, conv, page)
+    assert not running.done.is_set()
+    if action == "edit":
+        history, box = ui.edit_last(conv)
+        assert box == "Tell me a story." and history == [] and ui.store.messages(conv) == []
+    else:
+        regenerated = ui.regenerate(conv, "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], page)
+        next(regenerated)
+        regenerated.close()
+        roles = [(m.role, m.content) for m in ui.store.messages(conv)]
+        assert roles == [("user", "Tell me a story."), ("assistant", "")]  # the old reply replaced, not doubled
+        ui.replies.get(conv).cancel()
+    assert running.done.is_set() and running.turn.error is None  # stopped, not failed on a deleted message
+    assert host.backend.streams[0].cancelled.is_set()
