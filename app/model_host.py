@@ -30,6 +30,13 @@ class LoadState:
     label: str = ""  # the model's short name, as messages give it
 
 
+def looks_like_a_path(choice: str) -> bool:
+    """A local path, not a hub repo id ("owner/name"): absolute, home- or dot-relative, or with a
+    Windows drive or backslash."""
+    return (choice.startswith(("/", "~", ".", "\\")) or "\\" in choice
+            or (len(choice) > 2 and choice[1] == ":" and choice[2] in "/\\"))
+
+
 def resolve_model(choice: str | None, downloaded: dict[str, Path] | None = None) -> tuple[str, str]:
     """(what to load, its short name) for a model the user chose: nothing or the bundled model's repo id
     (the bundled model, prepared offline), a local folder or .gguf file, or a hub repo id. With `downloaded`
@@ -50,6 +57,8 @@ def resolve_model(choice: str | None, downloaded: dict[str, Path] | None = None)
     if entry is None and len(parts) >= 3 and choice.lower().endswith(".gguf"):  # a hub file: owner/repo/file.gguf
         choice, gguf = "/".join(parts[:2]), "/".join(parts[2:])
     if choice not in downloaded:
+        if looks_like_a_path(choice):
+            raise RuntimeError(f"There is no model folder or .gguf file at {local}: check the path.")
         raise RuntimeError(f"{choice} is not downloaded yet: press Download first.")
     target = Path(downloaded[choice])
     if gguf:

@@ -16,6 +16,7 @@ import gradio as gr
 from app.backend import DEFAULT_SETTINGS, ContextOverflow, chat_messages
 from app.chat import ReplyTask, summary
 from app.model_host import ModelHost
+from app.page import user_error
 from app.page.api import add_api
 from app.page.chat_tab import CHAT_CSS, KEYS_JS, SLIDERS, render_chat_tab, wire_chat_tab
 from app.page.kv_tab import render_kv_tab, track_kv_tab
@@ -100,11 +101,11 @@ class PagodaUI:
         conversation_id, system_prompt = int(conversation_id), system_prompt or ""
         backend = self.host.backend
         if backend is None:
-            raise gr.Error(self.host.state.message if self.host.state.status != "idle"
+            raise user_error(self.host.state.message if self.host.state.status != "idle"
                            else "Load a model in the Models tab first.")
         running = self.replies.get(conversation_id)
         if running is not None and not running.done.is_set():
-            raise gr.Error("This chat is still answering: press Stop first, or open another chat.")
+            raise user_error("This chat is still answering: press Stop first, or open another chat.")
         settings = dict(zip([k for k, *_ in SLIDERS], slider_values, strict=True))
         self.store.update(conversation_id, system_prompt=system_prompt, settings=settings)
         if user_text and user_text.strip():
@@ -191,7 +192,7 @@ class PagodaUI:
         self._stop_reply(conversation_id)
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
         if not msgs:
-            raise gr.Error("There is no reply to regenerate yet.")
+            raise user_error("There is no reply to regenerate yet.")
         if msgs[-1].role == "assistant":
             self.store.delete_messages_from(conversation_id, msgs[-1].id)
         yield from self.respond(conversation_id, "", system_prompt, temperature, top_p, top_k, min_p,
@@ -206,7 +207,7 @@ class PagodaUI:
             return
         task.cancel()
         if not task.done.wait(STOP_WAIT_S):
-            raise gr.Error("The reply is still stopping; try again in a moment.")
+            raise user_error("The reply is still stopping; try again in a moment.")
         self.replies.finish(int(conversation_id), task)
 
     def edit_last(self, conversation_id):
@@ -215,7 +216,7 @@ class PagodaUI:
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
         last_user = next((m for m in reversed(msgs) if m.role == "user"), None)
         if last_user is None:
-            raise gr.Error("There is no message to edit.")
+            raise user_error("There is no message to edit.")
         self.store.delete_messages_from(conversation_id, last_user.id)
         return self.history(conversation_id), last_user.content
 
@@ -224,7 +225,7 @@ class PagodaUI:
         msgs = self.store.messages(conversation_id)
         next_user = next((i for i, m in enumerate(msgs[1:], 1) if m.role == "user"), None)
         if next_user is None:
-            raise gr.Error("Nothing older is left to drop; start a new chat instead.")
+            raise user_error("Nothing older is left to drop; start a new chat instead.")
         self.store.delete_messages(conversation_id, [m.id for m in msgs[:next_user]])
         return self.history(conversation_id)
 
@@ -239,7 +240,7 @@ class PagodaUI:
 
     def export(self, conversation_id, kind: str) -> str:
         if conversation_id is None:
-            raise gr.Error("Open a chat to export it.")
+            raise user_error("Open a chat to export it.")
         title = self.store.get(conversation_id).title
         safe = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in title).strip() or "chat"
         text = self.store.export_markdown(conversation_id) if kind == "md" else self.store.export_json(conversation_id)

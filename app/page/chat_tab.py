@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import gradio as gr
 
 from app.backend import DEFAULT_SETTINGS
+from app.page import user_error
 
 if TYPE_CHECKING:
     from app.page.sidebar import Sidebar
@@ -87,7 +88,7 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
 
     def save_preset(name, prompt):
         if not name.strip():
-            raise gr.Error("Give the preset a name.")
+            raise user_error("Give the preset a name.")
         ui.store.save_preset(name.strip(), prompt)
         presets[name.strip()] = prompt
         return gr.update(choices=list(presets), value=name.strip()), ""

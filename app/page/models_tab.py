@@ -7,6 +7,7 @@ switched off for GGUF models, whose weights are quantized already."""
 from pathlib import Path
 
 import gradio as gr
+import torch
 
 from app.catalog import (
     QUANTIZATIONS,
@@ -20,7 +21,9 @@ from app.catalog import (
 )
 from app.download_jobs import DownloadManager
 from app.model_host import resolve_model
+from app.page import user_error
 from app.remote import RemoteError
+from engine.loader import pick_dtype
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 QUANT_INFO = "Weights stored in fewer bits at load: int8 needs about half the memory, int4 about a quarter"
@@ -41,11 +44,13 @@ def is_gguf_choice(repo_id: str | None) -> bool:
     return choice.lower().endswith((".gguf", "-gguf")) or (choice.count("/") == 1 and ":" in choice)
 
 
-def _estimate_dtype(dtype_name: str, device_name: str) -> str:
-    # "auto" is bf16 on a GPU; on a CPU it may be float32, so the estimate takes the larger.
+def _estimate_dtype(dtype_name: str, device_name: str, quantized: bool = False) -> str:
+    """The dtype a load with these settings gets: the engine's own choice for "auto" (bf16 on a GPU, and on a
+    CPU with native bf16 unless the weights are quantized), so the estimate names what the load will use."""
     if dtype_name != "auto":
         return dtype_name
-    return "float32" if device_name.startswith("CPU") else "bfloat16"
+    device = torch.device("cpu" if device_name.startswith("CPU") else "cuda")
+    return str(pick_dtype("auto", device, quantized)).removeprefix("torch.")
 
 
 def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str | None,
@@ -57,7 +62,7 @@ def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str |
     if entry is None:
         return "No estimate for a model outside the catalog until its config is known; it is checked when it loads."
     device_name, free = memory if memory is not None else available_memory("auto")
-    dtype = _estimate_dtype(dtype_name, device_name)
+    dtype = _estimate_dtype(dtype_name, device_name, quantized=entry.is_gguf or (quantization or "none") != "none")
     ctx = int(ctx or 4096)
     if entry.bundled:
         size = "Bundled: no download. "
@@ -67,7 +72,8 @@ def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str |
         size = f"Download: {format_gib(entry.download_bytes)} GiB. "
     quant = None if entry.is_gguf else quantization
     report = fit_report(entry, ctx, dtype, free_bytes=free, device_name=device_name, quantization=quant)
-    advice = quantization_advice(entry, ctx, dtype, free_bytes=free, device_name=device_name)
+    advice = quantization_advice(entry, ctx, _estimate_dtype(dtype_name, device_name), free_bytes=free,
+                                 device_name=device_name)
     return f"{size}{report.message}\n\n{advice.message}"
 
 
@@ -89,6 +95,24 @@ def quantization_field(repo_id: str | None, dtype_name: str = "auto", ctx=4096,
     return dict(value=value, interactive=True, info=f"{QUANT_INFO}. Recommended here: {value}")
 
 
+def default_context(repo_id: str | None, dtype_name: str, quantization: str | None,
+                    memory: tuple[str, int]) -> int | None:
+    """The Context field for a picked model: the longest context that fits this machine comfortably at the
+    chosen quantization, up to the model's trained length (what the engine serves when not told), rather
+    than a fixed 4,096. None for a model outside the catalog: the field stays as it is."""
+    entry = entry_for_repo(repo_id or "")
+    if entry is None:
+        return None
+    device_name, free = memory
+    advice = quantization_advice(entry, entry.max_position_embeddings, _estimate_dtype(dtype_name, device_name),
+                                 free_bytes=free, device_name=device_name)
+    quant = "none" if entry.is_gguf else (quantization or "none")
+    option = next((o for o in advice.options if o.quantization == quant), None)
+    if option is None or option.max_context_len is None:  # it does not fit: the estimate says so at a usual length
+        return min(entry.max_position_embeddings, 4096)
+    return option.max_context_len
+
+
 def load_settings(repo_id: str | None, dtype_name: str, ctx, kv, quantization: str | None,
                   max_num_seqs: int) -> dict:
     """The engine settings a Load press passes on. Quantization is dropped for a GGUF model (the engine
@@ -98,7 +122,7 @@ def load_settings(repo_id: str | None, dtype_name: str, ctx, kv, quantization: s
         settings["kv_cache_memory_bytes"] = int(float(kv) * 2**30)
     quant = (quantization or "none").strip().lower()
     if quant not in QUANTIZATIONS:
-        raise gr.Error(f"Unknown quantization {quantization!r}: pick none, int8 or int4.")
+        raise user_error(f"Unknown quantization {quantization!r}: pick none, int8 or int4.")
     if quant != "none" and not is_gguf_choice(repo_id):
         settings["quantization"] = quant
     return settings
@@ -144,6 +168,7 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     first = catalog[0].repo_id
     memory = available_memory("auto")  # one measurement for the form's first render
     first_quant = quantization_field(first, "auto", 4096, memory)
+    first_context = default_context(first, "auto", first_quant["value"], memory) or 4096
 
     status = gr.Markdown(ui.host.status_message, elem_id="model-status")
     with gr.Row():
@@ -152,9 +177,10 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         dtype = gr.Dropdown(DTYPES, value="auto", label="Precision", scale=1)
         quant = gr.Dropdown(list(QUANTIZATIONS), label="Quantization", scale=1, elem_id="quantization",
                             **first_quant)
-        context = gr.Number(value=4096, precision=0, label="Context length (tokens)", scale=1)
-        kv_gib = gr.Number(value=None, label="KV cache memory, GiB (CPU; empty = 1)", scale=1)
-    fit = gr.Markdown(estimate_text(first, "auto", 4096, first_quant["value"], memory), elem_id="fit-estimate")
+        context = gr.Number(value=first_context, precision=0, label="Context length (tokens)", scale=1)
+        # The engine's own default shown as it is: an empty Number reads 0, and its label said "empty = 1".
+        kv_gib = gr.Number(value=1, minimum=0.25, label="KV cache memory on a CPU, GiB", scale=1)
+    fit = gr.Markdown(estimate_text(first, "auto", first_context, first_quant["value"], memory), elem_id="fit-estimate")
     with gr.Row():
         download_btn = gr.Button("Download")
         load_btn = gr.Button("Load", variant="primary")
@@ -181,12 +207,14 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             disconnect_btn = gr.Button("Disconnect", scale=1)
 
     def pick_model(repo_id: str, dtype_name: str, ctx):
-        """A new model: its recommended quantization (or none, off, for a GGUF) and its estimate."""
+        """A new model: its recommended quantization (or none, off, for a GGUF), the context it can serve
+        here, and its estimate."""
         memory = available_memory("auto")
-        field = quantization_field(repo_id, dtype_name, ctx, memory)
-        return gr.update(**field), estimate_text(repo_id, dtype_name, ctx, field["value"], memory)
+        field = quantization_field(repo_id, dtype_name, 4096, memory)
+        ctx = default_context(repo_id, dtype_name, field["value"], memory) or ctx
+        return gr.update(**field), gr.update(value=ctx), estimate_text(repo_id, dtype_name, ctx, field["value"], memory)
 
-    repo.change(pick_model, [repo, dtype, context], [quant, fit])
+    repo.change(pick_model, [repo, dtype, context], [quant, context, fit])
     for control in (dtype, context, quant):
         control.change(estimate_text, [repo, dtype, context, quant], fit)
 
@@ -194,13 +222,13 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         repo_id = (repo_id or "").strip()
         entry = entry_for_repo(repo_id)
         if entry is not None and entry.bundled:
-            raise gr.Error(f"{entry.name} is bundled with Pagoda: no download needed.")
+            raise user_error(f"{entry.name} is bundled with Pagoda: no download needed.")
         if not repo_id or Path(repo_id).expanduser().exists():
-            raise gr.Error("Give a Hugging Face repo id to download (a local folder or file can be loaded directly).")
+            raise user_error("Give a Hugging Face repo id to download (a local folder or file can be loaded directly).")
         try:
             manager.start(*_download_target(repo_id, entry))
         except Exception as e:  # refused before starting: not enough disk, bad id
-            raise gr.Error(str(e)) from e
+            raise user_error(str(e)) from e
         return _describe_jobs(manager)
 
     download_btn.click(start_download, repo, downloads)
@@ -224,12 +252,12 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path
                                                                for m in manager.local_models()})
         except RuntimeError as e:
-            raise gr.Error(str(e)) from e
+            raise user_error(str(e)) from e
         settings = load_settings(repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats)
         try:
             ui.host.load(source, label=label, **settings)
         except RuntimeError as e:
-            raise gr.Error(str(e)) from e
+            raise user_error(str(e)) from e
         return ui.host.status_message()
 
     load_btn.click(load, [repo, dtype, context, kv_gib, quant], status, api_name="load")

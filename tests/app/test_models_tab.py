@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 import pytest
+import torch
 
 import app.page.models_tab as models_tab
 from app.backend import LocalBackend
@@ -64,22 +65,25 @@ def test_picking_a_model_sets_the_recommended_quantization(page):
     _, demo = page
     repo = component(demo, gr.Dropdown, "Model")
     pick = handler(demo, repo)
-    update, text = pick.fn("Qwen/Qwen3-8B", "auto", 4096)
+    update, context, text = pick.fn("Qwen/Qwen3-8B", "auto", 4096)
     assert update["value"] == "int4" and update["interactive"] is True
+    assert context["value"] == 4608  # the context the recommendation leaves room for, not a fixed 4,096
     assert update["info"].endswith("Recommended here: int4")
-    assert text.startswith("Download: 15.3 GiB. Qwen3 8B needs about")
+    assert text.startswith("Download: 15.3 GiB. Qwen3 8B needs about") and "at 4,608 tokens" in text
     assert text.endswith("Fits in 7.1 GiB free: int4 leaves room for 4,608 tokens of context (recommended); "
                          "int8 does not fit; full precision does not fit.")
 
-    update, text = pick.fn("Qwen/Qwen3-8B-GGUF", "auto", 4096)
+    update, _, text = pick.fn("Qwen/Qwen3-8B-GGUF", "auto", 4096)
     assert update["value"] == "none" and update["interactive"] is False
     assert update["info"] == "Off: this GGUF model is already quantized (Q4_K_M) and is served as it is"
     assert text.startswith("Download: Qwen3-8B-Q4_K_M.gguf, 4.7 GiB.")
 
-    update, _ = pick.fn("HuggingFaceTB/SmolLM2-360M-Instruct", "auto", 4096)
+    update, context, _ = pick.fn("HuggingFaceTB/SmolLM2-360M-Instruct", "auto", 4096)
     assert update["value"] == "none"  # fits at full precision: nothing is lost
+    assert context["value"] == 8192  # the whole trained context, what the engine serves when not told
     assert pick.fn("someone/Some-Model-GGUF", "auto", 4096)[0]["interactive"] is False
-    assert pick.fn("someone/some-model", "auto", 4096)[0]["value"] == "none"
+    assert pick.fn("someone/some-model", "auto", 2048)[0]["value"] == "none"
+    assert pick.fn("someone/some-model", "auto", 2048)[1]["value"] == 2048  # unknown: the field stays
 
 
 def test_the_estimate_follows_the_quantization(page):
@@ -183,4 +187,42 @@ def test_the_e2e_load_call_matches_the_form(page):
     _, demo = page
     load = handler(demo, None, api_name="load")
     assert [c.label for c in load.inputs] == ["Model", "Precision", "Context length (tokens)",
-                                              "KV cache memory, GiB (CPU; empty = 1)", "Quantization"]
+                                              "KV cache memory on a CPU, GiB", "Quantization"]
+
+
+def test_a_path_that_does_not_exist_says_so_without_a_traceback(page, monkeypatch, tmp_path):
+    ui, demo = page
+    loads = recording_load(ui, monkeypatch)
+    load = handler(demo, None, api_name="load")
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(gr.Error, match="There is no model folder or .gguf file at .*no-such-model") as refused:
+        load.fn(str(missing), "auto", 2048, None, "none")
+    assert refused.value.print_exception is False  # Gradio logs no traceback for it
+    with pytest.raises(gr.Error, match="someone/some-model is not downloaded yet: press Download first"):
+        load.fn("someone/some-model", "auto", 2048, None, "none")  # a repo id, as before
+    assert loads == []
+
+
+@pytest.mark.parametrize("native_bf16, plain, quantized", [(True, "bfloat16", "float32"),
+                                                           (False, "float32", "float32")])
+def test_the_estimate_names_the_dtype_the_load_will_use(monkeypatch, native_bf16, plain, quantized):
+    """It said float32 on a CPU while loads used bfloat16: it asks the engine's own rule now."""
+    import engine.loader.weights as weights
+    from app.catalog import load_catalog
+
+    monkeypatch.setattr(weights, "cpu_has_fast_bf16", lambda: native_bf16)
+    repo = next(e.repo_id for e in load_catalog() if not e.bundled and not e.is_gguf)
+    cpu = ("CPU (16 GiB)", 8 * GiB)
+    assert f"runtime, {plain})" in models_tab.estimate_text(repo, "auto", 2048, "none", cpu)
+    assert f"int4 weights, {quantized})" in models_tab.estimate_text(repo, "auto", 2048, "int4", cpu)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # an RTX 30/40 card
+    assert "runtime, bfloat16)" in models_tab.estimate_text(repo, "auto", 2048, "none", GPU)
+    assert "runtime, float16)" in models_tab.estimate_text(repo, "float16", 2048, "none", cpu)  # as asked
+
+
+def test_the_form_opens_with_the_models_context_and_the_kv_budget_it_will_use(page):
+    """It opened at 4,096 tokens for a model that serves 8,192, and with a KV field reading 0 labelled
+    "empty = 1"."""
+    _, demo = page
+    assert component(demo, gr.Number, "Context length (tokens)").value == 8192  # the bundled SmolLM2's
+    assert component(demo, gr.Number, "KV cache memory on a CPU, GiB").value == 1  # the engine's default
