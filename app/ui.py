@@ -52,9 +52,16 @@ class PagodaUI:
         if conversation_id is None:
             return []
         rows = []
-        for m in self.store.messages(conversation_id):
+        msgs = self.store.messages(conversation_id)
+        running = self.replies.get(int(conversation_id))
+        for i, m in enumerate(msgs):
             content = m.content
             stats = summary(m.meta) if m.role == "assistant" else ""
+            # Saved mid-stream and never finished, and not the reply streaming now: Pagoda stopped under it
+            # (a crash, a kill). It looked finished.
+            live = running is not None and not running.done.is_set() and i == len(msgs) - 1
+            if m.role == "assistant" and m.meta.get("finished") is False and not live:
+                stats = "interrupted: Pagoda stopped before this reply finished" + (f" · {stats}" if stats else "")
             if stats:
                 content = f"{content}\n\n<sub>{stats}</sub>"
             rows.append({"role": m.role, "content": content})

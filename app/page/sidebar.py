@@ -44,12 +44,17 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
         [bar.current, bar.title], bar.conversations)
 
     def delete(cid):
-        if cid is not None:
-            ui.store.delete(cid)
+        if cid is None:  # not confirmed (or no chat open): nothing changes
+            return gr.update()
+        ui.stop(cid)
+        ui.store.delete(cid)
         choices = ui.conversation_choices()
         return gr.update(choices=choices, value=choices[0][1] if choices else None)
 
-    bar.delete_btn.click(delete, bar.current, bar.conversations)
+    # Deleting cannot be undone, so the browser asks first; a "no" sends no chat id.
+    bar.delete_btn.click(delete, bar.current, bar.conversations,
+                         js="(cid) => (cid !== null && confirm('Delete this chat and all its messages? "
+                            "This cannot be undone.')) ? cid : null")
 
 
 def load_first_view(demo: gr.Blocks, ui: "PagodaUI", bar: Sidebar, presets: dict[str, str], js: str) -> None:

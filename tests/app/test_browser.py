@@ -276,6 +276,7 @@ def test_the_chatbots_own_clear_icon_is_not_offered(session, open_page):
     """Gradio's trash icon cleared only the view: the history was still sent and came back on reload."""
     page = open_page()
     page.get_by_role("button", name="New chat").click()
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
     send(page, "Say hi.")
     wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
                       "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
@@ -283,4 +284,31 @@ def test_the_chatbots_own_clear_icon_is_not_offered(session, open_page):
     assert page.locator('#chatbot button[aria-label="Copy conversation"]').is_visible()  # its toolbar is there
     assert page.locator('#chatbot button[aria-label="Clear"]').count() >= 1  # Gradio still renders it...
     assert not page.locator('#chatbot button[aria-label="Clear"]').first.is_visible()  # ...but nobody sees it
+    page.close()
+
+
+def test_delete_asks_first_and_a_no_keeps_the_chat(session, open_page):
+    page = open_page()
+    page.get_by_role("button", name="New chat").click()
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    send(page, "Delta question: name a tree.")
+    wait_for_js(page, "() => document.querySelector('#chat-list').innerText.includes('Delta question')", timeout=20000)
+    page.keyboard.press("Escape")
+    page.get_by_text("Rename or delete").click()
+    asked = []
+
+    def answer(dialog, accept: bool) -> None:
+        asked.append(dialog.message)
+        dialog.accept() if accept else dialog.dismiss()
+
+    page.once("dialog", lambda d: answer(d, False))
+    page.get_by_role("button", name="Delete", exact=True).click()
+    time.sleep(2)  # a refused delete changes nothing, so there is nothing to wait for
+    assert asked and "cannot be undone" in asked[0]
+    assert "Delta question" in page.locator("#chat-list").inner_text()
+    page.once("dialog", lambda d: answer(d, True))
+    page.get_by_role("button", name="Delete", exact=True).click()
+    wait_for_js(page, "() => !document.querySelector('#chat-list').innerText.includes('Delta question')",
+                timeout=20000)
+    assert len(asked) == 2
     page.close()

@@ -190,3 +190,25 @@ def test_editing_or_regenerating_while_a_reply_streams_stops_it_first(tmp_path, 
         ui.replies.get(conv).cancel()
     assert running.done.is_set() and running.turn.error is None  # stopped, not failed on a deleted message
     assert host.backend.streams[0].cancelled.is_set()
+
+
+def test_a_reply_cut_short_by_a_crash_says_interrupted_and_a_streaming_one_does_not(tmp_path):
+    store = ConversationStore(tmp_path / "chats.db")
+    conv = store.create().id
+    store.add_message(conv, "user", "Tell me a story.")
+    cut = store.add_message(conv, "assistant", "Once upon")
+    # What a streaming reply saves every half second; the process then died before its last save.
+    store.update_message(cut.id, "Once upon", {"finished": False, "ttft_s": 0.1, "output_tokens": 2})
+    host = ModelHost()
+    host.backend = EndlessBackend()
+    ui = PagodaUI(store, host)  # a restart: nothing runs
+    assert "interrupted: Pagoda stopped before this reply finished" in ui.history(conv)[-1]["content"]
+
+    other = store.create().id
+    running = start_reply(ui, other, SimpleNamespace(session_hash="page"))
+    streaming = store.messages(other)[-1]
+    store.update_message(streaming.id, "Once", {"finished": False, "ttft_s": 0.1})  # as its half-second saves
+    assert "interrupted" not in ui.history(other)[-1]["content"]  # it is still streaming
+    running.cancel()
+    assert wait_until(running.done.is_set, timeout=10)
+    assert "interrupted" not in ui.history(other)[-1]["content"]  # stopped: it says so, as before
