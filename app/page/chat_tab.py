@@ -108,7 +108,10 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     # left on the message box (a reply whose following was cancelled by switching chats could leave
     # one saying "Error") would block typing the next message. gr.Error still shows as a toast.
     quiet = dict(concurrency_limit=limit, concurrency_id="reply", show_progress="hidden")
-    send = tab.msg.submit(ui.respond, reply_inputs, reply_outputs, api_name="respond", **quiet)
+    # "multiple": Gradio's default for submit ("once") dropped an Enter pressed while the chat answered, without
+    # a word; now respond runs and says why it cannot send yet, and the message stays in the box.
+    send = tab.msg.submit(ui.respond, reply_inputs, reply_outputs, api_name="respond", trigger_mode="multiple",
+                          **quiet)
     send.then(**refresh)
     regen = tab.regen_btn.click(ui.regenerate, [bar.current, tab.system, *tab.sliders], reply_outputs,
                                 api_name="regenerate", **quiet)

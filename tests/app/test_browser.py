@@ -312,3 +312,26 @@ def test_delete_asks_first_and_a_no_keeps_the_chat(session, open_page):
                 timeout=20000)
     assert len(asked) == 2
     page.close()
+
+
+def test_enter_while_the_chat_answers_says_why_and_keeps_the_message(session, open_page):
+    _, client, _ = session
+    running = lambda: client.predict(api_name="/engine_stats")["num_running"]
+    page = open_page()
+    page.get_by_role("button", name="New chat").click()
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    send(page, "Write a very long story about a sailor, with many chapters.")
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    box = page.locator("#message textarea")
+    box.click()
+    box.press_sequentially("And then?", delay=5)
+    box.press("Enter")  # while it still answers
+    wait_for_js(page, "() => document.body.innerText.includes('still answering')", timeout=20000)
+    assert box.input_value() == "And then?"  # nothing typed is lost
+    assert page.locator('#chatbot [data-testid="user"]').count() == 1
+    page.keyboard.press("Escape")
+    deadline = time.time() + 20
+    while running() and time.time() < deadline:
+        time.sleep(0.2)
+    page.close()
