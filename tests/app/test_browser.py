@@ -228,6 +228,15 @@ def test_the_page_chats_on_localhost_too(session, open_page):
     page.close()
 
 
+def start_new_chat(page, text: str) -> None:
+    """New chat, then `text` sent, until the reply's first words show."""
+    page.get_by_role("button", name="New chat").click()
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    send(page, text)
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+
+
 def exported_json(page) -> dict:
     """Click Export JSON once and read the file the browser downloads."""
     import json
@@ -245,14 +254,8 @@ def test_export_downloads_the_chat_on_screen_at_the_first_click(session, open_pa
     page = open_page()
     texts = {}
     for name in ("Alpha", "Beta"):
-        page.get_by_role("button", name="New chat").click()
-        wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0",
-                    timeout=20000)
         texts[name] = f"{name} question: name a colour."
-        send(page, texts[name])
-        wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                          "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }",
-                    timeout=60000)
+        start_new_chat(page, texts[name])
         page.keyboard.press("Escape")  # stopped: the reply is final, so the files are made again
         deadline = time.time() + 20
         while running() and time.time() < deadline:
@@ -275,11 +278,7 @@ def test_export_downloads_the_chat_on_screen_at_the_first_click(session, open_pa
 def test_the_chatbots_own_clear_icon_is_not_offered(session, open_page):
     """Gradio's trash icon cleared only the view: the history was still sent and came back on reload."""
     page = open_page()
-    page.get_by_role("button", name="New chat").click()
-    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
-    send(page, "Say hi.")
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    start_new_chat(page, "Say hi.")
     page.keyboard.press("Escape")
     assert page.locator('#chatbot button[aria-label="Copy conversation"]').is_visible()  # its toolbar is there
     assert page.locator('#chatbot button[aria-label="Clear"]').count() >= 1  # Gradio still renders it...
@@ -318,11 +317,7 @@ def test_enter_while_the_chat_answers_says_why_and_keeps_the_message(session, op
     _, client, _ = session
     running = lambda: client.predict(api_name="/engine_stats")["num_running"]
     page = open_page()
-    page.get_by_role("button", name="New chat").click()
-    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
-    send(page, "Write a very long story about a sailor, with many chapters.")
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    start_new_chat(page, "Write a very long story about a sailor, with many chapters.")
     box = page.locator("#message textarea")
     box.click()
     box.press_sequentially("And then?", delay=5)
