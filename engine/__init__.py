@@ -2,7 +2,7 @@
 from engine.engine_thread import EngineFailed, EngineThread, RequestStream
 from engine.llm_engine import LLM, LLMEngine
 from engine.outputs import EngineStats, KVBlock, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "EngineFailed", "EngineThread", "EngineStats", "KVBlock", "RequestOutput",
-           "RequestStream", "SamplingParams"]
+           "RequestStream", "SamplingParams", "StructuredOutputsParams"]

@@ -36,6 +36,7 @@ from engine.outputs import EngineStats, KVBlock, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.structured_output import StructuredOutputs
 
 log = logging.getLogger("engine")
 
@@ -101,6 +102,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens or default_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._request_ids = count()
         self.num_generated_tokens = 0
@@ -200,6 +202,8 @@ class LLMEngine:
                        self.max_model_len, priority)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if sampling_params.structured_outputs is not None:
+            seq.grammar = self.structured_outputs.grammar(sampling_params.structured_outputs)
         if sampling_params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
         self.requests[seq.request_id] = seq
@@ -220,12 +224,17 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        drained = []
+        in_flight = self._in_flight
+        if in_flight is not None and any(item.samples and item.seq.grammar is not None for item in in_flight.batch):
+            # A constrained request's next mask needs the token in flight: read it back before planning.
+            drained, self._in_flight = self._finish(in_flight), None
         batch = self.scheduler.schedule()
         self.max_batch_size = max(self.max_batch_size, len(batch))
         launched = self._launch(batch) if batch else None
         if self.async_scheduling:  # read back the step before, while the device runs this one
             launched, self._in_flight = self._in_flight, launched
-        return self._finish(launched) if launched else []
+        return drained + (self._finish(launched) if launched else [])
 
     def _launch(self, batch) -> LaunchedStep:
         launched = self.model_runner.launch(batch)
@@ -254,6 +263,8 @@ class LLMEngine:
             if seq.is_finished:  # it stopped, or was aborted, while this step ran: drop the token
                 continue
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.consume(token, seq.request_id)
             if token_logprobs is not None:
                 seq.output_logprobs.append(token_logprobs)
             if len(seq.token_ids) <= seq.num_computed_tokens:  # it was pending, and a launched step's input
@@ -287,6 +298,8 @@ class LLMEngine:
         params = seq.sampling_params
         reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        elif seq.grammar is not None and seq.grammar.finished:  # the reply is complete: nothing more may follow
             reason = "stop"
         elif len(seq.token_ids) >= seq.max_len:  # max_tokens, or the context is full
             reason = "length"

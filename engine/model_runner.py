@@ -37,6 +37,7 @@ from engine.models import model_class
 from engine.scheduler import ScheduledSeq
 from engine.staging import StagingBuffer
 from engine.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step, sampling_columns
+from engine.structured_output import fill_bitmask
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
 
@@ -439,6 +440,12 @@ class ModelRunner:
         if "logit_bias_values" in f:
             bias = torch.zeros(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
             bias.index_put_((i["logit_bias_rows"], i["logit_bias_ids"]), f["logit_bias_values"])
+        grammar_rows = grammar_bitmask = None
+        constrained = [row for row, s in enumerate(batch) if s.seq.grammar is not None]
+        if constrained:  # filled on the host while the device runs this step's forward pass
+            mask = fill_bitmask([batch[row].seq.grammar for row in constrained], self.vocab_size)
+            (grammar_rows,), (grammar_bitmask,) = (self.upload([np.array(constrained, np.int64)], torch.int64),
+                                                   self.upload([mask], torch.int32))
         return SamplingBatch(
             temperatures=f.get("temperatures"),
             top_k=i.get("top_k"),
@@ -452,6 +459,8 @@ class ModelRunner:
             output_counts=counts,
             generators=[s.seq.generator for s in batch],
             all_greedy=columns.all_greedy,
+            grammar_rows=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
         )
 
     @torch.inference_mode()

@@ -1,4 +1,5 @@
 """Per-request sampling settings, with vLLM's names and meanings."""
+import json
 from dataclasses import dataclass, field
 
 # OpenAI's ranges: penalties in [-2, 2] (negative ones encourage repeats), logit biases in [-100, 100].
@@ -7,6 +8,44 @@ MAX_LOGIT_BIAS = 100.0
 # The most top tokens `logprobs` and `prompt_logprobs` may ask for: vLLM's default max_logprobs, and
 # OpenAI's top_logprobs limit. Each asked-for token costs a top-k over the vocabulary per row.
 MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint: the reply must match exactly one of these
+    (engine/structured_output.py compiles it to a token mask with llguidance)."""
+
+    json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the reply is one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's)
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams: give exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams: json is not valid JSON text ({e})") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"StructuredOutputsParams: json must be a JSON schema (an object), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams: {name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"StructuredOutputsParams: choice must be a list of non-empty strings, got "
+                             f"{self.choice!r}")
+
+    def key(self) -> str:
+        """The constraint as one string, the same for equal constraints (compiled grammars are cached by it)."""
+        return json.dumps([self.json, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True)
 
 
 @dataclass
@@ -33,6 +72,8 @@ class SamplingParams:
     logprobs: int | None = None
     # per prompt token after the first, that token and the `prompt_logprobs` most likely ones
     prompt_logprobs: int | None = None
+    # The reply must match a JSON schema, regex, choice or grammar (constrained decoding)
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +110,8 @@ class SamplingParams:
             check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS),
                   f"{name} must be None (off) or an int from 0 to {MAX_LOGPROBS} (the top tokens to return "
                   f"besides the chosen one), got {k!r}")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check(all(isinstance(s, str) and s for s in stop), f"stop must be non-empty strings, got {self.stop!r}")
         self.stop_list = stop

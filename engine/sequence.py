@@ -51,6 +51,9 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             None if sampling_params.prompt_logprobs is None else [None])
         self.wants_logprobs = sampling_params.logprobs is not None or sampling_params.prompt_logprobs is not None
+        # An llguidance matcher when sampling_params.structured_outputs is set: it has taken every output
+        # token the host has read, and masks what may come next (engine/structured_output.py)
+        self.grammar = None
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens

@@ -27,6 +27,9 @@ class SamplingBatch:
     presence_penalties: torch.Tensor | None = None  # [B] float32; with frequency_penalties, both or neither
     frequency_penalties: torch.Tensor | None = None  # [B] float32
     output_counts: torch.Tensor | None = None  # [B, V] float32: how often each token is in the row's output
+    # Constrained rows (structured outputs): their indices, and a bitmask of the tokens each may sample
+    grammar_rows: torch.Tensor | None = None  # [R] int64
+    grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32, bit t of a row set: token t allowed
 
     @property
     def changes_logits(self) -> bool:
@@ -47,6 +50,14 @@ def apply_output_penalties(logits: torch.Tensor, counts: torch.Tensor, presence:
     """OpenAI's presence and frequency penalties, as vLLM applies them: subtract `frequency` for each time
     a token is in the output so far, and `presence` once if it is there at all."""
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The logits with -inf for each token a constrained row's bitmask forbids (out of place: the raw logits
+    stay as they are for logprobs)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
+    return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -136,6 +147,8 @@ class Sampler(nn.Module):
         return "eager"
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.grammar_rows is not None:
+            logits = apply_grammar_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         if batch.all_greedy and not batch.changes_logits:
             return logits.argmax(dim=-1)  # exact in half precision too: no float32 copy of the logits needed
         noise = None

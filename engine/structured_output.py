@@ -1,0 +1,137 @@
+"""Constrained decoding: a reply held to a JSON schema, a regex, a choice or a grammar.
+
+llguidance compiles each constraint to a matcher that, token by token, knows which tokens may come
+next. Each step, the host fills one bitmask row per constrained request (while the device runs the
+forward pass), the sampler sets the logits of the tokens a row forbids to -inf, and after sampling
+each matcher takes its request's token. Free and constrained requests share the step; the prefix
+cache is untouched, since only sampling changes.
+
+llguidance rather than xgrammar, measured on the bundled SmolLM2's 49k-token vocabulary
+(bench/RESULTS.md, "Structured output"): both compile a schema in a few ms and fill a mask in
+microseconds (llguidance ~12 us, xgrammar ~5 us per row), but xgrammar needs triton and
+apache-tvm-ffi on every install, and llguidance needs nothing.
+"""
+import json
+import logging
+from functools import lru_cache
+
+import numpy as np
+
+from engine.sampling_params import StructuredOutputsParams
+
+log = logging.getLogger("engine")
+
+# JSON as json.dumps writes it: one space after ':' and ',' and no other whitespace. Free whitespace
+# lets a small model write newlines until max_tokens instead of the next key.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The constraint as an llguidance grammar."""
+    import llguidance
+
+    Matcher = llguidance.LLMatcher
+    if params.json is not None:
+        return Matcher.grammar_from_json_schema(json.dumps(params.json), defaults=JSON_OPTIONS)
+    if params.json_object:
+        return Matcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+    if params.regex is not None:
+        return Matcher.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        return Matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to it
+
+
+class StructuredOutputs:
+    """One engine's constraint compiler: the model's vocabulary as llguidance sees it (built on first
+    use, about 0.3 s) and a cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+        self.hf_tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
+        self._tokenizer = None
+        self._compiled: dict[str, str] = {}  # StructuredOutputsParams.key() -> grammar, the newest last
+
+    def _grammar(self, params: StructuredOutputsParams) -> str:
+        key = params.key()
+        grammar = self._compiled.pop(key, None) or self._compile(params)
+        self._compiled[key] = grammar
+        if len(self._compiled) > 64:  # a server's clients repeat a few schemas: keep the recent ones
+            del self._compiled[next(iter(self._compiled))]
+        return grammar
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import PreTrainedTokenizerFast
+
+            if not isinstance(self.hf_tokenizer, PreTrainedTokenizerFast):
+                raise ValueError("structured outputs need a fast (Rust) tokenizer, and this model's is "
+                                 f"{type(self.hf_tokenizer).__name__}; load a model with a tokenizer.json")
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=self.eos_token_ids or None)
+        return self._tokenizer
+
+    def _compile(self, params: StructuredOutputsParams) -> str:
+        import llguidance
+
+        try:
+            grammar = grammar_text(params)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ValueError(f"structured_outputs: the constraint does not compile: {error.strip()}")
+        return grammar
+
+    def grammar(self, params: StructuredOutputsParams) -> "Grammar":
+        """A fresh matcher for one request; raises ValueError, naming the problem, for a constraint that
+        does not compile (an invalid schema, regex or grammar)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, self._grammar(params), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+        return Grammar(matcher, self.eos_token_ids)
+
+
+class Grammar:
+    """One request's constraint as its reply grows: the matcher has taken every output token the host has read."""
+
+    def __init__(self, matcher, eos_token_ids: list[int]):
+        self.matcher, self.eos_token_ids = matcher, eos_token_ids
+
+    @property
+    def finished(self) -> bool:
+        """The reply is complete: nothing may follow (it has taken the end of the reply, or failed)."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def consume(self, token: int, request_id: str) -> None:
+        """Take the request's sampled token (which its mask allowed)."""
+        if not self.matcher.consume_token(token) and self.matcher.is_error():
+            log.warning("request %s: the constraint refused token %d: %s", request_id, token,
+                        self.matcher.get_error())
+
+
+@lru_cache(maxsize=1)
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor()
+
+
+def fill_bitmask(grammars: list[Grammar], vocab_size: int) -> np.ndarray:
+    """One row per grammar of 32-bit words, bit t of the row set when token t may come next. A grammar
+    that has finished allows only the end of the reply."""
+    import llguidance.torch as lt
+    import torch
+
+    bitmask = torch.zeros(len(grammars), (vocab_size + 31) // 32, dtype=torch.int32)
+    live = [(g.matcher, row) for row, g in enumerate(grammars) if not g.finished]
+    if live:
+        lt.fill_next_token_bitmask_par(_executor(), live, bitmask)
+    mask = bitmask.numpy()
+    for row in np.flatnonzero(~mask.any(axis=1)):  # nothing allowed: end the reply rather than sample at random
+        for eos in grammars[row].eos_token_ids:
+            mask[row, eos // 32] |= np.array(1 << (eos % 32), np.uint32).view(np.int32)
+    return mask

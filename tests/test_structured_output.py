@@ -1,0 +1,174 @@
+"""Constrained decoding (SamplingParams.structured_outputs): every reply matches its constraint, free rows
+beside constrained ones are unchanged, and the prefix cache, preemption and async scheduling still hold."""
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.layers.sampler import apply_grammar_bitmask
+from engine.loader.bundled import bundled_gguf_path
+
+# Objects, enums, integer ranges, arrays and additionalProperties: false: far beyond what a 135M model
+# follows unaided, so every valid reply is the constraint's doing.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                    "required": ["city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "color", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+def constrained(**constraint) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**constraint)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM(str(bundled_gguf_path()), num_kvcache_blocks=256, max_model_len=1024)
+
+
+@pytest.mark.timeout(600)
+def test_every_sampled_reply_of_the_bundled_model_validates_against_the_schema(smollm2):
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Describe a person."}])
+    params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=160,
+                             structured_outputs=constrained(json=PERSON)) for seed in range(12)]
+    outs = smollm2.generate([prompt] * len(params), params, use_tqdm=False)
+    for out in outs:
+        assert out["finish_reason"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), PERSON)
+    assert len({o["text"] for o in outs}) > 6  # sampled, not one reply repeated
+
+
+def test_unconstrained_the_bundled_model_does_not_follow_the_schema(smollm2):
+    """The control for the test above: without the mask, the same request is not valid JSON of the schema."""
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Describe a person."}])
+    out = smollm2.generate([prompt], SamplingParams(temperature=0, max_tokens=160), use_tqdm=False)[0]
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(out["text"]), PERSON)
+
+
+def test_regex_choice_json_object_and_grammar(smollm2):
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Give me a phone number."}])
+    lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[1-9][0-9]{0,2}/'
+    gbnf = 'root ::= "yes" | "no" | "maybe"'
+    cases = [(constrained(regex=r"\d{3}-\d{4}"), lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
+             (constrained(choice=["alpha", "beta gamma"]), lambda t: t in ("alpha", "beta gamma")),
+             (constrained(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+             (constrained(grammar=lark), lambda t: re.fullmatch(r"The answer is [1-9][0-9]{0,2}\.", t)),
+             (constrained(grammar=gbnf), lambda t: t in ("yes", "no", "maybe"))]
+    params = [SamplingParams(temperature=0.7, seed=3, max_tokens=200, structured_outputs=c) for c, _ in cases]
+    outs = smollm2.generate([prompt] * len(cases), params, use_tqdm=False)
+    for (_, ok), out in zip(cases, outs):
+        assert ok(out["text"]), out["text"]
+        assert out["finish_reason"] == "stop"
+
+
+def test_free_rows_beside_constrained_ones_are_unchanged(tiny_qwen2, random_prompt, make_llm):
+    prompts = [random_prompt(12 + i, i) for i in range(4)]
+    free = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2
+    alone = make_llm(tiny_qwen2).generate(prompts[:2], free, use_tqdm=False)
+    mixed = make_llm(tiny_qwen2).generate(
+        prompts, free + [SamplingParams(temperature=0, max_tokens=16, structured_outputs=constrained(regex="[a-z ]+x")),
+                         SamplingParams(temperature=0.9, seed=1, max_tokens=16,
+                                        structured_outputs=constrained(choice=["fox", "dog"]))],
+        use_tqdm=False)
+    assert [o["token_ids"] for o in mixed[:2]] == [o["token_ids"] for o in alone]
+    assert re.fullmatch("[a-z ]+x", mixed[2]["text"]) or mixed[2]["finish_reason"] == "length"
+    assert mixed[3]["text"] in ("fox", "dog")
+
+
+def test_a_constrained_greedy_token_is_the_masked_argmax(tiny_qwen2, random_prompt, make_llm, hf_model):
+    """The sampler drops exactly the forbidden tokens: with a choice of words, the first greedy token is the
+    one transformers' logits rank highest among the tokens that start one of the words."""
+    llm = make_llm(tiny_qwen2)
+    tok = llm.tokenizer
+    words = ["quick brown", "lazy dog", "paged attention"]
+    starts = [t for t in range(len(tok)) if (text := tok.decode([t])) and any(w.startswith(text) for w in words)]
+    assert len(starts) > 3
+    for seed in range(4):
+        prompt = random_prompt(10, 50 + seed)
+        with torch.no_grad():
+            logits = hf_model(tiny_qwen2)(torch.tensor([prompt])).logits[0, -1]
+        expected = starts[int(logits[starts].argmax())]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                    structured_outputs=constrained(choice=words)), use_tqdm=False)[0]
+        assert out["token_ids"][0] == expected
+        assert out["text"] in words
+
+
+def test_constrained_requests_share_the_prefix_cache(tiny_qwen2, random_prompt, make_llm):
+    llm = make_llm(tiny_qwen2)
+    prompt = random_prompt(40, 9)
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                  structured_outputs=constrained(regex="[0-9]{4}")), use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == 32  # two full 16-token blocks of the same prompt
+    assert re.fullmatch("[0-9]{4}", again["text"])
+    after = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert after["token_ids"] == free["token_ids"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_and_async_constrained_requests_still_match(tiny_qwen2, random_prompt, make_llm, async_scheduling):
+    """Few KV blocks force preemption (recomputed requests must not feed their tokens to the matcher again);
+    async scheduling must read a constrained request's token back before masking its next one."""
+    llm = make_llm(tiny_qwen2, num_kvcache_blocks=12, async_scheduling=async_scheduling)
+    prompts = [random_prompt(20, 30 + i) for i in range(6)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=64,
+                             structured_outputs=constrained(regex="(ab|cd){12,30}")) for i in range(6)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    for out in outs:
+        assert re.fullmatch("(ab|cd){12,30}", out["text"]), out
+        assert out["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("constraint, named", [
+    (dict(json={"type": "objekt"}), "objekt"),
+    (dict(regex="a(b"), "unclosed group"),
+    (dict(grammar='start: "a" undefined_rule'), "undefined_rule"),
+    (dict(json="{not json"), "not valid JSON"),
+])
+def test_an_invalid_constraint_is_refused_with_its_reason_and_changes_nothing(tiny_qwen2, make_llm, constraint,
+                                                                              named):
+    llm = make_llm(tiny_qwen2)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        llm.add_request([5, 6, 7], SamplingParams(structured_outputs=constrained(**constraint)))
+    assert not llm.has_unfinished_requests() and not llm.requests
+
+
+def test_structured_outputs_params_want_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one of .*got json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="choice must be a list of non-empty strings"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})
+
+
+def test_the_bitmask_forbids_exactly_its_cleared_bits():
+    logits = torch.randn(3, 70)
+    allowed = {1: [0, 31, 32, 69], 2: [5]}
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    for i, tokens in enumerate(allowed.values()):
+        for t in tokens:
+            bitmask[i, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    out = apply_grammar_bitmask(logits, torch.tensor([1, 2]), bitmask)
+    assert torch.equal(out[0], logits[0])  # an unconstrained row
+    for row, tokens in allowed.items():
+        finite = torch.isfinite(out[row]).nonzero().flatten().tolist()
+        assert finite == tokens
+        assert torch.equal(out[row, tokens], logits[row, tokens])
+    assert torch.isfinite(logits).all()  # out of place: the raw logits stay for logprobs
