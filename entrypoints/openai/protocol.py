@@ -9,7 +9,23 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_PENALTY
+from engine.sampling_params import MAX_LOGPROBS, MAX_PENALTY, StructuredOutputsParams
+
+# Fields of OpenAI's (or vLLM's) that would change the reply and that Pagoda does not do: refused by name
+# rather than ignored. Other unknown fields (`user`, `metadata`, `store`, ...) change nothing here.
+REFUSED_FIELDS = {
+    "functions": "functions is OpenAI's old form of tools: send `tools` instead",
+    "function_call": "function_call is OpenAI's old form of tool_choice: send `tool_choice` instead",
+    "audio": "audio output is not supported: Pagoda's models write text",
+    "modalities": "modalities is not supported: Pagoda's models write text only; leave it out",
+    "prediction": "prediction (predicted outputs) is not supported; leave it out",
+    "web_search_options": "web search is not supported: Pagoda runs offline; leave it out",
+    "best_of": "best_of is not supported: Pagoda returns one choice per request",
+    "use_beam_search": "beam search is not supported; sample instead",
+}
+# vLLM's older names for structured_outputs' fields
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class APIError(Exception):
@@ -24,7 +40,7 @@ class APIError(Exception):
 
 
 class RequestBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # e.g. `user`, which changes nothing here
+    model_config = ConfigDict(extra="allow")  # kept to be checked against REFUSED_FIELDS, then ignored
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -44,15 +60,42 @@ class RequestBody(BaseModel):
     # vLLM's: lower is more urgent. A request waits while a more urgent one runs (0 is the default).
     priority: int = 0
     reasoning_effort: str | None = None
+    # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict | None = None
+    # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
+    structured_outputs: dict | None = None
 
     def check_supported(self) -> None:
         """Fields Pagoda would otherwise ignore: refuse them rather than answer something else."""
+        for name in self.model_extra or {}:
+            if name in REFUSED_FIELDS:
+                raise APIError(400, REFUSED_FIELDS[name], param=name)
         if self.n != 1:
             raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead",
                            param="n")
         if self.reasoning_effort is not None:
             raise APIError(400, "reasoning_effort is not supported: Pagoda has no thinking switch for this model; "
                                 "leave it out", param="reasoning_effort")
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the reply must match: response_format, structured_outputs or vLLM's guided_* fields."""
+        given = {name: value for name, value in (self.model_extra or {}).items()
+                 if name in GUIDED_FIELDS and value is not None}
+        asked = [name for name, value in (("response_format", self.response_format is not None
+                                           and self.response_format.get("type") != "text"),
+                                          ("structured_outputs", self.structured_outputs)) if value] + list(given)
+        if len(asked) > 1:
+            raise APIError(400, f"{' and '.join(asked)} both constrain the reply; send one of them", param=asked[1])
+        try:
+            if given:
+                (name, value), = given.items()
+                return StructuredOutputsParams(**{GUIDED_FIELDS[name]: value})
+            if self.structured_outputs:
+                return StructuredOutputsParams(**self.structured_outputs)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e).replace("StructuredOutputsParams", "structured_outputs"),
+                           param=asked[0]) from None
+        return response_format_constraint(self.response_format)
 
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias with int token ids."""
@@ -70,9 +113,55 @@ class RequestBody(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
+def response_format_constraint(response_format: dict | None) -> StructuredOutputsParams | None:
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise APIError(400, f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got "
+                            f"{kind!r}", param="response_format.type")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise APIError(400, "response_format.json_schema.schema must be a JSON schema (an object); send "
+                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       param="response_format.json_schema")
+    return StructuredOutputsParams(json=schema)
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as OpenAI returned them
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's reasoning, as Pagoda returned it: not fed back, as the models' templates intend
+    reasoning_content: str | None = None
+
+    def for_template(self, index: int) -> dict:
+        """The message as chat templates take it."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise APIError(400, f"messages.{index}: only assistant messages have tool_calls",
+                               param=f"messages.{index}.tool_calls")
+            for j, call in enumerate(self.tool_calls):
+                function = call.get("function")
+                if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                        and isinstance(function.get("arguments"), (str, dict))):
+                    raise APIError(400, f"messages.{index}.tool_calls.{j} must be {{\"id\": ..., \"type\": "
+                                        "\"function\", \"function\": {\"name\": ..., \"arguments\": ...}}",
+                                   param=f"messages.{index}.tool_calls")
+            message["tool_calls"] = self.tool_calls
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -86,14 +175,28 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+# Arguments apply_chat_template takes itself: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                            "return_tensors", "return_dict", "continue_final_message", "chat_template", "tokenizer"}
+
+
 class ChatCompletionBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool = True
+    # Extra variables for the chat template, as vLLM takes them: e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: Pagoda sets those itself",
+                           param="chat_template_kwargs")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: set logprobs to true as well", param="top_logprobs")
 

@@ -30,6 +30,13 @@ from entrypoints.openai.protocol import (
     RequestBody,
     parse_body,
 )
+from entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    ToolPlan,
+    plan_tools,
+    prompt_messages,
+    template_knows_tools,
+)
 
 log = logging.getLogger("pagoda.api")
 
@@ -101,13 +108,21 @@ def create_router(models: ModelSource, api_key: str | None = None,
                            code="model_not_found", param="model")
         return model
 
+    def model_card(model: ServedModel) -> dict:
+        return {"id": model.name, "object": "model", "created": 0, "owned_by": "pagoda",
+                "max_model_len": model.engine.max_model_len}
+
     @router.get("/models")
     async def list_models(request: Request):
         async def handler():
             model = models()
-            data = [] if model is None else [{"id": model.name, "object": "model", "created": 0, "owned_by": "pagoda",
-                                               "max_model_len": model.engine.max_model_len}]
-            return {"object": "list", "data": data}
+            return {"object": "list", "data": [] if model is None else [model_card(model)]}
+        return await guarded(request, handler)
+
+    @router.get("/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str):
+        async def handler():
+            return model_card(served(model_id))
         return await guarded(request, handler)
 
     @router.post("/chat/completions")
@@ -115,12 +130,18 @@ def create_router(models: ModelSource, api_key: str | None = None,
         async def handler():
             body = await parse_body(request, ChatCompletionBody, max_request_bytes)
             model = served(body.model)
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in body.messages]
-            refuse_what_cannot_fit(model.engine, sum(len(m["content"]) for m in messages), "messages")
-            token_ids = await anyio.to_thread.run_sync(encode_chat, model.engine, messages)
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            knows_tools = template_knows_tools(model.engine.tokenizer.chat_template)
+            tools = plan.template_tools() if plan else None
+            messages = prompt_messages([m.for_template(i) for i, m in enumerate(body.messages)], tools, knows_tools)
+            refuse_what_cannot_fit(model.engine, sum(len(json.dumps(m)) for m in messages), "messages")
+            template_kwargs = dict(body.chat_template_kwargs or {})
+            if tools and knows_tools:
+                template_kwargs["tools"] = tools
+            token_ids = await anyio.to_thread.run_sync(lambda: encode_chat(model.engine, messages, **template_kwargs))
             max_tokens = body.max_completion_tokens or body.max_tokens
-            return await complete(request, model, body, token_ids, max_tokens, default_max_tokens, chat=True)
+            return await complete(request, model, body, token_ids, max_tokens, default_max_tokens, chat=True,
+                                  tools=plan)
         return await guarded(request, handler)
 
     @router.post("/completions")
@@ -168,16 +189,21 @@ def refuse_what_cannot_fit(engine: EngineThread, chars: int, param: str) -> None
                        code="context_length_exceeded", param=param)
 
 
-def encode_chat(engine: EngineThread, messages: list[dict]) -> list[int]:
+def encode_chat(engine: EngineThread, messages: list[dict], **template_kwargs) -> list[int]:
     """The conversation through the engine's one chat encoder, which the app's chats use too."""
+    from jinja2 import TemplateError
+
     try:
-        return engine.encode_chat(messages)
+        return engine.encode_chat(messages, **template_kwargs)
     except ValueError as e:  # e.g. a model without a chat template
         raise APIError(400, f"{e}; use /v1/completions with a plain prompt") from None
+    except TemplateError as e:  # the template refuses the conversation (e.g. roles out of order)
+        raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
 
 
 def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int | None,
-                    max_model_len: int, default_max_tokens: int | None = None) -> SamplingParams:
+                    max_model_len: int, default_max_tokens: int | None = None,
+                    tools: ToolPlan | None = None) -> SamplingParams:
     """The request's sampling settings. Without max_tokens: `default_max_tokens`, or as many as the
     context has room for, whichever is fewer."""
     room = max_model_len - num_prompt_tokens
@@ -201,12 +227,19 @@ def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int |
             max_tokens = 1
     if max_tokens is None:
         max_tokens = min(room, default_max_tokens or room)
+    constraint = body.constraint()
+    forced = tools.constraint() if tools else None
+    if forced is not None:
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {tools.mode!r} holds the reply to tool calls, so it cannot also follow "
+                                "response_format; send one of them", param="response_format")
+        constraint = forced
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                               repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, logit_bias=body.token_biases(),
                               max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
@@ -228,9 +261,9 @@ def token_texts(tokenizer) -> TokenTexts:
 
 async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int],
                    max_tokens: int | None, default_max_tokens: int | None, chat: bool,
-                   echo: Echo | None = None) -> object:
+                   echo: Echo | None = None, tools: ToolPlan | None = None) -> object:
     engine = model.engine
-    params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len, default_max_tokens)
+    params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len, default_max_tokens, tools)
     try:
         stream = await anyio.to_thread.run_sync(engine.submit, token_ids, params, body.priority)
     except (ValueError, TypeError) as e:
@@ -238,7 +271,8 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
     texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
-    reply = Reply(model.name, chat, len(token_ids), params.logprobs, texts, echo)
+    reply = Reply(model.name, chat, len(token_ids), params.logprobs, texts, echo,
+                  ToolCallStream(tools) if tools and tools.mode != "none" else None)
     request_log.record(request, reply)
     if body.stream:
         return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
@@ -260,7 +294,7 @@ class Reply:
     completion's prompt, which comes first in its text (and its logprobs, when asked)."""
 
     def __init__(self, model_name: str, chat: bool, num_prompt_tokens: int, logprobs: int | None = None,
-                 texts: TokenTexts | None = None, echo: Echo | None = None):
+                 texts: TokenTexts | None = None, echo: Echo | None = None, tools: ToolCallStream | None = None):
         self.model_name, self.chat = model_name, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -272,6 +306,14 @@ class Reply:
         self.entries: list[dict[int, float]] = []
         self.prompt_entries: list[dict[int, float] | None] | None = None
         self.text_sent = 0  # characters of a streamed completion's text sent so far (its tokens' text_offset)
+        self.tools = tools  # parses tool calls out of the text, when the request has tools
+
+    @property
+    def choice_finish_reason(self) -> str | None:
+        """OpenAI's: "tool_calls" when a reply that ended by itself called tools."""
+        if self.tools is not None and self.tools.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
 
     def count(self, out) -> None:
         self.cached_tokens = out.num_cached_tokens
@@ -312,17 +354,25 @@ class Reply:
             ids, entries = prompt_ids + ids, prompt_entries + entries
         logprobs = self.choice_logprobs(ids, entries)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": self.finish_reason}
+            message = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                content, _ = self.tools.feed(text)
+                rest, _ = self.tools.finish()
+                message["content"] = (content + rest) or None if self.tools.calls else content + rest
+                if self.tools.calls:
+                    message["tool_calls"] = self.tools.calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.choice_finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model_name,
                 "choices": [choice], "usage": self.usage()}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -348,13 +398,22 @@ class Reply:
                 self.text_sent = len(self.echo.text)
                 if self.echo.only:
                     continue
+            text, calls = out.new_text, None
+            if self.tools is not None:
+                text, calls = self.tools.feed(text)
+                if calls:
+                    yield event(self.chunk(None, tool_calls=calls))
             # A token whose text is held back (a partial character, a possible stop string) still
             # brings its logprobs.
-            if out.new_text or (self.logprobs is not None and out.logprobs):
+            if text or (self.logprobs is not None and out.logprobs):
                 logprobs = self.choice_logprobs(out.new_token_ids, out.logprobs or [], self.text_sent)
-                yield event(self.chunk(out.new_text, logprobs=logprobs))
-                self.text_sent += len(out.new_text)
-        yield event(self.chunk(None if self.chat else "", self.finish_reason))
+                yield event(self.chunk(text, logprobs=logprobs))
+                self.text_sent += len(text)
+        if self.tools is not None:
+            text, calls = self.tools.finish()
+            if text or calls:
+                yield event(self.chunk(text or None, tool_calls=calls))
+        yield event(self.chunk(None if self.chat else "", self.choice_finish_reason))
         if include_usage:
             yield event({"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
                          "created": self.created, "model": self.model_name, "choices": [], "usage": self.usage()})
