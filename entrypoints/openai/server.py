@@ -19,6 +19,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from engine import EngineThread, RequestStream, SamplingParams
+from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.openai import request_log
 from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
@@ -271,8 +272,12 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
     texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
+    reasoning = None
+    if chat and template_thinks(engine.tokenizer.chat_template) and not (tools and tools.constraint()):
+        prompt_tail = await anyio.to_thread.run_sync(engine.tokenizer.decode, token_ids[-8:])
+        reasoning = ReasoningSplitter(in_reasoning=prompt_opens_reasoning(prompt_tail))
     reply = Reply(model.name, chat, len(token_ids), params.logprobs, texts, echo,
-                  ToolCallStream(tools) if tools and tools.mode != "none" else None)
+                  ToolCallStream(tools) if tools and tools.mode != "none" else None, reasoning)
     request_log.record(request, reply)
     if body.stream:
         return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
@@ -281,6 +286,8 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
     async for out in stream:
         reply.count(out)
         text.append(out.new_text)
+        if reply.chat:
+            reply.take(out)
         if await request.is_disconnected():
             stream.cancel()
             return JSONResponse({}, status_code=499)
@@ -294,7 +301,8 @@ class Reply:
     completion's prompt, which comes first in its text (and its logprobs, when asked)."""
 
     def __init__(self, model_name: str, chat: bool, num_prompt_tokens: int, logprobs: int | None = None,
-                 texts: TokenTexts | None = None, echo: Echo | None = None, tools: ToolCallStream | None = None):
+                 texts: TokenTexts | None = None, echo: Echo | None = None, tools: ToolCallStream | None = None,
+                 reasoning: ReasoningSplitter | None = None):
         self.model_name, self.chat = model_name, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -307,6 +315,27 @@ class Reply:
         self.prompt_entries: list[dict[int, float] | None] | None = None
         self.text_sent = 0  # characters of a streamed completion's text sent so far (its tokens' text_offset)
         self.tools = tools  # parses tool calls out of the text, when the request has tools
+        self.reasoning = reasoning  # splits a thinking model's reasoning from its answer
+        self.reasoning_tokens = 0
+        self.content: list[str] = []  # a chat reply's content, as `take` has split it
+
+    def take(self, out, final: bool = False) -> tuple[str, str, list[dict]]:
+        """A chat increment's text as (reasoning, content, tool-call deltas); `final`: after the last
+        increment, what was held back. The content is kept for `whole`."""
+        text = "" if final else out.new_text
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.finish() if final else self.reasoning.feed(text)
+            if reasoning and not text and out is not None:
+                self.reasoning_tokens += len(out.new_token_ids)
+        calls = []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            if final:
+                more, more_calls = self.tools.finish()
+                text, calls = text + more, calls + more_calls
+        self.content.append(text)
+        return reasoning, text, calls
 
     @property
     def choice_finish_reason(self) -> str | None:
@@ -342,9 +371,12 @@ class Reply:
         return ids, self.prompt_entries or [None] * len(ids)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
     def whole(self, text: str) -> dict:
         ids, entries = self.token_ids, self.entries
@@ -354,13 +386,13 @@ class Reply:
             ids, entries = prompt_ids + ids, prompt_entries + entries
         logprobs = self.choice_logprobs(ids, entries)
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                content, _ = self.tools.feed(text)
-                rest, _ = self.tools.finish()
-                message["content"] = (content + rest) or None if self.tools.calls else content + rest
-                if self.tools.calls:
-                    message["tool_calls"] = self.tools.calls
+            self.take(None, final=True)
+            content = "".join(self.content)
+            message = {"role": "assistant", "content": content or None if self.tools and self.tools.calls else content}
+            if self.reasoning is not None and self.reasoning.reasoning:
+                message["reasoning_content"] = self.reasoning.reasoning
+            if self.tools is not None and self.tools.calls:
+                message["tool_calls"] = self.tools.calls
             choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.choice_finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
@@ -368,9 +400,11 @@ class Reply:
                 "choices": [choice], "usage": self.usage()}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None, reasoning: str = "") -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if tool_calls:
                 delta["tool_calls"] = tool_calls
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -398,21 +432,21 @@ class Reply:
                 self.text_sent = len(self.echo.text)
                 if self.echo.only:
                     continue
-            text, calls = out.new_text, None
-            if self.tools is not None:
-                text, calls = self.tools.feed(text)
-                if calls:
-                    yield event(self.chunk(None, tool_calls=calls))
+            reasoning, text, calls = self.take(out) if self.chat else ("", out.new_text, [])
+            if reasoning:
+                yield event(self.chunk(None, reasoning=reasoning))
+            if calls:
+                yield event(self.chunk(None, tool_calls=calls))
             # A token whose text is held back (a partial character, a possible stop string) still
             # brings its logprobs.
             if text or (self.logprobs is not None and out.logprobs):
                 logprobs = self.choice_logprobs(out.new_token_ids, out.logprobs or [], self.text_sent)
                 yield event(self.chunk(text, logprobs=logprobs))
                 self.text_sent += len(text)
-        if self.tools is not None:
-            text, calls = self.tools.finish()
-            if text or calls:
-                yield event(self.chunk(text or None, tool_calls=calls))
+        if self.chat:
+            reasoning, text, calls = self.take(None, final=True)
+            if reasoning or text or calls:
+                yield event(self.chunk(text or None, tool_calls=calls, reasoning=reasoning))
         yield event(self.chunk(None if self.chat else "", self.choice_finish_reason))
         if include_usage:
             yield event({"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
