@@ -30,7 +30,7 @@ from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.linear import OneDNNMatmul, PackableLinear, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
-from engine.layers.sampler import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs
+from engine.layers.sampler import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs, unpack_bitmask
 from engine.loader import GGUFCheckpoint, checkpoint_numel, load_tensors, load_weights, safetensors_files
 from engine.memory import check_host_memory
 from engine.models import model_class
@@ -440,12 +440,18 @@ class ModelRunner:
         if "logit_bias_values" in f:
             bias = torch.zeros(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
             bias.index_put_((i["logit_bias_rows"], i["logit_bias_ids"]), f["logit_bias_values"])
-        grammar_rows = grammar_bitmask = None
+        grammar_rows = grammar_allowed = None
         constrained = [row for row, s in enumerate(batch) if s.seq.grammar is not None]
         if constrained:  # filled on the host while the device runs this step's forward pass
-            mask = fill_bitmask([batch[row].seq.grammar for row in constrained], self.vocab_size)
-            (grammar_rows,), (grammar_bitmask,) = (self.upload([np.array(constrained, np.int64)], torch.int64),
-                                                   self.upload([mask], torch.int32))
+            mask = fill_bitmask([batch[row].seq.grammar for row in constrained], self.vocab_size,
+                                parallel=self.device.type != "cpu")
+            (grammar_rows,) = self.upload([np.array(constrained, np.int64)], torch.int64)
+            if self.device.type == "cpu":  # numpy unpacks the bits in one C pass
+                bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
+                grammar_allowed = torch.from_numpy(bits.view(np.bool_))
+            else:  # a 32x smaller transfer, unpacked on the device
+                (words,) = self.upload([mask], torch.int32)
+                grammar_allowed = unpack_bitmask(words, self.vocab_size)
         return SamplingBatch(
             temperatures=f.get("temperatures"),
             top_k=i.get("top_k"),
@@ -460,7 +466,7 @@ class ModelRunner:
             generators=[s.seq.generator for s in batch],
             all_greedy=columns.all_greedy,
             grammar_rows=grammar_rows,
-            grammar_bitmask=grammar_bitmask,
+            grammar_allowed=grammar_allowed,
         )
 
     @torch.inference_mode()

@@ -120,16 +120,21 @@ def _executor():
     return llguidance.LLExecutor()
 
 
-def fill_bitmask(grammars: list[Grammar], vocab_size: int) -> np.ndarray:
+def fill_bitmask(grammars: list[Grammar], vocab_size: int, parallel: bool = False) -> np.ndarray:
     """One row per grammar of 32-bit words, bit t of the row set when token t may come next. A grammar
-    that has finished allows only the end of the reply."""
+    that has finished allows only the end of the reply. `parallel`: on llguidance's thread pool, for a
+    host that is otherwise waiting for its GPU; on a CPU the pool's threads would take the cores the
+    forward pass needs next (bench/structured_output.py)."""
     import llguidance.torch as lt
     import torch
 
     bitmask = torch.zeros(len(grammars), (vocab_size + 31) // 32, dtype=torch.int32)
     live = [(g.matcher, row) for row, g in enumerate(grammars) if not g.finished]
-    if live:
+    if parallel and live:
         lt.fill_next_token_bitmask_par(_executor(), live, bitmask)
+    else:
+        for matcher, row in live:
+            lt.fill_next_token_bitmask(matcher, bitmask, row)
     mask = bitmask.numpy()
     for row in np.flatnonzero(~mask.any(axis=1)):  # nothing allowed: end the reply rather than sample at random
         for eos in grammars[row].eos_token_ids:

@@ -29,7 +29,7 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None  # [B, V] float32: how often each token is in the row's output
     # Constrained rows (structured outputs): their indices, and a bitmask of the tokens each may sample
     grammar_rows: torch.Tensor | None = None  # [R] int64
-    grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32, bit t of a row set: token t allowed
+    grammar_allowed: torch.Tensor | None = None  # [R, V] bool: the tokens each may sample
 
     @property
     def changes_logits(self) -> bool:
@@ -52,11 +52,17 @@ def apply_output_penalties(logits: torch.Tensor, counts: torch.Tensor, presence:
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """The logits with -inf for each token a constrained row's bitmask forbids (out of place: the raw logits
-    stay as they are for logprobs)."""
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, ceil(V / 32)] int32 words -> [R, V] bool, bit t of a row (little-endian) for token t."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
+    return ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+
+
+def apply_grammar_mask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The logits with -inf for each token a constrained row may not sample (out of place: the raw logits
+    stay as they are for logprobs). `allowed`: [len(rows), V] bool."""
+    if len(rows) == logits.shape[0]:  # every row constrained (rows are in order): one pass
+        return torch.where(allowed, logits, float("-inf"))
     return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, float("-inf")))
 
 
@@ -104,6 +110,18 @@ def pick_tokens(logits: torch.Tensor, temperatures: torch.Tensor | None, top_k: 
     return torch.where(temperatures > 0, sampled, greedy)
 
 
+def exponential_noise(shape: torch.Size, device: torch.device,
+                      generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exponential(1) draws as -log(U), U uniform: on a CPU 5x faster than `exponential_` (0.16 against
+    0.9 ms per 49k-token row, some 30 ms of a 100 ms batch-32 step). A U of exactly 0 (2^-24 per token)
+    gives an infinite draw, which only takes that token out of the race. Seeded rows draw their own."""
+    uniform = torch.rand(shape, dtype=torch.float32, device=device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row] = torch.rand(shape[1:], dtype=torch.float32, device=device, generator=generator)
+    return uniform.log_().neg_()
+
+
 class CompiledPick:
     """`pick_tokens` through torch.compile, for batches of at least `min_rows` rows.
 
@@ -148,15 +166,12 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.grammar_rows is not None:
-            logits = apply_grammar_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
+            logits = apply_grammar_mask(logits, batch.grammar_rows, batch.grammar_allowed)
         if batch.all_greedy and not batch.changes_logits:
             return logits.argmax(dim=-1)  # exact in half precision too: no float32 copy of the logits needed
         noise = None
         if not batch.all_greedy:
-            noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
-            for row, generator in enumerate(batch.generators):
-                if generator is not None:
-                    noise[row].exponential_(generator=generator)
+            noise = exponential_noise(logits.shape, logits.device, batch.generators)
         return self.pick(logits, None if batch.all_greedy else batch.temperatures, batch.top_k, batch.top_p,
                          batch.min_p, batch.repetition_penalties, batch.seen_tokens, noise, batch.logit_bias,
                          batch.presence_penalties, batch.frequency_penalties, batch.output_counts)
