@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from app.visualizer import render_kv_cache
-from engine import EngineThread, RequestStream, SamplingParams
+from engine import EngineThread, RequestStream, SamplingParams, StructuredOutputsParams
+from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 
 if TYPE_CHECKING:
     from app.store import Message
 
 DEFAULT_SETTINGS = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-                    "max_tokens": 512, "seed": None}
+                    "max_tokens": 512, "seed": None,
+                    # per chat: let a thinking model reason first; hold replies to JSON (to a schema, when given)
+                    "think": True, "json_output": False, "json_schema": ""}
 MIN_REPLY_ROOM = 64  # tokens of room a chat needs for its reply before it is refused as too long
 
 
@@ -35,6 +38,7 @@ class ReplyDelta:
     cached_tokens: int | None = None  # prompt tokens the prefix cache served, once known
     prompt_tokens: int | None = None  # the server's own count, on a remote reply's last increment
     completion_tokens: int | None = None  # likewise
+    reasoning: str = ""  # a thinking model's reasoning this increment brings (the answer is in `text`)
 
 
 class ReplyStream(Protocol):
@@ -55,11 +59,12 @@ class Backend(Protocol):
     url: str | None  # a server's API address; None for the embedded engine
     quantization: str  # how the weights are stored when not at full precision ("GGUF Q4_K, Q6_K", "int4 (groups
     # of 64)"); "" when they are not quantized or only a server knows
+    thinks: bool  # whether the model may reason before it answers (a server's model: assumed so)
 
     def submit(self, messages: list[dict], settings: dict) -> tuple[ReplyStream, int]:
         """Start the assistant's reply to `messages` (system prompt included) with the chat's sampling
-        settings: (its stream, prompt tokens, or 0 when only a server knows). Raises ContextOverflow or
-        RemoteError before anything streams when the chat cannot be answered."""
+        settings: (its stream, prompt tokens, or 0 when only a server knows). Raises ContextOverflow,
+        BadSettings or RemoteError before anything streams when the chat cannot be answered."""
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         """The line under a chat: how much of the context its messages use."""
@@ -88,12 +93,30 @@ def chat_messages(system_prompt: str, messages: list[dict]) -> list[dict]:
     return ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + messages
 
 
+class BadSettings(ValueError):
+    """A chat setting that cannot be used as it is (an invalid JSON schema): the message says which and why."""
+
+
+def json_constraint(settings: dict) -> StructuredOutputsParams | None:
+    """The chat's "JSON output" switch as a constraint: any JSON object, or its schema when one is given."""
+    s = {**DEFAULT_SETTINGS, **(settings or {})}
+    if not s["json_output"]:
+        return None
+    schema = (s["json_schema"] or "").strip()
+    try:
+        return StructuredOutputsParams(json=schema) if schema else StructuredOutputsParams(json_object=True)
+    except ValueError as e:
+        raise BadSettings(f"The chat's JSON schema cannot be used: {str(e).removeprefix('StructuredOutputsParams: ')}."
+                          " Fix it, or clear it for any JSON object.") from None
+
+
 def sampling_params(settings: dict) -> SamplingParams:
     s = {**DEFAULT_SETTINGS, **(settings or {})}
     seed = s["seed"]
     return SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
                           min_p=float(s["min_p"]), repetition_penalty=float(s["repetition_penalty"]),
-                          max_tokens=int(s["max_tokens"]), seed=None if seed in (None, "", -1) else int(seed))
+                          max_tokens=int(s["max_tokens"]), seed=None if seed in (None, "", -1) else int(seed),
+                          structured_outputs=json_constraint(s))
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -104,16 +127,23 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> N
 
 
 class LocalReplyStream:
-    """An engine request's increments as ReplyDeltas."""
+    """An engine request's increments as ReplyDeltas; a thinking model's reasoning split from its answer."""
 
-    def __init__(self, stream: RequestStream):
+    def __init__(self, stream: RequestStream, reasoning: ReasoningSplitter | None = None):
         self._stream = stream
         self.request_id = stream.request_id
+        self._reasoning = reasoning
 
     def __iter__(self) -> Iterator[ReplyDelta]:
         for out in self._stream:
-            yield ReplyDelta(out.new_text, len(out.new_token_ids), out.finished, out.finish_reason,
-                             cached_tokens=out.num_cached_tokens)
+            reasoning, text = "", out.new_text
+            if self._reasoning is not None:
+                reasoning, text = self._reasoning.feed(text)
+                if out.finished:
+                    held_reasoning, held_text = self._reasoning.finish()
+                    reasoning, text = reasoning + held_reasoning, text + held_text
+            yield ReplyDelta(text, len(out.new_token_ids), out.finished, out.finish_reason,
+                             cached_tokens=out.num_cached_tokens, reasoning=reasoning)
 
     def cancel(self) -> None:
         self._stream.cancel()
@@ -129,13 +159,22 @@ class LocalBackend:
         self.engine, self.label, self.model, self.models = engine, label, label, [label]
         weights = engine.stats().quantization  # fixed at load: read once, not at every header refresh
         self.quantization = "" if weights == "none" else weights
+        self.thinks = template_thinks(engine.tokenizer.chat_template)  # Qwen3, the R1 distills
         self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
 
     def submit(self, messages: list[dict], settings: dict) -> tuple[LocalReplyStream, int]:
-        ids = self.engine.encode_chat(messages)
-        params = sampling_params(settings)
+        params = sampling_params(settings)  # first: a bad schema is refused before anything is tokenized
+        think = bool({**DEFAULT_SETTINGS, **settings}["think"])
+        ids = self.engine.encode_chat(messages, **({"enable_thinking": think} if self.thinks else {}))
         check_fits(len(ids), params.max_tokens, self.engine.max_model_len)
-        return LocalReplyStream(self.engine.submit(ids, params)), len(ids)
+        reasoning = None
+        if self.thinks and params.structured_outputs is None:
+            reasoning = ReasoningSplitter(prompt_opens_reasoning(self.engine.tokenizer.decode(ids[-8:])))
+        try:
+            stream = self.engine.submit(ids, params)
+        except ValueError as e:  # a schema that parses but does not compile
+            raise BadSettings(f"{e}. Fix the chat's JSON schema, or clear it.") from None
+        return LocalReplyStream(stream, reasoning), len(ids)
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         used = len(self.engine.encode_chat(chat_messages(system_prompt, [m.as_chat() for m in stored])))

@@ -25,9 +25,19 @@ class Turn:
     ttft_s: float | None = None
     tokens_per_s: float | None = None
     error: str | None = None  # why the reply ended early, when it failed (a remote server gone, say)
+    # A thinking model's reasoning, kept apart from the answer (and never sent back to the model)
+    reasoning: str = ""
+    reasoning_tokens: int = 0
+    thought_s: float | None = None  # how long it reasoned, once the answer began (or the reply ended)
+
+    @property
+    def thinking(self) -> bool:
+        """Still reasoning: reasoning came, and neither the answer nor the end has yet."""
+        return bool(self.reasoning) and self.thought_s is None
 
     def meta(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "text" and (k != "error" or v)}
+        keep = {"error", "reasoning", "reasoning_tokens", "thought_s"}  # only when there is something to say
+        return {k: v for k, v in self.__dict__.items() if k != "text" and (k not in keep or v)}
 
     def summary(self) -> str:
         return summary(self.meta())
@@ -40,10 +50,12 @@ def summary(meta: dict) -> str:
     if not meta or meta.get("ttft_s") is None:
         return ""
     rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
+    reasoning = f" ({meta['reasoning_tokens']} reasoning)" if meta.get("reasoning_tokens") else ""
     stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
     cache = (f" · {meta.get('cached_tokens', 0)}/{meta['prompt_tokens']} prompt tokens from the prefix cache"
              if meta.get("prompt_tokens") else "")  # a remote server that sends no usage leaves it unknown
-    return f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens{cache}{stopped}"
+    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens{reasoning}"
+            f"{cache}{stopped}")
 
 
 def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:
@@ -63,6 +75,11 @@ def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens:
                 turn.ttft_s = now - start
             turn.text += delta.text
             turn.output_tokens += delta.num_tokens
+            if delta.reasoning:
+                turn.reasoning += delta.reasoning
+                turn.reasoning_tokens += delta.num_tokens if not delta.text else 0
+            if turn.reasoning and turn.thought_s is None and (delta.text or delta.finished):
+                turn.thought_s = now - (first or now)
             turn.cached_tokens = delta.cached_tokens or turn.cached_tokens
             turn.prompt_tokens = delta.prompt_tokens or turn.prompt_tokens
             turn.output_tokens = delta.completion_tokens or turn.output_tokens

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from app.backend import DEFAULT_SETTINGS, ReplyDelta
+from app.backend import DEFAULT_SETTINGS, ReplyDelta, json_constraint
 from app.visualizer import render_remote_notice
 
 if TYPE_CHECKING:
@@ -243,10 +243,12 @@ class ChatStream:
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or ""
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") or ""
+                    reasoning = reasoning_text(delta)
                     reason = choice.get("finish_reason") or reason
-                    if text:  # servers send about one token a chunk; `usage` brings the exact count at the end
-                        yield ReplyDelta(text, 1)
+                    if text or reasoning:  # about one token a chunk; `usage` brings the exact count at the end
+                        yield ReplyDelta(text, 1, reasoning=reasoning)
         except RemoteError:
             raise
         except Exception as e:  # the socket shut by cancel(), or the server gone
@@ -265,6 +267,16 @@ class ChatStream:
         counts = parse_usage(usage)
         yield ReplyDelta("", 0, True, reason or "stop", counts.get("cached_tokens"), counts.get("prompt_tokens"),
                          counts.get("completion_tokens"))
+
+
+def reasoning_text(delta: dict) -> str:
+    """A streamed delta's reasoning: vLLM's and SGLang's `reasoning_content` (vLLM's newer `reasoning`), or
+    Ollama's `thinking`."""
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        value = delta.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return ""
 
 
 def _json(data: str) -> dict:
@@ -357,6 +369,7 @@ class RemoteBackend:
     _metrics: tuple[float, dict | None] = (0.0, None)
     kind = "remote"
     quantization = ""  # the server does not say
+    thinks = True  # the server's template decides; a model that does not think ignores the switch
 
     @property
     def label(self) -> str:
@@ -371,6 +384,13 @@ class RemoteBackend:
         top_k, min_p, penalty = int(settings["top_k"]), float(settings["min_p"]), float(settings["repetition_penalty"])
         extra = {"top_k": top_k if top_k > 0 else None, "min_p": min_p if min_p > 0 else None,
                  "repetition_penalty": penalty if penalty != 1.0 else None}
+        if not settings["think"]:  # vLLM's and SGLang's switch for Qwen3-style templates
+            extra["chat_template_kwargs"] = {"enable_thinking": False}
+        constraint = json_constraint(settings)
+        if constraint is not None:
+            extra["response_format"] = ({"type": "json_object"} if constraint.json_object else
+                                        {"type": "json_schema", "json_schema": {"name": "reply",
+                                                                                "schema": constraint.json}})
         seed = settings.get("seed")
         stream = self.client.chat(self.model, messages, temperature=float(settings["temperature"]),
                                   top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.backend import DEFAULT_SETTINGS, ContextOverflow, chat_messages
+from app.backend import DEFAULT_SETTINGS, BadSettings, ContextOverflow, chat_messages
 from app.chat import ReplyTask, summary
 from app.model_host import ModelHost
 from app.page import user_error
@@ -64,6 +64,8 @@ class PagodaUI:
                 stats = "interrupted: Pagoda stopped before this reply finished" + (f" · {stats}" if stats else "")
             if stats:
                 content = f"{content}\n\n<sub>{stats}</sub>"
+            if m.role == "assistant" and m.meta.get("reasoning"):
+                rows.append(thought_row(m.meta["reasoning"], m.meta.get("thought_s"), thinking=live and not m.content))
             rows.append({"role": m.role, "content": content})
         return rows
 
@@ -88,11 +90,26 @@ class PagodaUI:
             with self.sessions.edit(request.session_hash) as session:
                 session.viewing = int(conversation_id)
         if conversation_id is None:
-            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", None, None
+            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", None, None, *self.chat_options(None)
         conv = self.store.get(conversation_id)
         settings = {**DEFAULT_SETTINGS, **conv.settings}
         return (self.history(conversation_id), conv.system_prompt, *[settings[k] for k, *_ in SLIDERS],
-                self.context_meter(conversation_id), conv.title, *self.export_files(conversation_id))
+                self.context_meter(conversation_id), conv.title, *self.export_files(conversation_id),
+                *self.chat_options(conversation_id))
+
+    def chat_options(self, conversation_id: int | None) -> tuple[bool, bool, str]:
+        """The chat's switches: Think, JSON output, and its schema."""
+        settings = {**DEFAULT_SETTINGS, **(self.store.get(conversation_id).settings if conversation_id else {})}
+        return bool(settings["think"]), bool(settings["json_output"]), settings["json_schema"] or ""
+
+    def set_chat_options(self, conversation_id: int | None, think: bool, json_output: bool, json_schema: str) -> None:
+        """Keep the chat's switches with it (they apply from its next reply on)."""
+        if conversation_id is None:
+            return
+        conv = self.store.get(conversation_id)
+        self.store.update(conversation_id, settings={**conv.settings, "think": bool(think),
+                                                     "json_output": bool(json_output),
+                                                     "json_schema": json_schema or ""})
 
     def new_chat(self, system_prompt: str, query: str):
         conv = self.store.create(system_prompt=system_prompt or "")
@@ -113,7 +130,8 @@ class PagodaUI:
         running = self.replies.get(conversation_id)
         if running is not None and not running.done.is_set():
             raise user_error("This chat is still answering: press Stop first, or open another chat.")
-        settings = dict(zip([k for k, *_ in SLIDERS], slider_values, strict=True))
+        settings = {**self.store.get(conversation_id).settings,  # the chat's switches (set_chat_options)
+                    **dict(zip([k for k, *_ in SLIDERS], slider_values, strict=True))}
         self.store.update(conversation_id, system_prompt=system_prompt, settings=settings)
         if user_text and user_text.strip():
             self.store.add_message(conversation_id, "user", user_text)
@@ -121,8 +139,8 @@ class PagodaUI:
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
         try:
             stream, num_prompt_tokens = backend.submit(chat_messages(system_prompt, messages), settings)
-        except (ContextOverflow, RemoteError, EngineFailed) as e:  # too long a chat, the server refused, or the
-            # engine crashed on an earlier step: say so in the chat
+        except (ContextOverflow, RemoteError, EngineFailed, BadSettings) as e:  # too long a chat, the server
+            # refused, the engine crashed on an earlier step, or the chat's JSON schema is broken: say so in the chat
             overflow = isinstance(e, ContextOverflow) or getattr(e, "context_overflow", False)
             if overflow and isinstance(e, RemoteError):
                 e = f"{e} Drop the oldest messages, lower the reply length, or start a new chat."
@@ -151,7 +169,8 @@ class PagodaUI:
             shown = conversation_id is None or self.shows(request, conversation_id)
             yield (self.history(conversation_id), gr.update(), hidden, hidden) if shown else UNCHANGED
             return
-        history = self.history(conversation_id)[:-1]
+        history = self.history(conversation_id)
+        history = history[: -2 if len(history) > 1 and history[-2].get("metadata") else -1]  # the reply's rows
         while True:
             task.last_followed = time.time()
             finished = task.done.wait(0.1)
@@ -160,7 +179,8 @@ class PagodaUI:
                 return
             turn = task.turn
             content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
-            yield history + [{"role": "assistant", "content": content}], gr.update(), hidden, hidden
+            thought = [thought_row(turn.reasoning, turn.thought_s, turn.thinking)] if turn.reasoning else []
+            yield history + [*thought, {"role": "assistant", "content": content}], gr.update(), hidden, hidden
             if finished:
                 self.replies.finish(int(conversation_id), task)
                 return
@@ -290,6 +310,16 @@ class PagodaUI:
     def kv_panel(self) -> str:
         backend = self.host.backend
         return backend.kv_panel(self.replies.labels()) if backend is not None else "<p>No model loaded.</p>"
+
+
+def thought_row(reasoning: str, seconds: float | None, thinking: bool) -> dict:
+    """A reply's reasoning as Gradio's collapsible thought message, above the answer."""
+    if thinking:
+        title = "Thinking…"
+    else:
+        title = f"Thought for {seconds:.1f} s" if seconds is not None else "Thought (stopped)"
+    metadata = {"title": title, "status": "pending" if thinking else "done"}
+    return {"role": "assistant", "content": reasoning, "metadata": metadata}
 
 
 def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) -> gr.Blocks:

@@ -2,7 +2,7 @@
 # The one device check: GPU tests, then the GPU benchmarks, on a CUDA machine with only
 # torch, transformers and triton installed and no network. Prints one table last.
 #   bash bench/device_check.sh [output folder]
-# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_BENCH=1 or SKIP_QUANT=1.
+# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_QUANT=1 or SKIP_STRUCTURED=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/pagoda-device-check}}
@@ -27,5 +27,18 @@ if [ -z "${SKIP_QUANT:-}" ]; then
     timeout ${QUANT_TIMEOUT:-300} python3 -m bench.gpu_quantized 2>&1 | tee "$out/quantized.log" | grep -v "Loading weights"
     quant_rc=${PIPESTATUS[0]}
 fi
-echo "device_check: tests exit $tests_rc, benchmarks exit $bench_rc, quantized exit $quant_rc"
-[[ "$tests_rc" =~ ^(0|skipped)$ ]] && [[ "$bench_rc" =~ ^(0|skipped)$ ]] && [[ "$quant_rc" =~ ^(0|skipped)$ ]]
+structured_rc=skipped
+if [ -z "${SKIP_STRUCTURED:-}" ]; then
+    echo "== Structured output (a constrained decode step against a free one, batch 1 and 32)"
+    # The device image has no llguidance: unzip its wheel into .device/site (ignored) and carry that folder.
+    if PYTHONPATH=$PWD/.device/site:$PYTHONPATH python3 -c "import llguidance" 2>/dev/null; then
+        PYTHONPATH=$PWD/.device/site:$PYTHONPATH timeout ${STRUCTURED_TIMEOUT:-120} python3 -m bench.structured_output \
+            --random-qwen3 /tmp/pagoda-random-qwen3 --tokens 48 --rounds 3 2>&1 | tee "$out/structured.log" | grep -v "Loading weights"
+        structured_rc=${PIPESTATUS[0]}
+    else
+        echo "llguidance is not importable: unzip its wheel into .device/site and carry it"
+    fi
+fi
+echo "device_check: tests exit $tests_rc, benchmarks exit $bench_rc, quantized exit $quant_rc, structured exit $structured_rc"
+[[ "$tests_rc" =~ ^(0|skipped)$ ]] && [[ "$bench_rc" =~ ^(0|skipped)$ ]] && [[ "$quant_rc" =~ ^(0|skipped)$ ]] \
+    && [[ "$structured_rc" =~ ^(0|skipped)$ ]]

@@ -2,19 +2,24 @@
 step free, at batch 1 and batch 32, in one run on the bundled SmolLM2 (its real 49k-token vocabulary).
 
     python -m bench.structured_output [--batches 1,32] [--tokens 96] [--rounds 5] [--compare-xgrammar]
+                                      [--random-qwen3 FOLDER]
 
 Each constrained row writes one long JSON string (minLength keeps every row running for --tokens tokens),
 so both runs step the same batch the same number of times. Reported: the mean decode step, free and
 constrained, their ratio, and the host time to fill the batch's masks alone. The goal (issue 15):
 under 10% added per step at batch 32. `--compare-xgrammar` also times xgrammar's mask on the same schema
-(pip install xgrammar first; Pagoda does not depend on it).
+(pip install xgrammar first; Pagoda does not depend on it). `--random-qwen3`: a random-weight model of
+Qwen3-0.6B's shape (151,936-token logits) with the tests' tiny tokenizer, for a device without the bundled
+model: its masks are cheap to fill, so it measures what masking costs the device, not the grammar.
 """
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
+from bench.common import qwen3_06b_config, save_random_model
 from bench.quantized import cpu_flags
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.loader.bundled import bundled_gguf_path
@@ -26,7 +31,8 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLengt
 
 
 def mean_decode_step(llm: LLM, prompt: list[int], batch: int, tokens: int, constrained: bool) -> float:
-    """Seconds per decode step once every row has its first token (prefill excluded)."""
+    """Seconds per decode step once every row has its first token (prefill excluded). Steps are read back
+    one by one (llm.step()), so on a GPU this includes the wait for each step."""
     constraint = StructuredOutputsParams(json=SCHEMA) if constrained else None
     for _ in range(batch):
         llm.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=tokens, ignore_eos=True,
@@ -77,10 +83,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compare-xgrammar", action="store_true")
+    parser.add_argument("--random-qwen3", type=Path, default=None, metavar="FOLDER")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"device {device}; CPU flags: {cpu_flags()}; torch threads {torch.get_num_threads()}")
-    llm = LLM(str(bundled_gguf_path()), num_kvcache_blocks=1024, max_model_len=1024, enable_prefix_caching=False)
+    if args.random_qwen3 is not None:
+        model = str(save_random_model(qwen3_06b_config(), args.random_qwen3, torch.bfloat16, device))
+        llm = LLM(model, max_model_len=1024, enable_prefix_caching=False)
+    else:
+        llm = LLM(str(bundled_gguf_path()), num_kvcache_blocks=1024, max_model_len=1024,
+                  enable_prefix_caching=False)
     llm.model_runner.wait_for_compiled_decode()
     prompt = llm.encode_chat([{"role": "user", "content": "Write a short story as JSON with a title."}])
     prefix = llm.tokenizer.encode('{"title": "The Fox", "story": "Once upon a time, a', add_special_tokens=False)

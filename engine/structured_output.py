@@ -68,8 +68,9 @@ class StructuredOutputs:
             if not isinstance(self.hf_tokenizer, PreTrainedTokenizerFast):
                 raise ValueError("structured outputs need a fast (Rust) tokenizer, and this model's is "
                                  f"{type(self.hf_tokenizer).__name__}; load a model with a tokenizer.json")
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_ids or None)
+            # the model's end-of-reply ids that the tokenizer spells (a config may name others)
+            eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)] or None
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
 
     def _compile(self, params: StructuredOutputsParams) -> str:

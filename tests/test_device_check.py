@@ -12,7 +12,7 @@ WITHOUT_APP = """
 import importlib.abc, runpy, sys
 class NotInstalled(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"gradio", "gradio_client", "platformdirs", "app"}:
+        if name.split(".")[0] in {"gradio", "gradio_client", "platformdirs", "app", "llguidance"}:
             raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
 sys.meta_path.insert(0, NotInstalled())
 """
@@ -61,10 +61,11 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     """The shell script itself (here its GPU tests all skip, and the benchmarks are skipped as on a rerun)."""
     import os
 
-    env = {**os.environ, "SKIP_BENCH": "1", "SKIP_QUANT": "1",
+    env = {**os.environ, "SKIP_BENCH": "1", "SKIP_QUANT": "1", "SKIP_STRUCTURED": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
     result = subprocess.run(["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True,
                             capture_output=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped" in result.stdout
+    assert ("device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped, structured exit skipped"
+            in result.stdout)
     assert "skipped" in (tmp_path / "tests.log").read_text()

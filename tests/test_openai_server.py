@@ -331,7 +331,8 @@ def test_penalties_and_logit_bias_give_the_engines_own_reply(client, bundled_mod
     ("logit_bias", {"1": 101}, "from -100 to 100"),
     ("presence_penalty", 2.5, "less than or equal to 2"),
     ("frequency_penalty", -3, "greater than or equal to -2"),
-    ("reasoning_effort", "low", "reasoning_effort is not supported"),
+    ("reasoning_effort", "low", "reasoning_effort is for models that think"),
+    ("reasoning_effort", "extreme", "reasoning_effort: Input should be"),
     ("priority", "high", "valid integer"),
 ])
 def test_bad_sampling_fields_are_refused_by_name(server, field, value, words):

@@ -88,7 +88,7 @@ def test_json_object_gives_an_object(client):
 def test_required_and_named_tool_calls_have_valid_arguments(client, choice):
     for seed in range(3):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
-                                           temperature=0.8, seed=seed, max_tokens=120)
+                                           temperature=0.8, seed=seed, max_tokens=300)  # room for 8 calls
         message = r.choices[0].message
         assert r.choices[0].finish_reason == "tool_calls" and not message.content
         check_calls(message.tool_calls, ["add"] if isinstance(choice, dict) else None)
@@ -104,7 +104,7 @@ def test_parallel_tool_calls_false_gives_one_call(client):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_tool_call_deltas_rebuild_the_calls(client, choice):
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
-                                            temperature=0.5, seed=1, max_tokens=120, stream=True)
+                                            temperature=0.5, seed=1, max_tokens=300, stream=True)
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -121,25 +121,6 @@ def test_streamed_tool_call_deltas_rebuild_the_calls(client, choice):
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
-def test_auto_parses_the_hermes_calls_a_model_writes(client):
-    """SmolLM2 never calls a tool unasked; a structured_outputs regex makes it write one in the Hermes form
-    (what Qwen writes), and tool_choice auto must parse it out of the text."""
-    form = r'Checking\.\n<tool_call>\n\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}\n</tool_call>'
-    for stream in (False, True):
-        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], tool_choice="auto",
-                                           temperature=0, max_tokens=60, stream=stream,
-                                           extra_body={"structured_outputs": {"regex": form}})
-        if stream:
-            chunks = list(r)
-            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            names = [d.function.name for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
-            assert content == "Checking." and names == ["add"]
-            assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        else:
-            assert r.choices[0].message.content == "Checking."
-            check_calls(r.choices[0].message.tool_calls, ["add"])
-
-
 def test_a_tool_result_goes_back_in_and_the_model_answers(client):
     first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -147,9 +128,11 @@ def test_a_tool_result_goes_back_in_and_the_model_answers(client):
     call = first.choices[0].message.tool_calls[0]
     messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": call.id, "content": "Sunny and 24 degrees."}]
-    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, ADD], temperature=0,
-                                            max_tokens=40)
-    assert second.choices[0].message.content and second.usage.prompt_tokens > first.usage.prompt_tokens
+    second = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=[WEATHER, ADD],
+                                                              temperature=0, max_tokens=40)
+    assert second.parse().choices[0].message.content
+    # tool_choice auto on a template without tools: served without them (tests/test_openwebui_requests.py)
+    assert "no tool support" in second.headers["x-pagoda-tools-dropped"]
 
 
 @pytest.mark.parametrize("body, message", [
@@ -214,3 +197,14 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     for method in ("json_schema", "function_calling"):
         person = llm.with_structured_output(Person, method=method).invoke("Invent a person.")
         assert isinstance(person, Person)
+
+
+def test_openapi_documents_the_request_bodies(server):
+    """Schema-driven clients and fuzzers read /openapi.json: the bodies the routes read must be there."""
+    spec = httpx.get(f"{server.base}/openapi.json", timeout=30).json()
+    for path, field in (("/v1/chat/completions", "tools"), ("/v1/completions", "prompt")):
+        body = spec["paths"][path]["post"]["requestBody"]
+        schema = body["content"]["application/json"]["schema"]
+        assert body["required"] and field in schema["properties"] and "$ref" not in json.dumps(schema)
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert chat["required"] == ["messages"] and "response_format" in chat["properties"]

@@ -85,6 +85,10 @@ def test_required_calls_come_from_the_constrained_array_and_parallel_false_keeps
     text = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]'
     _, calls, streamed = run(plan_tools([WEATHER, ADD], "required", True), text, 5)
     assert [c["function"]["name"] for c in calls] == ["add", "get_weather"] and len(streamed) == 2
+    cut = text[: text.index('{"name": "get_weather"') + 12]  # max_tokens ended the reply inside the second call
+    _, calls, _ = run(plan_tools([WEATHER, ADD], "required", True), cut, 5)
+    assert [c["function"]["name"] for c in calls] == ["add"]
+    assert plan_tools([ADD], "required", True).constraint().json["maxItems"] == 8
     one = plan_tools([WEATHER, ADD], "required", False)
     assert one.constraint().json["maxItems"] == 1
     _, calls, _ = run(one, text, 5)

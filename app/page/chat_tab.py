@@ -47,6 +47,9 @@ class ChatTab:
     md_btn: gr.DownloadButton
     json_btn: gr.DownloadButton
     meter: gr.Markdown
+    think: gr.Checkbox
+    json_output: gr.Checkbox
+    json_schema: gr.Code
     preset: gr.Dropdown
     system: gr.Textbox
     preset_name: gr.Textbox
@@ -69,6 +72,13 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         md_btn = gr.DownloadButton("Export Markdown", size="sm")
         json_btn = gr.DownloadButton("Export JSON", size="sm")
     meter = gr.Markdown(elem_id="context-meter")
+    with gr.Row():
+        think = gr.Checkbox(DEFAULT_SETTINGS["think"], label="Think", elem_id="think",
+                            info="Models that reason (Qwen3, DeepSeek-R1 distills) think before they answer")
+        json_output = gr.Checkbox(DEFAULT_SETTINGS["json_output"], label="JSON output", elem_id="json-output",
+                                  info="Replies are JSON objects; give a schema to hold them to it")
+    json_schema = gr.Code(DEFAULT_SETTINGS["json_schema"], language="json", label="JSON schema (optional)",
+                          visible=DEFAULT_SETTINGS["json_output"], elem_id="json-schema", lines=4)
     with gr.Accordion("System prompt and sampling", open=False):
         preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
         system = gr.Textbox(label="System prompt", lines=3, elem_id="system-prompt")
@@ -78,7 +88,8 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
                    for k, label, lo, hi, step in SLIDERS]
     return ChatTab(chatbot, overflow, overflow_row, drop_btn, fresh_btn, msg, stop_btn, regen_btn, edit_btn,
-                   md_btn, json_btn, meter, preset, system, preset_name, save_preset_btn, sliders)
+                   md_btn, json_btn, meter, think, json_output, json_schema, preset, system, preset_name,
+                   save_preset_btn, sliders)
 
 
 def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[str, str]) -> None:
@@ -96,7 +107,8 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     tab.save_preset_btn.click(save_preset, [tab.preset_name, tab.system], [tab.preset, tab.preset_name])
 
     exports = [tab.md_btn, tab.json_btn]  # they hold the open chat's files (PagodaUI.export_files says why)
-    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title, *exports]
+    options = [tab.think, tab.json_output, tab.json_schema]
+    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title, *exports, *options]
     reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row]
     reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
     refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid),
@@ -118,6 +130,11 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     regen.then(**refresh)
     # Opening a chat stops following the previous one (its reply runs on) and follows this one's.
     opening = bar.current.change(ui.open, bar.current, opened, cancels=[send, regen])
+    opening.then(lambda on: gr.update(visible=on), tab.json_output, tab.json_schema)
+    # `input`, not `change`: only what the user sets is saved, never the values a chat switch puts in
+    for option in options:
+        option.input(ui.set_chat_options, [bar.current, *options], None)
+    tab.json_output.input(lambda on: gr.update(visible=on), tab.json_output, tab.json_schema)
     follow = opening.then(ui.follow, bar.current, reply_outputs, **quiet)
     follow.then(**refresh_exports)
     # Editing stops the chat's reply (PagodaUI.edit_last), and this page stops drawing it first, so that

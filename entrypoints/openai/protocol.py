@@ -59,7 +59,8 @@ class RequestBody(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
     # vLLM's: lower is more urgent. A request waits while a more urgent one runs (0 is the default).
     priority: int = 0
-    reasoning_effort: str | None = None
+    # OpenAI's; for a model that thinks, "none" and "minimal" turn thinking off and the others leave it on
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict | None = None
     # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
@@ -73,9 +74,6 @@ class RequestBody(BaseModel):
         if self.n != 1:
             raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead",
                            param="n")
-        if self.reasoning_effort is not None:
-            raise APIError(400, "reasoning_effort is not supported: Pagoda has no thinking switch for this model; "
-                                "leave it out", param="reasoning_effort")
 
     def constraint(self) -> StructuredOutputsParams | None:
         """What the reply must match: response_format, structured_outputs or vLLM's guided_* fields."""
@@ -218,6 +216,9 @@ class CompletionBody(RequestBody):
         super().check_supported()
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        if self.reasoning_effort is not None:
+            raise APIError(400, "reasoning_effort is for chats with a model that thinks; a completion has no "
+                                "thinking switch: leave it out", param="reasoning_effort")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens=0 returns nothing without echo: set echo to true (to score the prompt) "
                                 "or ask for at least one token", param="max_tokens")
@@ -226,6 +227,25 @@ class CompletionBody(RequestBody):
     def echo_only(self) -> bool:
         """Echo the prompt and generate nothing (max_tokens=0)."""
         return self.echo and self.max_tokens == 0
+
+
+def openapi_body(kind: type[BaseModel]) -> dict:
+    """`openapi_extra` that documents a route's JSON body as `kind`: the routes read their bodies themselves
+    (strictly, into OpenAI's error shape), so FastAPI would otherwise document none, and schema-driven clients
+    and fuzzers would send only empty bodies. Nested models are written inline (no $defs in OpenAPI's place)."""
+    schema = kind.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 # The most bytes a request body may have (the server's --max-request-bytes). 4 MiB holds far more text

@@ -29,6 +29,7 @@ from entrypoints.openai.protocol import (
     ChatCompletionBody,
     CompletionBody,
     RequestBody,
+    openapi_body,
     parse_body,
 )
 from entrypoints.openai.tool_calls import (
@@ -98,6 +99,7 @@ def create_router(models: ModelSource, api_key: str | None = None,
                                  "the details", type="server_error").response()
 
     router = APIRouter(prefix="/v1")
+    told_of_dropped_tools: set[tuple] = set()
 
     def served(asked: str | None) -> ServedModel:
         model = models()
@@ -126,26 +128,23 @@ def create_router(models: ModelSource, api_key: str | None = None,
             return model_card(served(model_id))
         return await guarded(request, handler)
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
     async def chat_completions(request: Request):
         async def handler():
             body = await parse_body(request, ChatCompletionBody, max_request_bytes)
             model = served(body.model)
-            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-            knows_tools = template_knows_tools(model.engine.tokenizer.chat_template)
-            tools = plan.template_tools() if plan else None
-            messages = prompt_messages([m.for_template(i) for i, m in enumerate(body.messages)], tools, knows_tools)
-            refuse_what_cannot_fit(model.engine, sum(len(json.dumps(m)) for m in messages), "messages")
-            template_kwargs = dict(body.chat_template_kwargs or {})
-            if tools and knows_tools:
-                template_kwargs["tools"] = tools
-            token_ids = await anyio.to_thread.run_sync(lambda: encode_chat(model.engine, messages, **template_kwargs))
+            token_ids, plan, dropped = await chat_prompt(model.engine, body)
+            if dropped:
+                client = (request.client.host if request.client else "?", request.headers.get("user-agent", ""))
+                if (client, dropped.split(":")[0]) not in told_of_dropped_tools:  # once per client and reason
+                    told_of_dropped_tools.add((client, dropped.split(":")[0]))
+                    log.warning("tools dropped for %s (%s): %s", client[0], client[1] or "no user agent", dropped)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await complete(request, model, body, token_ids, max_tokens, default_max_tokens, chat=True,
-                                  tools=plan)
+                                  tools=plan, headers={TOOLS_DROPPED_HEADER: dropped} if dropped else None)
         return await guarded(request, handler)
 
-    @router.post("/completions")
+    @router.post("/completions", openapi_extra=openapi_body(CompletionBody))
     async def completions(request: Request):
         async def handler():
             body = await parse_body(request, CompletionBody, max_request_bytes)
@@ -188,6 +187,49 @@ def refuse_what_cannot_fit(engine: EngineThread, chars: int, param: str) -> None
         raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, which hold "
                             f"at most {most:,} characters, and this request sends {chars:,}. Shorten the {param}.",
                        code="context_length_exceeded", param=param)
+
+
+# A response whose request's tools were left out (tool_choice auto) says why in this header.
+TOOLS_DROPPED_HEADER = "X-Pagoda-Tools-Dropped"
+# Tools with tool_choice auto are left out when their description would take more than this share of the
+# context: Open WebUI sends 36 by default, about 7k tokens, which leaves an 8k model no room for the chat.
+TOOLS_MAX_SHARE = 0.5
+
+
+async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> tuple[list[int], ToolPlan | None, str]:
+    """The chat's prompt ids, its tool plan, and why its tools were left out ("" when they were not).
+
+    Tools with tool_choice auto (or none given, as Open WebUI sends them on every chat) are left out
+    when the template has no place for them or they would take too much of the context: refusing them
+    would break every chat of such a client. `required` and a named tool always go in (described in
+    a system message when the template knows no tools): the reply is held to the calls anyway."""
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    chat_template = engine.tokenizer.chat_template
+    knows_tools = template_knows_tools(chat_template)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        if not template_thinks(chat_template):
+            raise APIError(400, "reasoning_effort is for models that think (Qwen3, DeepSeek-R1 distills), and this "
+                                "one does not: leave it out", param="reasoning_effort")
+        template_kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
+    dropped = ""
+    if plan is not None and plan.mode == "auto" and not knows_tools:
+        plan, dropped = None, "the model's chat template has no tool support"
+    raw = [m.for_template(i) for i, m in enumerate(body.messages)]
+    tools = plan.template_tools() if plan else None
+    messages = prompt_messages(raw, tools, knows_tools)
+    refuse_what_cannot_fit(engine, sum(len(json.dumps(m)) for m in messages), "messages")
+    with_tools = {**template_kwargs, "tools": tools} if tools and knows_tools else template_kwargs
+    token_ids = await anyio.to_thread.run_sync(lambda: encode_chat(engine, messages, **with_tools))
+    if tools and plan.mode == "auto":
+        bare = await anyio.to_thread.run_sync(lambda: encode_chat(engine, prompt_messages(raw, None, knows_tools),
+                                                                  **template_kwargs))
+        cost, limit = len(token_ids) - len(bare), int(TOOLS_MAX_SHARE * engine.max_model_len)
+        if cost > limit:
+            token_ids, plan = bare, None
+            dropped = (f"the tools take {cost:,} tokens, more than {TOOLS_MAX_SHARE:.0%} of the model's "
+                       f"{engine.max_model_len:,}-token context")
+    return token_ids, plan, dropped
 
 
 def encode_chat(engine: EngineThread, messages: list[dict], **template_kwargs) -> list[int]:
@@ -262,7 +304,8 @@ def token_texts(tokenizer) -> TokenTexts:
 
 async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int],
                    max_tokens: int | None, default_max_tokens: int | None, chat: bool,
-                   echo: Echo | None = None, tools: ToolPlan | None = None) -> object:
+                   echo: Echo | None = None, tools: ToolPlan | None = None,
+                   headers: dict[str, str] | None = None) -> object:
     engine = model.engine
     params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len, default_max_tokens, tools)
     try:
@@ -281,7 +324,7 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
     request_log.record(request, reply)
     if body.stream:
         return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
     text = []
     async for out in stream:
         reply.count(out)
@@ -291,7 +334,7 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
         if await request.is_disconnected():
             stream.cancel()
             return JSONResponse({}, status_code=499)
-    return reply.whole("".join(text))
+    return JSONResponse(reply.whole("".join(text)), headers=headers)
 
 
 class Reply:

@@ -150,7 +150,8 @@ def test_downloading_a_catalog_gguf_asks_for_its_one_file(page, monkeypatch):
 
 
 def fake_engine(quantization: str, decode: str = "compiled (1 row)") -> SimpleNamespace:
-    return SimpleNamespace(stats=lambda: SimpleNamespace(quantization=quantization, decode=decode), device="cpu")
+    return SimpleNamespace(stats=lambda: SimpleNamespace(quantization=quantization, decode=decode), device="cpu",
+                           tokenizer=SimpleNamespace(chat_template="{{ messages }}"))
 
 
 def test_the_header_names_the_quantization(tmp_path):

@@ -1,0 +1,141 @@
+"""Open WebUI's request shapes: every chat carries its 36 built-in tools (about 26,000 characters) with no
+tool_choice, and its title, tag and follow-up tasks come without max_tokens. Replayed against a tiny Qwen3 on
+Qwen3's real chat template (which has a place for tools) and the bundled SmolLM2 (which has none)."""
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from engine.loader.bundled import bundled_gguf_path  # noqa: E402
+from tests.chat_templates import real_chat_template  # noqa: E402
+from tests.processes import ServeProcess  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+CONTEXT = 65536
+HEADER = "x-pagoda-tools-dropped"
+AREAS = ["timestamp", "memory", "note", "knowledge", "calendar", "channel", "chat", "web", "image", "file", "code",
+         "folder"]
+VERBS = ["get", "search", "update"]
+
+
+def openwebui_tools(copies: int = 1) -> list[dict]:
+    """36 function tools in the shape Open WebUI sends by default: a name, a long description, object params."""
+    tools = []
+    for copy in range(copies):
+        for area in AREAS:
+            for verb in VERBS:
+                description = (f"{verb.title()} the user's {area} entries. Use this when the user asks about their "
+                               f"{area}s, refers to an earlier {area}, or wants one changed. ") * 2
+                tools.append({"type": "function", "function": {
+                    "name": f"{verb}_{area}{'_' + str(copy) if copy else ''}", "description": description,
+                    "parameters": {"type": "object", "properties": {
+                        "query": {"type": "string", "description": f"What to look for among the {area}s."},
+                        "count": {"type": "integer", "description": "How many to return, at most.", "default": 5},
+                        "order": {"type": "string", "enum": ["newest", "oldest", "relevance"]},
+                        "id": {"type": "string", "description": f"The {area}'s id, for an update."}},
+                                   "required": ["query"]}}})
+    return tools
+
+
+def test_the_fixture_is_the_size_open_webui_sends():
+    tools = openwebui_tools()
+    assert len(tools) == 36 and 24_000 < len(json.dumps(tools)) < 30_000
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny random-weight Qwen3 with a context that holds Open WebUI's tools, on Qwen3's template."""
+    import torch
+    import transformers
+
+    from tests.conftest import COMMON, build_tokenizer
+
+    folder = tmp_path_factory.mktemp("owui") / "qwen3"
+    config = transformers.Qwen3Config(**{**COMMON, "max_position_embeddings": CONTEXT, "num_key_value_heads": 1},
+                                      head_dim=32, tie_word_embeddings=True)
+    torch.manual_seed(3)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    build_tokenizer(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = real_chat_template("Qwen-Qwen3-0.6B.jinja")
+    tokenizer.save_pretrained(folder)
+    srv = ServeProcess(folder, folder.parent / "server.log", "--served-model-name", "qwen3", "--dtype", "float32",
+                       "--num-kvcache-blocks", "4096", "--max-num-seqs", "4")
+    yield srv.wait_ready(300)
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    srv = ServeProcess(bundled_gguf_path(), tmp_path_factory.mktemp("owui-smol") / "server.log",
+                       "--served-model-name", "smollm2", "--default-max-tokens", "16")
+    yield srv.wait_ready(300)
+    srv.stop()
+
+
+def post(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/chat/completions", json={"temperature": 0, **body}, timeout=300)
+
+
+def chat_request(user: str, **extra) -> dict:
+    """Open WebUI's chat: streamed, with usage, and its tools with no tool_choice."""
+    return {"messages": [{"role": "user", "content": user}], "stream": False, "tools": openwebui_tools(),
+            "max_tokens": 8, **extra}
+
+
+def test_qwen3_takes_the_tools_and_a_second_chat_reads_their_preamble_from_the_cache(qwen3):
+    first = post(qwen3, **chat_request("Hello! What can you do?"))
+    assert first.status_code == 200 and HEADER not in first.headers
+    bare = post(qwen3, messages=[{"role": "user", "content": "Hello! What can you do?"}], max_tokens=1).json()
+    preamble = first.json()["usage"]["prompt_tokens"] - bare["usage"]["prompt_tokens"]
+    assert preamble > 5000  # the tools went into the prompt
+    second = post(qwen3, **chat_request("A different question, in a new chat."))
+    # The cache serves whole 16-token blocks: all of the preamble but the part of a block it ends inside
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= preamble - 15
+
+
+def test_tools_that_would_fill_the_context_are_dropped_with_a_header(qwen3):
+    r = post(qwen3, **{**chat_request("Hi"), "tools": openwebui_tools(copies=3)})
+    assert r.status_code == 200 and "more than 50% of the model's 65,536-token context" in r.headers[HEADER]
+    assert r.json()["usage"]["prompt_tokens"] < 100
+
+
+def test_auto_parses_the_tool_calls_qwen3_writes(qwen3):
+    """A random-weight model calls no tool unasked; a structured_outputs regex makes it write one in Qwen3's form,
+    and tool_choice auto must parse it out of the text, whole and streamed."""
+    client = openai.OpenAI(base_url=qwen3.url, api_key="none", max_retries=0, timeout=300)
+    form = r'Checking\.\n<tool_call>\n\{"name": "get_note", "arguments": \{"query": "[a-z]{3,8}"\}\}\n</tool_call>'
+    ask = dict(model="qwen3", messages=[{"role": "user", "content": "Find my note."}], tools=openwebui_tools(),
+               tool_choice="auto", temperature=0, max_tokens=200, extra_body={"structured_outputs": {"regex": form}})
+    whole = client.chat.completions.create(**ask)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content == "Checking."
+    call = whole.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_note" and set(json.loads(call.function.arguments)) == {"query"}
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    names = [d.function.name for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert content == "Checking." and names == ["get_note"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_smollm2_has_no_tool_template_so_open_webuis_chats_are_served_without_the_tools(smollm2):
+    r = post(smollm2, **{**chat_request("Hi there"), "stream": True})
+    assert r.status_code == 200 and "no tool support" in r.headers[HEADER]
+    assert '"content"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+    task = post(smollm2, messages=[{"role": "user", "content": "### Task:\nGenerate 1-3 broad tags for this chat."}],
+                tools=openwebui_tools())  # a background task: no max_tokens, not streamed
+    assert task.status_code == 200 and task.json()["usage"]["completion_tokens"] <= 16
+    # required and named still call (tests/test_openai_tools.py checks their arguments on bounded schemas; these
+    # have free strings, which a 135M model may write until max_tokens)
+    r = post(smollm2, **{**chat_request("Find my note."), "tool_choice": {"type": "function", "function": {
+        "name": "get_note"}}, "max_tokens": 40, "stream": True})
+    assert r.status_code == 200 and HEADER not in r.headers and '"name": "get_note"' in r.text
+
+
+def test_reasoning_effort_is_the_thinking_switch_where_the_model_thinks(qwen3, smollm2):
+    off = post(qwen3, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, reasoning_effort="none").json()
+    on = post(qwen3, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, reasoning_effort="high").json()
+    assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]  # Qwen3's empty think block
+    refused = post(smollm2, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, reasoning_effort="low")
+    assert refused.status_code == 400 and "models that think" in refused.json()["error"]["message"]
