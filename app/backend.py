@@ -177,7 +177,9 @@ class LocalBackend:
         return LocalReplyStream(stream, reasoning), len(ids)
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
-        used = len(self.engine.encode_chat(chat_messages(system_prompt, [m.as_chat() for m in stored])))
+        messages = chat_messages(system_prompt, [m.as_chat() for m in stored])
+        # transformers refuses to template an empty conversation (a new chat without a system prompt)
+        used = len(self.engine.encode_chat(messages)) if messages else 0
         return f"Context: {used:,} / {self.engine.max_model_len:,} tokens"
 
     def kv_panel(self, owners: dict[str, str]) -> str:

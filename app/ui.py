@@ -93,9 +93,12 @@ class PagodaUI:
             return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", None, None, *self.chat_options(None)
         conv = self.store.get(conversation_id)
         settings = {**DEFAULT_SETTINGS, **conv.settings}
+        think, json_output, json_schema = self.chat_options(conversation_id)
+        backend = self.host.backend
+        shown = backend is None or backend.thinks  # the switch only where the model thinks
         return (self.history(conversation_id), conv.system_prompt, *[settings[k] for k, *_ in SLIDERS],
                 self.context_meter(conversation_id), conv.title, *self.export_files(conversation_id),
-                *self.chat_options(conversation_id))
+                gr.update(value=think, visible=shown), json_output, json_schema)
 
     def chat_options(self, conversation_id: int | None) -> tuple[bool, bool, str]:
         """The chat's switches: Think, JSON output, and its schema."""

@@ -86,6 +86,8 @@ def test_think_off_puts_qwen3s_empty_block_in_the_prompt(qwen3_ui, forced):
     conv = ui.store.create().id
     ui.set_chat_options(conv, False, False, "")
     assert ui.chat_options(conv) == (False, False, "")
+    think, json_output, schema = ui.open(conv)[-3:]  # what the page's switches show on opening the chat
+    assert (think["value"], think["visible"], json_output, schema) == (False, True, False, "")
     forced["regex"] = ANSWER
     *_, _ = ui.respond(conv, "Hi", "", *GREEDY, 20, None)
     assert forced["kwargs"] == {"enable_thinking": False}

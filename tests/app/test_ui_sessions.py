@@ -114,7 +114,7 @@ class EndlessStream:
 
 
 class EndlessBackend:
-    kind, label, model, models, url = "local", "endless", "endless", ["endless"], None
+    kind, label, model, models, url, thinks = "local", "endless", "endless", ["endless"], None, False
 
     def __init__(self):
         self.streams: list[EndlessStream] = []
