@@ -1,6 +1,7 @@
 """A visible chat's decode speed while long background requests run, with and without priority.
 
     python -m bench.background [--model PATH] [--background 3] [--context 8000] [--chat-tokens 128]
+                               [--skip-same-priority]
 
 Open WebUI sends titles, tags and follow-up suggestions as separate requests beside the user's chat.
 This starts `--background` requests of `--context` prompt tokens each (priority 1: background), then
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--head-start", type=float, default=2.0, help="seconds the background requests run first")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--skip-same-priority", action="store_true",
+                    help="leave out the same-priority row (at 8k-token contexts it takes many minutes on a CPU)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,7 +77,8 @@ def main() -> None:
         run(engine, args, chat, None)  # warm-up
         alone = run(engine, args, chat, None)
         rows = [("alone", alone)]
-        for label, priority in (("background, same priority", 0), ("background, priority 1", 1)):
+        modes = [("background, same priority", 0), ("background, priority 1", 1)]
+        for label, priority in modes[1:] if args.skip_same_priority else modes:
             rows.append((label, run(engine, args, chat, priority)))
     finally:
         engine.shutdown()

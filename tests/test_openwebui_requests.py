@@ -139,3 +139,20 @@ def test_reasoning_effort_is_the_thinking_switch_where_the_model_thinks(qwen3, s
     assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]  # Qwen3's empty think block
     refused = post(smollm2, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, reasoning_effort="low")
     assert refused.status_code == 400 and "models that think" in refused.json()["error"]["message"]
+
+
+def test_a_non_streaming_request_whose_client_times_out_stops_generating(qwen3):
+    """Open WebUI's background tasks are not streamed: a client that gives up must not leave its request
+    running (a stream's disconnect is tested in tests/test_openai_server.py)."""
+    import time
+
+    from tests.processes import wait_until
+
+    body = {"messages": [{"role": "user", "content": "Write forever."}], "max_tokens": 60000, "temperature": 0,
+            "structured_outputs": {"regex": "[a-z ]+"}}  # no end of reply before max_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{qwen3.url}/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    assert wait_until(lambda: qwen3.metric("vllm:num_requests_running") == 0, timeout=20, interval=0.2)
+    generated = qwen3.metric("vllm:generation_tokens_total")
+    time.sleep(1)
+    assert 0 < generated == qwen3.metric("vllm:generation_tokens_total")
