@@ -136,10 +136,10 @@ class PagodaUI:
         settings = {**self.store.get(conversation_id).settings,  # the chat's switches (set_chat_options)
                     **dict(zip([k for k, *_ in SLIDERS], slider_values, strict=True))}
         self.store.update(conversation_id, system_prompt=system_prompt, settings=settings)
-        if user_text and user_text.strip():
-            self.store.add_message(conversation_id, "user", user_text)
-            self._title_from_first_message(conversation_id, user_text)
+        pending = user_text if user_text and user_text.strip() else ""
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
+        if pending:
+            messages.append({"role": "user", "content": pending})
         try:
             stream, num_prompt_tokens = backend.submit(chat_messages(system_prompt, messages), settings)
         except (ContextOverflow, RemoteError, EngineFailed, BadSettings) as e:  # too long a chat, the server
@@ -147,9 +147,14 @@ class PagodaUI:
             overflow = isinstance(e, ContextOverflow) or getattr(e, "context_overflow", False)
             if overflow and isinstance(e, RemoteError):
                 e = f"{e} Drop the oldest messages, lower the reply length, or start a new chat."
-            yield (self.history(conversation_id), "", gr.update(visible=True, value=f"**{e}**"),
+            # The message is kept out of the chat until it can be answered: it stays in the box, for Drop the
+            # oldest turn (which sends it) or an edit. Saved, it overflowed every later try too.
+            yield (self.history(conversation_id), pending or gr.update(), gr.update(visible=True, value=f"**{e}**"),
                    gr.update(visible=overflow))
             return
+        if pending:
+            self.store.add_message(conversation_id, "user", pending)
+            self._title_from_first_message(conversation_id, pending)
         reply = self.store.add_message(conversation_id, "assistant", "")
         self.replies.start(conversation_id, ReplyTask(stream, self.store, reply.id, num_prompt_tokens),
                            label=f"#{conversation_id} {self.store.get(conversation_id).title}")
@@ -250,14 +255,22 @@ class PagodaUI:
         self.store.delete_messages_from(conversation_id, last_user.id)
         return self.history(conversation_id), last_user.content
 
-    def drop_oldest_turn(self, conversation_id):
-        """Delete the oldest user message and the replies up to the next one: the user's explicit choice."""
-        msgs = self.store.messages(conversation_id)
-        next_user = next((i for i, m in enumerate(msgs[1:], 1) if m.role == "user"), None)
-        if next_user is None:
-            raise user_error("Nothing older is left to drop; start a new chat instead.")
+    def drop_oldest_and_answer(self, conversation_id, user_text: str, system_prompt: str, temperature: float,
+                               top_p: float, top_k: int, min_p: float, repetition_penalty: float, max_tokens: int,
+                               request: gr.Request):
+        """The overflow's offer, carried out: delete the oldest user message and its replies (the user's
+        explicit choice), then send the message that did not fit (or answer the chat's last one)."""
+        msgs = self.store.messages(conversation_id) if conversation_id is not None else []
+        if not msgs:
+            message = ("**This message alone is longer than the model's context holds, with room for the reply: "
+                       "shorten it, or lower the reply length.**")
+            yield self.history(conversation_id), gr.update(), gr.update(visible=True, value=message), \
+                gr.update(visible=False)
+            return
+        next_user = next((i for i, m in enumerate(msgs[1:], 1) if m.role == "user"), len(msgs))
         self.store.delete_messages(conversation_id, [m.id for m in msgs[:next_user]])
-        return self.history(conversation_id)
+        yield from self.respond(conversation_id, user_text, system_prompt, temperature, top_p, top_k, min_p,
+                                repetition_penalty, max_tokens, request)
 
     def export_files(self, conversation_id) -> tuple[str | None, str | None]:
         """The chat as a Markdown and a JSON file, for the Export buttons to hold. A DownloadButton

@@ -143,9 +143,8 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
         **refresh_exports)
     tab.stop_btn.click(ui.stop, bar.current, None, cancels=[send, regen, follow], api_name="stop")
 
-    tab.drop_btn.click(ui.drop_oldest_turn, bar.current, tab.chatbot).then(
-        lambda: (gr.update(visible=False), gr.update(visible=False)), None, [tab.overflow, tab.overflow_row]).then(
-        **refresh_exports)
+    drop = tab.drop_btn.click(ui.drop_oldest_and_answer, reply_inputs, reply_outputs, **quiet)
+    drop.then(**refresh)
 
     def fresh(cid, system_prompt):
         conv = ui.store.create(system_prompt=system_prompt or "")

@@ -295,7 +295,7 @@ def test_a_forbidden_request_is_named_in_the_chat_and_no_empty_reply_is_left(tmp
     conv = ui.store.create().id
     *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
     assert last[2]["value"] == "**http://srv/v1 refused the request (403, forbidden): this key may not use model m**"
-    assert [m.role for m in ui.store.messages(conv)] == ["user"]  # the question is kept, for a retry
+    assert last[1] == "Hi" and ui.store.messages(conv) == []  # the question stays in the box, for a retry
 
 
 def test_a_stream_line_that_is_not_json_stops_the_reply_and_keeps_its_text(tmp_path):
@@ -547,7 +547,8 @@ def test_too_long_a_chat_shows_the_servers_message_in_the_chat(setup):
     *_, last = reply(client, conv, "Hello", max_tokens=MAX_MODEL_LEN)  # with the prompt, more than the context holds
     overflow = last[2]
     assert "maximum context length is 1024" in overflow["value"] and "Drop the oldest" in overflow["value"]
-    assert [m["role"] for m in client.predict(conv, api_name="/messages")] == ["user"]  # no empty reply left behind
+    assert last[1] == "Hello"  # the message stays in the box, and out of the chat until it can be answered
+    assert client.predict(conv, api_name="/messages") == []
 
 
 def test_disconnect_then_loading_a_local_model_replaces_the_server(setup, bundled_model):
