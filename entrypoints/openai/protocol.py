@@ -199,6 +199,13 @@ class ChatCompletionBody(RequestBody):
             raise APIError(400, "top_logprobs needs logprobs: set logprobs to true as well", param="top_logprobs")
 
     @property
+    def looks_like_a_background_task(self) -> bool:
+        """Open WebUI's title, tag, follow-up and query tasks: not streamed, and the last user message begins
+        with its task templates' "### Task:" (its RAG template does too, but a chat with documents streams)."""
+        users = [m for m in self.messages if m.role == "user"]
+        return not self.stream and bool(users) and users[-1].text().lstrip().startswith("### Task:")
+
+    @property
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None when not asked."""
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -133,6 +133,8 @@ def create_router(models: ModelSource, api_key: str | None = None,
         async def handler():
             body = await parse_body(request, ChatCompletionBody, max_request_bytes)
             model = served(body.model)
+            if "priority" not in body.model_fields_set and body.looks_like_a_background_task:
+                body.priority = BACKGROUND_PRIORITY  # out of the way of the user's visible chats
             token_ids, plan, dropped = await chat_prompt(model.engine, body)
             if dropped:
                 client = (request.client.host if request.client else "?", request.headers.get("user-agent", ""))
@@ -188,6 +190,11 @@ def refuse_what_cannot_fit(engine: EngineThread, chars: int, param: str) -> None
                             f"at most {most:,} characters, and this request sends {chars:,}. Shorten the {param}.",
                        code="context_length_exceeded", param=param)
 
+
+# What Open WebUI's background tasks get when they send no priority (lower is more urgent; chats get 0):
+# beside three 8k-token requests at it, a chat kept 0.98x of its speed alone, at 0 it kept 0.03x
+# (bench/RESULTS.md).
+BACKGROUND_PRIORITY = 1
 
 # A response whose request's tools were left out (tool_choice auto) says why in this header.
 TOOLS_DROPPED_HEADER = "X-Pagoda-Tools-Dropped"
