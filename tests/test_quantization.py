@@ -499,12 +499,17 @@ def test_quantized_engine_with_chosen_kernels_agrees_within_bf16(family, method,
 
 
 @pytest.mark.parametrize("method,ratio", [("int8", 0.30), ("int4", 0.22)])
-def test_tied_model_bytes(method, ratio, tiny_llama):
+def test_tied_model_bytes(method, ratio, tiny_llama, monkeypatch):
     """The tiny llama ties its head to a 320 x 64 table; its linear weights and table hold 94k values
     against 320 norm values, so norms are 0.3% of the float32 bytes and the ratio is the weights'.
     int8: 1 byte a weight plus a scale per row, the table counted once (shared with the head's codes),
     about 0.26x; a second copy of the table would push it past 0.30x. int4: half a byte plus a bf16
-    scale and zero per group of 64 in the kernels, the table's own codes apart, about 0.18x."""
+    scale and zero per group of 64 in the kernels, the table's own codes apart, about 0.18x.
+    These are the packed kernels' layouts: a loaded CI machine once timed the dequantizing fallback
+    faster at these tiny shapes (0.32x and 0.24x), so the timer ranks it last here."""
+    monkeypatch.setattr(kernels, "_CHOICES", {})
+    monkeypatch.setattr(kernels, "_seconds_per_call",
+                        lambda kernel, x, calls=20: 1.0 if isinstance(kernel, DequantMatmul) else 0.5)
     fp32_bytes = 4 * sum(t.numel() for f in tiny_llama.glob("*.safetensors") for t in load_file(f).values())
     llm = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, quantization=method)
     held = llm.parameter_bytes()[0]
