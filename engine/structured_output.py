@@ -124,8 +124,8 @@ def _executor():
 def fill_bitmask(grammars: list[Grammar], vocab_size: int, parallel: bool = False) -> np.ndarray:
     """One row per grammar of 32-bit words, bit t of the row set when token t may come next. A grammar
     that has finished allows only the end of the reply. `parallel`: on llguidance's thread pool, for a
-    host that is otherwise waiting for its GPU; on a CPU the pool's threads would take the cores the
-    forward pass needs next (bench/structured_output.py)."""
+    host that is otherwise waiting for its GPU. On a CPU the pool measured no better than this thread
+    (2 cores, bench/structured_output.py), and its threads would compete with the forward pass's."""
     import llguidance.torch as lt
     import torch
 
