@@ -50,6 +50,9 @@ class ReplyStream(Protocol):
 
     def cancel(self) -> None: ...
 
+    def prefill_progress(self) -> tuple[int, int] | None:
+        """(prompt tokens read, prompt tokens) before the first token; None when unknown (a server) or past."""
+
 
 class Backend(Protocol):
     kind: str  # "local" or "remote": for status reports only, never for branching
@@ -60,6 +63,7 @@ class Backend(Protocol):
     quantization: str  # how the weights are stored when not at full precision ("GGUF Q4_K, Q6_K", "int4 (groups
     # of 64)"); "" when they are not quantized or only a server knows
     thinks: bool  # whether the model may reason before it answers (a server's model: assumed so)
+    max_model_len: int | None  # the longest prompt plus reply it serves (None: a server that does not say)
 
     def submit(self, messages: list[dict], settings: dict) -> tuple[ReplyStream, int]:
         """Start the assistant's reply to `messages` (system prompt included) with the chat's sampling
@@ -86,6 +90,11 @@ class ContextOverflow(Exception):
         self.needed, self.limit = needed, limit
         super().__init__(f"This chat needs {needed:,} tokens (history plus room for the reply) but the model's context "
                          f"holds {limit:,}. Drop the oldest messages, lower the reply length, or start a new chat.")
+
+
+def meter_text(used: int, limit: int | None) -> str:
+    """The context meter's line: tokens a chat uses of what the model holds."""
+    return f"Context: {used:,}" + (f" / {limit:,}" if limit else "") + " tokens"
 
 
 def chat_messages(system_prompt: str, messages: list[dict]) -> list[dict]:
@@ -148,6 +157,9 @@ class LocalReplyStream:
     def cancel(self) -> None:
         self._stream.cancel()
 
+    def prefill_progress(self) -> tuple[int, int] | None:
+        return self._stream.prefill_progress()
+
 
 class LocalBackend:
     """The embedded engine: one EngineThread that every chat (and the /v1 API) shares."""
@@ -160,6 +172,7 @@ class LocalBackend:
         weights = engine.stats().quantization  # fixed at load: read once, not at every header refresh
         self.quantization = "" if weights == "none" else weights
         self.thinks = template_thinks(engine.tokenizer.chat_template)  # Qwen3, the R1 distills
+        self.max_model_len = engine.max_model_len
         self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
 
     def submit(self, messages: list[dict], settings: dict) -> tuple[LocalReplyStream, int]:
@@ -180,7 +193,7 @@ class LocalBackend:
         messages = chat_messages(system_prompt, [m.as_chat() for m in stored])
         # transformers refuses to template an empty conversation (a new chat without a system prompt)
         used = len(self.engine.encode_chat(messages)) if messages else 0
-        return f"Context: {used:,} / {self.engine.max_model_len:,} tokens"
+        return meter_text(used, self.max_model_len)
 
     def kv_panel(self, owners: dict[str, str]) -> str:
         stats, blocks = self.engine.stats(), self.engine.kv_blocks()

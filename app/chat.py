@@ -47,8 +47,8 @@ def summary(meta: dict) -> str:
     """The line under a reply: first-token time, speed, and what the prefix cache served."""
     if meta and meta.get("error"):
         return f"stopped: {meta['error']}"
-    if not meta or meta.get("ttft_s") is None:
-        return ""
+    if not meta or meta.get("ttft_s") is None:  # no token yet
+        return "stopped before its first token" if meta and meta.get("finish_reason") == "abort" else ""
     rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
     reasoning = f" ({meta['reasoning_tokens']} reasoning)" if meta.get("reasoning_tokens") else ""
     stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""

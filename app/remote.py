@@ -222,6 +222,9 @@ class ChatStream:
             except OSError:
                 pass
 
+    def prefill_progress(self) -> None:
+        return None  # a server streams nothing until its first token
+
     def __iter__(self) -> Iterator[ReplyDelta]:
         reason, usage, done = None, None, False
         try:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.backend import DEFAULT_SETTINGS, BadSettings, ContextOverflow, chat_messages
-from app.chat import ReplyTask, summary
+from app.backend import DEFAULT_SETTINGS, BadSettings, ContextOverflow, ReplyStream, chat_messages, meter_text
+from app.chat import ReplyTask, Turn, summary
 from app.model_host import ModelHost
 from app.page import user_error
 from app.page.api import add_api
@@ -31,7 +31,9 @@ log = logging.getLogger("pagoda")
 UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
 UNWATCHED_S = 2.0  # a reply whose page has not polled it for this long is not being watched
 STOP_WAIT_S = 10.0  # how long editing or regenerating waits for the chat's running reply to stop
-UNCHANGED = tuple(gr.update() for _ in range(4))  # a reply stream's outputs, left as they are
+UNCHANGED = tuple(gr.update() for _ in range(5))  # a reply stream's outputs, left as they are
+# A prompt shorter than this is read in well under a second: no progress line flickers before its reply.
+PREFILL_PROGRESS_MIN_TOKENS = 256
 
 
 class PagodaUI:
@@ -150,7 +152,7 @@ class PagodaUI:
             # The message is kept out of the chat until it can be answered: it stays in the box, for Drop the
             # oldest turn (which sends it) or an edit. Saved, it overflowed every later try too.
             yield (self.history(conversation_id), pending or gr.update(), gr.update(visible=True, value=f"**{e}**"),
-                   gr.update(visible=overflow))
+                   gr.update(visible=overflow), gr.update())
             return
         if pending:
             self.store.add_message(conversation_id, "user", pending)
@@ -166,7 +168,8 @@ class PagodaUI:
         if not self.shows(request, conversation_id):
             yield UNCHANGED
             return
-        yield self.history(conversation_id), "", gr.update(visible=False), gr.update(visible=False)  # clears the box
+        yield (self.history(conversation_id), "", gr.update(visible=False), gr.update(visible=False),  # clears the box
+               self.live_meter(self.replies.get(conversation_id).turn))
         yield from self.follow(conversation_id, request)
 
     def follow(self, conversation_id, request: gr.Request = None):
@@ -175,7 +178,7 @@ class PagodaUI:
         task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
         if task is None:
             shown = conversation_id is None or self.shows(request, conversation_id)
-            yield (self.history(conversation_id), gr.update(), hidden, hidden) if shown else UNCHANGED
+            yield (self.history(conversation_id), gr.update(), hidden, hidden, gr.update()) if shown else UNCHANGED
             return
         history = self.history(conversation_id)
         history = history[: -2 if len(history) > 1 and history[-2].get("metadata") else -1]  # the reply's rows
@@ -187,16 +190,35 @@ class PagodaUI:
                 return
             turn = task.turn
             content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
+            if not (content or turn.reasoning or finished):
+                content = prefill_line(task.stream)
             thought = [thought_row(turn.reasoning, turn.thought_s, turn.thinking)] if turn.reasoning else []
-            yield history + [*thought, {"role": "assistant", "content": content}], gr.update(), hidden, hidden
+            yield (history + [*thought, {"role": "assistant", "content": content}], gr.update(), hidden, hidden,
+                   self.live_meter(turn))
             if finished:
                 self.replies.finish(int(conversation_id), task)
                 return
+
+    def live_meter(self, turn: Turn):
+        """The context meter while a reply streams: its prompt and the tokens written so far. A server's
+        counts come only with its last increment: until then the meter stays as it was."""
+        backend = self.host.backend
+        if backend is None or not turn.prompt_tokens:
+            return gr.update()
+        return meter_text(turn.prompt_tokens + turn.output_tokens, backend.max_model_len)
 
     def stop(self, conversation_id) -> None:
         task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
         if task is not None:
             task.cancel()
+
+    def stop_and_show(self, conversation_id):
+        """The Stop button: the reply ends where it is, and the chat shows it with its "stopped" line and the
+        meter. Stop also ends the page's drawing of the stream, so without this the last frame stayed, unmarked."""
+        self._stop_reply(conversation_id)
+        if conversation_id is None:
+            return gr.update(), gr.update()
+        return self.history(conversation_id), self.context_meter(conversation_id)
 
     def on_unload(self, request: gr.Request) -> None:
         """A browser session ended: abort the replies it started that no page is showing any more.
@@ -264,8 +286,8 @@ class PagodaUI:
         if not msgs:
             message = ("**This message alone is longer than the model's context holds, with room for the reply: "
                        "shorten it, or lower the reply length.**")
-            yield self.history(conversation_id), gr.update(), gr.update(visible=True, value=message), \
-                gr.update(visible=False)
+            yield (self.history(conversation_id), gr.update(), gr.update(visible=True, value=message),
+                   gr.update(visible=False), gr.update())
             return
         next_user = next((i for i, m in enumerate(msgs[1:], 1) if m.role == "user"), len(msgs))
         self.store.delete_messages(conversation_id, [m.id for m in msgs[:next_user]])
@@ -328,6 +350,15 @@ class PagodaUI:
         return backend.kv_panel(self.replies.labels()) if backend is not None else "<p>No model loaded.</p>"
 
 
+def prefill_line(stream: ReplyStream) -> str:
+    """What an empty reply bubble says while the model reads a long prompt: tokens read out of the total."""
+    progress = stream.prefill_progress()
+    if progress is None or progress[1] < PREFILL_PROGRESS_MIN_TOKENS:
+        return ""
+    done, total = progress
+    return f"*Reading the prompt: {done:,} / {total:,} tokens…*"
+
+
 def thought_row(reasoning: str, seconds: float | None, thinking: bool) -> dict:
     """A reply's reasoning as Gradio's collapsible thought message, above the answer."""
     if thinking:
@@ -342,25 +373,24 @@ def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) ->
     """The page. `models_tab(ui)` renders the Models tab inside the Blocks, when given."""
     presets = {p.name: p.system_prompt for p in ui.store.presets()}  # shared by every chat, added to by Save preset
     with gr.Blocks(title="Pagoda", fill_height=True) as demo:
+        # A drawer beside the chat: on a phone it starts closed (PAGE_JS), so the chat comes first.
+        with gr.Sidebar(elem_id="sidebar", width=300):
+            sidebar = render_sidebar(ui)
         with gr.Row(equal_height=True):
             # A callable value: each page fetches the header as it opens, instead of showing the start-up
             # text ("Loading <model>…") until the timer's first refresh.
             header = gr.Markdown(ui.header, elem_id="header")
             theme_btn = gr.Button("◐ Light / dark", size="sm", scale=0, min_width=140)
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=1, min_width=250):
-                sidebar = render_sidebar(ui)
-            with gr.Column(scale=4):
-                with gr.Tabs():
-                    with gr.Tab("Chat") as chat_page:
-                        chat = render_chat_tab(presets)
-                    with gr.Tab("KV cache") as kv_page:
-                        kv_html = render_kv_tab(ui)
-                    other_pages = [chat_page]
-                    if models_tab is not None:
-                        with gr.Tab("Models") as models_page:
-                            models_tab(ui)
-                        other_pages.append(models_page)
+        with gr.Tabs():
+            with gr.Tab("Chat") as chat_page:
+                chat = render_chat_tab(presets)
+            with gr.Tab("KV cache") as kv_page:
+                kv_html = render_kv_tab(ui)
+            other_pages = [chat_page]
+            if models_tab is not None:
+                with gr.Tab("Models") as models_page:
+                    models_tab(ui)
+                other_pages.append(models_page)
 
         # Events cross the parts (New chat reads the Chat tab's system prompt), so they are wired once all exist.
         wire_sidebar(ui, sidebar, chat.system)
@@ -370,10 +400,36 @@ def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) ->
         timer.tick(ui.panels, sidebar.search, [kv_html, header, sidebar.conversations], show_progress="hidden",
                    concurrency_limit=1, concurrency_id="panels")
         track_kv_tab(ui, kv_page, other_pages)
-        load_first_view(demo, ui, sidebar, presets, js=KEYS_JS)
-        theme_btn.click(None, js="() => { document.body.classList.toggle('dark'); }")
+        load_first_view(demo, ui, sidebar, presets, js=PAGE_JS)
+        theme_btn.click(None, js=THEME_TOGGLE_JS)
         add_api(ui)
     return demo
+
+
+# The page's choice of light or dark is kept in the browser, so a reload keeps it (Gradio follows the system's
+# setting until then). On a narrow screen the chat list is a drawer: closed as the page opens, and closed again
+# once a chat is picked or made, so the chat itself is always what shows.
+THEME_TOGGLE_JS = """
+() => {
+  const dark = document.body.classList.toggle('dark');
+  localStorage.setItem('pagoda-theme', dark ? 'dark' : 'light');
+}
+"""
+PAGE_JS = """
+() => {
+  (%s)();
+  const theme = localStorage.getItem('pagoda-theme');
+  if (theme) { document.body.classList.toggle('dark', theme === 'dark'); }
+  const narrow = () => window.matchMedia('(max-width: 768px)').matches;
+  const closeDrawer = () => {
+    const drawer = document.querySelector('#sidebar');
+    if (narrow() && drawer && drawer.classList.contains('open')) { drawer.querySelector('.toggle-button').click(); }
+  };
+  closeDrawer();
+  document.addEventListener('change', (e) => { if (e.target.closest('#chat-list')) { closeDrawer(); } });
+  document.addEventListener('click', (e) => { if (e.target.closest('#new-chat')) { closeDrawer(); } });
+}
+""" % KEYS_JS.strip()
 
 
 def launch_kwargs() -> dict:

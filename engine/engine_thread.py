@@ -127,6 +127,12 @@ class EngineThread:
         for request_id in request_ids:
             self.abort(request_id)
 
+    def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
+        """LLMEngine.prefill_progress, read without the lock: a page polls it several times a second, and
+        the lock would make it wait out the very prefill step it reports on. It reads two counters the
+        engine thread writes; a value one step old is all a progress line needs."""
+        return self.engine.prefill_progress(request_id)
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
@@ -269,6 +275,10 @@ class RequestStream:
         finally:
             if not self.finished:  # e.g. an HTTP client disconnected mid-stream
                 self.cancel()
+
+    def prefill_progress(self) -> tuple[int, int] | None:
+        """(prompt tokens read, prompt tokens) until the first token comes (EngineThread.prefill_progress)."""
+        return None if self.finished else self.owner.prefill_progress(self.request_id)
 
     def cancel(self) -> None:
         self.owner.abort(self.request_id)

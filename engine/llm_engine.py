@@ -219,6 +219,15 @@ class LLMEngine:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         return True
 
+    def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens in the KV cache, prompt tokens) while the request reads its prompt, cached tokens
+        included (a preempted one starts again from what it recomputes); None once its first token is out,
+        or for an unknown request. A long paste takes seconds to read on a CPU: this is what shows it."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.num_output_tokens or seq.num_pending_tokens:
+            return None
+        return min(seq.num_computed_tokens, seq.num_prompt_tokens), seq.num_prompt_tokens
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 

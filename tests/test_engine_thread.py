@@ -218,3 +218,34 @@ def test_load_builds_the_engine_in_a_thread_that_ends_and_raises_its_errors(tiny
         thread.shutdown()
     with pytest.raises(TypeError, match="unknown engine setting"):
         EngineThread.load(str(tiny_llama), no_such_setting=1)
+
+
+def test_prefill_progress_counts_the_prompt_read_so_far_cached_tokens_included(tiny_llama, random_prompt):
+    """What a chat shows while a long paste is read: tokens in the KV cache out of the prompt, chunk by chunk,
+    until the first token; a prompt whose start the prefix cache holds starts from there."""
+    engine = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, max_num_batched_tokens=32)
+    prompt = random_prompt(100, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = engine.add_request(prompt, params)
+    assert engine.prefill_progress(first) == (0, 100)  # queued: nothing read yet
+    seen = []
+    while engine.prefill_progress(first) is not None:
+        engine.step()
+        seen.append(engine.prefill_progress(first))
+    assert seen == [(32, 100), (64, 100), (96, 100), None]  # then its first token came
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.prefill_progress(first) is None  # finished: unknown
+
+    again = engine.add_request(prompt[:96] + random_prompt(40, seed=8), params)
+    engine.step()  # admitted on the cached 96 tokens (6 blocks of 16), then one chunk
+    assert engine.prefill_progress(again) == (96 + 32, 136)
+    thread = EngineThread(engine)
+    try:
+        stream = thread.submit(random_prompt(300, seed=9), SamplingParams(max_tokens=1))
+        progress = stream.prefill_progress()
+        assert progress is None or progress[1] == 300  # read between steps, without the engine's lock
+        list(stream)
+        assert stream.prefill_progress() is None
+    finally:
+        thread.shutdown()

@@ -109,7 +109,7 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     exports = [tab.md_btn, tab.json_btn]  # they hold the open chat's files (PagodaUI.export_files says why)
     options = [tab.think, tab.json_output, tab.json_schema]
     opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title, *exports, *options]
-    reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row]
+    reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row, tab.meter]
     reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
     refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid),
                                    *ui.export_files(cid)),
@@ -141,7 +141,8 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     # its last frame cannot land after the edited chat.
     tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg], cancels=[send, regen, follow]).then(
         **refresh_exports)
-    tab.stop_btn.click(ui.stop, bar.current, None, cancels=[send, regen, follow], api_name="stop")
+    tab.stop_btn.click(ui.stop_and_show, bar.current, [tab.chatbot, tab.meter], cancels=[send, regen, follow],
+                       api_name="stop").then(**refresh_exports)
 
     drop = tab.drop_btn.click(ui.drop_oldest_and_answer, reply_inputs, reply_outputs, **quiet)
     drop.then(**refresh)

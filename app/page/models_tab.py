@@ -19,7 +19,7 @@ from app.catalog import (
     load_catalog,
     quantization_advice,
 )
-from app.download_jobs import DownloadManager
+from app.download_jobs import DownloadJob, DownloadManager
 from app.model_host import resolve_model
 from app.page import user_error
 from app.remote import RemoteError
@@ -139,23 +139,26 @@ def _download_target(repo_id: str, entry: CatalogEntry | None) -> tuple[str, str
     return repo_id, ""
 
 
-def _describe_jobs(manager: DownloadManager) -> str:
-    lines = []
-    for job in manager.jobs():
-        done, total = job.bytes_done or 0, job.bytes_total or 0
-        pct = f"{100 * done / total:.0f}%" if total else "…"
-        speed = f" · {job.speed / 2**20:.1f} MiB/s" if job.speed else ""
-        eta = f" · {job.eta_s:.0f} s left" if job.eta_s else ""
-        name = f"{job.repo_id}/{job.gguf_file}" if job.gguf_file else job.repo_id
-        line = f"- **{name}**: {job.status} {pct} ({format_gib(done)} / {format_gib(total)} GiB){speed}{eta}"
-        if job.error:
-            line += f"\n  {job.error}"
-        lines.append(line)
-    return "\n".join(lines) or "No downloads yet."
+def _describe_job(job: DownloadJob) -> str:
+    done, total = job.bytes_done or 0, job.bytes_total or 0
+    pct = f"{100 * done / total:.0f}%" if total else "…"
+    speed = f" · {job.speed / 2**20:.1f} MiB/s" if job.speed else ""
+    eta = f" · {job.eta_s:.0f} s left" if job.eta_s else ""
+    name = f"{job.repo_id}/{job.gguf_file}" if job.gguf_file else job.repo_id
+    line = f"**{name}**: {job.status} {pct} ({format_gib(done)} / {format_gib(total)} GiB){speed}{eta}"
+    return line + (f"  \n{job.error}" if job.error else "")
 
 
-def _local_rows(manager: DownloadManager) -> list[list]:
-    return [[m.repo_id, f"{format_gib(m.size_bytes)} GiB", str(m.load_path)] for m in manager.local_models()]
+def listing(manager: DownloadManager) -> dict:
+    """What the Downloads and Downloaded lists show, one row each: a download (its line, and whether Cancel
+    applies) and a downloaded model (its line). The rows are drawn again only when this changes."""
+    return {"jobs": [(job.id, _describe_job(job), job.active) for job in manager.jobs()],
+            "models": [(m.repo_id, f"**{m.repo_id}** · {format_gib(m.size_bytes)} GiB · `{m.load_path}`")
+                       for m in manager.local_models()]}
+
+
+def _free_disk(manager: DownloadManager) -> str:
+    return f"Free disk for downloads: {format_gib(manager.free_disk_bytes())} GiB"
 
 
 def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
@@ -173,6 +176,7 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     status = gr.Markdown(ui.host.status_message, elem_id="model-status")
     with gr.Row():
         repo = gr.Dropdown(choices=choices, value=catalog[0].repo_id, label="Model", allow_custom_value=True,
+                           elem_id="model-choice",
                            info="Pick from the catalog, or type any Hugging Face repo id or local folder", scale=3)
         dtype = gr.Dropdown(DTYPES, value="auto", label="Precision", scale=1)
         quant = gr.Dropdown(list(QUANTIZATIONS), label="Quantization", scale=1, elem_id="quantization",
@@ -185,15 +189,32 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         download_btn = gr.Button("Download")
         load_btn = gr.Button("Load", variant="primary")
         unload_btn = gr.Button("Unload")
-    downloads = gr.Markdown(_describe_jobs(manager))
-    with gr.Row():
-        job_to_cancel = gr.Textbox(label="Cancel download of (repo id)", scale=3)
-        cancel_btn = gr.Button("Cancel download", scale=1)
-    local = gr.Dataframe(_local_rows(manager), headers=["Downloaded model", "Size", "Folder"], interactive=False)
-    with gr.Row():
-        to_delete = gr.Textbox(label="Delete downloaded model (repo id)", scale=3)
-        delete_btn = gr.Button("Delete", variant="stop", scale=1)
-    disk = gr.Markdown(f"Free disk for downloads: {format_gib(manager.free_disk_bytes())} GiB")
+    rows = gr.State(listing(manager))
+    confirmed = gr.Checkbox(visible=False)  # a Delete's answer to the browser's "are you sure?"
+
+    @gr.render(inputs=rows)
+    def draw_rows(shown: dict):
+        gr.Markdown("**Downloads**")
+        if not shown["jobs"]:
+            gr.Markdown("No downloads yet.")
+        for job_id, line, active in shown["jobs"]:
+            with gr.Row(key=f"job-{job_id}", equal_height=True, elem_classes="download-row"):
+                gr.Markdown(line)
+                if active:
+                    gr.Button("Cancel", size="sm", scale=0, min_width=90).click(
+                        lambda j=job_id: cancel_job(j), None, rows, api_visibility="private")
+        gr.Markdown("**Downloaded models**")
+        if not shown["models"]:
+            gr.Markdown("None yet: pick a model above and press Download.")
+        for repo_id, line in shown["models"]:
+            with gr.Row(key=f"model-{repo_id}", equal_height=True, elem_classes="model-row"):
+                gr.Markdown(line)
+                gr.Button("Delete", size="sm", variant="stop", scale=0, min_width=90).click(
+                    lambda ok, r=repo_id: delete_model(r) if ok else (gr.skip(), gr.skip()), confirmed, [rows, disk],
+                    js=f"() => confirm({f'Delete {repo_id} from this computer? Its files are removed.'!r})",
+                    api_visibility="private")
+
+    disk = gr.Markdown(_free_disk(manager))
     with gr.Accordion("Connect to a server", open=False, elem_id="remote"):
         gr.Markdown("Chats can come from an OpenAI-compatible server instead: vLLM, SGLang, llama.cpp's server, "
                     "Ollama, or another Pagoda (`python -m engine.serve`). Conversations stay here. Connecting "
@@ -229,23 +250,32 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             manager.start(*_download_target(repo_id, entry))
         except Exception as e:  # refused before starting: not enough disk, bad id
             raise user_error(str(e)) from e
-        return _describe_jobs(manager)
+        return listing(manager)
 
-    download_btn.click(start_download, repo, downloads)
+    download_btn.click(start_download, repo, rows)
 
-    def cancel(repo_id: str):
+    def cancel_job(job_id: str) -> dict:
+        manager.cancel(job_id)
+        return listing(manager)
+
+    def delete_model(repo_id: str) -> tuple[dict, str]:
+        manager.delete(repo_id)
+        return listing(manager), _free_disk(manager)
+
+    def cancel_download(repo_id: str) -> str:
+        """Cancel the downloads of a repo (scripts; the page has a Cancel button on each download's row)."""
         for job in manager.jobs():
-            if job.repo_id == repo_id.strip() and job.status in ("queued", "running"):
+            if job.repo_id == repo_id.strip() and job.active:
                 manager.cancel(job.id)
-        return _describe_jobs(manager)
+        return "\n".join(line for _, line, _ in listing(manager)["jobs"])
 
-    cancel_btn.click(cancel, job_to_cancel, downloads)
-
-    def delete(repo_id: str):
+    def delete_downloaded(repo_id: str) -> str:
+        """Remove a downloaded model's files (scripts; the page has a Delete button on each model's row)."""
         manager.delete(repo_id.strip())
-        return _local_rows(manager), f"Free disk for downloads: {format_gib(manager.free_disk_bytes())} GiB"
+        return _free_disk(manager)
 
-    delete_btn.click(delete, to_delete, [local, disk])
+    gr.api(cancel_download, api_name="cancel_download")
+    gr.api(delete_downloaded, api_name="delete_model")
 
     def load(repo_id: str, dtype_name: str, ctx, kv, quantization: str = "none"):
         try:
@@ -275,6 +305,10 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     served.input(connect, [base_url, api_key, served], [status, served])
     disconnect_btn.click(lambda: (ui.host.disconnect(), ui.host.state.message)[1], None, status)
 
+    def refresh(shown: dict):
+        now = listing(manager)
+        return ui.host.status_message(), (gr.skip() if now == shown else now)  # unchanged: no redraw
+
     timer = gr.Timer(1.0)
-    timer.tick(lambda: (ui.host.status_message(), _describe_jobs(manager), _local_rows(manager)), None,
-               [status, downloads, local], show_progress="hidden", concurrency_limit=1, concurrency_id="models-panel")
+    timer.tick(refresh, rows, [status, rows], show_progress="hidden", concurrency_limit=1,
+               concurrency_id="models-panel")

@@ -20,7 +20,7 @@ class Sidebar:
 
 
 def render_sidebar(ui: "PagodaUI") -> Sidebar:
-    new_btn = gr.Button("＋ New chat", variant="primary")
+    new_btn = gr.Button("＋ New chat", variant="primary", elem_id="new-chat")
     search = gr.Textbox(placeholder="Search chats…", show_label=False, container=False)
     conversations = gr.Radio(choices=ui.conversation_choices(), label="Chats", elem_id="chat-list")
     # Events read this rather than the Radio, whose value must be one of the choices it was built with

@@ -16,11 +16,12 @@ class PortTaken(RuntimeError):
 
 class AppProcess:
     """`args`: more start-up options (`--listen`); `auth`: the login its API client uses (default: none, or the
-    one the app prints when it generates one)."""
+    one the app prints when it generates one); `env`: variables set for the app (after the offline defaults)."""
 
-    def __init__(self, model: Path, home: Path, *args: str, auth: tuple[str, str] | None = None):
+    def __init__(self, model: Path, home: Path, *args: str, auth: tuple[str, str] | None = None,
+                 env: dict[str, str] | None = None):
         self.model, self.home, self.port = model, home, free_port()
-        self.args, self.auth = args, auth
+        self.args, self.auth, self.env = args, auth, env or {}
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log = home / f"app-{self.port}.log"
         self.proc = None
@@ -42,7 +43,7 @@ class AppProcess:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
-        env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(self.model), "--port", str(self.port),
                                       "--no-browser", "--max-chats", "4", *self.args], env=env,
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT,

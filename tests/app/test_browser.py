@@ -5,6 +5,7 @@ watches the KV-cache grid show their shared blocks. Screenshots go to test-artif
 PAGODA_UPDATE_DOCS=1 they also replace the README's pictures in docs/.
 """
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -330,3 +331,168 @@ def test_enter_while_the_chat_answers_says_why_and_keeps_the_message(session, op
     while running() and time.time() < deadline:
         time.sleep(0.2)
     page.close()
+
+
+def wait_idle(client, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while client.predict(api_name="/engine_stats")["num_running"] and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def test_stop_marks_the_reply_stopped_in_a_chat_that_already_has_replies(session, open_page):
+    """Stop ends the page's drawing of the stream: the last frame stayed on screen without its "stopped" line
+    (a new chat's first reply was redrawn when its title came; a later reply never was)."""
+    _, client, _ = session
+    page = open_page()
+    start_new_chat(page, "Name a fruit.")
+    page.keyboard.press("Escape")
+    wait_for_js(page, "() => document.querySelector('#chatbot').innerText.includes('stopped')", timeout=20000)
+    wait_idle(client)
+    send(page, "Now write a very long story about it, with many chapters.")
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "return bots.length > 1 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    page.keyboard.press("Escape")
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "return bots[bots.length - 1].innerText.includes('stopped'); }", timeout=20000)
+    assert bot_text(page).split("\n")[0]  # what was written so far stays above the line
+    page.close()
+
+
+PROGRESS = r"/Reading the prompt: ([\d,]+) \/ ([\d,]+) tokens/"
+
+
+def test_a_long_paste_shows_how_much_is_read_and_the_meter_counts_the_reply(session, open_page):
+    """A 4,400-token paste was seconds of an empty bubble, and the meter kept the count from before the message
+    until the reply ended."""
+    _, client, _ = session
+    page = open_page()
+    page.get_by_role("button", name="New chat").click()
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    meter = lambda: int(re.search(r"Context: ([\d,]+)", page.locator("#context-meter").inner_text())[1]
+                        .replace(",", ""))
+    before = meter()
+    paste = "Summarize this. " + "The keeper climbed the stairs of the lighthouse every evening at dusk. " * 330
+    page.locator("#message textarea").fill(paste)
+    page.locator("#message textarea").press("Enter")
+    # Partway through: tokens read so far, out of the whole prompt (chunks of 2,048 on a CPU).
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      f"const m = bots.length && bots[bots.length - 1].innerText.match({PROGRESS}); "
+                      "return m && +m[1].replace(/,/g, '') > 0 && +m[1].replace(/,/g, '') < +m[2].replace(/,/g, ''); }",
+                timeout=60000)
+    # The reply begins: the progress line gives way to its words, and the meter counts the prompt and the reply.
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "const t = bots[bots.length - 1].innerText; return t.trim() && !t.includes('Reading the'); }",
+                timeout=60000)
+    wait_for_js(page, "() => +document.querySelector('#context-meter').innerText.match(/Context: ([\\d,]+)/)[1]"
+                      f".replace(/,/g, '') > {before + 4000}", timeout=20000)
+    first = meter()
+    deadline = time.time() + 20
+    while meter() == first and time.time() < deadline:
+        time.sleep(0.2)
+    assert meter() > first  # it moves while the reply streams
+    assert client.predict(api_name="/engine_stats")["num_running"] == 1  # the reply still streams
+    page.keyboard.press("Escape")
+    wait_idle(client)
+    page.close()
+
+
+def test_a_phone_screen_shows_the_chat_first_and_the_chat_list_in_a_drawer(session, open_page):
+    """At 390 px the whole chat list came first and pushed the chat a screen down."""
+    _, client, browser = session
+    page = browser.new_page(viewport={"width": 390, "height": 844})
+    try:
+        page.goto(session[0].url)
+        page.locator("#context-meter").get_by_text("Context:").wait_for()
+        drawer_open = "() => document.querySelector('#sidebar').classList.contains('open')"
+        wait_for_js(page, f"() => !({drawer_open})()", timeout=10000)  # closed as the page opens
+        box = page.locator("#message textarea").bounding_box()
+        assert box is not None and box["y"] + box["height"] <= 844  # the message box is on the first screen
+        assert page.locator("#chatbot").bounding_box()["y"] < 400
+        page.get_by_label("Toggle Sidebar").click()
+        wait_for_js(page, drawer_open, timeout=10000)
+        page.locator("#new-chat").click()  # a new chat: the drawer gives the screen back to it
+        wait_for_js(page, f"() => !({drawer_open})()", timeout=10000)
+        wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0",
+                    timeout=20000)
+        shot(page, "phone.png")
+    finally:
+        page.close()
+
+
+def test_light_or_dark_is_remembered_across_reloads(session, open_page):
+    page = open_page()
+    dark = "() => document.body.classList.contains('dark')"
+    was_dark = page.evaluate(dark)
+    page.get_by_role("button", name="Light / dark").click()
+    assert page.evaluate(dark) is not was_dark
+    page.reload()
+    page.locator("#context-meter").get_by_text("Context:").wait_for()
+    wait_for_js(page, dark if not was_dark else f"() => !({dark})()", timeout=10000)
+    time.sleep(1)
+    assert page.evaluate(dark) is not was_dark  # and it stays so once the page has settled
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def hub_app(bundled_model, tmp_path_factory):
+    """An app whose downloads come from a local fake hub: a small repo, and a big one served slowly enough to
+    cancel."""
+    import json
+
+    from tests.app.fake_hub import FakeHub
+    from tests.app.hub_fixtures import CONFIG
+
+    home = tmp_path_factory.mktemp("hub_app")
+    weights = {"config.json": json.dumps(CONFIG).encode(), "tokenizer.json": b'{"model": {"type": "BPE"}}'}
+    hub = FakeHub(chunk_size=32 * 1024, throttle=0.1)
+    hub.add_repo("pagoda-test/small-chat", {**weights, "model.safetensors": os.urandom(64 * 1024)})
+    hub.add_repo("pagoda-test/big-chat", {**weights, "model.safetensors": os.urandom(8 * 1024 * 1024)})
+    hub.start()
+    app = AppProcess(bundled_model, home, env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url,
+                                               "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_DISABLE_XET": "1"})
+    app.start()
+    yield app, home / "hub"
+    app.kill()
+    hub.stop()
+
+
+def test_models_tab_cancel_and_delete_are_buttons_on_each_row(session, hub_app):
+    """Cancel and delete wanted a typed repo id; each download and each downloaded model now has its button."""
+    app, cache = hub_app
+    page = session[2].new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(app.url)
+        page.locator("#context-meter").get_by_text("Context:").wait_for()
+        page.get_by_role("tab", name="Models").click()
+
+        def download(repo_id: str) -> None:
+            field = page.locator("#model-choice input")
+            field.fill(repo_id)
+            field.press("Enter")
+            page.get_by_role("button", name="Download", exact=True).click()
+
+        download("pagoda-test/small-chat")
+        small = page.locator(".model-row").filter(has_text="pagoda-test/small-chat")
+        small.wait_for(timeout=60000)
+        download("pagoda-test/big-chat")
+        big = page.locator(".download-row").filter(has_text="pagoda-test/big-chat")
+        big.get_by_role("button", name="Cancel").click(timeout=30000)
+        wait_for_js(page, "() => [...document.querySelectorAll('.download-row')].some(r => "
+                          "r.innerText.includes('big-chat') && r.innerText.includes('cancelled'))", timeout=30000)
+        assert big.get_by_role("button", name="Cancel").count() == 0  # nothing left to cancel
+        assert page.locator(".model-row").filter(has_text="pagoda-test/big-chat").count() == 0
+
+        asked = []
+        page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        small.get_by_role("button", name="Delete").click()
+        time.sleep(2)  # a refused delete changes nothing, so there is nothing to wait for
+        assert asked and "pagoda-test/small-chat" in asked[0]
+        assert (cache / "models--pagoda-test--small-chat").exists() and small.count() == 1
+        page.once("dialog", lambda d: d.accept())
+        small.get_by_role("button", name="Delete").click()
+        wait_for_js(page, "() => ![...document.querySelectorAll('.model-row')].some(r => "
+                          "r.innerText.includes('small-chat'))", timeout=20000)
+        assert not (cache / "models--pagoda-test--small-chat").exists()
+        shot(page, "models-rows.png")
+    finally:
+        page.close()

@@ -1,4 +1,6 @@
 """End to end through gradio_client against the real app process on the bundled model."""
+import sqlite3
+
 import pytest
 
 from tests.app.app_process import AppProcess, reply_text
@@ -109,3 +111,7 @@ def test_a_killed_app_loses_no_saved_message(app):
     assert [m["content"] for m in messages[:3]][::2] == ["Remember the word pagoda.", "Now write a long poem about it."]
     # The finished reply, and the partial one as far as it was saved.
     assert messages[1]["content"] and len(messages) == 4
+    # The cut reply is known as cut (the page marks it "interrupted"), the finished one as finished.
+    assert messages[1]["meta"]["finished"] is True and messages[3]["meta"]["finished"] is False
+    with sqlite3.connect(proc.home / "pagoda.db") as db:  # beside the restarted app, as a reader
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -112,9 +112,13 @@ class EndlessStream:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def prefill_progress(self) -> None:
+        return None
+
 
 class EndlessBackend:
     kind, label, model, models, url, thinks = "local", "endless", "endless", ["endless"], None, False
+    max_model_len = 512
 
     def __init__(self):
         self.streams: list[EndlessStream] = []

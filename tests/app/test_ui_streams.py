@@ -9,6 +9,7 @@ from app.chat import Turn
 from app.model_host import ModelHost
 from app.store import ConversationStore
 from app.ui import UNCHANGED, PagodaUI
+from tests.processes import wait_until
 
 
 def streaming_task(text: str) -> SimpleNamespace:
@@ -87,3 +88,72 @@ def test_a_new_chat_takes_its_title_from_the_first_message_while_the_reply_strea
     assert ("Tell me about the cat of the lighthouse …", fresh) in titles
     # Only the list changes (filtered by the search box), never the open chat.
     assert "value" not in ui.panels("cat", page)[2]
+
+
+def test_a_long_prompt_shows_how_much_is_read_and_the_meter_counts_the_reply_as_it_streams(tmp_path):
+    """A 4,400-token paste was 8.5 s of an empty bubble, and the meter stayed at the count before the message."""
+    ui, first, _ = make_ui(tmp_path)
+    ui.host.backend = SimpleNamespace(max_model_len=8192)
+    progress = [(2048, 4400)]
+    task = streaming_task("")
+    task.turn = Turn(prompt_tokens=4400)
+    task.stream = SimpleNamespace(request_id="r", prefill_progress=lambda: progress[0])
+    ui.replies.start(first, task, label="#1 lighthouse")
+    frames = ui.follow(first, None)
+    chatbot, *_, meter = next(frames)
+    assert chatbot[-1] == {"role": "assistant", "content": "*Reading the prompt: 2,048 / 4,400 tokens…*"}
+    assert meter == "Context: 4,400 / 8,192 tokens"
+    progress[0] = None  # the first token is out
+    task.turn = Turn(prompt_tokens=4400, text="Once", output_tokens=3)
+    chatbot, *_, meter = next(frames)
+    assert chatbot[-1]["content"] == "Once" and meter == "Context: 4,403 / 8,192 tokens"
+
+
+def test_a_short_prompt_shows_no_progress_line_and_a_servers_reply_leaves_the_meter(tmp_path):
+    ui, first, _ = make_ui(tmp_path)
+    ui.host.backend = SimpleNamespace(max_model_len=None)
+    task = streaming_task("")
+    task.turn = Turn(prompt_tokens=0)  # a server counts the prompt itself, at the end
+    task.stream = SimpleNamespace(request_id="r", prefill_progress=lambda: (0, 40))
+    ui.replies.start(first, task, label="#1 lighthouse")
+    chatbot, *_, meter = next(ui.follow(first, None))
+    assert chatbot[-1]["content"] == "" and meter == gr.update()
+
+
+def test_stop_shows_the_reply_as_it_ended_with_its_stopped_line(tmp_path):
+    """Stop ends the page's drawing of the stream too: the last frame stayed without its "stopped" line."""
+    from app.backend import ReplyDelta
+    from app.chat import ReplyTask
+
+    class EndlessStream:
+        request_id = "r"
+
+        def __init__(self):
+            self.cancelled = threading.Event()
+
+        def __iter__(self):
+            while not self.cancelled.wait(0.02):
+                yield ReplyDelta("word ", 1)
+
+        def cancel(self):
+            self.cancelled.set()
+
+        def prefill_progress(self):
+            return None
+
+    ui, first, _ = make_ui(tmp_path)
+    reply = ui.store.messages(first)[-1]
+    task = ReplyTask(EndlessStream(), ui.store, reply.id, 12)
+    ui.replies.start(first, task, label="#1 lighthouse")
+    assert wait_until(lambda: task.turn.output_tokens >= 3, timeout=10)
+    chatbot, _meter = ui.stop_and_show(first)
+    assert chatbot[-1]["content"].startswith("word word word")
+    assert chatbot[-1]["content"].endswith("· stopped</sub>")
+    assert ui.replies.get(first) is None  # done with: the chat can answer again
+
+
+def test_a_reply_stopped_before_its_first_token_says_so():
+    from app.chat import summary
+
+    assert summary({"finish_reason": "abort", "ttft_s": None}) == "stopped before its first token"
+    assert summary({"finish_reason": None, "ttft_s": None}) == ""  # still reading its prompt
