@@ -61,9 +61,14 @@ def guarded(policy: AccessPolicy) -> dict:
     and builds the stack as the server starts. So the guard wraps the built stack in the app's lifespan, which
     runs before the server accepts its first connection."""
 
+    from entrypoints.openai.server import add_api_error_handlers
+
     @asynccontextmanager
     async def lifespan(app):
-        stack = RequestLog(app.middleware_stack or app.build_middleware_stack(), paths=("/v1",))
+        # /v1's unknown paths and methods in OpenAI's error shape, as engine.serve answers them; the stack is built
+        # afresh so that its exception middleware takes the handler
+        add_api_error_handlers(app)
+        stack = RequestLog(app.build_middleware_stack(), paths=("/v1",))
         app.middleware_stack = HTTPGuard(stack, policy)
         yield
 

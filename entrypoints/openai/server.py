@@ -5,6 +5,7 @@ calls then share one batch) and `python -m engine.serve` runs them headless (`cr
 `/metrics` reports vLLM's metric names, so dashboards and clients written for vLLM read Pagoda's
 prefix-cache counters too.
 """
+import inspect
 import json
 import logging
 import secrets
@@ -17,6 +18,7 @@ from functools import lru_cache
 import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from engine import EngineThread, RequestStream, SamplingParams
 from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
@@ -162,11 +164,9 @@ def create_router(models: ModelSource, api_key: str | None = None,
                 token_ids = await anyio.to_thread.run_sync(model.engine.tokenize, prompt)
             else:
                 token_ids = list(prompt)
-            echo = None
-            if body.echo:
-                text = prompt if isinstance(prompt, str) else await anyio.to_thread.run_sync(
-                    model.engine.tokenizer.decode, token_ids)
-                echo = Echo(text, token_ids, only=body.echo_only)
+            # Token ids are decoded for the echo once the engine has accepted them (in `complete`)
+            echo = Echo(prompt if isinstance(prompt, str) else None, token_ids, only=body.echo_only) \
+                if body.echo else None
             return await complete(request, model, body, token_ids, body.max_tokens, default_max_tokens, chat=False,
                                   echo=echo)
         return await guarded(request, handler)
@@ -298,7 +298,7 @@ def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int |
 class Echo:
     """A completion's prompt, to put before its text (`echo`)."""
 
-    text: str
+    text: str | None  # None: to be decoded from token_ids
     token_ids: list[int]
     only: bool  # max_tokens=0: the prompt and nothing generated
 
@@ -321,6 +321,14 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
+    if echo is not None and echo.text is None:
+        # Only now: the engine has refused ids outside the vocabulary with a 400 that names them, where the
+        # tokenizer raised OverflowError on a negative one (a 500).
+        try:
+            echo.text = await anyio.to_thread.run_sync(engine.tokenizer.decode, echo.token_ids)
+        except BaseException:
+            stream.cancel()
+            raise
     texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
     reasoning = None
     if chat and template_thinks(engine.tokenizer.chat_template) and not (tools and tools.constraint()):
@@ -559,6 +567,43 @@ class KeyedPaths:
 SIDE_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
+def is_api_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def routing_error(request: Request, exc: HTTPException) -> JSONResponse | None:
+    """OpenAI's error for a path or method no /v1 route has (Starlette's 404 and 405), or None for others."""
+    if not is_api_path(request.url.path) or exc.status_code not in (404, 405):
+        return None
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return APIError(405, f"{where} is not supported: this route takes {allowed or 'other methods'}",
+                        code="method_not_allowed", headers=exc.headers).response()
+    return APIError(404, f"Invalid URL ({where}): this server serves /v1/chat/completions, /v1/completions "
+                         "and /v1/models", code="not_found").response()
+
+
+def add_api_error_handlers(app: FastAPI) -> None:
+    """Answer unknown /v1 paths and methods in OpenAI's error shape, which its clients parse (with FastAPI's
+    {"detail": "Not Found"} the openai client says "Error code: 404 - {'detail': 'Not Found'}"). Every other
+    HTTPException still goes to the handler the app had. An exception handler rather than a catch-all
+    route: a route misses what Starlette's path patterns cannot match (a path with a newline) and methods
+    it does not list (any token is a method)."""
+    from fastapi.exception_handlers import http_exception_handler
+
+    previous = app.exception_handlers.get(HTTPException, http_exception_handler)
+
+    async def handler(request: Request, exc: HTTPException):
+        response = routing_error(request, exc)
+        if response is not None:
+            return response
+        response = previous(request, exc)
+        return await response if inspect.isawaitable(response) else response
+
+    app.add_exception_handler(HTTPException, handler)
+
+
 def create_app(engine: EngineThread, model_name: str, api_key: str | None,
                policy: AccessPolicy | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                max_request_bytes: int = MAX_REQUEST_BYTES, exposed: bool = False) -> FastAPI:
@@ -571,6 +616,7 @@ def create_app(engine: EngineThread, model_name: str, api_key: str | None,
         app.add_middleware(KeyedPaths, api_key=api_key, paths=SIDE_PATHS)
     app.add_middleware(HTTPGuard, policy=policy or AccessPolicy())
     app.add_middleware(request_log.RequestLog)  # outermost: requests the guard refuses are logged too
+    add_api_error_handlers(app)
     app.include_router(create_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
     app.include_router(create_metrics_router(lambda: served))
     return app

@@ -68,3 +68,13 @@ def test_a_chat_and_an_api_call_run_in_the_same_batch(app):
     chat.cancel()
     assert peak == 2  # the page's chat and the API call were decoded together
     assert wait_until(lambda: running() == 0, timeout=60)
+
+
+def test_unknown_v1_routes_answer_in_openai_shape_on_the_app_port_too(app):
+    """engine.serve answers an unknown /v1 path or method as OpenAI does; so does the app, whose FastAPI is
+    Gradio's (its handler is added before the guarded stack is built)."""
+    proc, _ = app
+    for method, path, status in (("GET", "v1/nothing", 404), ("TRACE", "v1/models", 405)):
+        r = httpx.request(method, f"{proc.url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == status and set(r.json()["error"]) >= {"message", "type", "code"}, r.text
+    assert httpx.get(f"{proc.url}nothing", timeout=30).status_code == 404  # the page's own paths are Gradio's

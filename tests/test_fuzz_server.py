@@ -1,0 +1,415 @@
+"""Fuzzing a real `python -m engine.serve`: schemathesis over its declared /openapi.json, and hypothesis over
+the request bodies. Whatever a client sends, the answer is never a 5xx, every 4xx under /v1 is in OpenAI's
+error shape, and afterwards the server still answers, with nothing left running or holding KV blocks.
+
+The tests share their servers (one on the tiny Llama, one on a tiny Qwen3 with Qwen3's own chat template) and
+run in file order: the health check comes last, after everything else has hit them."""
+import json
+import shutil
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import negative_data_rejection
+
+from tests.processes import ServeProcess, wait_until
+
+MODEL = "fuzz"  # the served model's name
+VOCAB = 320  # tests/conftest.py's tokenizer
+MAX_TOKENS = 8  # generated bodies may ask for hundreds; a fuzz case needs only a few to exercise the reply
+MAX_REQUEST_BYTES = 64 * 1024  # small, so that the 413 case is cheap to send
+FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
+
+
+def serve(model, log) -> ServeProcess:
+    return ServeProcess(model, log, "--served-model-name", MODEL, "--dtype", "float32", "--default-max-tokens",
+                        str(MAX_TOKENS), "--max-model-len", "128", "--num-kvcache-blocks", "64",
+                        "--max-request-bytes", str(MAX_REQUEST_BYTES)).wait_ready()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = serve(tiny_llama, tmp_path_factory.mktemp("fuzz") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.base, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tiny_models, tmp_path_factory):
+    """A tiny Qwen3 with Qwen3's real chat template, which renders tools, tool calls and thinking (the tiny
+    Llama's template ignores all three): the paths through Jinja and the reasoning split get fuzzed too."""
+    from transformers import AutoTokenizer
+
+    from tests.chat_templates import real_chat_template
+
+    folder = tmp_path_factory.mktemp("fuzz-qwen3") / "model"
+    shutil.copytree(tiny_models["qwen3"], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = real_chat_template("Qwen-Qwen3-0.6B.jinja")
+    tokenizer.save_pretrained(folder)
+    srv = serve(folder, folder.parent / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3_client(qwen3_server):
+    with httpx.Client(base_url=qwen3_server.base, timeout=60) as c:
+        yield c
+
+
+# ---- what every answer must be ---------------------------------------------------------------------
+def openai_error(content: bytes) -> str | None:
+    """Why a body is not OpenAI's error object ({"error": {"message", "type", "param", "code"}}), or None."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return f"not JSON: {content[:200]!r}"
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(error, dict):
+        return f"not {{'error': {{...}}}}: {body!r}"[:500]
+    if set(error) != {"message", "type", "param", "code"}:
+        return f"error's keys are {sorted(error)}, not message, type, param, code"
+    if not (isinstance(error["message"], str) and error["message"]):
+        return f"error.message is {error['message']!r}, not a message"
+    if not (isinstance(error["type"], str) and error["type"]):
+        return f"error.type is {error['type']!r}, not a string"
+    if not all(error[k] is None or isinstance(error[k], str) for k in ("param", "code")):
+        return f"error.param / error.code are {error['param']!r} / {error['code']!r}, not strings or null"
+    return None
+
+
+def check_answer(response: httpx.Response, sent: object) -> None:
+    """No 5xx; a 4xx in OpenAI's error shape; a 200 a whole completion (a stream to its [DONE])."""
+    where = f"{response.request.method} {response.request.url.path} with {sent!r}"[:2000]
+    status = response.status_code
+    assert status < 500, f"{status} for {where}: {response.text[:1000]}"
+    if status >= 400:
+        problem = openai_error(response.content)
+        assert problem is None, f"{status} for {where}: {problem}"
+    elif response.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", f"the stream for {where} did not end with [DONE]: {events[-3:]}"
+        for event in events[:-1]:
+            chunk = json.loads(event)
+            assert "error" not in chunk and "choices" in chunk, f"the stream for {where} sent {event}"
+    else:
+        assert status == 200, f"{status} for {where}: {response.text[:1000]}"
+        body = response.json()
+        assert body.get("object") in ("chat.completion", "text_completion") and len(body["choices"]) == 1, \
+            f"200 for {where} is not a completion: {body}"
+
+
+def post(client: httpx.Client, path: str, body: object) -> httpx.Response:
+    # json.dumps as a client would write it: NaN and Infinity as JS writes them, lone surrogates escaped
+    response = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    check_answer(response, body)
+    return response
+
+
+# ---- (a) schemathesis over the declared schema -----------------------------------------------------
+@pytest.fixture(scope="module")
+def api_schema(server):
+    config = schemathesis.Config.from_dict({"generation": {"database": "none"}})
+    return schemathesis.openapi.from_url(f"{server.base}/openapi.json", config=config)
+
+
+@pytest.fixture(autouse=True)
+def schemathesis_node_id(request):
+    # schemathesis 4.32 renames its subtests through `node._nodeid`, which pytest 9.2 no longer has: without
+    # it the lazy schema fails with an AttributeError before sending anything.
+    if not hasattr(request.node, "_nodeid"):
+        request.node._nodeid = request.node.nodeid
+
+
+def openai_error_shape(ctx, response, case) -> None:
+    """schemathesis check: a 4xx under /v1 is OpenAI's error object."""
+    if 400 <= response.status_code < 500 and case.path.startswith("/v1"):
+        problem = openai_error(response.content)
+        if problem is not None:
+            raise AssertionError(f"{response.status_code} from {case.method} {case.path}: {problem}")
+
+
+def cap_max_tokens(body: object) -> None:
+    """A valid max_tokens above MAX_TOKENS is lowered to it: it stays valid, and the case runs shorter."""
+    if isinstance(body, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if type(value) is int and value > MAX_TOKENS:
+                body[key] = MAX_TOKENS
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(FUZZ, max_examples=60)
+def test_schemathesis(case):
+    """Every operation, with schemathesis' examples, boundary (coverage) and random cases, valid and not:
+    never a 5xx, an invalid body always refused, and the refusal in OpenAI's shape."""
+    cap_max_tokens(case.body)
+    case.call_and_validate(checks=[not_a_server_error, negative_data_rejection, openai_error_shape], timeout=60)
+
+
+# ---- (b) hypothesis over the request models --------------------------------------------------------
+# Any JSON value, for a field of the wrong type. Floats include NaN and the infinities, which json.dumps
+# writes as JavaScript does; integers go far past 64 bits.
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=2**62, max_value=2**80),
+                    st.floats(), st.text(max_size=8))
+junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                          max_size=3), max_leaves=6)
+# Text as users and clients send it: any code point but a lone surrogate (see `any_text`), empty or not
+text = st.text(max_size=40)
+short_text = st.text(min_size=1, max_size=12)
+any_text = text | st.text(st.characters(exclude_categories=()), max_size=10)  # lone surrogates: never valid JSON
+token_ids = st.integers(0, VOCAB - 1)
+
+
+def within(low: float, high: float) -> st.SearchStrategy:
+    """A number in [low, high], its ends included, as a float or an int."""
+    return st.floats(low, high) | st.sampled_from([low, high]) | st.integers(int(low), int(high))
+
+
+# JSON schemas, small enough to compile quickly: of the kinds structured outputs meet, and some nonsense
+json_schemas = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "object",
+                                                    "array", "nonsense"])},
+                          optional={"enum": st.lists(scalars, max_size=3), "pattern": short_text,
+                                    "minLength": st.integers(-1, 5), "maxLength": st.integers(-1, 5),
+                                    "minimum": within(-3, 3), "format": st.sampled_from(["date", "email", "x"])}),
+    lambda inner: st.one_of(
+        st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(short_text, inner,
+                                                                                           max_size=3)},
+                              optional={"required": st.lists(short_text, max_size=2),
+                                        "additionalProperties": st.booleans() | inner}),
+        st.fixed_dictionaries({"type": st.just("array"), "items": inner},
+                              optional={"minItems": st.integers(-1, 3), "maxItems": st.integers(-1, 3)}),
+        st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)}),
+        st.dictionaries(short_text, junk, max_size=3)),
+    max_leaves=6)
+regexes = st.sampled_from([r"[a-z]+", r"\d{1,3}", r"(yes|no)", r"a*", r"(", r"[", r"a{5,2}", r"\\", r".*?$", r"",
+                           r"(?=a)b", r"\1", r"[^\x00-\U0010ffff]"]) | short_text
+grammars = st.sampled_from(['start: "yes" | "no"', 'root ::= "a" root | "b"', "start: x", "::=", "", "start: start",
+                            'start: /[0-9]+/']) | short_text
+structured_outputs = st.one_of(st.fixed_dictionaries({"json": json_schemas | text}),
+                               st.fixed_dictionaries({"regex": regexes}),
+                               st.fixed_dictionaries({"choice": st.lists(text, max_size=3)}),
+                               st.fixed_dictionaries({"grammar": grammars}),
+                               st.fixed_dictionaries({"json_object": st.booleans()}),
+                               st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object",
+                                                                "other"]), junk, max_size=3))
+response_formats = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+    st.fixed_dictionaries({"type": st.just("json_schema"),
+                           "json_schema": st.fixed_dictionaries({"name": short_text, "schema": json_schemas},
+                                                                optional={"strict": st.booleans()})}),
+    st.dictionaries(st.sampled_from(["type", "json_schema", "schema"]), junk, max_size=2))
+tools = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("function"),
+                           "function": st.fixed_dictionaries({"name": short_text},
+                                                             optional={"description": text,
+                                                                       "parameters": json_schemas})}),
+    st.dictionaries(st.sampled_from(["type", "function", "name"]), junk, max_size=3)), max_size=3)
+tool_choices = st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": short_text})}) \
+    | st.dictionaries(short_text, junk, max_size=2)
+tool_calls = st.lists(st.fixed_dictionaries(
+    {"id": short_text, "type": st.just("function"),
+     "function": st.fixed_dictionaries({"name": short_text, "arguments": text | st.dictionaries(short_text, scalars)})})
+    | st.dictionaries(short_text, junk, max_size=2), min_size=1, max_size=2)
+content_parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text})
+                         | st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio"])},
+                                                 optional={"image_url": junk}), max_size=3)
+message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user"]), "content": text | content_parts},
+                          optional={"name": short_text}),
+    st.fixed_dictionaries({"role": st.just("assistant")},
+                          optional={"content": text | st.none(), "tool_calls": tool_calls, "reasoning_content": text}),
+    st.fixed_dictionaries({"role": st.just("tool"), "content": text}, optional={"tool_call_id": short_text}))
+
+# Each field of the request models (protocol.py) with a value of its own type, in its range or (now and
+# then) just outside it; vLLM's guided_* names, and fields that change nothing here.
+COMMON = {
+    "model": st.just(MODEL) | st.none() | short_text, "temperature": within(0, 2), "top_p": within(1e-9, 1),
+    "stop": short_text | st.lists(text, max_size=3), "seed": st.integers(-(2**63), 2**64 - 1) | st.integers(),
+    "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "n": st.just(1) | st.integers(), "top_k": st.integers(-2, VOCAB + 3) | st.integers(), "min_p": within(0, 1),
+    "repetition_penalty": within(1e-3, 3), "presence_penalty": within(-2, 2), "frequency_penalty": within(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(-1, VOCAB + 2).map(str), within(-100, 100) | st.floats(),
+                                  max_size=4),
+    "priority": st.integers(-5, 5) | st.integers(), "response_format": response_formats,
+    "structured_outputs": structured_outputs, "guided_json": json_schemas, "guided_regex": regexes,
+    "guided_choice": st.lists(short_text, max_size=3), "guided_grammar": grammars, "user": text,
+    "metadata": junk,
+}
+# Fields Pagoda refuses by name (protocol.REFUSED_FIELDS), for the mistaken bodies
+REFUSED = st.sampled_from(["functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
+                           "best_of", "use_beam_search"])
+CHAT = {
+    **COMMON, "max_tokens": st.integers(1, MAX_TOKENS), "max_completion_tokens": st.integers(1, MAX_TOKENS),
+    "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20), "tools": tools, "tool_choice": tool_choices,
+    "parallel_tool_calls": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x"])
+                                            | short_text, junk, max_size=3),
+    "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high"]),
+}
+COMPLETION = {
+    **COMMON, "max_tokens": st.integers(0, MAX_TOKENS), "echo": st.booleans(), "suffix": st.none() | text,
+    "logprobs": st.integers(0, 20) | st.none(),
+}
+
+
+@st.composite
+def bodies(draw, required: dict, fields: dict, mutate: bool) -> dict:
+    """A request body: its required fields and a few of the others, each drawn by itself, so that most
+    bodies get past validation into the engine. `mutate`: then one change a client might get wrong: a
+    field of another type (or a lone surrogate), a required one left out, or a field nobody knows (or one
+    refused by name)."""
+    body = {name: draw(value) for name, value in required.items()}
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=5, unique=True)):
+        body[name] = draw(fields[name])
+    if mutate:
+        how = draw(st.sampled_from(["junk", "surrogate", "leave out", "unknown"]))
+        name = draw(st.sampled_from(sorted({*required, *fields})))
+        if how == "junk":
+            body[name] = draw(junk)
+        elif how == "surrogate":
+            body[name] = draw(any_text)
+        elif how == "leave out":
+            body.pop(draw(st.sampled_from(sorted(required))), None)
+        else:
+            body[draw(any_text | REFUSED)] = draw(junk)
+    return body
+
+
+messages = st.lists(message, min_size=1, max_size=4)
+prompts = short_text | st.lists(token_ids, min_size=1, max_size=8) | st.lists(short_text, min_size=1, max_size=2) \
+    | st.lists(st.lists(token_ids, min_size=1, max_size=4), min_size=1, max_size=2) | st.just("") | st.just([])
+
+
+@given(body=bodies({"messages": messages}, CHAT, mutate=False))
+@settings(FUZZ, max_examples=200)
+def test_chat_bodies(client, body):
+    post(client, "/v1/chat/completions", body)
+
+
+@given(body=bodies({"prompt": prompts}, COMPLETION, mutate=False))
+@settings(FUZZ, max_examples=150)
+def test_completion_bodies(client, body):
+    post(client, "/v1/completions", body)
+
+
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+       chat=bodies({"messages": messages}, CHAT, mutate=True),
+       completion=bodies({"prompt": prompts}, COMPLETION, mutate=True))
+@settings(FUZZ, max_examples=120)
+def test_mistaken_bodies(client, path, chat, completion):
+    post(client, path, chat if path == "/v1/chat/completions" else completion)
+
+
+@given(body=junk | st.lists(junk))
+@settings(FUZZ, max_examples=30)
+def test_bodies_of_other_kinds(client, body):
+    """A body that is JSON but no object (a list, a number, a string, null) or an object of nonsense."""
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        post(client, path, body)
+
+
+@given(raw=st.binary(max_size=64) | any_text.map(lambda s: s.encode("utf-8", "surrogatepass")))
+@settings(FUZZ, max_examples=30)
+def test_bodies_that_are_not_json(client, raw):
+    response = client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    check_answer(response, raw)
+
+
+HELLO = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("raw, status", [
+    (json.dumps(HELLO).encode(), 200),
+    (b"\xef\xbb\xbf" + json.dumps(HELLO).encode(), 400),  # a byte-order mark is not JSON
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400),  # a lone surrogate
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}], "max_tokens": 2}', 400),  # not UTF-8
+    (b'{"messages": [{"role": "user", "content": "a\\u0000b"}], "max_tokens": 2}', 200),  # NUL is text
+    (b'{"messages": [], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}', 200),  # last key wins
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": ' + b"9" * 5000 + b"}", 400),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e1}', 400),  # 10.0 is not an int
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN, "max_tokens": 2}', 400),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": ' + b"[" * 10000 + b"]" * 10000
+     + b"}", 400),  # nesting deeper than any parser should recurse
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": "' + b"a" * MAX_REQUEST_BYTES
+     + b'"}', 413),
+    (b'{"messages": [{"role": "user", "content": "hi"}]', 400),  # cut short
+    (b"", 400),
+])
+def test_hostile_bodies(client, raw, status):
+    response = client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    check_answer(response, raw[:200])
+    assert response.status_code == status, response.text
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/nope", 404), ("POST", "/v1", 404), ("DELETE", "/v1/chat/completions", 405),
+    ("PUT", "/v1/models", 405), ("BREW", "/v1/completions", 405), ("GET", "/v1/models/a%0Ab", 404),
+])
+def test_unknown_routes_answer_in_openai_shape(client, method, path, status):
+    """Regression: a path or method no route has answered FastAPI's {"detail": "Not Found"}, which OpenAI's
+    clients cannot read (schemathesis found it with TRACE, QUERY and a model id with a newline)."""
+    response = client.request(method, path, headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    assert openai_error(response.content) is None, response.text
+    if status == 405:
+        assert response.headers["allow"], "a 405 names the methods the route takes"
+
+
+@pytest.mark.parametrize("prompt", [[-1], [5, 2**32], [2**70]])
+def test_echo_of_token_ids_outside_the_vocabulary(client, tiny_llama, prompt):
+    """Regression: echo decoded the prompt's ids before the engine checked them, and the tokenizer raised
+    OverflowError on a negative id or one past 32 bits: a 500 (schemathesis found it). Now the engine's 400,
+    which names them."""
+    response = post(client, "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 1})
+    assert response.status_code == 400
+    assert "outside the vocabulary" in response.json()["error"]["message"]
+    from transformers import AutoTokenizer
+
+    echoed = post(client, "/v1/completions", {"prompt": [5, 6], "echo": True, "max_tokens": 0})
+    assert echoed.status_code == 200
+    assert echoed.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(tiny_llama).decode([5, 6])
+
+
+# ---- the chat paths that need a template with tools and thinking ------------------------------------
+@given(body=bodies({"messages": messages}, CHAT, mutate=False) | bodies({"messages": messages}, CHAT, mutate=True))
+@settings(FUZZ, max_examples=120)
+def test_chat_bodies_with_tools_and_thinking_template(qwen3_client, body):
+    post(qwen3_client, "/v1/chat/completions", body)
+
+
+# ---- (c) afterwards ----------------------------------------------------------------------------------
+def assert_healthy(server: ServeProcess) -> None:
+    """The server answers a plain chat, and nothing is left running, waiting or holding KV blocks."""
+    with httpx.Client(base_url=server.base, timeout=60) as client:
+        response = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
+                                                          "max_tokens": 4})
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] is not None
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    settled = wait_until(lambda: all(server.metric(name) == 0 for name in gauges), timeout=10, interval=0.2)
+    assert settled, {name: server.metric(name) for name in gauges}
+    assert server.metric("vllm:generation_tokens_total") > 10, "the fuzz reached the engine"
+    log = server.log.read_text()
+    # A 500 that the routes caught, or an engine step that failed, writes its traceback here
+    assert "Traceback" not in log, log[max(0, log.index("Traceback") - 2000):][:6000]
+
+
+def test_servers_are_healthy_afterwards(server, qwen3_server):
+    """Last: after all of the above."""
+    assert_healthy(server)
+    assert_healthy(qwen3_server)
