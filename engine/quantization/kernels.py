@@ -12,6 +12,9 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
   and lo 4-bit, so the weight is the sum of two exact 4-bit weights, multiplied side by side in one
   int4 call (SideBySideInt4Matmul).
 - HalvesSplitInt4Matmul: 6-bit codes in groups of 16 (GGUF Q6_K) as four exact 4-bit terms, likewise.
+- GroupedInt8Matmul: Pagoda's own kernel (grouped_int8.cpp, compiled for this CPU on first use; opt-in with
+  PAGODA_NATIVE_KERNELS=1, native.py says why): codes of any width in groups of 16 or 32 as bytes, times the
+  row rounded to 16-bit integers per group, one exact integer dot product per group.
 - DequantMatmul: any layout; dequantizes a slab of rows at a time into the activations' dtype and
   multiplies it, so no whole weight is ever expanded. The fallback, and the reference's speed.
 - DenseMatmul: a full-precision weight (a GGUF F16 tensor, say), oneDNN-packed on the CPU.
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import onednn_linear
+from engine.quantization import native
 from engine.quantization.layout import QuantizedWeight
 from engine.tracing import tracing_decode_step
 
@@ -298,6 +302,45 @@ class HalvesSplitInt4Matmul(SideBySideInt4Matmul):
         super().__init__(qw, terms, dtype)
 
 
+class GroupedInt8Matmul(QuantizedMatmul):
+    """Codes as bytes in groups of 16 or 32 columns, multiplied by Pagoda's native kernel (native.py): the row
+    is rounded to 16-bit integers per group (a step of 1/32767 of the group's largest value, finer than bf16),
+    and each group's product is exact in integers. 4-bit codes c become c - 8 with the offset made up."""
+
+    GROUPS = (16, 32)
+
+    @staticmethod
+    def applies(qw: QuantizedWeight, device: torch.device) -> bool:
+        return (device.type == "cpu" and qw.group_size in GroupedInt8Matmul.GROUPS
+                and native.grouped_int8_mm() is not None)
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        super().__init__(qw)
+        self.dtype = dtype
+        n, k = qw.shape
+        self.padded_k = _round_up(k, 32)
+        groups = self.padded_k // qw.group_size
+        pad = lambda m: F.pad(m.float(), (0, groups - m.shape[1])).contiguous()
+        codes, offset = qw.q, qw.offset
+        if qw.bits == 4:  # q * s + o = (q - 8) * s + (o + 8 s)
+            codes = (qw.q.to(torch.int16) - 8).to(torch.int8)
+            offset = 8 * qw.scale + (0 if qw.offset is None else qw.offset)
+        self.codes = F.pad(codes, (0, self.padded_k - k)).contiguous()
+        self.scale = pad(qw.scale)
+        self.offset = None if offset is None else pad(offset)
+        self.op = native.grouped_int8_mm()
+
+    def dequantized_bf16(self) -> torch.Tensor:
+        g, k = self.group_size, self.in_features
+        w = self.codes[:, :k].float() * self.scale.repeat_interleave(g, dim=1)[:, :k]
+        if self.offset is not None:
+            w += self.offset.repeat_interleave(g, dim=1)[:, :k]
+        return w.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x.float().contiguous(), self.codes, self.scale, self.offset, self.group_size).to(self.dtype)
+
+
 class TritonQuantMatmul(QuantizedMatmul):
     """NVIDIA GPUs: Pagoda's Triton dequant-GEMV (decode) and dequant-GEMM (prefill) over the packed
     codes (engine/layers/quant_matmul.py), with a tile per row count measured at load; or PyTorch's
@@ -335,7 +378,8 @@ class TritonQuantMatmul(QuantizedMatmul):
 
 def candidates(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> list[Callable[[], nn.Module]]:
     """Constructors of every kernel that can multiply by `qw` here, the fallback last."""
-    kinds = (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul, HalvesSplitInt4Matmul, TritonQuantMatmul)
+    kinds = (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul, HalvesSplitInt4Matmul, GroupedInt8Matmul,
+             TritonQuantMatmul)
     made = [lambda cls=cls: cls(qw, dtype) for cls in kinds if cls.applies(qw, device)]
     return [*made, lambda: DequantMatmul(qw, dtype)]
 
