@@ -116,6 +116,24 @@ def test_packed_matmuls_match_plain_ones_and_drop_the_plain_weights():
     assert "(kernel): OneDNNMatmul(16 -> 32, torch.float32)" in repr(model.qkv)  # print(model) shows the swap
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_packed_matmuls_ask_onednn_for_few_row_counts_and_keep_every_row(monkeypatch):
+    """oneDNN caches a kernel per row count (~0.6 MiB each, up to 1,024): a server's RSS climbed with every
+    new step size. Rows go to it rounded up to 72 sizes up to 2,048, at most 1/8 more; results are unchanged."""
+    asked = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(linear_mod.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *rest: (asked.append(x.shape[0]), pointwise(x, *rest))[1], raising=False)
+    weight = torch.randn(24, 40)
+    kernel = linear_mod.OneDNNMatmul(weight)
+    for rows in (1, 7, 16, 17, 100, 300, 2047):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(kernel(x, None, None), x @ weight.T, rtol=1e-5, atol=1e-4)
+    assert asked == [1, 7, 16, 18, 104, 320, 2048]
+    sizes = {linear_mod.bucketed_rows(r) for r in range(1, 2049)}
+    assert len(sizes) == 72 and all(r <= linear_mod.bucketed_rows(r) <= 1.125 * r for r in range(1, 2049))
+
+
 def test_without_onednn_support_for_the_dtype_the_engine_keeps_plain_weights(monkeypatch, tiny_llama):
     from engine import LLM
 

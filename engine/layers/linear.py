@@ -22,9 +22,29 @@ from engine.tracing import tracing_decode_step
 log = logging.getLogger("engine")
 
 
+def bucketed_rows(rows: int) -> int:
+    """The row count oneDNN is asked for: `rows` rounded up to one of a few sizes. oneDNN builds and caches a
+    kernel per row count (its primitive cache and ideep's, 1,024 entries each at ~0.6 MiB), and a step's token
+    count takes almost any value up to max_num_batched_tokens: a server's RSS climbed 10-25 MiB a burst of
+    varied requests, up to ~0.75 GiB (tests/test_load_server.py). Decode's few rows stay exact; above 16, eight
+    sizes per doubling, so the padding adds at most 1/8 of the rows."""
+    if rows <= 16:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)  # rows in (2^(b-1), 2^b]: steps of 2^(b-4)
+    return -(-rows // step) * step
+
+
+def _linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0] if x.dim() == 2 else None
+    if rows is None or bucketed_rows(rows) == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    padded = F.pad(x, (0, 0, 0, bucketed_rows(rows) - rows))  # zero rows: their outputs are dropped
+    return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
+
+
 @torch.library.custom_op("pagoda::onednn_linear", mutates_args=())
 def _onednn_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _linear_pointwise(x, packed, bias)
 
 
 @_onednn_linear_op.register_fake
@@ -38,7 +58,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     has frozen into constants, which the compiled decode steps' weights are not (they stay inputs)."""
     if tracing_decode_step():
         return _onednn_linear_op(x, packed, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _linear_pointwise(x, packed, bias)
 
 
 class OneDNNMatmul(nn.Module):
