@@ -229,10 +229,19 @@ def test_the_page_chats_on_localhost_too(session, open_page):
     page.close()
 
 
+def open_new_chat(page) -> None:
+    """New chat, until the page shows it: the list has one more chat and the chat is empty (an Enter before
+    that sends into the chat open before)."""
+    chats = "document.querySelectorAll('#chat-list input').length"
+    before = page.evaluate(f"() => {chats}")
+    page.get_by_role("button", name="New chat").click()
+    wait_for_js(page, f"() => {chats} > {before} && "
+                      "document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+
+
 def start_new_chat(page, text: str) -> None:
     """New chat, then `text` sent, until the reply's first words show."""
-    page.get_by_role("button", name="New chat").click()
-    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    open_new_chat(page)
     send(page, text)
     wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
                       "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
@@ -366,8 +375,7 @@ def test_a_long_paste_shows_how_much_is_read_and_the_meter_counts_the_reply(sess
     until the reply ended."""
     _, client, _ = session
     page = open_page()
-    page.get_by_role("button", name="New chat").click()
-    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    open_new_chat(page)
     meter = lambda: int(re.search(r"Context: ([\d,]+)", page.locator("#context-meter").inner_text())[1]
                         .replace(",", ""))
     before = meter()
@@ -496,3 +504,116 @@ def test_models_tab_cancel_and_delete_are_buttons_on_each_row(session, hub_app):
         shot(page, "models-rows.png")
     finally:
         page.close()
+
+
+def test_a_message_that_overflows_stays_in_the_box_and_drop_the_oldest_turn_answers_it(session, open_page):
+    """The overflowing message was saved into the chat, Drop did not answer afterwards and the meter stayed past
+    the limit; now the message waits in the box and Drop the oldest turn sends it."""
+    _, client, _ = session
+    page = open_page()
+    open_new_chat(page)
+    box = page.locator("#message textarea")
+    first = "Remember this. " + "The keeper lit the lamp at dusk and watched the ships pass by. " * 300  # ~4,200
+    box.fill(first)
+    box.press("Enter")
+    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "const t = bots.length ? bots[bots.length - 1].innerText : ''; "
+                      "return t.trim() && !t.includes('Reading the'); }", timeout=120000)
+    page.keyboard.press("Escape")
+    wait_idle(client)
+    second = "Now this. " + "The storm came in from the west and the keeper climbed the stairs. " * 300  # ~4,200
+    box.fill(second)
+    box.press("Enter")
+    wait_for_js(page, "() => document.body.innerText.includes('Drop the oldest messages')", timeout=30000)
+    assert box.input_value() == second  # kept for Drop, or for an edit
+    assert page.locator('#chatbot [data-testid="user"]').count() == 1  # not saved into the chat
+    page.get_by_role("button", name="Drop the oldest turn").click()
+    # The first turn goes and the second message is sent and answered.
+    wait_for_js(page, "() => { const users = document.querySelectorAll('#chatbot [data-testid=\"user\"]'); "
+                      "const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+                      "return users.length === 1 && users[0].innerText.startsWith('Now this.') && bots.length === 1 "
+                      "&& bots[0].innerText.trim() && !bots[0].innerText.includes('Reading the'); }", timeout=120000)
+    assert box.input_value() == ""
+    page.keyboard.press("Escape")
+    wait_idle(client)
+    used, limit = re.search(r"Context: ([\d,]+) / ([\d,]+)", page.locator("#context-meter").inner_text()).groups()
+    assert int(used.replace(",", "")) <= int(limit.replace(",", ""))
+    page.close()
+
+
+def test_edit_last_message_while_the_reply_streams_stops_it_and_puts_the_message_back(session, open_page):
+    """It deleted the rows under a streaming reply: the page kept showing the message and "No message with id"."""
+    _, client, _ = session
+    page = open_page()
+    start_new_chat(page, "Write a very long story about a miller, with many chapters.")
+    page.get_by_role("button", name="Edit last message").click()
+    box = page.locator("#message textarea")
+    wait_for_js(page, "() => document.querySelector('#message textarea').value.startsWith('Write a very long')",
+                timeout=20000)
+    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0 && "
+                      "document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=20000)
+    wait_idle(client)
+    time.sleep(1)  # a late frame of the stopped reply would land now
+    assert page.locator('#chatbot [data-testid="bot"]').count() == 0
+    assert "No message with id" not in page.locator("body").inner_text()
+    assert box.input_value() == "Write a very long story about a miller, with many chapters."
+    page.close()
+
+
+def test_the_models_form_names_the_dtype_it_loads_and_says_when_a_path_does_not_exist(session, open_page):
+    """The estimate said float32 while loads used bfloat16, the context started at 4,096 where the model serves
+    8,192, the KV field showed 0, and a missing path said "press Download first"."""
+    import torch
+
+    from engine.loader import pick_dtype
+
+    page = open_page()
+    page.get_by_role("tab", name="Models").click()
+    context = page.get_by_label("Context length (tokens)")
+    context.wait_for()
+    assert context.input_value() == "8192"  # the bundled model's own length, which fits here
+    assert page.get_by_label("KV cache memory on a CPU, GiB").input_value() == "1"
+    model = page.locator("#model-choice input")
+    model.fill("SmolLM2 360M Instruct")
+    page.get_by_role("option", name="SmolLM2 360M Instruct").first.click()
+    quant = page.locator("#quantization input")
+    quant.click()
+    page.get_by_role("option", name="none", exact=True).click()
+    expected = str(pick_dtype("auto", torch.device("cpu"), False)).removeprefix("torch.")
+    wait_for_js(page, "() => document.querySelector('#fit-estimate').innerText.includes('"
+                      f"{expected}') && document.querySelector('#fit-estimate').innerText.includes('360M')",
+                timeout=20000)
+    model.fill("/no/such/model/folder")
+    model.press("Enter")
+    page.get_by_role("button", name="Load", exact=True).click()
+    wait_for_js(page, "() => document.body.innerText.includes('There is no model folder or .gguf file at')",
+                timeout=20000)
+    assert "press Download first" not in page.locator("body").inner_text()
+    page.close()
+
+
+def test_a_reply_cut_by_a_crash_reads_interrupted_after_the_restart(bundled_model, tmp_path, session):
+    """kill -9 mid-reply: the reply stored so far came back looking finished."""
+    from tests.processes import wait_until
+
+    (tmp_path / "crash_home").mkdir()
+    app = AppProcess(bundled_model, tmp_path / "crash_home")
+    client = app.start()
+    try:
+        conv = client.predict("", "", api_name="/new_chat")["value"]
+        client.submit(conv, "Write a very long poem about the sea.", "", 0.0, 1.0, -1, 0.0, 1.0, 2000,
+                      api_name="/respond")
+        saved = lambda: [m["content"] for m in client.predict(conv, api_name="/messages")][1:2] not in ([], [""])
+        assert wait_until(saved, timeout=120)
+        app.kill()  # kill -9 while the reply streams
+        app.start()
+        page = session[2].new_page(viewport={"width": 1280, "height": 900})
+        try:
+            page.goto(app.url)
+            page.locator("#context-meter").get_by_text("Context:").wait_for()
+            wait_for_js(page, "() => document.querySelector('#chatbot').innerText.includes("
+                              "'interrupted: Pagoda stopped before this reply finished')", timeout=30000)
+        finally:
+            page.close()
+    finally:
+        app.kill()
