@@ -158,8 +158,8 @@ class PagodaUI:
             self.store.add_message(conversation_id, "user", pending)
             self._title_from_first_message(conversation_id, pending)
         reply = self.store.add_message(conversation_id, "assistant", "")
-        self.replies.start(conversation_id, ReplyTask(stream, self.store, reply.id, num_prompt_tokens),
-                           label=f"#{conversation_id} {self.store.get(conversation_id).title}")
+        task = ReplyTask(stream, self.store, reply.id, num_prompt_tokens)
+        self.replies.start(conversation_id, task, label=f"#{conversation_id} {self.store.get(conversation_id).title}")
         log.info("chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens,
                  stream.request_id)
         if request is not None:
@@ -169,7 +169,7 @@ class PagodaUI:
             yield UNCHANGED
             return
         yield (self.history(conversation_id), "", gr.update(visible=False), gr.update(visible=False),  # clears the box
-               self.live_meter(self.replies.get(conversation_id).turn))
+               self.live_meter(task.turn))
         yield from self.follow(conversation_id, request)
 
     def follow(self, conversation_id, request: gr.Request = None):

@@ -240,12 +240,19 @@ def test_prefill_progress_counts_the_prompt_read_so_far_cached_tokens_included(t
     again = engine.add_request(prompt[:96] + random_prompt(40, seed=8), params)
     engine.step()  # admitted on the cached 96 tokens (6 blocks of 16), then one chunk
     assert engine.prefill_progress(again) == (96 + 32, 136)
+    while engine.has_unfinished_requests():
+        engine.step()
     thread = EngineThread(engine)
-    try:
-        stream = thread.submit(random_prompt(300, seed=9), SamplingParams(max_tokens=1))
-        progress = stream.prefill_progress()
-        assert progress is None or progress[1] == 300  # read between steps, without the engine's lock
+    try:  # through the thread, read without its lock while it steps: seen partway, then gone with the first token
+        stream = thread.submit(random_prompt(400, seed=9), SamplingParams(max_tokens=1))
+        seen = set()
+        deadline = time.time() + 30
+        while not stream.finished and time.time() < deadline and not any(0 < d < 400 for d, _ in seen):
+            progress = stream.prefill_progress()
+            if progress is not None:
+                seen.add(progress)
+        assert any(0 < done < 400 and total == 400 for done, total in seen), seen
         list(stream)
-        assert stream.prefill_progress() is None
+        assert stream.prefill_progress() is None and thread.prefill_progress(stream.request_id) is None
     finally:
         thread.shutdown()

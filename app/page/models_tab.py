@@ -264,10 +264,11 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
 
     def cancel_download(repo_id: str) -> str:
         """Cancel the downloads of a repo (scripts; the page has a Cancel button on each download's row)."""
-        for job in manager.jobs():
-            if job.repo_id == repo_id.strip() and job.active:
-                manager.cancel(job.id)
-        return "\n".join(line for _, line, _ in listing(manager)["jobs"])
+        active = [job for job in manager.jobs() if job.repo_id == repo_id.strip() and job.active]
+        for job in active:
+            manager.cancel(job.id)
+        return f"Cancelling {len(active)} download(s) of {repo_id.strip()}" if active else \
+            f"No download of {repo_id.strip()} is running"
 
     def delete_downloaded(repo_id: str) -> str:
         """Remove a downloaded model's files (scripts; the page has a Delete button on each model's row)."""

@@ -34,12 +34,17 @@ def bucketed_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def in_bucketed_rows(matmul, x: torch.Tensor) -> torch.Tensor:
+    """`matmul(x)` for a 2-D x with its rows padded to `bucketed_rows` and the padding's outputs dropped: for every
+    CPU product oneDNN computes (the packed weights, and bf16 F.linear)."""
     rows = x.shape[0] if x.dim() == 2 else None
     if rows is None or bucketed_rows(rows) == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    padded = F.pad(x, (0, 0, 0, bucketed_rows(rows) - rows))  # zero rows: their outputs are dropped
-    return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
+        return matmul(x)
+    return matmul(F.pad(x, (0, 0, 0, bucketed_rows(rows) - rows)))[:rows]  # zero rows, dropped
+
+
+def _linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return in_bucketed_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], ""), x)
 
 
 @torch.library.custom_op("pagoda::onednn_linear", mutates_args=())

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import onednn_linear
+from engine.layers.linear import in_bucketed_rows, onednn_linear
 from engine.quantization import native
 from engine.quantization.layout import QuantizedWeight
 from engine.tracing import tracing_decode_step
@@ -101,7 +101,8 @@ class QuantizedMatmul(nn.Module):
         # is called without re-checking the branch it took (decode batches keep the kernel).
         if (self.dense_from_rows is not None and not tracing_decode_step()
                 and x.shape[0] >= self.dense_from_rows):
-            return F.linear(x.to(torch.bfloat16), self.dequantized_bf16()).to(x.dtype)
+            weight = self.dequantized_bf16()  # bf16 F.linear is oneDNN's: a kernel cached per row count
+            return in_bucketed_rows(lambda rows: F.linear(rows, weight), x.to(torch.bfloat16)).to(x.dtype)
         return super().__call__(x)
 
     def extra_repr(self) -> str:

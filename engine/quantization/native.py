@@ -29,6 +29,7 @@ log = logging.getLogger("engine")
 SOURCE = Path(__file__).with_name("grouped_int8.cpp")
 _LOCK = threading.Lock()
 _BUILT: dict[str, object] = {}  # "op": the operator, or None once building it failed
+_FAKE_REGISTERED = []  # torch takes one fake per operator and process, however often the switch is flipped
 
 
 def _machine_tag() -> str:
@@ -84,14 +85,14 @@ def _build():
         load(name="pagoda_grouped_int8", sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(_build_dir()),
              is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the kernel is not offered
-        log.warning("Pagoda's CPU int8 kernel could not be built (%s); GGUF 5-, 6- and 8-bit weights use "
-                    "PyTorch's int4 kernel, about half as fast. Install a C++ compiler and ninja to enable it.",
+        log.warning("Pagoda's CPU int8 kernel could not be built (%s); PyTorch's kernels serve. It needs a C++ "
+                    "compiler and ninja.",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
-    op = torch.ops.pagoda_cpu.grouped_int8_mm
+    if not _FAKE_REGISTERED:
+        @torch.library.register_fake("pagoda_cpu::grouped_int8_mm")
+        def _(x, codes, scale, offset, group):
+            return x.new_empty((x.shape[0], codes.shape[0]))
 
-    @torch.library.register_fake("pagoda_cpu::grouped_int8_mm")
-    def _(x, codes, scale, offset, group):
-        return x.new_empty((x.shape[0], codes.shape[0]))
-
-    return op
+        _FAKE_REGISTERED.append(True)
+    return torch.ops.pagoda_cpu.grouped_int8_mm

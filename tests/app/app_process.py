@@ -71,7 +71,8 @@ class AppProcess:
 
 
 def reply_text(job) -> str:
-    """The reply text the page has shown so far for a /respond job ("" before its first token)."""
+    """The reply text the page has shown so far for a /respond job ("" before its first token, while the page
+    may show how much of a long prompt is read)."""
     outputs = job.outputs()
     if not outputs:
         return ""
@@ -80,4 +81,5 @@ def reply_text(job) -> str:
         return ""
     content = last.get("content")
     parts = content if isinstance(content, list) else [{"text": content}]
-    return "".join(p.get("text") or "" for p in parts if isinstance(p, dict)).strip()
+    text = "".join(p.get("text") or "" for p in parts if isinstance(p, dict)).strip()
+    return "" if text.startswith("*Reading the prompt:") else text

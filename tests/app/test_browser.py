@@ -458,15 +458,15 @@ def hub_app(bundled_model, tmp_path_factory):
     hub.start()
     app = AppProcess(bundled_model, home, env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url,
                                                "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_DISABLE_XET": "1"})
-    app.start()
-    yield app, home / "hub"
+    client = app.start()
+    yield app, home / "hub", client
     app.kill()
     hub.stop()
 
 
 def test_models_tab_cancel_and_delete_are_buttons_on_each_row(session, hub_app):
     """Cancel and delete wanted a typed repo id; each download and each downloaded model now has its button."""
-    app, cache = hub_app
+    app, cache, client = hub_app
     page = session[2].new_page(viewport={"width": 1280, "height": 900})
     try:
         page.goto(app.url)
@@ -502,6 +502,17 @@ def test_models_tab_cancel_and_delete_are_buttons_on_each_row(session, hub_app):
                           "r.innerText.includes('small-chat'))", timeout=20000)
         assert not (cache / "models--pagoda-test--small-chat").exists()
         shot(page, "models-rows.png")
+
+        # Scripts do the same by repo id.
+        download("pagoda-test/big-chat")
+        big.get_by_role("button", name="Cancel").wait_for(timeout=30000)
+        assert client.predict("pagoda-test/big-chat", api_name="/cancel_download").startswith("Cancelling 1 ")
+        wait_for_js(page, "() => ![...document.querySelectorAll('.download-row')].some(r => "
+                          "r.innerText.includes('big-chat') && r.innerText.includes('running'))", timeout=30000)
+        download("pagoda-test/small-chat")
+        small.wait_for(timeout=60000)
+        assert "Free disk" in client.predict("pagoda-test/small-chat", api_name="/delete_model")
+        assert not (cache / "models--pagoda-test--small-chat").exists()
     finally:
         page.close()
 
