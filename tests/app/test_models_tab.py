@@ -151,6 +151,7 @@ def test_downloading_a_catalog_gguf_asks_for_its_one_file(page, monkeypatch):
 
 def fake_engine(quantization: str, decode: str = "compiled (1 row)") -> SimpleNamespace:
     return SimpleNamespace(stats=lambda: SimpleNamespace(quantization=quantization, decode=decode), device="cpu",
+                           max_model_len=8192,
                            tokenizer=SimpleNamespace(chat_template="{{ messages }}"))
 
 
