@@ -23,8 +23,8 @@ pytestmark = pytest.mark.timeout(240)
 
 MODEL = "tiny"
 EOS = 2  # <|im_end|>, the tiny model's only end-of-sequence token (tests/conftest.py)
-# The API has no ignore_eos, so the end token is all but banned instead: every reply then runs to max_tokens,
-# and each request's token count and finish_reason ("length") are known in advance.
+# The end token is all but banned (as vLLM's ignore_eos would do, through the sampler's bias instead): every reply
+# then runs to max_tokens, and each request's token count and finish_reason ("length") are known in advance.
 NO_EOS = {str(EOS): -100}
 REQUEST_TIMEOUT = httpx.Timeout(60, connect=30)  # a request stuck past this fails the test, not the CI job
 PHASE_TIMEOUT = 90  # one round of load; a few seconds here

@@ -325,6 +325,24 @@ def test_penalties_and_logit_bias_give_the_engines_own_reply(client, bundled_mod
     assert reply.choices[0].message.content == expected["text"]
 
 
+def test_vllms_ignore_eos_and_stop_token_ids_reach_the_engine(client, bundled_model, reference_llm):
+    """They were accepted as unknown fields and ignored: a benchmark asking for 64 tokens got the model's short
+    reply."""
+    from engine import SamplingParams
+
+    messages = chat("Say hello.")
+    ids = chat_ids(bundled_model, messages)
+    plain = reference_llm.generate([ids], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
+    assert plain["finish_reason"] == "stop" and len(plain["token_ids"]) < 64  # the model ends it by itself
+    reply = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=64,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 64 and reply.choices[0].finish_reason == "length"
+    stop_at = plain["token_ids"][2]
+    reply = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=64,
+                                      extra_body={"stop_token_ids": [stop_at]})
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens <= 3
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("logit_bias", {"hello": 5}, "token ids"),
     ("logit_bias", {"99999999": 5}, "outside the vocabulary"),

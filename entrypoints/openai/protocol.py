@@ -1,6 +1,7 @@
 """OpenAI's request bodies and error shape, as Pagoda accepts them.
 
-The fields are OpenAI's, plus vLLM's `top_k`, `min_p`, `repetition_penalty` and `priority`. A field
+The fields are OpenAI's, plus vLLM's `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` and
+`priority`. A field
 Pagoda cannot honour is refused with a 400 that names it, never silently ignored.
 """
 from typing import Literal
@@ -55,6 +56,8 @@ class RequestBody(BaseModel):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False  # vLLM's: the reply runs on past the model's end token, to max_tokens (benchmarks)
+    stop_token_ids: list[int] | None = None  # vLLM's: more tokens that end the reply
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias

@@ -289,6 +289,7 @@ def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int |
                               repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, logit_bias=body.token_biases(),
                               max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
+                              ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
                               prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
     except ValueError as e:
         raise APIError(400, str(e)) from None
