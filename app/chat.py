@@ -109,6 +109,9 @@ class ReplyTask:
         self.turn = Turn(prompt_tokens=num_prompt_tokens)
         self.done = threading.Event()
         self.last_followed = time.time()  # when a page last showed this reply (see PagodaUI.on_unload)
+        # Stop, Edit or Regenerate took it back: what its chat shows next comes from them, so pages stop drawing
+        # it (its last frame landed after an edit's and put the deleted rows back on screen)
+        self.withdrawn = False
         self._thread = threading.Thread(target=self._run, args=(store, message_id, num_prompt_tokens),
                                         name=f"reply-{message_id}", daemon=True)
         self._thread.start()

@@ -185,7 +185,8 @@ class PagodaUI:
         while True:
             task.last_followed = time.time()
             finished = task.done.wait(0.1)
-            if not self.shows(request, conversation_id):  # the page opened another chat: stop drawing
+            # The page opened another chat, or Stop/Edit/Regenerate took the reply back: stop drawing
+            if task.withdrawn or not self.shows(request, conversation_id):
                 yield UNCHANGED
                 return
             turn = task.turn
@@ -262,6 +263,7 @@ class PagodaUI:
         task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
         if task is None:
             return
+        task.withdrawn = True  # before it ends: no page draws its last frame over what comes next
         task.cancel()
         if not task.done.wait(STOP_WAIT_S):
             raise user_error("The reply is still stopping; try again in a moment.")

@@ -13,7 +13,7 @@ from app.model_host import ModelHost
 from app.page.chat_tab import SLIDERS
 from app.sessions import Replies, Sessions
 from app.store import ConversationStore
-from app.ui import PagodaUI
+from app.ui import UNCHANGED, PagodaUI
 from tests.processes import wait_until
 
 
@@ -182,6 +182,8 @@ def test_editing_or_regenerating_while_a_reply_streams_stops_it_first(tmp_path, 
     page = SimpleNamespace(session_hash="page")
     running = start_reply(ui, conv, page)
     assert not running.done.is_set()
+    drawing = ui.follow(conv, page)  # the page still draws the reply when the click comes
+    next(drawing)
     if action == "edit":
         history, box = ui.edit_last(conv)
         assert box == "Tell me a story." and history == [] and ui.store.messages(conv) == []
@@ -194,6 +196,8 @@ def test_editing_or_regenerating_while_a_reply_streams_stops_it_first(tmp_path, 
         ui.replies.get(conv).cancel()
     assert running.done.is_set() and running.turn.error is None  # stopped, not failed on a deleted message
     assert host.backend.streams[0].cancelled.is_set()
+    # Its drawing ends without a last frame: that frame, with the deleted rows, landed after the edit's
+    assert next(drawing) == UNCHANGED and next(drawing, None) is None
 
 
 def test_a_reply_cut_short_by_a_crash_says_interrupted_and_a_streaming_one_does_not(tmp_path):

@@ -14,7 +14,7 @@ from tests.processes import wait_until
 
 def streaming_task(text: str) -> SimpleNamespace:
     """Stands in for a ReplyTask whose reply is still being written."""
-    return SimpleNamespace(done=threading.Event(), turn=Turn(prompt_tokens=3, text=text),
+    return SimpleNamespace(done=threading.Event(), turn=Turn(prompt_tokens=3, text=text), withdrawn=False,
                            last_followed=time.time(), stream=SimpleNamespace(request_id="r"))
 
 
