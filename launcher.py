@@ -12,10 +12,12 @@ Later starts find everything in place and go straight to the app.
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import venv
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -35,6 +37,60 @@ def has_nvidia_gpu() -> bool:
         return subprocess.run([smi, "-L"], capture_output=True, timeout=20).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+def driver_cuda_version() -> str | None:
+    """The newest CUDA version the NVIDIA driver supports, as `nvidia-smi` prints it in its header ("12.4")."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"CUDA Version:\s*([0-9]+(?:\.[0-9]+)?)", out)
+    return found.group(1) if found else None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"[0-9]+", version)[:2])
+
+
+def unusable_gpu_message(gpu_present: bool, torch_version: str, torch_cuda: str | None, cuda_available: bool,
+                         driver_cuda: str | None, torch_warning: str = "") -> str | None:
+    """What to do when an NVIDIA GPU is present and the installed PyTorch cannot use it (Pagoda would run on the
+    CPU, far slower); None when it can, or when there is no GPU."""
+    if not gpu_present or cuda_available:
+        return None
+    head = "Pagoda found an NVIDIA GPU, but PyTorch cannot use it, so Pagoda runs on the CPU (much slower)."
+    if torch_cuda is None:
+        return (f"{head} The installed PyTorch ({torch_version}) is a CPU-only build. To use the GPU, close "
+                f"Pagoda, delete the folder {VENV} and start Pagoda again: the launcher then installs PyTorch's "
+                "CUDA build.")
+    if driver_cuda is not None and _version_tuple(driver_cuda) < _version_tuple(torch_cuda):
+        return (f"{head} The installed PyTorch ({torch_version}) is built for CUDA {torch_cuda}, and the NVIDIA "
+                f"driver supports CUDA up to {driver_cuda} only. Update the NVIDIA driver (the NVIDIA App, or "
+                "https://www.nvidia.com/Download/index.aspx) and start Pagoda again.")
+    detail = f" PyTorch said: {torch_warning.strip()}" if torch_warning.strip() else ""
+    return (f"{head} The installed PyTorch ({torch_version}) is built for CUDA {torch_cuda}, and the driver "
+            f"supports CUDA {driver_cuda or '(unknown: nvidia-smi did not say)'}.{detail} Check that `nvidia-smi` "
+            "lists the GPU without errors; reinstalling or updating the NVIDIA driver, then restarting the "
+            "computer, usually fixes this.")
+
+
+def check_gpu_is_usable() -> None:
+    """Say it, loudly, when this machine's NVIDIA GPU is out of PyTorch's reach (run inside .venv)."""
+    if not has_nvidia_gpu():
+        return
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:  # e.g. "The NVIDIA driver on your system is too old"
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    message = unusable_gpu_message(True, torch.__version__, torch.version.cuda, available, driver_cuda_version(),
+                                   " ".join(str(w.message) for w in caught))
+    if message:
+        print(f"\n*** {message}\n", file=sys.stderr, flush=True)
 
 
 def torch_install_args(gpu: bool) -> list[str]:
@@ -85,6 +141,8 @@ def main(argv: list[str]) -> int:
         return subprocess.run([sys.executable, "-m", "ruff", "check", ".", *rest]).returncode
     if test:
         return subprocess.run([sys.executable, "-m", "pytest", *rest]).returncode
+    if "-h" not in rest and "--help" not in rest:
+        check_gpu_is_usable()
     from app.server import main as app_main
 
     return app_main(rest)

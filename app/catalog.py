@@ -339,7 +339,9 @@ def available_memory(device: str = "auto") -> tuple[str, int]:
         torch = _torch()
         if torch is not None and torch.cuda.is_available():
             index = torch.device(dev).index if dev.startswith("cuda:") else torch.cuda.current_device()
-            free, total = torch.cuda.mem_get_info(index)
+            from engine.kv_cache import process_memory_info
+
+            free, total = process_memory_info(torch.device("cuda", index))
             # What this process holds there is the model serving now, which goes before another loads
             # on the GPU (app/model_host.py): for the next model, it counts as free.
             free += torch.cuda.memory_reserved(index)

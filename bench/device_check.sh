@@ -2,7 +2,8 @@
 # The one device check: GPU tests, then the GPU benchmarks, on a CUDA machine with only
 # torch, transformers and triton installed and no network. Prints one table last.
 #   bash bench/device_check.sh [output folder]
-# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_QUANT=1 or SKIP_STRUCTURED=1.
+# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_QUANT=1, SKIP_LAPTOP=1 or
+# SKIP_STRUCTURED=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/pagoda-device-check}}
@@ -27,6 +28,12 @@ if [ -z "${SKIP_QUANT:-}" ]; then
     timeout ${QUANT_TIMEOUT:-300} python3 -m bench.gpu_quantized 2>&1 | tee "$out/quantized.log" | grep -v "Loading weights"
     quant_rc=${PIPESTATUS[0]}
 fi
+laptop_rc=skipped
+if [ -z "${SKIP_LAPTOP:-}" ]; then
+    echo "== Laptop GPUs (Qwen3-1.7B and 4B shapes under an 8 GiB cap, with the app's defaults)"
+    timeout ${LAPTOP_TIMEOUT:-200} python3 -m bench.gpu_laptop 2>&1 | tee "$out/laptop.log" | grep -v "Loading weights"
+    laptop_rc=${PIPESTATUS[0]}
+fi
 structured_rc=skipped
 if [ -z "${SKIP_STRUCTURED:-}" ]; then
     echo "== Structured output (a constrained decode step against a free one, batch 1 and 32)"
@@ -39,6 +46,7 @@ if [ -z "${SKIP_STRUCTURED:-}" ]; then
         echo "llguidance is not importable: unzip its wheel into .device/site and carry it"
     fi
 fi
-echo "device_check: tests exit $tests_rc, benchmarks exit $bench_rc, quantized exit $quant_rc, structured exit $structured_rc"
+echo "device_check: tests exit $tests_rc, benchmarks exit $bench_rc, quantized exit $quant_rc, laptop exit $laptop_rc," \
+    "structured exit $structured_rc"
 [[ "$tests_rc" =~ ^(0|skipped)$ ]] && [[ "$bench_rc" =~ ^(0|skipped)$ ]] && [[ "$quant_rc" =~ ^(0|skipped)$ ]] \
-    && [[ "$structured_rc" =~ ^(0|skipped)$ ]]
+    && [[ "$laptop_rc" =~ ^(0|skipped)$ ]] && [[ "$structured_rc" =~ ^(0|skipped)$ ]]

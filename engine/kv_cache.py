@@ -112,6 +112,18 @@ def allocate_kv_cache(layout: KVCacheLayout, num_blocks: int, attention_layers: 
     return kv_cache
 
 
+def process_memory_info(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the GPU as this process may use it: the device's own figures, within the cap
+    `torch.cuda.set_per_process_memory_fraction` set, if any (as when an 8 GB laptop is modelled on a big GPU)."""
+    free, total = torch.cuda.mem_get_info(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.7
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    if fraction < 1.0:
+        total = int(total * fraction)
+        free = max(0, min(free, total - torch.cuda.memory_reserved(device)))
+    return free, total
+
+
 @torch.inference_mode()
 def gpu_kv_budget(model: nn.Module, attention_layers: Sequence[Attention], layout: KVCacheLayout,
                   config: EngineConfig, device: torch.device, bytes_before: int, use_graphs: bool) -> int:
@@ -125,7 +137,7 @@ def gpu_kv_budget(model: nn.Module, attention_layers: Sequence[Attention], layou
     warmup(model, attention_layers, layout, config, device)
     activations = torch.cuda.max_memory_allocated(device) - allocated
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
+    free, total = process_memory_info(device)
     graphs = min(1 << 30, total // 64) if use_graphs else 0
     by_share = total * config.gpu_memory_utilization - weights - activations - graphs
     by_free = free - activations - graphs - (256 << 20)

@@ -50,6 +50,27 @@ def test_gpu_quantized_smoke_runs(tmp_path):
     assert "| smoke: int4 on the CPU | Int4PackMatmul" in result.stdout or "DequantMatmul" in result.stdout
 
 
+def test_gpu_laptop_smoke_runs_with_the_catalog_but_no_gradio():
+    # The laptop check asks the app's catalog (plain Python) what fits, as the Models tab does; the device has no
+    # gradio or platformdirs, so only those are hidden here.
+    code = WITHOUT_APP.replace('"app", ', "") + "runpy.run_module('bench.gpu_laptop', run_name='__main__')"
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error",
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code, "--smoke", "--models", "Qwen/Qwen3-1.7B"], cwd=ROOT,
+                            env=env, text=True, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout[result.stdout.index("| laptop GPU check"):]
+    for name in ("the catalog's advice", "KV cache", "2 chats at once", "batch-1 decode"):
+        assert f"| Qwen3 1.7B: {name} |" in table, name
+
+
+def test_the_laptop_check_loads_with_the_apps_default_chats():
+    from app.server import parse_args
+    from bench.gpu_laptop import APP_MAX_CHATS
+
+    assert parse_args([]).max_chats == APP_MAX_CHATS
+
+
 def test_gpu_tests_collect_without_the_app():
     result = run_without_app("import pytest; sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider']))")
     # On the CPU every GPU test skips; what is checked is that the module and its fixtures import.
@@ -61,11 +82,11 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     """The shell script itself (here its GPU tests all skip, and the benchmarks are skipped as on a rerun)."""
     import os
 
-    env = {**os.environ, "SKIP_BENCH": "1", "SKIP_QUANT": "1", "SKIP_STRUCTURED": "1",
+    env = {**os.environ, "SKIP_BENCH": "1", "SKIP_QUANT": "1", "SKIP_LAPTOP": "1", "SKIP_STRUCTURED": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
     result = subprocess.run(["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True,
                             capture_output=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert ("device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped, structured exit skipped"
-            in result.stdout)
+    assert ("device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped, laptop exit skipped, "
+            "structured exit skipped" in result.stdout)
     assert "skipped" in (tmp_path / "tests.log").read_text()

@@ -1,6 +1,7 @@
-"""Every Triton kernel, launched as the engine's wrappers launch it, compiled for a Hopper GPU
-(sm_90, the device machine's H200) on this CPU-only machine: a kernel that Triton's compiler
-rejects, or that spills registers to local memory, fails here instead of on the GPU.
+"""Every Triton kernel, launched as the engine's wrappers launch it, compiled on this CPU-only machine for a
+Hopper GPU (sm_90, the device machine's H200) and for the laptop GPUs Pagoda is for, RTX 30 (sm_86) and RTX 40
+(sm_89): a kernel that Triton's compiler rejects, or that spills registers to local memory, fails here instead
+of on the GPU.
 
 The launches are recorded under the interpreter (tests/gpu_compile.py); the shapes are the 0.6B
 model's where they select a variant (K of 1,024 and 3,072; head_dim 128, 16 heads over 8 KV heads)."""
@@ -18,7 +19,7 @@ from engine.attention import triton_kernels  # noqa: E402
 from engine.layers.gemv import ROW_BUCKETS, gemv, tile_candidates  # noqa: E402
 from engine.layers.normed_gemv import normed_gemv, normed_tile_candidates  # noqa: E402
 from tests.attention_batches import make_batch  # noqa: E402
-from tests.gpu_compile import compile_in_subprocess, record_launches  # noqa: E402
+from tests.gpu_compile import TARGETS, compile_in_subprocess, record_launches  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 if not os.path.exists(CUOBJDUMP):
@@ -53,20 +54,22 @@ def launch_everything() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's masked exp2
-def test_every_kernel_variant_compiles_for_sm90_without_spilling(tmp_path):
+def test_every_kernel_variant_compiles_for_sm86_sm89_and_sm90_without_spilling(tmp_path):
     specs = []
     with record_launches(specs):
         launch_everything()
     kernels = {s["kernel"] for s in specs}
     assert {"_gemv_kernel", "_normed_gemv_kernel", "_paged_attention_kernel", "_merge_splits_kernel",
             "_store_kvcache_kernel"} <= kernels
-    results = compile_in_subprocess(specs, tmp_path)
-    failed = [f"{r['kernel']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]
+    results = compile_in_subprocess([s | {"target": t} for t in TARGETS.values() for s in specs], tmp_path)
+    assert {r["target"] for r in results} == {arch for _, arch, _ in TARGETS.values()}
+    failed = [f"{r['kernel']} {r['target']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]
     assert not failed, "\n".join(failed)
-    spilled = [f"{r['kernel']} {r['constexprs']}: {r['local_bytes']} bytes" for r in results if r.get("local_bytes")]
+    spilled = [f"{r['kernel']} {r['target']} {r['constexprs']}: {r['local_bytes']} bytes" for r in results
+               if r.get("local_bytes")]
     assert not spilled, "register spills to local memory:\n" + "\n".join(spilled)
     assert all("registers" in r for r in results), "cuobjdump reported no resource usage"
     # The fused norm kernel's tiles were chosen to stay near the plain GEMV's register use.
     assert max(r["registers"] for r in results if r["kernel"] == "_normed_gemv_kernel") <= 128
     for r in sorted(results, key=lambda r: -r["registers"]):
-        print(f"{r['registers']:>4} registers  {r['kernel']} {r['constexprs']}")
+        print(f"{r['registers']:>4} registers  {r['kernel']} {r['target']} {r['constexprs']}")

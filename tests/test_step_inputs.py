@@ -224,3 +224,19 @@ def test_number_of_blocks_from_the_settings(monkeypatch):
     assert checked == [(n * BLOCK_BYTES, "the KV cache") for n in (12, 9, 20, 10, CPU_KV_CACHE_BYTES // BLOCK_BYTES)]
     with pytest.raises(RuntimeError, match="no memory is left for the KV cache"):
         choose_num_blocks(EngineConfig(model="m", kv_cache_memory_bytes=100), LAYOUT, cpu, SINGLE, never_measured)
+
+
+def test_gpu_memory_is_what_the_process_may_use(monkeypatch):
+    """KV sizing reads the GPU through process_memory_info: within a set_per_process_memory_fraction cap (an
+    8 GiB laptop modelled on a big GPU) the cap is the total, and free is what is left under it."""
+    from engine.kv_cache import process_memory_info
+
+    gib, cuda = 2**30, torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (120 * gib, 128 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    assert process_memory_info(cuda) == (120 * gib, 128 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.125)
+    assert process_memory_info(cuda) == (13 * gib, 16 * gib)  # a 16 GiB cap, 3 of them held already
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * gib, 128 * gib))  # others use the rest
+    assert process_memory_info(cuda) == (2 * gib, 16 * gib)

@@ -223,11 +223,28 @@ def test_available_memory_cuda_reads_mem_get_info(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (6 * GiB, 8 * GiB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA GeForce RTX 4060 Laptop GPU")
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
     assert available_memory("auto") == ("NVIDIA GeForce RTX 4060 Laptop GPU (8.0 GiB)", 6 * GiB)
     # A model of ours holds 5 GiB of the 7 in use: it is unloaded before the next one loads, so it counts as free.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (1 * GiB, 8 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 5 * GiB)
     assert available_memory("auto")[1] == 6 * GiB
+
+
+def test_available_memory_cuda_stays_within_the_process_memory_cap(monkeypatch):
+    """A cap set with torch.cuda.set_per_process_memory_fraction (an 8 GiB laptop modelled on a big GPU) is
+    what the process may use, however much the device has free."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (14 * GiB, 16 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 3 * GiB)
+    name, free = available_memory("auto")
+    assert name == "NVIDIA H200 (8.0 GiB)"
+    assert free == 8 * GiB  # 5 GiB left under the cap, plus the 3 this process holds for the model it serves
 
 
 QWEN3_06B_CONFIG = {
