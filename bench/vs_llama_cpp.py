@@ -1,0 +1,73 @@
+"""Pagoda against llama.cpp on the same GGUF files, batch-1 decode (tg) and prefill (pp), in one run.
+
+    python -m bench.vs_llama_cpp --llama-bench PATH [--files a.gguf,b.gguf] [--rounds 3] [--threads 2]
+
+llama.cpp is not a dependency: build it for this bench only (bench/RESULTS.md has the recipe) and pass its
+`llama-bench`. Without --files, the bundled Q4_1 file is used. Each round runs llama-bench (`-p 512 -n 128 -r 1`)
+and then Pagoda's same-sized decode and prefill on every file, alternating, so a machine that slows down or speeds
+up midway (shared VMs do, by 20%) moves both sides of a ratio alike. Each keeps its best round. Pagoda's decode is
+one request of --decode tokens after a 32-token prompt, as tg128 is 128 tokens after an empty one.
+"""
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+from bench.quantized import cpu_flags, decode_rate, prefill_rate
+from engine import LLM
+
+
+def llama_bench(binary: str, file: str, threads: int, prefill: int, decode: int) -> tuple[float, float]:
+    """(tg tokens/s, pp tokens/s) of one llama-bench repetition."""
+    out = subprocess.run([binary, "-m", file, "-t", str(threads), "-p", str(prefill), "-n", str(decode), "-r", "1",
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    results = json.loads(out)
+    tg = next(r["avg_ts"] for r in results if r["n_gen"] > 0)
+    pp = next(r["avg_ts"] for r in results if r["n_prompt"] > 0)
+    return tg, pp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-bench", required=True, help="path of llama.cpp's llama-bench binary")
+    ap.add_argument("--files", default="", help="comma-separated GGUF files (default: the bundled Q4_1 file)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=512)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from engine.loader.bundled import bundled_gguf_path
+
+    files = args.files.split(",") if args.files else [str(bundled_gguf_path())]
+    print(f"CPU flags: {cpu_flags()}; threads {args.threads}; torch {torch.__version__}", flush=True)
+    engines = {}
+    for file in files:
+        llm = engines[file] = LLM(file, enable_prefix_caching=False)
+        llm.model_runner.wait_for_compiled_decode()
+        decode_rate(llm, 8)  # first calls pay one-time setup
+        prefill_rate(llm, 64)
+    best = {(file, side): [0.0, 0.0] for file in files for side in ("llama.cpp", "pagoda")}
+    for round_ in range(args.rounds):
+        for file, llm in engines.items():
+            measured = {"llama.cpp": llama_bench(args.llama_bench, file, args.threads, args.prefill, args.decode),
+                        "pagoda": (decode_rate(llm, args.decode), prefill_rate(llm, args.prefill))}
+            for side, (tg, pp) in measured.items():
+                kept = best[file, side]
+                kept[0], kept[1] = max(kept[0], tg), max(kept[1], pp)
+            print(f"round {round_ + 1} {Path(file).name}: " + ", ".join(
+                f"{side} tg {tg:.1f} pp {pp:.0f}" for side, (tg, pp) in measured.items()), flush=True)
+    print(f"\n| file | llama.cpp tg{args.decode} | Pagoda decode | ratio | llama.cpp pp{args.prefill} | "
+          "Pagoda prefill | ratio | Pagoda's kernels |\n|---|---:|---:|---:|---:|---:|---:|---|")
+    for file, llm in engines.items():
+        (ltg, lpp), (ptg, ppp) = best[file, "llama.cpp"], best[file, "pagoda"]
+        print(f"| {Path(file).name} | {ltg:.1f} | {ptg:.1f} | {ptg / ltg:.2f}x | {lpp:.0f} | {ppp:.0f} | "
+              f"{ppp / lpp:.2f}x | {llm.stats().matmul} |")
+    for llm in engines.values():
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
