@@ -90,3 +90,20 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     assert ("device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped, laptop exit skipped, "
             "structured exit skipped" in result.stdout)
     assert "skipped" in (tmp_path / "tests.log").read_text()
+
+
+def test_device_check_keeps_to_its_time_budget_and_says_how_to_rerun(tmp_path):
+    """A part with under a minute of DEVICE_BUDGET left is not started; the script says which parts are left and
+    the switches for a rerun that does only those, and exits 3 (not 0: the check is incomplete)."""
+    import os
+
+    env = {**os.environ, "SKIP_TESTS": "1", "SKIP_BENCH": "1", "DEVICE_BUDGET": "59",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    env.pop("SKIP_QUANT", None), env.pop("SKIP_LAPTOP", None), env.pop("SKIP_STRUCTURED", None)
+    result = subprocess.run(["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True,
+                            capture_output=True, timeout=120)
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "quantized exit not run (time), laptop exit not run (time)" in result.stdout
+    assert "out of time for SKIP_QUANT SKIP_LAPTOP" in result.stdout
+    assert "rerun with: SKIP_TESTS=1 SKIP_BENCH=1 " in result.stdout
+    assert "== Quantized weights" not in result.stdout
