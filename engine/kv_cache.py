@@ -116,7 +116,7 @@ def process_memory_info(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of the GPU as this process may use it: the device's own figures, within the cap
     `torch.cuda.set_per_process_memory_fraction` set, if any (as when an 8 GB laptop is modelled on a big GPU)."""
     free, total = torch.cuda.mem_get_info(device)
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.7
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # absent from older torch
     fraction = get_fraction(device) if get_fraction is not None else 1.0
     if fraction < 1.0:
         total = int(total * fraction)
