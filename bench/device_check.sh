@@ -48,9 +48,9 @@ run_part quantized SKIP_QUANT "${QUANT_TIMEOUT:-300}" quantized.log \
 run_part laptop SKIP_LAPTOP "${LAPTOP_TIMEOUT:-200}" laptop.log \
     "Laptop GPUs (Qwen3-1.7B and 4B shapes under an 8 GiB cap, with the app's defaults)" \
     python3 -m bench.gpu_laptop
-# The device image has no llguidance: unzip its wheel into .device/site (ignored) and carry that folder.
+# The device image has no llguidance: bench/prepare_device.sh puts it into .device/site (ignored), carried along.
 if [ -z "${SKIP_STRUCTURED:-}" ] && ! PYTHONPATH=$PWD/.device/site:$PYTHONPATH python3 -c "import llguidance" 2>/dev/null; then
-    echo "llguidance is not importable: unzip its wheel into .device/site and carry it"
+    echo "llguidance is not importable: run bash bench/prepare_device.sh before the run and carry .device"
     SKIP_STRUCTURED=1
 fi
 run_part structured SKIP_STRUCTURED "${STRUCTURED_TIMEOUT:-120}" structured.log \
