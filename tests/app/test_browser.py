@@ -230,8 +230,8 @@ def test_the_page_chats_on_localhost_too(session, open_page):
 
 
 def open_new_chat(page) -> None:
-    """New chat, until the page shows it: the list has one more chat and the chat is empty (the message box is
-    locked until then)."""
+    """New chat, until the page shows it: the list has one more chat and the chat is empty (an Enter before
+    that sends into the chat open before)."""
     chats = "document.querySelectorAll('#chat-list input').length"
     before = page.evaluate(f"() => {chats}")
     page.get_by_role("button", name="New chat").click()
