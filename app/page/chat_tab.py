@@ -7,9 +7,9 @@ import gradio as gr
 
 from app.backend import DEFAULT_SETTINGS
 from app.page import user_error
-from app.page.sidebar import UNLOCK_MESSAGE_BOX, Sidebar
 
 if TYPE_CHECKING:
+    from app.page.sidebar import Sidebar
     from app.ui import PagodaUI
 
 SLIDERS = [  # setting, label, minimum, maximum, step; in the order PagodaUI.respond takes them
@@ -92,7 +92,7 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
                    save_preset_btn, sliders)
 
 
-def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: Sidebar, presets: dict[str, str]) -> None:
+def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[str, str]) -> None:
     """The Chat tab's events. Opening a chat in the sidebar (`bar.current`) fills the tab and follows its reply;
     saving a preset adds it to `presets`."""
     tab.preset.change(lambda name: presets.get(name, ""), tab.preset, tab.system)
@@ -130,7 +130,6 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: Sidebar, presets: dict[str,
     regen.then(**refresh)
     # Opening a chat stops following the previous one (its reply runs on) and follows this one's.
     opening = bar.current.change(ui.open, bar.current, opened, cancels=[send, regen])
-    opening.then(None, js=UNLOCK_MESSAGE_BOX)  # New chat locked it (app/page/sidebar.py); a message now stays here
     opening.then(lambda on: gr.update(visible=on), tab.json_output, tab.json_schema)
     # `input`, not `change`: only what the user sets is saved, never the values a chat switch puts in
     for option in options:

@@ -34,22 +34,11 @@ def render_sidebar(ui: "PagodaUI") -> Sidebar:
     return Sidebar(new_btn, search, conversations, current, title, rename_btn, delete_btn)
 
 
-# New chat locks the message box (and its send button) in the browser at once, until the new chat is open (the
-# Chat tab unlocks it once a chat has opened): a message sent in between went into the chat open before, or was
-# cancelled by the opening. Locked in the page's own script, since a lock that waited for the server would leave
-# the same gap.
-_MESSAGE_BOX = "document.querySelectorAll('#message textarea, #message button')"
-LOCK_MESSAGE_BOX = f"(system, search) => {{ {_MESSAGE_BOX}.forEach(e => e.disabled = true); return [system, search]; }}"
-UNLOCK_MESSAGE_BOX = f"() => {{ {_MESSAGE_BOX}.forEach(e => e.disabled = false); }}"
-
-
 def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     """The sidebar's events; a new chat starts with the Chat tab's system prompt (`system`)."""
     bar.conversations.change(lambda cid: cid, bar.conversations, bar.current)
     bar.search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), bar.search, bar.conversations)
-    created = bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat",
-                                js=LOCK_MESSAGE_BOX)
-    created.failure(None, js=UNLOCK_MESSAGE_BOX)
+    bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat")
     bar.rename_btn.click(
         lambda cid, t: (ui.store.rename(cid, t), gr.update(choices=ui.conversation_choices(), value=cid))[1],
         [bar.current, bar.title], bar.conversations)

@@ -342,31 +342,6 @@ def test_enter_while_the_chat_answers_says_why_and_keeps_the_message(session, op
     page.close()
 
 
-def test_a_message_sent_right_after_new_chat_goes_to_the_new_chat(session, open_page):
-    """New chat locks the message box until the new chat is open: an Enter pressed at once went into the chat that
-    was open before. Now that Enter is not taken, the message stays in the box, and the next Enter sends it into
-    the new chat."""
-    _, client, _ = session
-    page = open_page()
-    start_new_chat(page, "Name a fruit.")
-    page.keyboard.press("Escape")
-    wait_idle(client)
-    chats = page.locator("#chat-list input").count()
-    box = page.locator("#message textarea")
-    box.fill("Name a colour.")  # typed while the old chat is open, sent the moment New chat is clicked
-    page.get_by_role("button", name="New chat").click()
-    box.press("Enter")
-    wait_for_js(page, f"() => document.querySelectorAll('#chat-list input').length === {chats + 1} && "
-                      "!document.querySelector('#message textarea').disabled", timeout=20000)
-    if box.input_value():  # the Enter came while the box was locked, as a person would see: press it again
-        box.press("Enter")
-    wait_for_js(page, "() => { const users = document.querySelectorAll('#chatbot [data-testid=\"user\"]'); "
-                      "return users.length === 1 && users[0].innerText.includes('Name a colour.'); }", timeout=20000)
-    page.keyboard.press("Escape")
-    wait_idle(client)
-    page.close()
-
-
 def wait_idle(client, timeout: float = 30) -> None:
     deadline = time.time() + timeout
     while client.predict(api_name="/engine_stats")["num_running"] and time.time() < deadline:
