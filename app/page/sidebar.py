@@ -36,7 +36,10 @@ def render_sidebar(ui: "PagodaUI") -> Sidebar:
 
 def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     """The sidebar's events; a new chat starts with the Chat tab's system prompt (`system`)."""
-    bar.conversations.change(lambda cid: cid, bar.conversations, bar.current)
+    # No preprocessing: the Radio would check the id against this page's choices as the server last stored them,
+    # and a refresh computed just before New chat (a reply's title) can store a list without the new chat, failing
+    # the change ("Value: 15 is not in the list of choices", seen on CI), so the new chat never opened.
+    bar.conversations.change(lambda cid: cid, bar.conversations, bar.current, preprocess=False)
     bar.search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), bar.search, bar.conversations)
     bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat")
     bar.rename_btn.click(
