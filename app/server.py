@@ -10,7 +10,6 @@ from urllib.parse import urlsplit
 
 from entrypoints.cli import add_api_options, check_api_options
 from entrypoints.http_guard import AccessPolicy, HTTPGuard, add_access_options
-from entrypoints.openai.request_log import RequestLog
 
 log = logging.getLogger("pagoda")
 
@@ -61,6 +60,7 @@ def guarded(policy: AccessPolicy) -> dict:
     and builds the stack as the server starts. So the guard wraps the built stack in the app's lifespan, which
     runs before the server accepts its first connection."""
 
+    from entrypoints.openai.request_log import RequestLog
     from entrypoints.openai.server import add_api_error_handlers
 
     @asynccontextmanager

@@ -1,8 +1,33 @@
-"""Pagoda's inference engine: paged KV cache, prefix caching, continuous batching."""
-from engine.engine_thread import EngineFailed, EngineThread, RequestStream
-from engine.llm_engine import LLM, LLMEngine
-from engine.outputs import EngineStats, KVBlock, RequestOutput
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+"""Pagoda's inference engine: paged KV cache, prefix caching, continuous batching.
 
-__all__ = ["LLM", "LLMEngine", "EngineFailed", "EngineThread", "EngineStats", "KVBlock", "RequestOutput",
-           "RequestStream", "SamplingParams", "StructuredOutputsParams"]
+The public names load on first use (PEP 562), so `engine.config` imports with the standard library
+alone: the launcher checks its command line with it before PyTorch is installed."""
+import importlib
+from typing import TYPE_CHECKING
+
+_HOMES = {
+    "EngineFailed": "engine.engine_thread", "EngineThread": "engine.engine_thread",
+    "RequestFailed": "engine.engine_thread", "RequestStream": "engine.engine_thread",
+    "LLM": "engine.llm_engine", "LLMEngine": "engine.llm_engine",
+    "EngineStats": "engine.outputs", "KVBlock": "engine.outputs", "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params", "StructuredOutputsParams": "engine.sampling_params",
+}
+__all__ = ["LLM", "LLMEngine", "EngineFailed", "EngineThread", "EngineStats", "KVBlock", "RequestFailed",
+           "RequestOutput", "RequestStream", "SamplingParams", "StructuredOutputsParams"]
+
+if TYPE_CHECKING:
+    from engine.engine_thread import EngineFailed, EngineThread, RequestFailed, RequestStream
+    from engine.llm_engine import LLM, LLMEngine
+    from engine.outputs import EngineStats, KVBlock, RequestOutput
+    from engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from entrypoints.http_guard import AccessPolicy, add_access_options
+from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Where the headless server's defaults differ from the engine's: fewer sequence slots (a GPU
@@ -59,9 +60,6 @@ def add_engine_settings(ap: argparse.ArgumentParser, defaults: dict | None = Non
 
 def add_api_options(ap: argparse.ArgumentParser) -> None:
     """The API's limits, shared by the headless server and the app; `check_api_options` checks them."""
-    from entrypoints.openai.protocol import MAX_REQUEST_BYTES
-    from entrypoints.openai.server import DEFAULT_MAX_TOKENS
-
     ap.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                     help="tokens an API request without max_tokens may generate, at most (default "
                          f"{DEFAULT_MAX_TOKENS}; 0: the rest of the context)")

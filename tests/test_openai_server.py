@@ -395,14 +395,15 @@ def test_each_request_gets_a_log_line_with_its_tokens(client, server):
 def test_the_default_max_tokens_fits_the_context_and_0_means_all_of_it(capsys):
     from entrypoints.cli import parse_args
     from entrypoints.openai.protocol import ChatCompletionBody
-    from entrypoints.openai.server import DEFAULT_MAX_TOKENS, sampling_params
+    from entrypoints.openai.server import sampling_params
 
     body = ChatCompletionBody(messages=[{"role": "user", "content": "hi"}])
     assert sampling_params(body, 90, None, 100, 2048).max_tokens == 10  # the room left, when less
     assert sampling_params(body, 10, None, 5000, 2048).max_tokens == 2048
     assert sampling_params(body, 10, None, 5000, None).max_tokens == 4990
     assert sampling_params(body, 10, 7, 5000, 2048).max_tokens == 7  # the request's own wins
-    assert parse_args([]).default_max_tokens == DEFAULT_MAX_TOKENS
+    # The shipped bound, as a literal: a request without max_tokens must never run to the end of the context (0)
+    assert parse_args([]).default_max_tokens == 2048
     assert parse_args(["--default-max-tokens", "0"]).default_max_tokens == 0
     with pytest.raises(SystemExit):
         parse_args(["--default-max-tokens", "-1"])

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_PENALTY, StructuredOutputsParams
+from entrypoints.openai.limits import MAX_REQUEST_BYTES
 
 # Fields of OpenAI's (or vLLM's) that would change the reply and that Pagoda does not do: refused by name
 # rather than ignored. Other unknown fields (`user`, `metadata`, `store`, ...) change nothing here.
@@ -259,10 +260,6 @@ def openapi_body(kind: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-# The most bytes a request body may have (the server's --max-request-bytes). 4 MiB holds far more text
-# than any local model's context (about a million characters); a 10 MB body once took 21 s to refuse and
-# four of them held 4.9 GB after they were gone.
-MAX_REQUEST_BYTES = 4 << 20
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -24,9 +24,9 @@ from engine import EngineThread, RequestStream, SamplingParams
 from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.openai import request_log
+from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
 from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from entrypoints.openai.protocol import (
-    MAX_REQUEST_BYTES,
     APIError,
     ChatCompletionBody,
     CompletionBody,
@@ -71,11 +71,6 @@ def has_key(authorization: str, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
 
 
-# What a request without max_tokens gets. Open WebUI sends its tags and follow-up tasks without one, and
-# a small model that never stops then ran for 7,465 tokens (15 minutes on a CPU). 2048 tokens is a
-# long answer (about 1,500 words) and bounds a runaway; a reply cut there ends with finish_reason
-# "length". None: the rest of the context, as vLLM does.
-DEFAULT_MAX_TOKENS = 2048
 
 
 def create_router(models: ModelSource, api_key: str | None = None,
