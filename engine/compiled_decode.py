@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.tracing import decode_step_trace
+from engine.tracing import decode_step_trace, fx_windows_guarded
 
 log = logging.getLogger("engine")
 
@@ -133,7 +133,7 @@ def capture(model: nn.Module, args: tuple[torch.Tensor, ...], dynamic_rows: bool
             torch._dynamo.mark_dynamic(t, 0)
     with _CAPTURE_LOCK:
         try:
-            with decode_step_trace():
+            with decode_step_trace(), fx_windows_guarded():  # steps may run in another thread meanwhile
                 torch.compile(_forward, backend=backend, fullgraph=True, dynamic=False)(model, *args)
         finally:
             # The graphs are called directly from here on; torch.compile's cache entry for this code

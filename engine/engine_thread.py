@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from itertools import count
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepFailed
 from engine.outputs import EngineStats, KVBlock, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -29,8 +29,13 @@ _DONE = object()
 
 
 class EngineFailed(RuntimeError):
-    """The engine thread stopped on an error (a step raised): the streams that were open ended with it,
-    and the engine takes no more requests. Load the model again to go on."""
+    """The engine thread stopped on an error that leaves the device or the model in doubt (a CUDA error, say): the
+    streams that were open ended with it, and the engine takes no more requests. Load the model again to go on.
+    Any other error in a step fails only that step's requests (RequestFailed)."""
+
+
+class RequestFailed(RuntimeError):
+    """This request's step raised in the engine, which aborted the request and serves on: send it again."""
 
 
 class EngineThread:
@@ -159,7 +164,16 @@ class EngineThread:
         try:
             while not self._stop:
                 with self._lock:
-                    outputs = self.engine.step() if self.engine.has_unfinished_requests() else None
+                    try:
+                        outputs = self.engine.step() if self.engine.has_unfinished_requests() else None
+                    except StepFailed as failure:  # its requests are aborted; the others go on
+                        error = RequestFailed(f"the engine failed this request ({failure}) and goes on serving the "
+                                              "others; send it again")
+                        for request_id in failure.request_ids:
+                            if (stream := self._streams.pop(request_id, None)) is not None:
+                                stream.put(error)
+                                stream.put(_DONE)
+                        outputs = []
                     streams = [(out, self._streams.get(out.request_id)) for out in outputs or []]
                     for out in outputs or []:
                         if out.finished:
@@ -255,6 +269,9 @@ class RequestStream:
     def _unwrap(self, item) -> RequestOutput | None:
         if item is _DONE:
             return None
+        if isinstance(item, RequestFailed):
+            self.finished = True
+            raise item
         if isinstance(item, BaseException):
             raise EngineFailed(f"the engine failed ({type(item).__name__}: {item}); load the model again") from item
         self.finished = item.finished

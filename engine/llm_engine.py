@@ -41,6 +41,24 @@ from engine.structured_output import StructuredOutputs
 log = logging.getLogger("engine")
 
 
+class StepFailed(RuntimeError):
+    """A step raised: its requests (`request_ids`) were aborted and their KV blocks freed; the engine serves on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+
+
+def _breaks_the_device(error: BaseException) -> bool:
+    """Errors after which no later step can be trusted: CUDA's are sticky (every later call fails too)."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        mark in text for mark in ("CUDA error", "CUBLAS_STATUS", "device-side assert", "illegal memory access"))
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
 
 
@@ -112,6 +130,7 @@ class LLMEngine:
             self.async_scheduling = (self.device.type == "cuda" and config.tensor_parallel_size == 1
                                      and self.model_runner.backend.name != "torch")
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back (async scheduling)
+        self._stepping: list[Sequence] = []  # the requests of the step being run (what a failure aborts)
 
     def _start_tensor_parallel(self, hf_config, path) -> None:
         from engine.tp_workers import WorkerPool
@@ -233,12 +252,32 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step of every running request. A step that raises aborts the requests it ran (their KV blocks
+        are freed) and raises StepFailed naming them; the engine goes on with the others. An error that leaves
+        the device or the model in doubt (a CUDA error, tensor-parallel workers out of step) is raised as it
+        is: the engine must then be loaded again."""
+        in_flight, self._stepping = self._in_flight, []
+        try:
+            return self._step()
+        except Exception as e:
+            ran = {seq.request_id for seq in self._stepping}
+            ran |= {item.seq.request_id for item in in_flight.batch} if in_flight is not None else set()
+            if not ran or self.model_runner.workers is not None or _breaks_the_device(e):
+                raise
+            log.exception("a step failed; its requests %s are aborted, and the engine goes on", sorted(ran))
+            self._in_flight = None
+            for request_id in ran:
+                self.abort_request(request_id)
+            raise StepFailed(sorted(ran), e) from e
+
+    def _step(self) -> list[RequestOutput]:
         drained = []
         in_flight = self._in_flight
         if in_flight is not None and any(item.samples and item.seq.grammar is not None for item in in_flight.batch):
             # A constrained request's next mask needs the token in flight: read it back before planning.
             drained, self._in_flight = self._finish(in_flight), None
         batch = self.scheduler.schedule()
+        self._stepping = [item.seq for item in batch]
         self.max_batch_size = max(self.max_batch_size, len(batch))
         launched = self._launch(batch) if batch else None
         if self.async_scheduling:  # read back the step before, while the device runs this one

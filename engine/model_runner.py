@@ -38,6 +38,7 @@ from engine.scheduler import ScheduledSeq
 from engine.staging import StagingBuffer
 from engine.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step, sampling_columns
 from engine.structured_output import fill_bitmask
+from engine.tracing import MODULE_CALLS
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
 
@@ -479,19 +480,20 @@ class ModelRunner:
             self._adopt_compiled_decode()
         plan = logprobs_plan(batch)
         step = self.prepare(batch, plan)
-        if self.workers is None:
-            logits, prompt_logprobs = self.execute(step)
-        else:
-            with self.workers.guard():
-                self.workers.send_step(step)
+        with MODULE_CALLS.eager_call():  # never inside a window of the decode compiler's tracing (engine/tracing.py)
+            if self.workers is None:
                 logits, prompt_logprobs = self.execute(step)
-        sample_logprobs = tokens = None
-        if logits is not None:
-            sampling = [s for s in batch if s.samples]
-            tokens = self.sampler(logits, self.prepare_sampling(sampling))
-            self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
-            if plan is not None and plan.sample_rows.size:
-                sample_logprobs = self._sample_logprobs(logits, tokens, step)
+            else:
+                with self.workers.guard():
+                    self.workers.send_step(step)
+                    logits, prompt_logprobs = self.execute(step)
+            sample_logprobs = tokens = None
+            if logits is not None:
+                sampling = [s for s in batch if s.samples]
+                tokens = self.sampler(logits, self.prepare_sampling(sampling))
+                self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
+                if plan is not None and plan.sample_rows.size:
+                    sample_logprobs = self._sample_logprobs(logits, tokens, step)
         if self.readback is None:  # the CPU: everything is computed already
             return LaunchedStep(batch, tokens, None, plan, sample_logprobs, prompt_logprobs)
         if plan is not None:  # copied before the event below, which then covers them too

@@ -1,4 +1,7 @@
-"""Whether this thread is tracing a compiled decode step (engine/compiled_decode.py).
+"""Tracing a compiled decode step (engine/compiled_decode.py) beside eager steps in other threads.
+
+`tracing_decode_step` tells whether this thread traces; `MODULE_CALLS` keeps torch.fx's process-wide patches
+away from the eager calls of other threads.
 
 The layers take other branches inside such a trace: no host reads, no attribute writes, opaque ops
 for what inductor cannot lower. torch.compiler.is_compiling() cannot tell them: it is one flag for the
@@ -27,3 +30,82 @@ def decode_step_trace() -> Iterator[None]:
         yield
     finally:
         _state.tracing = False
+
+
+class ModuleCallGuard:
+    """Eager model calls (any number at once) against torch.fx's windows of tracing (one at a time).
+
+    While torch.fx traces it replaces `nn.Module.__call__` for the whole process, not for its thread: a model
+    called eagerly in another thread meanwhile goes through the tracer, which raised "module is not installed
+    as a submodule" in the engine's own step and killed it. Inductor opens such windows while it compiles (a
+    cold compile of the bundled model's decode steps opened them for 8.5 s of its 124, each a few ms at most),
+    so the compiling thread waits, at each window, for the steps in flight to end, and steps wait for the window
+    to close, rather than the steps waiting out the whole compile."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._callers: dict[int, int] = {}  # thread id -> nesting depth, of the eager calls in flight
+        self._tracer: int | None = None  # the thread whose window is open
+        self._tracer_depth = 0
+        self.held_back = 0  # eager calls waiting for a window to close (what tests watch)
+
+    @contextmanager
+    def eager_call(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._changed:
+            if self._tracer not in (None, me):
+                self.held_back += 1
+                self._changed.wait_for(lambda: self._tracer in (None, me))
+                self.held_back -= 1
+            self._callers[me] = self._callers.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._callers[me] -= 1
+                if not self._callers[me]:
+                    del self._callers[me]
+                self._changed.notify_all()
+
+    @contextmanager
+    def tracing_window(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._changed:  # a thread inside its own eager call may still trace: only the others count
+            self._changed.wait_for(lambda: self._tracer in (None, me) and all(t == me for t in self._callers))
+            self._tracer = me
+            self._tracer_depth += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._tracer_depth -= 1
+                if not self._tracer_depth:
+                    self._tracer = None
+                self._changed.notify_all()
+
+
+MODULE_CALLS = ModuleCallGuard()  # one for the process, as fx's patch is
+
+
+@contextmanager
+def fx_windows_guarded() -> Iterator[None]:
+    """While open (in the thread that compiles), each window in which torch.fx patches nn.Module is a
+    `MODULE_CALLS.tracing_window()`. A PyTorch without fx's `_new_patcher` gets one window for the whole of it."""
+    from torch.fx import _symbolic_trace
+
+    original = getattr(_symbolic_trace, "_new_patcher", None)
+    if original is None:
+        with MODULE_CALLS.tracing_window():
+            yield
+        return
+
+    @contextmanager
+    def guarded_patcher():
+        with MODULE_CALLS.tracing_window(), original() as patcher:
+            yield patcher
+
+    _symbolic_trace._new_patcher = guarded_patcher
+    try:
+        yield
+    finally:
+        _symbolic_trace._new_patcher = original

@@ -227,3 +227,38 @@ def test_eager_steps_ignore_another_threads_trace(monkeypatch, tiny_llama, make_
     release.set()
     other.join()
     assert seen == [True, False]
+
+
+def test_eager_steps_wait_out_a_window_in_which_fx_patches_every_module(compiling, monkeypatch, tiny_llama,
+                                                                         make_llm, hf_model, random_prompt):
+    """While torch.fx traces, nn.Module.__call__ is its tracer's for the whole process; inductor traces so while it
+    compiles (a cold compile of the bundled model's steps: 8.5 s of windows in 124 s). An engine step run in such a
+    window raised "module is not installed as a submodule", and three servers on a busy machine died of it.
+    Here the compiler is held inside a window until a step is waiting for it to close; the step then runs."""
+    from torch._inductor import compile_fx as inductor
+
+    from engine.tracing import MODULE_CALLS
+    from tests.processes import wait_until
+
+    in_window, step_held_back = threading.Event(), []
+    real_compile_fx = inductor.compile_fx
+
+    def compile_fx(*args, **kwargs):
+        def wait_inside(x):
+            if not in_window.is_set():  # the first graph only
+                in_window.set()
+                step_held_back.append(wait_until(lambda: MODULE_CALLS.held_back > 0, timeout=60))
+            return x
+
+        torch.fx.symbolic_trace(wait_inside)  # as inductor's own codegen does (loop_body.py)
+        return real_compile_fx(*args, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", compile_fx)
+    llm = make_llm(tiny_llama, max_num_seqs=4)
+    prompts = [random_prompt(11, 40), random_prompt(6, 41)]
+    expected = [hf_greedy(hf_model(tiny_llama), p, GREEDY.max_tokens) for p in prompts]
+    assert in_window.wait(120)
+    assert stepped(llm, prompts) == expected  # its first step waited for the window to close
+    assert step_held_back == [True]
+    assert llm.model_runner.wait_for_compiled_decode(timeout=600)
+    assert stepped(llm, prompts) == expected

@@ -256,3 +256,69 @@ def test_prefill_progress_counts_the_prompt_read_so_far_cached_tokens_included(t
         assert stream.prefill_progress() is None and thread.prefill_progress(stream.request_id) is None
     finally:
         thread.shutdown()
+
+
+def test_a_step_that_raises_fails_only_its_requests_and_the_engine_serves_on(front, tiny_llama):
+    """Three servers died because one step raised (a tracer's NameError from another thread): the engine then
+    answered every later request with "load the model again". Now that step's requests fail with an error that says
+    to send them again, their KV blocks are freed, a request waiting meanwhile is served, and a request sent after
+    gets the same tokens as on a fresh engine."""
+    from engine import EngineFailed, RequestFailed
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64).generate(PROMPTS, params, use_tqdm=False)
+    runner = front.engine.model_runner
+    launch, failed_once, in_the_step = runner.launch, threading.Event(), set()
+
+    def launch_failing_once(batch):
+        if not failed_once.is_set():  # the first step: the first request, and the second if it came in time
+            failed_once.set()
+            in_the_step.update(item.seq.request_id for item in batch)
+            raise NameError("module is not installed as a submodule")
+        return launch(batch)
+
+    runner.launch = launch_failing_once
+    front.engine.scheduler.max_num_seqs = 2  # so the third request waits while the first step runs
+    streams = [front.submit(p, params) for p in PROMPTS[:3]]
+    results: dict[int, object] = {}
+
+    def drain(i):
+        try:
+            results[i] = [t for out in streams[i] for t in out.new_token_ids]
+        except BaseException as e:
+            results[i] = e
+
+    readers = [threading.Thread(target=drain, args=(i,)) for i in range(3)]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join(60)
+    failed = {i for i in range(3) if streams[i].request_id in in_the_step}
+    assert failed_once.is_set() and 0 in failed and 2 not in failed
+    for i in range(3):
+        if i in failed:
+            assert isinstance(results[i], RequestFailed) and not isinstance(results[i], EngineFailed)
+            assert "NameError: module is not installed" in str(results[i]) and "send it again" in str(results[i])
+        else:  # it waited, and was served after the failed step
+            assert results[i] == expected[i]["token_ids"]
+    again = [t for out in front.submit(PROMPTS[0], params) for t in out.new_token_ids]
+    assert again == expected[0]["token_ids"]
+    stats = front.stats()
+    assert front.error is None and stats.used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+
+
+def test_offline_generate_raises_a_failed_step_and_the_engine_generates_again(tiny_llama, make_llm):
+    from engine.llm_engine import StepFailed
+
+    llm = make_llm(tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    launch = llm.model_runner.launch
+    llm.model_runner.launch = lambda batch: (_ for _ in ()).throw(ValueError("a bug in one step"))
+    with pytest.raises(StepFailed, match="ValueError: a bug in one step") as failure:
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert len(failure.value.request_ids) == 2
+    llm.model_runner.launch = launch
+    assert [r["token_ids"] for r in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == [
+        r["token_ids"] for r in expected]
+    assert llm.stats().used_blocks == 0

@@ -37,9 +37,11 @@ class APIError(Exception):
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
         self.headers = headers
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class RequestBody(BaseModel):

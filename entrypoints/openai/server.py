@@ -12,6 +12,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -20,7 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from engine import EngineThread, RequestStream, SamplingParams
+from engine import EngineThread, RequestFailed, RequestStream, SamplingParams
 from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.openai import request_log
@@ -337,14 +338,17 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
         return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
     text = []
-    async for out in stream:
-        reply.count(out)
-        text.append(out.new_text)
-        if reply.chat:
-            reply.take(out)
-        if await request.is_disconnected():
-            stream.cancel()
-            return JSONResponse({}, status_code=499)
+    try:
+        async for out in stream:
+            reply.count(out)
+            text.append(out.new_text)
+            if reply.chat:
+                reply.take(out)
+            if await request.is_disconnected():
+                stream.cancel()
+                return JSONResponse({}, status_code=499)
+    except RequestFailed as e:
+        raise APIError(500, str(e), type="server_error") from None
     return JSONResponse(reply.whole("".join(text)), headers=headers)
 
 
@@ -477,35 +481,46 @@ class Reply:
 
         if self.chat:
             yield event(self.chunk("", role=True))
+        try:
+            async with aclosing(self._chunks(stream)) as chunks:  # closed with this generator: aborts the request
+                async for chunk in chunks:
+                    yield event(chunk)
+        except RequestFailed as e:  # headers are sent: the error goes in the stream, as OpenAI's does
+            yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield event({"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
+                         "created": self.created, "model": self.model_name, "choices": [], "usage": self.usage()})
+        yield "data: [DONE]\n\n"
+
+    async def _chunks(self, stream: RequestStream) -> AsyncIterator[dict]:
+        """The stream's chunks after the first (the role), its finish reason's last."""
         echoed = self.echo is None
         async for out in stream:
             self.count(out)
             if not echoed:  # the prompt's logprobs come with the first output
                 echoed = True
-                yield event(self.chunk(self.echo.text, logprobs=self.choice_logprobs(*self.echoed_prompt())))
+                yield self.chunk(self.echo.text, logprobs=self.choice_logprobs(*self.echoed_prompt()))
                 self.text_sent = len(self.echo.text)
                 if self.echo.only:
                     continue
             reasoning, text, calls = self.take(out) if self.chat else ("", out.new_text, [])
             if reasoning:
-                yield event(self.chunk(None, reasoning=reasoning))
+                yield self.chunk(None, reasoning=reasoning)
             if calls:
-                yield event(self.chunk(None, tool_calls=calls))
+                yield self.chunk(None, tool_calls=calls)
             # A token whose text is held back (a partial character, a possible stop string) still
             # brings its logprobs.
             if text or (self.logprobs is not None and out.logprobs):
                 logprobs = self.choice_logprobs(out.new_token_ids, out.logprobs or [], self.text_sent)
-                yield event(self.chunk(text, logprobs=logprobs))
+                yield self.chunk(text, logprobs=logprobs)
                 self.text_sent += len(text)
         if self.chat:
             reasoning, text, calls = self.take(None, final=True)
             if reasoning or text or calls:
-                yield event(self.chunk(text or None, tool_calls=calls, reasoning=reasoning))
-        yield event(self.chunk(None if self.chat else "", self.choice_finish_reason))
-        if include_usage:
-            yield event({"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
-                         "created": self.created, "model": self.model_name, "choices": [], "usage": self.usage()})
-        yield "data: [DONE]\n\n"
+                yield self.chunk(text or None, tool_calls=calls, reasoning=reasoning)
+        yield self.chunk(None if self.chat else "", self.choice_finish_reason)
 
 
 # ---- /metrics --------------------------------------------------------------------------------------
