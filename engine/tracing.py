@@ -37,10 +37,10 @@ class ModuleCallGuard:
 
     While torch.fx traces it replaces `nn.Module.__call__` for the whole process, not for its thread: a model
     called eagerly in another thread meanwhile goes through the tracer, which raised "module is not installed
-    as a submodule" in the engine's own step and killed it. Inductor opens such windows while it compiles (a
-    cold compile of the bundled model's decode steps opened them for 8.5 s of its 124, each a few ms at most),
-    so the compiling thread waits, at each window, for the steps in flight to end, and steps wait for the window
-    to close, rather than the steps waiting out the whole compile."""
+    as a submodule" in the engine's own step and killed it. Inductor's code generation opens such windows (one of
+    1.6 ms in a cold compile of the bundled model's decode steps, which took 124 s), so the compiling thread
+    waits, at each window, for the steps in flight to end, and steps wait for the window to close, rather than
+    the steps waiting out the whole compile."""
 
     def __init__(self):
         self._changed = threading.Condition()
@@ -87,25 +87,35 @@ class ModuleCallGuard:
 MODULE_CALLS = ModuleCallGuard()  # one for the process, as fx's patch is
 
 
+def _calls_modules_as_they_are(tracer) -> bool:
+    """make_fx's tracer (AOT autograd's, inductor's passes') runs each module it meets as it is and hands back
+    attributes as they are, so an eager call that lands in its patch runs as usual; fx's symbolic tracer looks
+    each module up in its own root, and raised for the engine's. Guarding make_fx's windows too held a step back
+    for 15.6 s once in a cold compile on a loaded machine: the whole decode step is traced in one of them."""
+    try:
+        from torch.fx.experimental.proxy_tensor import PythonKeyTracer
+    except ImportError:
+        return False
+    kind = type(tracer)
+    return kind.call_module is PythonKeyTracer.call_module and kind.getattr is PythonKeyTracer.getattr
+
+
 @contextmanager
 def fx_windows_guarded() -> Iterator[None]:
-    """While open (in the thread that compiles), each window in which torch.fx patches nn.Module is a
-    `MODULE_CALLS.tracing_window()`. A PyTorch without fx's `_new_patcher` gets one window for the whole of it."""
-    from torch.fx import _symbolic_trace
+    """While open (in the thread that compiles), each trace by a torch.fx tracer that could trip over a module
+    called eagerly from another thread is a `MODULE_CALLS.tracing_window()`."""
+    from torch.fx import Tracer
 
-    original = getattr(_symbolic_trace, "_new_patcher", None)
-    if original is None:
+    original = Tracer.trace
+
+    def trace(self, *args, **kwargs):
+        if _calls_modules_as_they_are(self):
+            return original(self, *args, **kwargs)
         with MODULE_CALLS.tracing_window():
-            yield
-        return
+            return original(self, *args, **kwargs)
 
-    @contextmanager
-    def guarded_patcher():
-        with MODULE_CALLS.tracing_window(), original() as patcher:
-            yield patcher
-
-    _symbolic_trace._new_patcher = guarded_patcher
+    Tracer.trace = trace
     try:
         yield
     finally:
-        _symbolic_trace._new_patcher = original
+        Tracer.trace = original
