@@ -13,6 +13,9 @@ apache-tvm-ffi on every install, and llguidance needs nothing.
 """
 import json
 import logging
+import re
+import threading
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -40,6 +43,52 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if params.choice is not None:
         return Matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
     return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to it
+
+
+# llguidance's compiler recurses once per rule of a chain of rules (about 2.7 KB of stack a rule, measured): a
+# grammar of 4,000 chained rules, 100 KB of text, overflowed the 8 MiB stack of a Linux thread and killed the
+# server with a segfault (macOS gives a thread 512 KiB). So constraints compile on a stack of their own, and a
+# grammar may have this many rules, which that stack holds with room to spare.
+MAX_GRAMMAR_RULES = 10_000
+_COMPILE_STACK_BYTES = 256 << 20  # address space reserved, not memory used
+_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*(?::|::=)", re.MULTILINE)  # a Lark or GBNF definition
+_STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is one setting for the process
+
+
+def _on_a_deep_stack(build: Callable[[], object]) -> object:
+    """`build()`, run in a thread of its own with a stack of _COMPILE_STACK_BYTES; its error is raised here."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = build()
+        except BaseException as e:  # handed to the caller's thread
+            outcome["error"] = e
+
+    with _STACK_SIZE_LOCK:
+        previous = threading.stack_size(_COMPILE_STACK_BYTES)
+        try:
+            worker = threading.Thread(target=run, name="pagoda-grammar-compile")
+            worker.start()
+        finally:
+            threading.stack_size(previous)
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def compile_error_message(error: str) -> str:
+    """llguidance's error as a client can act on it: without a Rust backtrace, bounded, and a panic of its compiler
+    said plainly."""
+    if "symbols.len() < u16::MAX" in error:
+        return ("the constraint is too large: it compiles to more than 65,000 grammar symbols, llguidance's limit; "
+                "give fewer choices, properties or rules")
+    text = error.split("<backtrace>")[0].strip() or "unknown error"
+    text = text if len(text) <= 1000 else text[:1000] + " ..."
+    if text.startswith("panic:"):
+        return f"the constraint could not be compiled (llguidance failed: {text.removeprefix('panic:').strip()})"
+    return f"the constraint does not compile: {text}"
 
 
 class StructuredOutputs:
@@ -82,17 +131,23 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs: {e}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
-            raise ValueError(f"structured_outputs: the constraint does not compile: {error.strip()}")
+            raise ValueError(f"structured_outputs: {compile_error_message(error)}")
         return grammar
 
     def grammar(self, params: StructuredOutputsParams) -> "Grammar":
         """A fresh matcher for one request; raises ValueError, naming the problem, for a constraint that
-        does not compile (an invalid schema, regex or grammar)."""
+        does not compile (an invalid schema, regex or grammar) or is too large."""
+        if params.grammar is not None and (rules := len(_RULE.findall(params.grammar))) > MAX_GRAMMAR_RULES:
+            raise ValueError(f"structured_outputs: the grammar has {rules:,} rules, more than the "
+                             f"{MAX_GRAMMAR_RULES:,} Pagoda compiles; give a smaller grammar")
+        return _on_a_deep_stack(lambda: self._matcher(params))
+
+    def _matcher(self, params: StructuredOutputsParams) -> "Grammar":
         import llguidance
 
         matcher = llguidance.LLMatcher(self.tokenizer, self._grammar(params), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+            raise ValueError(f"structured_outputs: {compile_error_message(matcher.get_error())}")
         return Grammar(matcher, self.eos_token_ids)
 
 

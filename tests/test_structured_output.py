@@ -182,3 +182,39 @@ def test_the_bitmask_forbids_exactly_its_cleared_bits():
         assert finite == tokens
         assert torch.equal(out[row, tokens], logits[row, tokens])
     assert torch.isfinite(logits).all()  # out of place: the raw logits stay for logprobs
+
+
+def chained_rules(n: int) -> str:
+    """A grammar of n rules, each naming the next: 100 KB of text at 4,000 rules."""
+    return "start: r0\n" + "".join(f'r{i}: "a" r{i + 1} | "b"\n' for i in range(n)) + f'r{n}: "z"\n'
+
+
+@pytest.mark.timeout(600)
+def test_a_long_chain_of_rules_compiles_and_constrains_without_crashing_the_process(smollm2):
+    """4,000 chained rules overflowed the stack of the thread that compiled them: the server died of a segfault."""
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=constrained(grammar=chained_rules(4000)))
+    out = smollm2.generate(["Say something."], params, use_tqdm=False)[0]
+    assert re.fullmatch(r"a*(b|z)", out["text"]) and out["finish_reason"] == "stop", out
+
+
+def test_a_grammar_with_too_many_rules_is_refused_saying_the_limit(smollm2):
+    from engine.structured_output import MAX_GRAMMAR_RULES
+
+    params = SamplingParams(structured_outputs=constrained(grammar=chained_rules(MAX_GRAMMAR_RULES)))
+    with pytest.raises(ValueError, match=r"the grammar has 10,002 rules, more than the 10,000 Pagoda compiles"):
+        smollm2.add_request("Say something.", params)
+    assert not smollm2.has_unfinished_requests()
+
+
+def test_llguidance_panics_are_said_plainly():
+    from engine.structured_output import compile_error_message
+
+    panic = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>\n"
+             "   1: <unknown>")
+    assert compile_error_message(panic) == ("the constraint is too large: it compiles to more than 65,000 grammar "
+                                            "symbols, llguidance's limit; give fewer choices, properties or rules")
+    other = compile_error_message("panic: index out of bounds\n<backtrace>\n   0: <unknown>")
+    assert other == "the constraint could not be compiled (llguidance failed: index out of bounds)"
+    assert compile_error_message("1(7): unknown name: 'foo'\n  1 | start: foo") == (
+        "the constraint does not compile: 1(7): unknown name: 'foo'\n  1 | start: foo")
+    assert len(compile_error_message("x" * 1_000_000)) < 1100  # a whole grammar once went into one message
