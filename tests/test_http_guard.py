@@ -37,8 +37,12 @@ ROUTES = [("GET", "/v1/models", {}), ("POST", "/v1/chat/completions", {"json": C
           ("GET", "/docs", {}), ("GET", "/no-such-page", {})]
 
 
-@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:8000", "localhost.attacker.example",
-                                  "127.0.0.1.nip.io", "[2001:db8::1]:8000", ""])
+# Names that end with an allowed one (evil-localhost, x-pagoda-box.test) are other names: only equal ones are served.
+FOREIGN_HOSTS = ["attacker.example", "attacker.example:8000", "localhost.attacker.example", "127.0.0.1.nip.io",
+                 "evil-localhost", "evil-localhost:8000", f"x-{ALLOWED}", f"x{ALLOWED}:8000", "[2001:db8::1]:8000", ""]
+
+
+@pytest.mark.parametrize("host", FOREIGN_HOSTS)
 @pytest.mark.parametrize("method, path, kwargs", ROUTES)
 def test_a_foreign_host_gets_a_403_on_every_route(server, host, method, path, kwargs):
     generated = server.metric("vllm:generation_tokens_total")
@@ -80,7 +84,8 @@ def test_a_post_that_is_not_json_gets_a_415_and_generates_nothing(server, conten
 
 
 @pytest.mark.parametrize("origin", ["https://attacker.example", "http://localhost.attacker.example", "null",
-                                    "https://notes.example.evil.example", "http://notes.example"])
+                                    "https://notes.example.evil.example", "http://notes.example",
+                                    "http://evil-localhost:3000", f"https://x-{ALLOWED}"])
 def test_another_sites_page_is_refused_and_gets_no_cors_headers(server, origin):
     generated = server.metric("vllm:generation_tokens_total")
     for method, path, kwargs in ROUTES[:4]:
@@ -128,7 +133,10 @@ def test_a_local_bind_serves_loopback_names_only_and_a_wildcard_bind_the_machine
     assert not local.host_allowed("attacker.example")
     lan = AccessPolicy.for_bind("0.0.0.0", ["gpu-box.lan"])
     assert lan.host_allowed(socket.gethostname()) and lan.host_allowed("GPU-BOX.lan:7860")
-    assert not lan.host_allowed("attacker.example")
+    for foreign in ["attacker.example", "evil-localhost", "x-gpu-box.lan", "xgpu-box.lan:7860", "gpu-box.lan.evil",
+                    f"evil-{socket.gethostname()}"]:
+        assert not lan.host_allowed(foreign), foreign
+        assert not lan.origin_allowed(f"http://{foreign}"), foreign
     assert AccessPolicy.for_bind("192.0.2.7").host_allowed("192.0.2.7:8000")  # the bound address
     proxy = AccessPolicy.for_bind("127.0.0.1", ["*"])
     assert proxy.host_allowed("anything.example")
