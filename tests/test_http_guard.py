@@ -114,6 +114,31 @@ def test_a_site_given_cors_origins_gets_cors_and_the_machines_own_pages_need_non
     assert local.status_code == 200 and "access-control-allow-origin" not in local.headers
 
 
+@pytest.fixture(scope="module")
+def default_server(tiny_llama, tmp_path_factory):
+    """Started with no access options at all: localhost, no --allowed-hosts, no --cors-origins."""
+    srv = ServeProcess(tiny_llama, tmp_path_factory.mktemp("guard_default") / "server.log", "--served-model-name",
+                       "llama", "--max-model-len", "256").wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:3000", "http://127.0.0.1:5173", "https://attacker.example"])
+def test_without_cors_origins_no_page_gets_cors_headers(default_server, origin):
+    """CORS is off by default: a page on this machine (another port) is served without them, another site's
+    page is refused; neither is told it may read the answer, on a request or on a preflight."""
+    local = "localhost" in origin or "127.0.0.1" in origin
+    for method, path, kwargs in ROUTES[:4]:
+        r = httpx.request(method, f"{default_server.base}{path}", headers={"Origin": origin}, timeout=30, **kwargs)
+        assert r.status_code == (200 if local else 403), (path, r.status_code)
+        assert "access-control-allow-origin" not in r.headers, path
+        assert "access-control-allow-credentials" not in r.headers, path
+    preflight = httpx.options(f"{default_server.base}/v1/chat/completions", timeout=30, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    assert "access-control-allow-origin" not in preflight.headers
+    assert "access-control-allow-headers" not in preflight.headers
+
+
 def test_the_key_rule_is_unchanged_behind_the_guard(server):
     r = httpx.get(f"{server.base}/v1/models", timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

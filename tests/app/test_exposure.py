@@ -151,6 +151,20 @@ def test_listen_refuses_wrong_credentials_and_serves_the_printed_ones(lan_app):
     assert isinstance(logged_in.predict("", api_name="/conversations"), list)
 
 
+@pytest.mark.parametrize("origin", ["http://localhost:3000", f"http://{socket.gethostname()}:3000"])
+def test_without_cors_origins_the_app_sends_no_cors_headers(lan_app, origin):
+    """No --cors-origins (lan_app has none): Gradio's own CORS middleware echoes a page on this machine (any page,
+    when reached by a LAN name); the guard strips it, so no page is told it may read the answers."""
+    app, _ = lan_app
+    for host in (None, f"{socket.gethostname()}:{app.port}"):
+        preflight = request(app, "OPTIONS", "/gradio_api/info", host, headers={
+            "Origin": origin, "Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "content-type"})
+        assert "access-control-allow-origin" not in preflight.headers, (host, preflight.headers)
+        assert "access-control-allow-credentials" not in preflight.headers
+        page = request(app, "GET", "/", host, headers={"Origin": origin})
+        assert page.status_code == 200 and "access-control-allow-origin" not in page.headers, (host, page.headers)
+
+
 def test_listen_keeps_the_v1_key_rule_and_the_host_check(lan_app):
     app, _ = lan_app
     key = re.search(r"every /v1 request needs this key.*\n\s+(pagoda-\S+)", app.log.read_text()).group(1)
