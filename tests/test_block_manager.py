@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import engine.block_manager as block_manager_module
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, chain_hash
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -207,6 +207,25 @@ def test_equal_tokens_after_another_prefix_are_a_miss_even_when_hashes_collide(m
     a = run_to_completion(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams())) == []
     assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == a.block_table[:2]
+
+
+def test_the_real_hash_chains_the_parent_so_a_block_is_cached_after_each_of_its_prefixes():
+    """The test above swaps in a hash without the parent; the real one must keep it. Without it, equal
+    tokens after different prefixes share one hash: the parent check keeps the KV right, but the two
+    blocks take the hash from each other, and one of the prefixes always misses."""
+    tokens = (5, 6, 7, 8)
+    assert chain_hash(None, tokens) != chain_hash(chain_hash(None, (1, 2, 3, 4)), tokens)
+    bm = BlockManager(num_blocks=8, block_size=4)
+    first, second = bm.block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 2), bm.block_hashes([9, 9, 9, 9, 5, 6, 7, 8], 2)
+    assert first[0] != second[0] and first[1] != second[1]  # a different first block changes every later hash
+
+    alone = run_to_completion(bm, [5, 6, 7, 8, 9])
+    after = run_to_completion(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    alone_blocks, after_blocks = alone.block_table[:1], after.block_table[:2]
+    bm.free(alone)
+    bm.free(after)
+    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams())) == alone_blocks
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == after_blocks
 
 
 _settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
