@@ -6,6 +6,12 @@ it is registered under a hash that chains the parent block's hash with the
 block's token ids, so equal prefixes map to equal hash chains. Registered blocks are immutable
 and can be shared: a sequence only ever writes into its own unregistered tail block.
 
+A registered block also records its parent block, and a lookup follows only those links, so a
+colliding hash can only miss. A sequence that computed a block already registered (a fully
+cached prompt's last block, which is computed again for its logits; the same prompt in the same
+step) keeps its copy unregistered, and its next blocks name the registered block as their parent:
+its KV is the same, and it is the one a lookup finds.
+
 Free blocks come in two kinds: empty ones, and cached ones that still hold a registered hash.
 Allocation takes empty blocks first and then evicts cached ones, least recently freed first.
 """
@@ -21,7 +27,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()  # kept with the hash, so a hash collision never serves wrong KV
-    parent: tuple[int, int] | None = None  # (block_id, serial) of the block before it when registered
+    parent: tuple[int, int] | None = None  # (block_id, serial) of the registered block before it in its chain
     serial: int = 0  # bumped at each registration, so a reused block id never passes for its old self
 
 
@@ -116,6 +122,8 @@ class BlockManager:
         seq.block_table = list(cached_block_ids)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached_block_ids) * self.block_size
         seq.num_registered_blocks = len(cached_block_ids)
+        last = self.blocks[cached_block_ids[-1]] if cached_block_ids else None
+        seq.chain_tail = (last.block_id, last.serial) if last else None
         self.prefix_cache_queries += len(seq)
         self.prefix_cache_hits += seq.num_cached_tokens
 
@@ -135,10 +143,7 @@ class BlockManager:
             block_id = self.empty_block_ids.popleft()
         else:
             block_id, _ = self.cached_free_block_ids.popitem(last=False)  # evict least recently freed
-            block = self.blocks[block_id]
-            if self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids, block.parent = None, (), None
+            self._forget(self.blocks[block_id])
         self.blocks[block_id].ref_count = 1
         return block_id
 
@@ -156,6 +161,7 @@ class BlockManager:
                     self.empty_block_ids.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_registered_blocks = 0
+        seq.chain_tail = None
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Register the full blocks of `seq` whose KV is computed, or is being written by the last
@@ -166,19 +172,45 @@ class BlockManager:
             return
         bs = self.block_size
         start = seq.num_registered_blocks
-        parent = self._chain_hash_upto(seq, start)
+        parent_hash, parent_ref = self._chain_hash_upto(seq, start), seq.chain_tail
         for i in range(start, num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = chain_hash(parent, tokens)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and parent not in self.hash_to_block_id:
-                prev = self.blocks[seq.block_table[i - 1]] if i else None
-                block.hash, block.token_ids = parent, tokens
-                block.parent = (prev.block_id, prev.serial) if prev else None
-                block.serial += 1
-                self.hash_to_block_id[parent] = block.block_id
-            # else: an identical block is already registered (computed concurrently); keep that one.
-        seq.num_registered_blocks = num_full
+            block_hash = chain_hash(parent_hash, tokens)
+            parent_ref = self._register(self.blocks[seq.block_table[i]], block_hash, tokens, parent_hash, parent_ref)
+            parent_hash = block_hash
+        seq.num_registered_blocks, seq.chain_tail = num_full, parent_ref
+
+    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...], parent_hash: int | None,
+                  parent_ref: tuple[int, int] | None) -> tuple[int, int]:
+        """Register `block` (just computed, after the block `parent_ref`) unless a block with the same
+        KV is registered already. Returns the registered block holding that KV, the parent its
+        sequence's next block registers under; or `block` itself when none can be found by a lookup."""
+        own_ref = (block.block_id, block.serial)
+        if parent_ref is not None and (self.hash_to_block_id.get(parent_hash) != parent_ref[0]
+                                       or self.blocks[parent_ref[0]].serial != parent_ref[1]):
+            return own_ref  # the parent was evicted or is unregistered: no lookup reaches this block
+        holder_id = self.hash_to_block_id.get(block_hash)
+        if holder_id is not None:
+            holder = self.blocks[holder_id]
+            if holder.parent == parent_ref:
+                if holder.token_ids == tokens:  # the same tokens after the same block: the same KV
+                    return holder.block_id, holder.serial
+                return own_ref  # a hash collision: the block registered first keeps the hash
+            # The holder hangs off another parent than the one a lookup of this prefix finds (its
+            # parent was evicted, and computed again since), so no lookup can reach it: replace it.
+            self._forget(holder)
+            if holder.ref_count == 0:
+                del self.cached_free_block_ids[holder.block_id]
+                self.empty_block_ids.append(holder.block_id)
+        block.hash, block.token_ids, block.parent = block_hash, tokens, parent_ref
+        block.serial += 1
+        self.hash_to_block_id[block_hash] = block.block_id
+        return block.block_id, block.serial
+
+    def _forget(self, block: Block) -> None:
+        """Unregister `block`; the caller moves it to the empty pool if it is free."""
+        del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids, block.parent = None, (), None
 
     def _chain_hash_upto(self, seq: Sequence, num_blocks: int) -> int | None:
         if num_blocks == 0:

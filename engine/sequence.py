@@ -39,6 +39,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being written by a step in flight)
         self.num_cached_tokens = 0  # of those, how many the prefix cache served at admission
         self.num_registered_blocks = 0  # leading full blocks whose hash is registered
+        # (block_id, serial) of the registered block a lookup of those blocks ends on: the last of them,
+        # or the block registered before with the same KV when this sequence computed a copy of it
+        self.chain_tail: tuple[int, int] | None = None
         self.finish_reason: str | None = None
         self.output_text = ""
         self.generator = None  # a torch.Generator when sampling_params.seed is set

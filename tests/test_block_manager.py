@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import engine.block_manager as block_manager_module
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, chain_hash
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -31,6 +31,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.running: list[Sequence] = []
         self.pending: dict[int, int] = {}  # seq_id -> tokens allocated but not computed yet
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, slot) -> the token prefix its KV encodes
+        # Registrations ((block, serial)) seen after the last rule, and how many times one has ended since
+        # (an eviction), in total and when each running sequence was admitted.
+        self.registrations: set[tuple[int, int]] = set()
+        self.num_lost_registrations = 0
+        self.lost_registrations_at_admission: dict[int, int] = {}
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _snapshot(self):
@@ -56,6 +61,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.prefix_cache_hits - hits_before == len(cached) * BS == seq.num_cached_tokens
         self.running.append(seq)
         self.pending[seq.seq_id] = n
+        self.lost_registrations_at_admission[seq.seq_id] = self.num_lost_registrations
 
     def _free(self, seq: Sequence) -> None:
         self.bm.free(seq)
@@ -158,6 +164,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.kv[(seq.block_table[pos // BS], pos % BS)] == tuple(seq.token_ids[: pos + 1])
 
     @invariant()
+    def registered_blocks_are_found_until_something_is_evicted(self):
+        """A lookup of a running sequence's registered blocks finds as many blocks, as long as no
+        registration has ended since it was admitted. It failed when the sequence had computed a copy
+        of a registered block (a fully cached prompt's last block, or the same prompt computed twice):
+        the blocks after the copy named the unregistered copy as their parent, and never hit."""
+        bm = self.bm
+        registrations = {(b.block_id, b.serial) for b in bm.blocks if b.hash is not None}
+        if not self.registrations <= registrations:
+            self.num_lost_registrations += 1
+        self.registrations = registrations
+        for seq in self.running:
+            if self.lost_registrations_at_admission[seq.seq_id] == self.num_lost_registrations:
+                n = seq.num_registered_blocks
+                lookup = Sequence(seq.token_ids[: n * BS] + [0], SamplingParams())
+                assert len(bm.find_cached_prefix(lookup)) == (n if self.enable_prefix_caching else 0)
+
+    @invariant()
     def counters(self):
         bm = self.bm
         assert 0 <= bm.prefix_cache_hits <= bm.prefix_cache_queries
@@ -184,6 +207,25 @@ def test_equal_tokens_after_another_prefix_are_a_miss_even_when_hashes_collide(m
     a = run_to_completion(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams())) == []
     assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == a.block_table[:2]
+
+
+def test_the_real_hash_chains_the_parent_so_a_block_is_cached_after_each_of_its_prefixes():
+    """The test above swaps in a hash without the parent; the real one must keep it. Without it, equal
+    tokens after different prefixes share one hash: the parent check keeps the KV right, but the two
+    blocks take the hash from each other, and one of the prefixes always misses."""
+    tokens = (5, 6, 7, 8)
+    assert chain_hash(None, tokens) != chain_hash(chain_hash(None, (1, 2, 3, 4)), tokens)
+    bm = BlockManager(num_blocks=8, block_size=4)
+    first, second = bm.block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 2), bm.block_hashes([9, 9, 9, 9, 5, 6, 7, 8], 2)
+    assert first[0] != second[0] and first[1] != second[1]  # a different first block changes every later hash
+
+    alone = run_to_completion(bm, [5, 6, 7, 8, 9])
+    after = run_to_completion(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    alone_blocks, after_blocks = alone.block_table[:1], after.block_table[:2]
+    bm.free(alone)
+    bm.free(after)
+    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams())) == alone_blocks
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == after_blocks
 
 
 _settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
@@ -298,3 +340,43 @@ def test_misuse_raises_instead_of_corrupting_the_pools():
         bm.free(seq)
     with pytest.raises(ValueError):
         BlockManager(num_blocks=0, block_size=16)
+
+
+def compute_more(bm: BlockManager, seq: Sequence, token_ids: list[int]) -> None:
+    """Append tokens to a computed sequence and compute them, as its decode steps would."""
+    seq.token_ids.extend(token_ids)
+    n = len(seq) - seq.num_computed_tokens
+    bm.allocate(seq, n)
+    seq.num_computed_tokens += n
+    bm.register_full_blocks(seq)
+
+
+def test_blocks_after_a_recomputed_copy_are_found_and_a_stale_holder_of_their_hash_is_replaced():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = run_to_completion(bm, [1, 2, 3, 4, 5, 6, 7, 8])
+    # The same prompt again: its last block is computed again (its logits are needed), into a copy.
+    b = Sequence([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams())
+    bm.admit(b, bm.find_cached_prefix(b))
+    assert b.block_table == a.block_table[:1]
+    compute_more(bm, b, [])
+    copy = b.block_table[1]
+    assert copy != a.block_table[1] and bm.blocks[copy].hash is None
+    compute_more(bm, b, [9, 10, 11, 12])  # b's answer fills a block
+    answer_block = b.block_table[2]
+    assert bm.blocks[answer_block].parent == (a.block_table[1], bm.blocks[a.block_table[1]].serial)
+    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams())) == [
+        *a.block_table, answer_block]
+
+    # a ends, and its last block (which b's answer block names as parent) is evicted while b runs on.
+    bm.free(a)
+    other = run_to_completion(bm, list(range(20, 37)))  # 5 blocks: 4 empty ones, then the evicted one
+    bm.free(other)
+    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams())) == [0]
+
+    # The prompt computed again registers its second block anew, and the answer block's hash, whose
+    # holder hangs off the evicted block, goes to the new copy: the whole prefix hits again.
+    c = Sequence(list(range(1, 13)) + [0], SamplingParams())
+    bm.admit(c, bm.find_cached_prefix(c))
+    compute_more(bm, c, [])
+    assert bm.blocks[answer_block].hash is None
+    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams())) == c.block_table[:3]

@@ -37,8 +37,12 @@ ROUTES = [("GET", "/v1/models", {}), ("POST", "/v1/chat/completions", {"json": C
           ("GET", "/docs", {}), ("GET", "/no-such-page", {})]
 
 
-@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:8000", "localhost.attacker.example",
-                                  "127.0.0.1.nip.io", "[2001:db8::1]:8000", ""])
+# Names that end with an allowed one (evil-localhost, x-pagoda-box.test) are other names: only equal ones are served.
+FOREIGN_HOSTS = ["attacker.example", "attacker.example:8000", "localhost.attacker.example", "127.0.0.1.nip.io",
+                 "evil-localhost", "evil-localhost:8000", f"x-{ALLOWED}", f"x{ALLOWED}:8000", "[2001:db8::1]:8000", ""]
+
+
+@pytest.mark.parametrize("host", FOREIGN_HOSTS)
 @pytest.mark.parametrize("method, path, kwargs", ROUTES)
 def test_a_foreign_host_gets_a_403_on_every_route(server, host, method, path, kwargs):
     generated = server.metric("vllm:generation_tokens_total")
@@ -80,7 +84,8 @@ def test_a_post_that_is_not_json_gets_a_415_and_generates_nothing(server, conten
 
 
 @pytest.mark.parametrize("origin", ["https://attacker.example", "http://localhost.attacker.example", "null",
-                                    "https://notes.example.evil.example", "http://notes.example"])
+                                    "https://notes.example.evil.example", "http://notes.example",
+                                    "http://evil-localhost:3000", f"https://x-{ALLOWED}"])
 def test_another_sites_page_is_refused_and_gets_no_cors_headers(server, origin):
     generated = server.metric("vllm:generation_tokens_total")
     for method, path, kwargs in ROUTES[:4]:
@@ -109,6 +114,31 @@ def test_a_site_given_cors_origins_gets_cors_and_the_machines_own_pages_need_non
     assert local.status_code == 200 and "access-control-allow-origin" not in local.headers
 
 
+@pytest.fixture(scope="module")
+def default_server(tiny_llama, tmp_path_factory):
+    """Started with no access options at all: localhost, no --allowed-hosts, no --cors-origins."""
+    srv = ServeProcess(tiny_llama, tmp_path_factory.mktemp("guard_default") / "server.log", "--served-model-name",
+                       "llama", "--max-model-len", "256").wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:3000", "http://127.0.0.1:5173", "https://attacker.example"])
+def test_without_cors_origins_no_page_gets_cors_headers(default_server, origin):
+    """CORS is off by default: a page on this machine (another port) is served without them, another site's
+    page is refused; neither is told it may read the answer, on a request or on a preflight."""
+    local = "localhost" in origin or "127.0.0.1" in origin
+    for method, path, kwargs in ROUTES[:4]:
+        r = httpx.request(method, f"{default_server.base}{path}", headers={"Origin": origin}, timeout=30, **kwargs)
+        assert r.status_code == (200 if local else 403), (path, r.status_code)
+        assert "access-control-allow-origin" not in r.headers, path
+        assert "access-control-allow-credentials" not in r.headers, path
+    preflight = httpx.options(f"{default_server.base}/v1/chat/completions", timeout=30, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    assert "access-control-allow-origin" not in preflight.headers
+    assert "access-control-allow-headers" not in preflight.headers
+
+
 def test_the_key_rule_is_unchanged_behind_the_guard(server):
     r = httpx.get(f"{server.base}/v1/models", timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -128,7 +158,10 @@ def test_a_local_bind_serves_loopback_names_only_and_a_wildcard_bind_the_machine
     assert not local.host_allowed("attacker.example")
     lan = AccessPolicy.for_bind("0.0.0.0", ["gpu-box.lan"])
     assert lan.host_allowed(socket.gethostname()) and lan.host_allowed("GPU-BOX.lan:7860")
-    assert not lan.host_allowed("attacker.example")
+    for foreign in ["attacker.example", "evil-localhost", "x-gpu-box.lan", "xgpu-box.lan:7860", "gpu-box.lan.evil",
+                    f"evil-{socket.gethostname()}"]:
+        assert not lan.host_allowed(foreign), foreign
+        assert not lan.origin_allowed(f"http://{foreign}"), foreign
     assert AccessPolicy.for_bind("192.0.2.7").host_allowed("192.0.2.7:8000")  # the bound address
     proxy = AccessPolicy.for_bind("127.0.0.1", ["*"])
     assert proxy.host_allowed("anything.example")

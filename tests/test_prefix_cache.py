@@ -219,3 +219,32 @@ def test_abort_mid_chunked_prefill_frees_its_blocks_and_a_retry_reuses_the_ones_
     again = llm.generate([prompt], greedy(), use_tqdm=False)[0]
     assert again["num_cached_tokens"] == 48  # the system prompt's 2 blocks and the one the aborted chunks filled
     assert again["token_ids"] == reference["token_ids"] and again["text"] == reference["text"]
+
+
+@pytest.mark.parametrize("answered", ["one_after_the_other", "in_one_batch"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_follow_ups_on_every_answer_to_a_whole_block_prompt_hit_alike(
+        answered, async_scheduling, tiny_qwen2, make_llm, random_prompt):
+    """Regenerate on a prompt of exactly 2 blocks, then follow-ups on each answer (issue 28 item 3).
+
+    The second answer's prompt blocks are duplicates of the first's: recomputed because the last
+    prompt token is never served from the cache (one after the other), or computed in the same step
+    (in one batch). Its reply blocks used to chain to the unregistered duplicate, so a follow-up on
+    it stopped at the prompt (32 cached tokens every time) while one on the first answer got 64, then
+    80. The prefix a follow-up shares with its answer must hit the same way whichever answer it follows."""
+    prompt = random_prompt(2 * BS, 600)
+    llm = make_llm(tiny_qwen2, async_scheduling=async_scheduling)
+    sampled = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True) for seed in (1, 2)]
+    if answered == "in_one_batch":
+        answers = token_ids(llm.generate([prompt, prompt], sampled, use_tqdm=False))
+    else:
+        answers = [llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] for params in sampled]
+    assert answers[0] != answers[1]
+
+    more = random_prompt(17, 601)  # 32 + 40 + 17 = 89 tokens
+    cached = {i: [llm.generate([prompt + answer + more], greedy(max_tokens=1), use_tqdm=False)[0]["num_cached_tokens"]
+                  for _ in range(3)]
+              for i, answer in enumerate(answers)}
+    # First follow-up: the prompt's 2 blocks and the answer's 2 full blocks whose KV was written (the
+    # last sampled token never went through the model). Then all (89 - 1) // 16 = 5 blocks.
+    assert cached == {0: [64, 80, 80], 1: [64, 80, 80]}

@@ -48,3 +48,20 @@ def test_a_message_longer_than_the_context_alone_says_so_without_an_error(ui):
     assert box == WORDS * 4 and ui.store.messages(conv) == []
     chat, box, overflow, actions, _meter = run(ui.drop_oldest_and_answer(conv, box, "", *GREEDY, 16, None))
     assert "This message alone is longer" in overflow["value"] and not actions["visible"] and chat == []
+
+
+def test_drop_removes_the_oldest_turn_of_several_and_keeps_the_rest_in_order(ui):
+    """With one earlier turn, dropping the oldest and dropping the newest are the same: three tell them apart."""
+    conv = ui.store.create().id
+    turns = [(f"Question {n}?", f"Answer {n}.") for n in (1, 2, 3)]
+    for question, answer in turns:
+        ui.store.add_message(conv, "user", question)
+        ui.store.add_message(conv, "assistant", answer, {"finished": True, "finish_reason": "stop"})
+    kept = [(m.id, m.role, m.content) for m in ui.store.messages(conv)[2:]]
+
+    run(ui.drop_oldest_and_answer(conv, "Question 4?", "", *GREEDY, 4, None))
+    messages = ui.store.messages(conv)
+    assert [(m.id, m.role, m.content) for m in messages[:4]] == kept  # turns 2 and 3, untouched and in order
+    assert [(m.role, m.content) for m in messages[4:5]] == [("user", "Question 4?")] and len(messages) == 6
+    assert messages[5].role == "assistant" and messages[5].meta["finish_reason"] in ("stop", "length")
+    assert not {"Question 1?", "Answer 1."} & {m.content for m in messages}

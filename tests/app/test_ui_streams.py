@@ -157,3 +157,65 @@ def test_a_reply_stopped_before_its_first_token_says_so():
 
     assert summary({"finish_reason": "abort", "ttft_s": None}) == "stopped before its first token"
     assert summary({"finish_reason": None, "ttft_s": None}) == ""  # still reading its prompt
+
+
+class ScriptedStream:
+    """A reply stream that gives these increments and then ends."""
+
+    request_id = "r"
+
+    def __init__(self, *deltas):
+        self.deltas, self.cancelled = deltas, False
+
+    def __iter__(self):
+        yield from self.deltas
+
+    def cancel(self):
+        self.cancelled = True
+
+    def prefill_progress(self):
+        return None
+
+
+def test_a_cut_reply_is_saved_unfinished_and_a_finished_one_finished(tmp_path, monkeypatch):
+    """What the store keeps of a reply that finished, of one the process died under (its last save was a
+    mid-stream one) and of one stopped, and what a restarted app then shows for each."""
+    import app.chat
+    from app.backend import ReplyDelta
+    from app.chat import stream_reply
+
+    monkeypatch.setattr(app.chat, "SAVE_EVERY_S", 0.0)  # every increment is saved, as a long reply's are
+    store = ConversationStore(tmp_path / "chats.db")
+    conv = store.create().id
+
+    def new_reply() -> int:
+        store.add_message(conv, "user", "Tell me a story.")
+        return store.add_message(conv, "assistant", "").id
+
+    finished = new_reply()
+    list(stream_reply(ScriptedStream(ReplyDelta("Once", 1), ReplyDelta(" upon.", 1, finished=True,
+                                                                       finish_reason="stop")), store, finished, 5))
+    interrupted = new_reply()
+    dying = stream_reply(ScriptedStream(*[ReplyDelta(w, 1) for w in ("Once", " upon", " a", " time")]), store,
+                         interrupted, 5)
+    next(dying), next(dying)  # the process dies here: nothing after this runs, not even stream_reply's cleanup
+    stopped = new_reply()
+    stopping = stream_reply(ScriptedStream(*[ReplyDelta(w, 1) for w in ("Once", " upon", " a", " time")]), store,
+                            stopped, 5)
+    next(stopping), next(stopping)
+    stopping.close()  # the page stops reading: Stop, or the chat deleted
+
+    restarted = ConversationStore(tmp_path / "chats.db")  # what the next start reads
+    saved = {m.id: (m.content, m.meta) for m in restarted.messages(conv)}
+    assert saved[finished][0] == "Once upon." and saved[finished][1]["finished"] is True
+    assert saved[finished][1]["finish_reason"] == "stop"
+    assert saved[interrupted][0] == "Once upon" and saved[interrupted][1].get("finished") is False
+    assert saved[stopped][0] == "Once upon" and saved[stopped][1]["finish_reason"] == "abort"
+    assert saved[stopped][1]["finished"] is True  # stopped is an end: it is not shown as interrupted
+
+    shown = [row["content"] for row in PagodaUI(restarted, ModelHost()).history(conv) if row["role"] == "assistant"]
+    assert "interrupted" not in shown[0] and "stopped" not in shown[0]
+    assert "interrupted: Pagoda stopped before this reply finished" in shown[1]
+    assert shown[2].endswith("· stopped</sub>") and "interrupted" not in shown[2]
+    dying.close()
+    restarted.close()
