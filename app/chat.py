@@ -2,6 +2,7 @@
 
 Both backends (app/backend.py) answer with the same ReplyDelta increments, so nothing here asks
 which one serves."""
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -56,6 +57,37 @@ def summary(meta: dict) -> str:
              if meta.get("prompt_tokens") else "")  # a remote server that sends no usage leaves it unknown
     return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens{reasoning}"
             f"{cache}{stopped}")
+
+
+# A Markdown code fence: three or more backticks or tildes at the start of a line (list items indent theirs)
+FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})(.*)$")
+
+
+def open_fence(text: str) -> str | None:
+    """The fence line that would close the code block `text` leaves open (a reply cut mid-code), or None."""
+    opened = None  # (indent, fence) of the block open at this line
+    for line in text.split("\n"):
+        found = FENCE.match(line)
+        if found is None:
+            continue
+        indent, fence, rest = found.groups()
+        if opened is None:
+            if not (fence[0] == "`" and "`" in rest):  # a backtick fence's info string has no backticks
+                opened = (indent, fence)
+        elif fence[0] == opened[1][0] and len(fence) >= len(opened[1]) and not rest.strip():
+            opened = None
+    return None if opened is None else opened[0] + opened[1]
+
+
+def with_stats_line(text: str, stats: str) -> str:
+    """A reply with its stats line under it. A reply stopped inside a code block gets the block closed first:
+    otherwise the line rendered as code, inside the block."""
+    if not stats:
+        return text
+    fence = open_fence(text)
+    if fence is not None:
+        text += ("" if text.endswith("\n") else "\n") + fence
+    return f"{text}\n\n<sub>{stats}</sub>"
 
 
 def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:

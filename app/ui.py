@@ -14,7 +14,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.backend import DEFAULT_SETTINGS, BadSettings, ContextOverflow, ReplyStream, chat_messages, meter_text
-from app.chat import ReplyTask, Turn, summary
+from app.chat import ReplyTask, Turn, summary, with_stats_line
 from app.model_host import ModelHost
 from app.page import user_error
 from app.page.api import add_api
@@ -64,8 +64,7 @@ class PagodaUI:
             live = running is not None and not running.done.is_set() and i == len(msgs) - 1
             if m.role == "assistant" and m.meta.get("finished") is False and not live:
                 stats = "interrupted: Pagoda stopped before this reply finished" + (f" · {stats}" if stats else "")
-            if stats:
-                content = f"{content}\n\n<sub>{stats}</sub>"
+            content = with_stats_line(content, stats)
             if m.role == "assistant" and m.meta.get("reasoning"):
                 rows.append(thought_row(m.meta["reasoning"], m.meta.get("thought_s"), thinking=live and not m.content))
             rows.append({"role": m.role, "content": content})
@@ -190,7 +189,7 @@ class PagodaUI:
                 yield UNCHANGED
                 return
             turn = task.turn
-            content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
+            content = with_stats_line(turn.text, turn.summary() if finished else "")
             if not (content or turn.reasoning or finished):
                 content = prefill_line(task.stream)
             thought = [thought_row(turn.reasoning, turn.thought_s, turn.thinking)] if turn.reasoning else []

@@ -1,0 +1,93 @@
+"""What a chat shows under and around its replies: the stats line, the switches, the meter and the chat's title
+(issue 28, item 5)."""
+import threading
+
+from markdown_it import MarkdownIt
+
+from app.backend import ReplyDelta
+from app.chat import ReplyTask
+from app.model_host import ModelHost
+from app.store import ConversationStore
+from app.ui import PagodaUI
+from tests.processes import wait_until
+
+STOPPED_META = {"finish_reason": "abort", "ttft_s": 0.2, "tokens_per_s": 30.0, "output_tokens": 12,
+                "prompt_tokens": 20, "cached_tokens": 0, "finished": True}
+
+
+def make_ui(tmp_path) -> PagodaUI:
+    return PagodaUI(ConversationStore(tmp_path / "chats.db"), ModelHost())
+
+
+def code_and_text(markdown: str) -> tuple[str, str]:
+    """What a Markdown renderer puts in code blocks, and what it puts anywhere else."""
+    code, text = [], []
+    for token in MarkdownIt("commonmark").parse(markdown):
+        (code if token.type in ("fence", "code_block") else text).append(token.content)
+    return "\n".join(code), "\n".join(text)
+
+
+def test_a_reply_stopped_inside_a_code_block_has_its_stats_line_under_the_block(tmp_path):
+    ui = make_ui(tmp_path)
+    chat = ui.store.create().id
+    ui.store.add_message(chat, "user", "Write a long Python program.")
+    ui.store.add_message(chat, "assistant", "Here it is:\n\n```python\ndef main():\n    print(1)", STOPPED_META)
+    shown = ui.history(chat)[-1]["content"]
+    code, text = code_and_text(shown)
+    assert "def main():\n    print(1)" in code  # the code stays a code block
+    assert "<sub>" not in code and "stopped</sub>" in text  # and the stats line is not part of it
+    # Cut by a crash instead: the "interrupted" line, likewise
+    ui.store.add_message(chat, "assistant", "```\nx = 1", {**STOPPED_META, "finish_reason": None, "finished": False})
+    code, text = code_and_text(ui.history(chat)[-1]["content"])
+    assert "<sub>" not in code and "interrupted: Pagoda stopped" in text
+
+
+def test_the_stats_line_leaves_closed_blocks_tildes_and_inline_backticks_alone(tmp_path):
+    ui = make_ui(tmp_path)
+    chat = ui.store.create().id
+    replies = ["```\nx = 1\n```\nDone.", "~~~~\ncode\n~~~\nstill code", "Use ``` to open a block: ```js``` and `x`.",
+               "  ```sh\n  ls\n", "````\n```\ninner\n```\n"]
+    for reply in replies:
+        ui.store.add_message(chat, "assistant", reply, STOPPED_META)
+    shown = [row["content"] for row in ui.history(chat)]
+    for reply, content in zip(replies, shown, strict=True):
+        assert content.startswith(reply)
+        code, text = code_and_text(content)
+        assert "<sub>" not in code and "stopped</sub>" in text, content
+    assert [content.split("\n\n<sub>")[0] for content in shown[:3:2]] == replies[:3:2]  # nothing to close: as it was
+
+
+class EndlessCode:
+    """A reply that opens a code block and writes code until it is stopped."""
+
+    request_id = "r"
+
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def __iter__(self):
+        yield ReplyDelta("```python\n", 1)
+        while not self.cancelled.wait(0.02):
+            yield ReplyDelta("x = 1\n", 1)
+
+    def cancel(self):
+        self.cancelled.set()
+
+    def prefill_progress(self):
+        return None
+
+
+def test_stop_inside_a_code_block_closes_the_block_before_the_stats_line(tmp_path):
+    ui = make_ui(tmp_path)
+    chat = ui.store.create().id
+    reply = ui.store.add_message(chat, "assistant", "")
+    task = ReplyTask(EndlessCode(), ui.store, reply.id, 12)
+    ui.replies.start(chat, task, label="#1")
+    frames = ui.follow(chat, None)
+    next(frames)
+    assert wait_until(lambda: task.turn.output_tokens >= 3, timeout=10)
+    task.cancel()  # Stop, as the page's last frame sees it
+    *_, (chatbot, *_rest) = frames
+    for shown in (chatbot[-1]["content"], ui.stop_and_show(chat)[0][-1]["content"]):
+        code, text = code_and_text(shown)
+        assert "x = 1" in code and "<sub>" not in code and "· stopped</sub>" in text
