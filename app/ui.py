@@ -91,15 +91,15 @@ class PagodaUI:
             with self.sessions.edit(request.session_hash) as session:
                 session.viewing = int(conversation_id)
         if conversation_id is None:
-            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", None, None, *self.chat_options(None)
+            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", *self.chat_options(None)
         conv = self.store.get(conversation_id)
         settings = {**DEFAULT_SETTINGS, **conv.settings}
         think, json_output, json_schema = self.chat_options(conversation_id)
         backend = self.host.backend
         shown = backend is None or backend.thinks  # the switch only where the model thinks
         return (self.history(conversation_id), conv.system_prompt, *[settings[k] for k, *_ in SLIDERS],
-                self.context_meter(conversation_id), conv.title, *self.export_files(conversation_id),
-                gr.update(value=think, visible=shown), json_output, json_schema)
+                self.context_meter(conversation_id), conv.title, gr.update(value=think, visible=shown), json_output,
+                json_schema)
 
     def chat_options(self, conversation_id: int | None) -> tuple[bool, bool, str]:
         """The chat's switches: Think, JSON output, and its schema."""
@@ -295,22 +295,15 @@ class PagodaUI:
         yield from self.respond(conversation_id, user_text, system_prompt, temperature, top_p, top_k, min_p,
                                 repetition_penalty, max_tokens, request)
 
-    def export_files(self, conversation_id) -> tuple[str | None, str | None]:
-        """The chat as a Markdown and a JSON file, for the Export buttons to hold. A DownloadButton
-        downloads the file it holds at the click, before any handler of the click runs, so the files
-        are made whenever the chat changes (opened, answered, edited), never on the click: made on the
-        click, each download was the previous click's file, after a switch the previous chat's."""
-        if conversation_id is None:
-            return None, None
-        return self.export(conversation_id, "md"), self.export(conversation_id, "json")
-
     def export(self, conversation_id, kind: str) -> str:
+        """The chat as it is stored now, as a Markdown ("md") or JSON file named after its title."""
         if conversation_id is None:
             raise user_error("Open a chat to export it.")
+        conversation_id = int(conversation_id)
         title = self.store.get(conversation_id).title
         safe = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in title).strip() or "chat"
         text = self.store.export_markdown(conversation_id) if kind == "md" else self.store.export_json(conversation_id)
-        folder = self.export_dir / str(int(conversation_id))
+        folder = self.export_dir / str(conversation_id)
         folder.mkdir(exist_ok=True)
         for old in folder.glob(f"*.{kind}"):  # a renamed chat's file under its old title
             old.unlink()

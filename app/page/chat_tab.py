@@ -7,6 +7,7 @@ import gradio as gr
 
 from app.backend import DEFAULT_SETTINGS
 from app.page import user_error
+from app.page.sidebar import SAME_AS_RENAME
 
 if TYPE_CHECKING:
     from app.page.sidebar import Sidebar
@@ -31,6 +32,17 @@ KEYS_JS = """
   });
 }
 """  # Esc presses Stop; runs as the page loads
+DOWNLOAD_JS = """
+(file) => {
+  if (!file?.url) { return; }
+  const link = document.createElement('a');
+  link.href = file.url;
+  link.download = file.orig_name || '';
+  document.body.appendChild(link);
+  link.click();
+  link.remove();
+}
+"""  # the browser saves the file an Export button made
 
 
 @dataclass
@@ -44,8 +56,9 @@ class ChatTab:
     stop_btn: gr.Button
     regen_btn: gr.Button
     edit_btn: gr.Button
-    md_btn: gr.DownloadButton
-    json_btn: gr.DownloadButton
+    md_btn: gr.Button
+    json_btn: gr.Button
+    export_file: gr.File  # the file an Export button just made, which the browser then downloads
     meter: gr.Markdown
     think: gr.Checkbox
     json_output: gr.Checkbox
@@ -69,8 +82,9 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
         regen_btn = gr.Button("Regenerate", size="sm")
         edit_btn = gr.Button("Edit last message", size="sm")
-        md_btn = gr.DownloadButton("Export Markdown", size="sm")
-        json_btn = gr.DownloadButton("Export JSON", size="sm")
+        md_btn = gr.Button("Export Markdown", size="sm")
+        json_btn = gr.Button("Export JSON", size="sm")
+    export_file = gr.File(visible="hidden", elem_id="export-file")
     meter = gr.Markdown(elem_id="context-meter")
     with gr.Row():
         think = gr.Checkbox(DEFAULT_SETTINGS["think"], label="Think", elem_id="think",
@@ -88,7 +102,7 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
                    for k, label, lo, hi, step in SLIDERS]
     return ChatTab(chatbot, overflow, overflow_row, drop_btn, fresh_btn, msg, stop_btn, regen_btn, edit_btn,
-                   md_btn, json_btn, meter, think, json_output, json_schema, preset, system, preset_name,
+                   md_btn, json_btn, export_file, meter, think, json_output, json_schema, preset, system, preset_name,
                    save_preset_btn, sliders)
 
 
@@ -106,15 +120,12 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
 
     tab.save_preset_btn.click(save_preset, [tab.preset_name, tab.system], [tab.preset, tab.preset_name])
 
-    exports = [tab.md_btn, tab.json_btn]  # they hold the open chat's files (PagodaUI.export_files says why)
     options = [tab.think, tab.json_output, tab.json_schema]
-    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title, *exports, *options]
+    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title, *options]
     reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row, tab.meter]
     reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
-    refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid),
-                                   *ui.export_files(cid)),
-                   inputs=bar.current, outputs=[tab.meter, bar.conversations, *exports])
-    refresh_exports = dict(fn=ui.export_files, inputs=bar.current, outputs=exports)
+    refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid)),
+                   inputs=bar.current, outputs=[tab.meter, bar.conversations])
     limit = ui.max_concurrent_chats
     # No status overlay on a reply's outputs: the streaming text shows progress itself, and an overlay
     # left on the message box (a reply whose following was cancelled by switching chats could leave
@@ -136,13 +147,21 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
         option.input(ui.set_chat_options, [bar.current, *options], None)
     tab.json_output.input(lambda on: gr.update(visible=on), tab.json_output, tab.json_schema)
     follow = opening.then(ui.follow, bar.current, reply_outputs, **quiet)
-    follow.then(**refresh_exports)
     # Editing stops the chat's reply (PagodaUI.edit_last), and this page stops drawing it first, so that
     # its last frame cannot land after the edited chat.
-    tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg], cancels=[send, regen, follow]).then(
-        **refresh_exports)
+    tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg], cancels=[send, regen, follow])
     tab.stop_btn.click(ui.stop_and_show, bar.current, [tab.chatbot, tab.meter], cancels=[send, regen, follow],
-                       api_name="stop").then(**refresh_exports)
+                       api_name="stop")
+
+    # The file is made at the click, from the chat chosen in the list: made when a chat opened, a click just
+    # after a switch (the chat still opening) or a rename downloaded the chat before, or the old title. The list's
+    # choice is read as the page has it (no preprocessing), as its own change does; `current` lags it by an event.
+    def export(kind: str):
+        return lambda chosen, opened: ui.export(chosen if chosen is not None else opened, kind)
+
+    for button, kind in ((tab.md_btn, "md"), (tab.json_btn, "json")):
+        button.click(export(kind), [bar.conversations, bar.current], tab.export_file, preprocess=False,
+                     show_progress="hidden", **SAME_AS_RENAME).then(None, tab.export_file, None, js=DOWNLOAD_JS)
 
     drop = tab.drop_btn.click(ui.drop_oldest_and_answer, reply_inputs, reply_outputs, **quiet)
     drop.then(**refresh)

@@ -1,5 +1,9 @@
 """In a real browser, as test_browser.py (whose app process, browser and helpers these share): what a new user
 reported in issue 28, item 5."""
+import json
+import uuid
+from pathlib import Path
+
 import pytest
 
 from tests.app import test_browser
@@ -33,3 +37,44 @@ def test_stop_inside_a_code_block_puts_the_stats_line_under_the_block(session, o
     assert "stopped" in stats["text"] and not stats["inCode"]
     assert "stopped" not in page.locator("#chatbot [data-testid=\"bot\"] pre").last.inner_text()
     page.close()
+
+
+def export(page, button: str) -> tuple[str, str]:
+    """Click an Export button once: the name and the text of the file the browser downloads."""
+    with page.expect_download(timeout=20000) as download:
+        page.get_by_role("button", name=button).click()
+    return download.value.suggested_filename, Path(download.value.path()).read_text(encoding="utf-8")
+
+
+def rename(page, title: str) -> None:
+    """Rename the open chat (the Rename or delete panel is open)."""
+    page.get_by_label("Title", exact=True).fill(title)
+    page.get_by_role("button", name="Rename", exact=True).click()
+
+
+def test_export_right_after_a_switch_or_a_rename_is_the_chat_on_screen_with_its_title(session, open_page):
+    """The files were made as a chat opened: an Export just after a switch gave the chat before, and one after a
+    rename the old title."""
+    _, client, _ = session
+    titles = [f"Alpha {uuid.uuid4().hex[:6]}", f"Beta {uuid.uuid4().hex[:6]}"]
+    for title in titles:
+        client.predict("", "", api_name="/new_chat")
+        page = open_page()  # on the newest chat, open once the meter shows
+        page.get_by_text("Rename or delete").click()
+        rename(page, title)  # and at once:
+        name, text = export(page, "Export JSON")
+        assert json.loads(text)["title"] == title and name == f"{title}.json"
+    # Back to the first chat, and Export in the same instant (the chat is still opening)
+    with page.expect_download(timeout=20000) as download:
+        page.evaluate("(title) => { const find = (css, fits) => [...document.querySelectorAll(css)].find(fits); "
+                      "find('#chat-list label', l => l.innerText.includes(title)).click(); "
+                      "find('button', b => b.innerText === 'Export Markdown').click(); }", titles[0])
+    name, text = download.value.suggested_filename, Path(download.value.path()).read_text(encoding="utf-8")
+    assert name == f"{titles[0]}.md" and text.startswith(f"# {titles[0]}\n")
+    name, text = export(page, "Export JSON")
+    assert json.loads(text)["title"] == titles[0]
+    test_browser.sync_api.expect(page.get_by_label("Title", exact=True)).to_have_value(titles[0])  # it is on screen
+    renamed = titles[0] + " renamed"
+    rename(page, renamed)
+    name, text = export(page, "Export Markdown")
+    assert name == f"{renamed}.md" and text.startswith(f"# {renamed}\n")
