@@ -23,7 +23,7 @@ from app.page.kv_tab import render_kv_tab, track_kv_tab
 from app.page.sidebar import load_first_view, render_sidebar, wire_sidebar
 from app.remote import RemoteError
 from app.sessions import Replies, Session, Sessions
-from app.store import ConversationStore
+from app.store import ConversationStore, NotFound
 from app.visualizer import visualizer_css
 from engine import EngineFailed
 
@@ -91,13 +91,13 @@ class PagodaUI:
             with self.sessions.edit(request.session_hash) as session:
                 session.viewing = int(conversation_id)
         if conversation_id is None:
-            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", *self.chat_options(None)
+            return [], "", None, *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", *self.chat_options(None)
         conv = self.store.get(conversation_id)
         settings = {**DEFAULT_SETTINGS, **conv.settings}
         think, json_output, json_schema = self.chat_options(conversation_id)
         backend = self.host.backend
         shown = backend is None or backend.thinks  # the switch only where the model thinks
-        return (self.history(conversation_id), conv.system_prompt, *[settings[k] for k, *_ in SLIDERS],
+        return (self.history(conversation_id), conv.system_prompt, conv.id, *[settings[k] for k, *_ in SLIDERS],
                 self.context_meter(conversation_id), conv.title, gr.update(value=think, visible=shown), json_output,
                 json_schema)
 
@@ -114,6 +114,20 @@ class PagodaUI:
         self.store.update(conversation_id, settings={**conv.settings, "think": bool(think),
                                                      "json_output": bool(json_output),
                                                      "json_schema": json_schema or ""})
+
+    def save_system_prompt(self, conversation_id: int | None, system_prompt: str, request: gr.Request = None):
+        """Keep a chat's system prompt as it is typed: saved only with the next message, an edit was lost on
+        switching to another chat first, and the meter did not count it. Returns the chat's meter."""
+        if conversation_id is None:
+            return gr.update()
+        conversation_id, system_prompt = int(conversation_id), system_prompt or ""
+        try:
+            if self.store.get(conversation_id).system_prompt != system_prompt:  # a mere focus and blur moves nothing
+                self.store.update(conversation_id, system_prompt=system_prompt)
+        except NotFound:  # deleted while it was typed
+            return gr.update()
+        # A save that lands once the page has opened another chat must not put this chat's count under that one
+        return self.context_meter(conversation_id) if self.shows(request, conversation_id) else gr.update()
 
     def new_chat(self, system_prompt: str, query: str):
         conv = self.store.create(system_prompt=system_prompt or "")

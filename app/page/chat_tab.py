@@ -65,6 +65,7 @@ class ChatTab:
     json_schema: gr.Code
     preset: gr.Dropdown
     system: gr.Textbox
+    system_of: gr.Number  # the chat whose system prompt the box shows: set with the box, so the two always agree
     preset_name: gr.Textbox
     save_preset_btn: gr.Button
     sliders: list[gr.Slider]
@@ -96,20 +97,29 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     with gr.Accordion("System prompt and sampling", open=False):
         preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
         system = gr.Textbox(label="System prompt", lines=3, elem_id="system-prompt")
+        system_of = gr.Number(visible=False, precision=0)
         with gr.Row():
             preset_name = gr.Textbox(label="Save as preset", placeholder="Preset name", scale=3)
             save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
         sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
                    for k, label, lo, hi, step in SLIDERS]
     return ChatTab(chatbot, overflow, overflow_row, drop_btn, fresh_btn, msg, stop_btn, regen_btn, edit_btn,
-                   md_btn, json_btn, export_file, meter, think, json_output, json_schema, preset, system, preset_name,
+                   md_btn, json_btn, export_file, meter, think, json_output, json_schema, preset, system, system_of,
+                   preset_name,
                    save_preset_btn, sliders)
 
 
 def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[str, str]) -> None:
     """The Chat tab's events. Opening a chat in the sidebar (`bar.current`) fills the tab and follows its reply;
     saving a preset adds it to `presets`."""
-    tab.preset.change(lambda name: presets.get(name, ""), tab.preset, tab.system)
+    # The chat keeps its system prompt as it is typed or picked, and the meter counts it. Saved for the chat the box
+    # shows (`system_of`), not the open chat's id: that one changes an event before the box does, on a switch.
+    # "always_last": one save at a time, then the latest text; blur saves at once when the user clicks away.
+    save = dict(fn=ui.save_system_prompt, inputs=[tab.system_of, tab.system], outputs=tab.meter,
+                show_progress="hidden")
+    tab.system.input(**save, trigger_mode="always_last")
+    tab.system.blur(**save, trigger_mode="multiple")
+    tab.preset.change(lambda name: presets.get(name, ""), tab.preset, tab.system).then(**save)
 
     def save_preset(name, prompt):
         if not name.strip():
@@ -121,7 +131,7 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     tab.save_preset_btn.click(save_preset, [tab.preset_name, tab.system], [tab.preset, tab.preset_name])
 
     options = [tab.think, tab.json_output, tab.json_schema]
-    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title, *options]
+    opened = [tab.chatbot, tab.system, tab.system_of, *tab.sliders, tab.meter, bar.title, *options]
     reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row, tab.meter]
     reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
     refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid)),

@@ -1,6 +1,7 @@
 """In a real browser, as test_browser.py (whose app process, browser and helpers these share): what a new user
 reported in issue 28, item 5."""
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -78,3 +79,31 @@ def test_export_right_after_a_switch_or_a_rename_is_the_chat_on_screen_with_its_
     rename(page, renamed)
     name, text = export(page, "Export Markdown")
     assert name == f"{renamed}.md" and text.startswith(f"# {renamed}\n")
+
+
+def meter_count(page) -> int:
+    return int(re.search(r"Context: ([\d,]+)", page.locator("#context-meter").inner_text())[1].replace(",", ""))
+
+
+def test_a_system_prompt_typed_then_left_before_sending_is_kept_and_the_meter_counts_it(session, open_page):
+    """It was saved only with the next message: a switch to another chat lost it, and the meter ignored it."""
+    _, client, _ = session
+    other = client.predict("", "", api_name="/new_chat")["value"]
+    chat = client.predict("", "", api_name="/new_chat")["value"]
+    page = open_page()  # on `chat`, the newest
+    page.get_by_text("System prompt and sampling").click()
+    box = page.locator("#system-prompt textarea")
+    before = meter_count(page)
+    prompt = "You are a patient tutor who explains every step of a calculation in plain words."
+    box.click()
+    box.press_sequentially(prompt, delay=5)
+    counts_it = ("() => +document.querySelector('#context-meter').innerText.match(/Context: ([\\d,]+)/)[1]"
+                 f".replace(/,/g, '') > {before + 10}")
+    wait_for_js(page, counts_it, timeout=20000)  # counted as it is typed
+    page.locator(f'#chat-list input[value="{other}"]').click()  # at once, before sending anything
+    test_browser.sync_api.expect(box).to_have_value("")
+    assert meter_count(page) == before  # the other chat's meter: its prompt is empty too
+    page.locator(f'#chat-list input[value="{chat}"]').click()
+    test_browser.sync_api.expect(box).to_have_value(prompt)
+    wait_for_js(page, counts_it, timeout=20000)
+    assert [c["system_prompt"] for c in client.predict(api_name="/conversations") if c["id"] == chat] == [prompt]

@@ -1,10 +1,12 @@
 """What a chat shows under and around its replies: the stats line, the switches, the meter and the chat's title
 (issue 28, item 5)."""
 import threading
+from types import SimpleNamespace
 
+import gradio as gr
 from markdown_it import MarkdownIt
 
-from app.backend import ReplyDelta
+from app.backend import ReplyDelta, meter_text
 from app.chat import ReplyTask
 from app.model_host import ModelHost
 from app.store import ConversationStore
@@ -91,3 +93,32 @@ def test_stop_inside_a_code_block_closes_the_block_before_the_stats_line(tmp_pat
     for shown in (chatbot[-1]["content"], ui.stop_and_show(chat)[0][-1]["content"]):
         code, text = code_and_text(shown)
         assert "x = 1" in code and "<sub>" not in code and "· stopped</sub>" in text
+
+
+def word_counting_backend() -> SimpleNamespace:
+    """Stands in for a model: one token a word, the system prompt included."""
+
+    def context_meter(system_prompt, stored):
+        return meter_text(len(system_prompt.split()) + sum(len(m.content.split()) for m in stored), 8192)
+
+    return SimpleNamespace(context_meter=context_meter, thinks=False, max_model_len=8192)
+
+
+def test_a_system_prompt_typed_and_left_before_sending_is_kept_and_counted(tmp_path):
+    """Saved only with the next message, an edited system prompt was lost on switching chats, and the meter
+    did not count it until then."""
+    ui = make_ui(tmp_path)
+    ui.host.backend = word_counting_backend()
+    first, other = ui.store.create().id, ui.store.create().id
+    ui.store.add_message(first, "user", "Hello there")
+    page = SimpleNamespace(session_hash="page-1")
+    shown = ui.open(first, page)
+    assert shown[1] == "" and shown[2] == first  # the box, and the chat it belongs to
+    assert ui.save_system_prompt(first, "You are a pirate", page) == "Context: 6 / 8,192 tokens"  # as it is typed
+    ui.open(other, page)  # switched away before sending
+    assert ui.save_system_prompt(first, "You are a pirate", page) == gr.update()  # a late save: not this chat's meter
+    box, owner, *_ = ui.open(first, page)[1:]
+    assert (box, owner) == ("You are a pirate", first)
+    assert ui.context_meter(first) == "Context: 6 / 8,192 tokens"
+    ui.store.delete(other)
+    assert ui.save_system_prompt(other, "typed into a chat deleted meanwhile", page) == gr.update()
