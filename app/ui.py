@@ -441,6 +441,9 @@ PAGE_JS = """
 
 
 def launch_kwargs() -> dict:
-    return {"css": visualizer_css() + CHAT_CSS, "theme": gr.themes.Soft()}
+    # No run history: Gradio kept every event's inputs (each prompt, deleted chats' too) in the browser's local
+    # storage and listed them under internal event names in a "Runs" page linked from the footer.
+    return {"css": visualizer_css() + CHAT_CSS, "theme": gr.themes.Soft(), "run_history": False,
+            "footer_links": ["api", "gradio", "settings"]}
 
 

@@ -5,6 +5,7 @@ import re
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.app import test_browser
@@ -107,3 +108,23 @@ def test_a_system_prompt_typed_then_left_before_sending_is_kept_and_the_meter_co
     test_browser.sync_api.expect(box).to_have_value(prompt)
     wait_for_js(page, counts_it, timeout=20000)
     assert [c["system_prompt"] for c in client.predict(api_name="/conversations") if c["id"] == chat] == [prompt]
+
+
+def test_the_browser_keeps_no_prompts_and_the_footer_has_no_runs_page(session, open_page):
+    """Gradio's run history kept every prompt (deleted chats' too) in the browser's local storage and showed them
+    under internal event names on a "Runs" page in the footer."""
+    app, client, _ = session
+    page = open_page()
+    prompt = f"Tell me about the lighthouse number {uuid.uuid4().hex[:8]}."
+    start_new_chat(page, prompt)
+    page.keyboard.press("Escape")
+    wait_for_js(page, f"() => {LAST_BOT}.innerText.includes('stopped')", timeout=30000)
+    wait_idle(client)
+    page.reload()  # and whatever a page keeps for the next visit
+    page.locator("#context-meter").get_by_text("Context:").wait_for()
+    stored = page.evaluate("() => JSON.stringify([{...localStorage}, {...sessionStorage}])")
+    assert prompt.split()[-1] not in stored
+    footer = page.locator("footer")
+    assert "Use via API" in footer.inner_text()  # the footer is there, with the scripting API's page
+    assert footer.get_by_text("Runs").count() == 0
+    assert httpx.get(app.url + "gradio_api/runs", timeout=30).status_code == 404
