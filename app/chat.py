@@ -5,7 +5,7 @@ which one serves."""
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from app.backend import ReplyStream
@@ -90,15 +90,24 @@ def with_stats_line(text: str, stats: str) -> str:
     return f"{text}\n\n<sub>{stats}</sub>"
 
 
-def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:
+def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int,
+                 interrupted: Callable[[], bool] = lambda: False) -> Iterator[Turn]:
     """Consume one reply's stream into message `message_id`, yielding the turn after every increment.
 
     The store gets the text at least every SAVE_EVERY_S and at the end. If the consumer stops
     early, the request is aborted and what exists is kept. A remote server's last increment
-    carries its own token counts, which replace the estimates."""
+    carries its own token counts, which replace the estimates. Once `interrupted()` (Pagoda is shutting
+    down), the reply is stored as unfinished, never with the "abort" its cancelled stream ends with: the
+    process may end between two saves, and its chat must then read "interrupted", not "stopped"."""
     turn = Turn(prompt_tokens=num_prompt_tokens)
     start = last_save = time.perf_counter()
     first = None
+
+    def save() -> None:
+        meta = turn.meta()
+        if interrupted():
+            meta.update(finished=False, finish_reason=None)
+        store.update_message(message_id, turn.text, meta)
     try:
         for delta in stream:
             now = time.perf_counter()
@@ -120,14 +129,14 @@ def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens:
             if delta.finished:
                 turn.finished, turn.finish_reason = True, delta.finish_reason
             if turn.finished or now - last_save >= SAVE_EVERY_S:
-                store.update_message(message_id, turn.text, turn.meta())
+                save()
                 last_save = now
             yield turn
     finally:
         if not turn.finished:
             stream.cancel()
             turn.finished, turn.finish_reason = True, "abort"
-            store.update_message(message_id, turn.text, turn.meta())
+            save()
 
 
 class ReplyTask:
@@ -144,13 +153,14 @@ class ReplyTask:
         # Stop, Edit or Regenerate took it back: what its chat shows next comes from them, so pages stop drawing
         # it (its last frame landed after an edit's and put the deleted rows back on screen)
         self.withdrawn = False
+        self.interrupted = False  # Pagoda is shutting down under it (see interrupt)
         self._thread = threading.Thread(target=self._run, args=(store, message_id, num_prompt_tokens),
                                         name=f"reply-{message_id}", daemon=True)
         self._thread.start()
 
     def _run(self, store, message_id: int, num_prompt_tokens: int) -> None:
         try:
-            for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens):
+            for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens, lambda: self.interrupted):
                 self.turn = turn
         except Exception as e:  # the chat was deleted while it answered, or a remote server failed mid-reply
             self.stream.cancel()
@@ -164,4 +174,10 @@ class ReplyTask:
             self.done.set()
 
     def cancel(self) -> None:
+        self.stream.cancel()
+
+    def interrupt(self) -> None:
+        """Pagoda is shutting down: the reply ends where it is and is kept as unfinished, so that its chat says
+        "interrupted" (Pagoda stopped under it), not "stopped" as the Stop button leaves a reply."""
+        self.interrupted = True
         self.stream.cancel()

@@ -81,6 +81,10 @@ class Replies:
                 del self._tasks[conversation_id]
             self._labels.pop(task.stream.request_id, None)
 
+    def running(self) -> list[ReplyTask]:
+        with self._lock:
+            return [task for task in self._tasks.values() if not task.done.is_set()]
+
     def labels(self) -> dict[str, str]:
         """A copy: the KV panel renders from it while replies start and end."""
         with self._lock:

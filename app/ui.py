@@ -31,6 +31,7 @@ log = logging.getLogger("pagoda")
 UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
 UNWATCHED_S = 2.0  # a reply whose page has not polled it for this long is not being watched
 STOP_WAIT_S = 10.0  # how long editing or regenerating waits for the chat's running reply to stop
+SHUTDOWN_WAIT_S = 2.0  # how long shutting down waits for the replies streaming to store their last words
 UNCHANGED = tuple(gr.update() for _ in range(5))  # a reply stream's outputs, left as they are
 # A prompt shorter than this is read in well under a second: no progress line flickers before its reply.
 PREFILL_PROGRESS_MIN_TOKENS = 256
@@ -249,7 +250,18 @@ class PagodaUI:
                     log.info("browser gone: stopping the reply in chat %s", conversation_id)
                     task.cancel()
 
-        threading.Timer(UNLOAD_GRACE_S, abort_unwatched).start()
+        timer = threading.Timer(UNLOAD_GRACE_S, abort_unwatched)
+        timer.daemon = True  # Pagoda exits without waiting for it: its replies end as interrupted anyway
+        timer.start()
+
+    def interrupt_replies(self, timeout: float = SHUTDOWN_WAIT_S) -> None:
+        """Pagoda is shutting down: every reply still streaming ends where it is, stored as interrupted."""
+        tasks = self.replies.running()
+        for task in tasks:
+            task.interrupt()
+        deadline = time.monotonic() + timeout
+        for task in tasks:
+            task.done.wait(max(0.0, deadline - time.monotonic()))
 
     def _title_from_first_message(self, conversation_id: int, text: str) -> None:
         conv = self.store.get(conversation_id)
