@@ -134,6 +134,18 @@ class PagodaUI:
         conv = self.store.create(system_prompt=system_prompt or "")
         return gr.update(choices=self.conversation_choices(query), value=conv.id)
 
+    def delete_chat(self, conversation_id):
+        """Delete the chat (None: the browser's confirmation said no) and open the first one left."""
+        if conversation_id is None:
+            return gr.update()
+        self.stop(conversation_id)
+        try:
+            self.store.delete(int(conversation_id))
+        except NotFound:  # another tab deleted it first
+            pass
+        choices = self.conversation_choices()
+        return gr.update(choices=choices, value=choices[0][1] if choices else None)
+
     # ---- replies --------------------------------------------------------------------------------
     def respond(self, conversation_id, user_text: str, system_prompt: str, temperature: float, top_p: float, top_k: int,
                 min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
@@ -190,11 +202,15 @@ class PagodaUI:
         """Show the chat's reply as it streams (the reply itself runs on, whatever this page does)."""
         hidden = gr.update(visible=False)
         task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
+        try:
+            history = self.history(conversation_id)
+        except NotFound:  # deleted as it answered: the page has opened another chat
+            yield UNCHANGED
+            return
         if task is None:
             shown = conversation_id is None or self.shows(request, conversation_id)
-            yield (self.history(conversation_id), gr.update(), hidden, hidden, gr.update()) if shown else UNCHANGED
+            yield (history, gr.update(), hidden, hidden, gr.update()) if shown else UNCHANGED
             return
-        history = self.history(conversation_id)
         history = history[: -2 if len(history) > 1 and history[-2].get("metadata") else -1]  # the reply's rows
         while True:
             task.last_followed = time.time()
@@ -213,6 +229,15 @@ class PagodaUI:
             if finished:
                 self.replies.finish(int(conversation_id), task)
                 return
+
+    def after_reply(self, conversation_id):
+        """Once a reply has ended: its chat's meter, and the chat list (a new chat took its title from its first
+        message). A chat deleted as its reply ended leaves the meter to the chat the page opened instead."""
+        try:
+            meter = self.context_meter(conversation_id)
+        except NotFound:
+            return gr.update(), gr.update(choices=self.conversation_choices())
+        return meter, gr.update(choices=self.conversation_choices(), value=conversation_id)
 
     def live_meter(self, turn: Turn):
         """The context meter while a reply streams: its prompt and the tokens written so far. A server's

@@ -134,8 +134,7 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     opened = [tab.chatbot, tab.system, tab.system_of, *tab.sliders, tab.meter, bar.title, *options]
     reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row, tab.meter]
     reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
-    refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid)),
-                   inputs=bar.current, outputs=[tab.meter, bar.conversations])
+    refresh = dict(fn=ui.after_reply, inputs=bar.current, outputs=[tab.meter, bar.conversations])
     limit = ui.max_concurrent_chats
     # No status overlay on a reply's outputs: the streaming text shows progress itself, and an overlay
     # left on the message box (a reply whose following was cancelled by switching chats could leave

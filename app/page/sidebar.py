@@ -59,16 +59,8 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     bar.rename_btn.click(rename, [bar.conversations, bar.current, bar.title], bar.conversations, preprocess=False,
                          **SAME_AS_RENAME)
 
-    def delete(cid):
-        if cid is None:  # not confirmed (or no chat open): nothing changes
-            return gr.update()
-        ui.stop(cid)
-        ui.store.delete(cid)
-        choices = ui.conversation_choices()
-        return gr.update(choices=choices, value=choices[0][1] if choices else None)
-
     # Deleting cannot be undone, so the browser asks first; a "no" sends no chat id.
-    bar.delete_btn.click(delete, bar.current, bar.conversations,
+    bar.delete_btn.click(ui.delete_chat, bar.current, bar.conversations, api_name="delete",
                          js="(cid) => (cid !== null && confirm('Delete this chat and all its messages? "
                             "This cannot be undone.')) ? cid : null")
 

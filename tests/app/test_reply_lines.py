@@ -10,7 +10,7 @@ from app.backend import ReplyDelta, meter_text
 from app.chat import ReplyTask
 from app.model_host import ModelHost
 from app.store import ConversationStore
-from app.ui import PagodaUI
+from app.ui import UNCHANGED, PagodaUI
 from tests.processes import wait_until
 
 STOPPED_META = {"finish_reason": "abort", "ttft_s": 0.2, "tokens_per_s": 30.0, "output_tokens": 12,
@@ -122,3 +122,37 @@ def test_a_system_prompt_typed_and_left_before_sending_is_kept_and_counted(tmp_p
     assert ui.context_meter(first) == "Context: 6 / 8,192 tokens"
     ui.store.delete(other)
     assert ui.save_system_prompt(other, "typed into a chat deleted meanwhile", page) == gr.update()
+
+
+class ShortReply:
+    """A reply of a few words that ends by itself."""
+
+    request_id = "r"
+
+    def __iter__(self):
+        for word in ("Hello ", "there."):
+            yield ReplyDelta(word, 1)
+        yield ReplyDelta("", 0, finished=True, finish_reason="stop")
+
+    def cancel(self):
+        pass
+
+    def prefill_progress(self):
+        return None
+
+
+def test_deleting_a_chat_as_its_reply_ends_is_quiet(tmp_path):
+    """The page's refresh after the reply read the deleted chat: "NotFound: No chat with id …" and a traceback."""
+    ui = make_ui(tmp_path)
+    ui.host.backend = word_counting_backend()
+    kept, chat = ui.store.create().id, ui.store.create().id
+    reply = ui.store.add_message(chat, "assistant", "")
+    ui.replies.start(chat, ReplyTask(ShortReply(), ui.store, reply.id, 3), label="#2")
+    *_, (chatbot, *_rest) = ui.follow(chat, None)  # the reply ends on screen
+    assert chatbot[-1]["content"].startswith("Hello there.")
+    listed = ui.delete_chat(chat)  # Delete, right then
+    assert listed["value"] == kept and [cid for _, cid in listed["choices"]] == [kept]
+    meter, chats = ui.after_reply(chat)  # the refresh that follows the reply, arriving after the delete
+    assert meter == gr.update() and "value" not in chats and [cid for _, cid in chats["choices"]] == [kept]
+    assert list(ui.follow(chat, None))[-1] == UNCHANGED  # a page still following it draws nothing
+    assert ui.delete_chat(chat)["value"] == kept  # a second Delete (another tab's) changes nothing either
