@@ -22,6 +22,7 @@ class Session:
     viewing: int | None = None  # the chat the page shows (None: none opened, as for API clients)
     kv_tab_open: bool = False  # whether the page shows the KV cache tab
     panels_sent: tuple = NOT_SENT  # (KV HTML, header, chat titles) the page last got from the timer
+    title_sent: tuple[int, str] | None = None  # (chat, title) the page's Title field last got
 
 
 class Sessions:

@@ -88,12 +88,12 @@ class PagodaUI:
         return shown is None or shown == int(conversation_id)
 
     def open(self, conversation_id: int | None, request: gr.Request = None):
-        if request is not None and conversation_id is not None:
-            with self.sessions.edit(request.session_hash) as session:
-                session.viewing = int(conversation_id)
         if conversation_id is None:
             return [], "", None, *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", *self.chat_options(None)
         conv = self.store.get(conversation_id)
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.viewing, session.title_sent = conv.id, (conv.id, conv.title)
         settings = {**DEFAULT_SETTINGS, **conv.settings}
         think, json_output, json_schema = self.chat_options(conversation_id)
         backend = self.host.backend
@@ -370,21 +370,40 @@ class PagodaUI:
         parts = [backend.label, backend.quantization, backend.device_label()]
         return "**Pagoda** · " + " · ".join(p for p in parts if p)
 
-    def panels(self, query: str, request: gr.Request) -> tuple:
-        """The timer's refresh of the KV grid, the header and the chat titles, for one page.
+    def panels(self, query: str, request: gr.Request, conversation_id: int | None = None) -> tuple:
+        """The timer's refresh of the KV grid, the header, the chat titles and the open chat's Title field
+        (`conversation_id`'s), for one page.
 
         The grid is thousands of elements: it is rendered only while the page shows its tab. None of
-        the three is re-sent when unchanged since this page last got it. Titles refresh here so that
-        a new chat takes its title from the first message while its reply still streams."""
+        the four is re-sent when unchanged since this page last got it (so a title being typed in the Title
+        field stays). Titles refresh here so that a new chat takes its title from the first message while
+        its reply still streams, in the list and in the Title field alike."""
         session_hash = request.session_hash if request is not None else ""
         page = self.sessions.get(session_hash) or Session()
         sent_html, sent_header, sent_titles = page.panels_sent
         html = self.kv_panel() if page.kv_tab_open else sent_html  # rendered outside the lock: it takes a while
         header, titles = self.header(), self.conversation_choices(query or "")
+        open_title = self.title_of(conversation_id)
         with self.sessions.edit(session_hash) as session:
             session.panels_sent = (html, header, titles)
+            # Only for the chat the page shows now: a tick that read the chat open before a switch would put that
+            # chat's title in the field (and a Rename then gave it to this chat)
+            new_title = (open_title is not None and open_title[0] == session.viewing
+                         and open_title != session.title_sent)
+            if new_title:
+                session.title_sent = open_title
         return (gr.update() if html == sent_html else html, gr.update() if header == sent_header else header,
-                gr.update() if titles == sent_titles else gr.update(choices=titles))
+                gr.update() if titles == sent_titles else gr.update(choices=titles),
+                open_title[1] if new_title else gr.update())
+
+    def title_of(self, conversation_id: int | None) -> tuple[int, str] | None:
+        """(The chat, its title) as stored now; None for no chat, or one deleted."""
+        if conversation_id is None:
+            return None
+        try:
+            return int(conversation_id), self.store.get(int(conversation_id)).title
+        except NotFound:
+            return None
 
     def show_kv_tab(self, shown: bool, request: gr.Request) -> None:
         with self.sessions.edit(request.session_hash if request is not None else "") as session:
@@ -442,7 +461,8 @@ def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) ->
         wire_chat_tab(ui, chat, sidebar, presets)
         demo.unload(ui.on_unload)
         timer = gr.Timer(0.5)
-        timer.tick(ui.panels, sidebar.search, [kv_html, header, sidebar.conversations], show_progress="hidden",
+        refreshed = [kv_html, header, sidebar.conversations, sidebar.title]
+        timer.tick(ui.panels, [sidebar.search, sidebar.current], refreshed, show_progress="hidden",
                    concurrency_limit=1, concurrency_id="panels")
         track_kv_tab(ui, kv_page, other_pages)
         load_first_view(demo, ui, sidebar, presets, js=PAGE_JS)

@@ -128,3 +128,16 @@ def test_the_browser_keeps_no_prompts_and_the_footer_has_no_runs_page(session, o
     assert "Use via API" in footer.inner_text()  # the footer is there, with the scripting API's page
     assert footer.get_by_text("Runs").count() == 0
     assert httpx.get(app.url + "gradio_api/runs", timeout=30).status_code == 404
+
+
+def test_the_title_field_reads_the_title_the_first_message_gives(session, open_page):
+    """The chat list took the new title, while the Title field under Rename or delete kept "New chat"."""
+    _, client, _ = session
+    page = open_page()
+    page.get_by_text("Rename or delete").click()
+    start_new_chat(page, "How far can a lighthouse beam reach?")
+    title = page.get_by_label("Title", exact=True)
+    test_browser.sync_api.expect(title).to_have_value("How far can a lighthouse beam reach?", timeout=10000)
+    assert client.predict(api_name="/engine_stats")["num_running"] == 1  # while the reply still streams
+    page.keyboard.press("Escape")
+    wait_idle(client)

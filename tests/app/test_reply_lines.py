@@ -156,3 +156,21 @@ def test_deleting_a_chat_as_its_reply_ends_is_quiet(tmp_path):
     assert meter == gr.update() and "value" not in chats and [cid for _, cid in chats["choices"]] == [kept]
     assert list(ui.follow(chat, None))[-1] == UNCHANGED  # a page still following it draws nothing
     assert ui.delete_chat(chat)["value"] == kept  # a second Delete (another tab's) changes nothing either
+
+
+def test_the_title_field_takes_the_title_the_first_message_gives(tmp_path):
+    """The list showed the new title, the Title field (under Rename or delete) still "New chat"."""
+    ui = make_ui(tmp_path)
+    chat = ui.store.create().id
+    page = SimpleNamespace(session_hash="page-1")
+    assert ui.open(chat, page)[-4] == "New chat"  # the Title field as the chat opens
+    assert ui.panels("", page, chat)[3] == gr.update()  # the timer: nothing new
+    ui._title_from_first_message(chat, "How far can a lighthouse beam be seen at sea?")
+    assert ui.panels("", page, chat)[3] == "How far can a lighthouse beam be seen at…"
+    assert ui.panels("", page, chat)[3] == gr.update()  # sent once: a title being typed there is left alone
+    other = ui.store.create(title="Beta").id
+    ui.open(other, page)
+    ui.store.rename(chat, "Alpha")
+    assert ui.panels("", page, chat)[3] == gr.update()  # a tick that read the chat open before the switch: nothing
+    ui.store.delete(chat)
+    assert ui.panels("", page, chat)[3] == gr.update()
