@@ -13,7 +13,15 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.backend import DEFAULT_SETTINGS, BadSettings, ContextOverflow, ReplyStream, chat_messages, meter_text
+from app.backend import (
+    DEFAULT_SETTINGS,
+    BadSettings,
+    ContextOverflow,
+    ReplyStream,
+    chat_messages,
+    meter_text,
+    reply_room,
+)
 from app.chat import ReplyTask, Turn, summary, with_stats_line
 from app.model_host import ModelHost
 from app.page import user_error
@@ -173,7 +181,10 @@ class PagodaUI:
         except (ContextOverflow, RemoteError, EngineFailed, BadSettings) as e:  # too long a chat, the server
             # refused, the engine crashed on an earlier step, or the chat's JSON schema is broken: say so in the chat
             overflow = isinstance(e, ContextOverflow) or getattr(e, "context_overflow", False)
-            if overflow and isinstance(e, RemoteError):
+            alone = overflow and self.too_long_alone(backend, system_prompt, pending, settings)
+            if alone:  # no dropping of turns or new chat can help: said at once, with nothing offered
+                e, overflow = alone, False
+            elif overflow and isinstance(e, RemoteError):
                 e = f"{e} Drop the oldest messages, lower the reply length, or start a new chat."
             # The message is kept out of the chat until it can be answered: it stays in the box, for Drop the
             # oldest turn (which sends it) or an edit. Saved, it overflowed every later try too.
@@ -197,6 +208,26 @@ class PagodaUI:
         yield (self.history(conversation_id), "", gr.update(visible=False), gr.update(visible=False),  # clears the box
                self.live_meter(task.turn))
         yield from self.follow(conversation_id, request)
+
+    @staticmethod
+    def too_long_alone(backend, system_prompt: str, message: str, settings: dict) -> str | None:
+        """Why `message`, which overflowed the context, cannot be sent in this chat or any other: alone, with the
+        system prompt and room for the reply, it is longer than the context. None when dropping earlier turns
+        could make room, when there is no new message (an answer to the chat's last one), or when only a server
+        can count (its refusal may be about the reply length asked for)."""
+        if not message:
+            return None
+        tokens = backend.prompt_tokens(chat_messages(system_prompt, [{"role": "user", "content": message}]),
+                                       settings)
+        limit = backend.max_model_len
+        if tokens is None or limit is None:
+            return None
+        room = reply_room(settings["max_tokens"])
+        if tokens + room <= limit:
+            return None
+        return (f"This message alone is too long: with the system prompt it is {tokens:,} tokens, and the model's "
+                f"context holds {limit:,}, of which {room} are kept for the reply. Shorten the message (or the system "
+                "prompt).")
 
     def follow(self, conversation_id, request: gr.Request = None):
         """Show the chat's reply as it streams (the reply itself runs on, whatever this page does)."""
