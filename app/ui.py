@@ -104,11 +104,15 @@ class PagodaUI:
                 session.viewing, session.title_sent = conv.id, (conv.id, conv.title)
         settings = {**DEFAULT_SETTINGS, **conv.settings}
         think, json_output, json_schema = self.chat_options(conversation_id)
-        backend = self.host.backend
-        shown = backend is None or backend.thinks  # the switch only where the model thinks
         return (self.history(conversation_id), conv.system_prompt, conv.id, *[settings[k] for k, *_ in SLIDERS],
-                self.context_meter(conversation_id), conv.title, gr.update(value=think, visible=shown), json_output,
-                json_schema)
+                self.context_meter(conversation_id), conv.title, gr.update(value=think, **self.think_switch()),
+                json_output, json_schema)
+
+    def think_switch(self) -> dict:
+        """Whether the page offers Think: only while a model that reasons serves. Not while a model loads (it
+        showed, ticked, for a model that does not reason); the header's change at the end of a load asks again."""
+        backend = self.host.backend
+        return {"visible": backend is not None and backend.thinks}
 
     def chat_options(self, conversation_id: int | None) -> tuple[bool, bool, str]:
         """The chat's switches: Think, JSON output, and its schema."""
@@ -490,6 +494,7 @@ def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) ->
         # Events cross the parts (New chat reads the Chat tab's system prompt), so they are wired once all exist.
         wire_sidebar(ui, sidebar, chat.system)
         wire_chat_tab(ui, chat, sidebar, presets)
+        header.change(lambda: gr.update(**ui.think_switch()), None, chat.think, show_progress="hidden")
         demo.unload(ui.on_unload)
         timer = gr.Timer(0.5)
         refreshed = [kv_html, header, sidebar.conversations, sidebar.title]

@@ -88,7 +88,8 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     export_file = gr.File(visible="hidden", elem_id="export-file")
     meter = gr.Markdown(elem_id="context-meter")
     with gr.Row():
-        think = gr.Checkbox(DEFAULT_SETTINGS["think"], label="Think", elem_id="think",
+        # Shown once a model that reasons serves (PagodaUI.think_switch)
+        think = gr.Checkbox(DEFAULT_SETTINGS["think"], label="Think", elem_id="think", visible=False,
                             info="Models that reason (Qwen3, DeepSeek-R1 distills) think before they answer")
         json_output = gr.Checkbox(DEFAULT_SETTINGS["json_output"], label="JSON output", elem_id="json-output",
                                   info="Replies are JSON objects; give a schema to hold them to it")

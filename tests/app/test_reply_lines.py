@@ -174,3 +174,16 @@ def test_the_title_field_takes_the_title_the_first_message_gives(tmp_path):
     assert ui.panels("", page, chat)[3] == gr.update()  # a tick that read the chat open before the switch: nothing
     ui.store.delete(chat)
     assert ui.panels("", page, chat)[3] == gr.update()
+
+
+def test_think_is_offered_only_once_a_model_that_reasons_serves(tmp_path):
+    """During a load, Think showed (ticked) whatever the model being loaded."""
+    ui = make_ui(tmp_path)
+    chat = ui.store.create().id
+    think = ui.open(chat)[-3]  # no model serves yet (the first one is loading)
+    assert think["visible"] is False and think["value"] is True  # the chat's own setting, kept for when it shows
+    assert ui.think_switch() == {"visible": False}
+    ui.host.backend = word_counting_backend()  # a model that does not reason
+    assert ui.open(chat)[-3]["visible"] is False
+    ui.host.backend.thinks = True  # Qwen3, say: the header's change at the end of its load shows the switch
+    assert ui.think_switch() == {"visible": True} and ui.open(chat)[-3]["visible"] is True
