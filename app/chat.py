@@ -51,12 +51,18 @@ def summary(meta: dict) -> str:
     if not meta or meta.get("ttft_s") is None:  # no token yet
         return "stopped before its first token" if meta and meta.get("finish_reason") == "abort" else ""
     rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
-    reasoning = f" ({meta['reasoning_tokens']} reasoning)" if meta.get("reasoning_tokens") else ""
+    reasoning = f" ({meta['reasoning_tokens']:,} reasoning)" if meta.get("reasoning_tokens") else ""
     stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
-    cache = (f" · {meta.get('cached_tokens', 0)}/{meta['prompt_tokens']} prompt tokens from the prefix cache"
-             if meta.get("prompt_tokens") else "")  # a remote server that sends no usage leaves it unknown
-    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens{reasoning}"
-            f"{cache}{stopped}")
+    prompt = meta.get("prompt_tokens")
+    cache = (f" · {meta.get('cached_tokens', 0):,}/{count(prompt, 'prompt token')} from the prefix cache"
+             if prompt else "")  # a remote server that sends no usage leaves it unknown
+    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {count(meta.get('output_tokens', 0), 'token')}"
+            f"{reasoning}{cache}{stopped}")
+
+
+def count(n: int, thing: str) -> str:
+    """How many of a thing, as people write it: "1 token", "6,150 tokens"."""
+    return f"{n:,} {thing}{'' if n == 1 else 's'}"
 
 
 # A Markdown code fence: three or more backticks or tildes at the start of a line (list items indent theirs)

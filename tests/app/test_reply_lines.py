@@ -187,3 +187,14 @@ def test_think_is_offered_only_once_a_model_that_reasons_serves(tmp_path):
     assert ui.open(chat)[-3]["visible"] is False
     ui.host.backend.thinks = True  # Qwen3, say: the header's change at the end of its load shows the switch
     assert ui.think_switch() == {"visible": True} and ui.open(chat)[-3]["visible"] is True
+
+
+def test_the_stats_line_counts_in_words_people_write():
+    """It read "1 tokens" and "0/6150 prompt tokens"."""
+    from app.chat import summary
+
+    meta = {"ttft_s": 0.25, "output_tokens": 1, "prompt_tokens": 6150, "cached_tokens": 0, "finish_reason": "stop"}
+    assert summary(meta) == "first token 250 ms · 1 token · 0/6,150 prompt tokens from the prefix cache"
+    meta.update(output_tokens=1200, reasoning_tokens=1100, cached_tokens=4096, tokens_per_s=31.24)
+    assert summary(meta) == ("first token 250 ms · 31.2 tok/s · 1,200 tokens (1,100 reasoning) · 4,096/6,150 prompt "
+                             "tokens from the prefix cache")
