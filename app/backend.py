@@ -73,6 +73,9 @@ class Backend(Protocol):
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         """The line under a chat: how much of the context its messages use."""
 
+    def prompt_tokens(self, messages: list[dict], settings: dict) -> int | None:
+        """The tokens `messages` (system prompt included) take as a prompt; None when only a server knows."""
+
     def kv_panel(self, owners: dict[str, str]) -> str:
         """The KV cache tab's HTML (owners: request id -> conversation label)."""
 
@@ -128,9 +131,14 @@ def sampling_params(settings: dict) -> SamplingParams:
                           structured_outputs=json_constraint(s))
 
 
+def reply_room(max_tokens: int) -> int:
+    """The room a prompt must leave for its reply: at least one token, and a little more so that answers are not
+    cut at once."""
+    return min(int(max_tokens), MIN_REPLY_ROOM)
+
+
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    # The reply needs at least one token of room; ask for a little more so answers aren't cut at once.
-    needed = num_prompt_tokens + min(max_tokens, MIN_REPLY_ROOM)
+    needed = num_prompt_tokens + reply_room(max_tokens)
     if needed > max_model_len:
         raise ContextOverflow(needed, max_model_len)
 
@@ -177,8 +185,7 @@ class LocalBackend:
 
     def submit(self, messages: list[dict], settings: dict) -> tuple[LocalReplyStream, int]:
         params = sampling_params(settings)  # first: a bad schema is refused before anything is tokenized
-        think = bool({**DEFAULT_SETTINGS, **settings}["think"])
-        ids = self.engine.encode_chat(messages, **({"enable_thinking": think} if self.thinks else {}))
+        ids = self._encode(messages, settings)
         check_fits(len(ids), params.max_tokens, self.engine.max_model_len)
         reasoning = None
         if self.thinks and params.structured_outputs is None:
@@ -188,6 +195,13 @@ class LocalBackend:
         except ValueError as e:  # a schema that parses but does not compile
             raise BadSettings(f"{e}. Fix the chat's JSON schema, or clear it.") from None
         return LocalReplyStream(stream, reasoning), len(ids)
+
+    def _encode(self, messages: list[dict], settings: dict) -> list[int]:
+        think = bool({**DEFAULT_SETTINGS, **settings}["think"])
+        return self.engine.encode_chat(messages, **({"enable_thinking": think} if self.thinks else {}))
+
+    def prompt_tokens(self, messages: list[dict], settings: dict) -> int:
+        return len(self._encode(messages, settings))
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         messages = chat_messages(system_prompt, [m.as_chat() for m in stored])

@@ -2,9 +2,10 @@
 
 Both backends (app/backend.py) answer with the same ReplyDelta increments, so nothing here asks
 which one serves."""
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from app.backend import ReplyStream
@@ -50,23 +51,69 @@ def summary(meta: dict) -> str:
     if not meta or meta.get("ttft_s") is None:  # no token yet
         return "stopped before its first token" if meta and meta.get("finish_reason") == "abort" else ""
     rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
-    reasoning = f" ({meta['reasoning_tokens']} reasoning)" if meta.get("reasoning_tokens") else ""
+    reasoning = f" ({meta['reasoning_tokens']:,} reasoning)" if meta.get("reasoning_tokens") else ""
     stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
-    cache = (f" · {meta.get('cached_tokens', 0)}/{meta['prompt_tokens']} prompt tokens from the prefix cache"
-             if meta.get("prompt_tokens") else "")  # a remote server that sends no usage leaves it unknown
-    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {meta.get('output_tokens', 0)} tokens{reasoning}"
-            f"{cache}{stopped}")
+    prompt = meta.get("prompt_tokens")
+    cache = (f" · {meta.get('cached_tokens', 0):,}/{count(prompt, 'prompt token')} from the prefix cache"
+             if prompt else "")  # a remote server that sends no usage leaves it unknown
+    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {count(meta.get('output_tokens', 0), 'token')}"
+            f"{reasoning}{cache}{stopped}")
 
 
-def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int) -> Iterator[Turn]:
+def count(n: int, thing: str) -> str:
+    """How many of a thing, as people write it: "1 token", "6,150 tokens"."""
+    return f"{n:,} {thing}{'' if n == 1 else 's'}"
+
+
+# A Markdown code fence: three or more backticks or tildes at the start of a line (list items indent theirs)
+FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})(.*)$")
+
+
+def open_fence(text: str) -> str | None:
+    """The fence line that would close the code block `text` leaves open (a reply cut mid-code), or None."""
+    opened = None  # (indent, fence) of the block open at this line
+    for line in text.split("\n"):
+        found = FENCE.match(line)
+        if found is None:
+            continue
+        indent, fence, rest = found.groups()
+        if opened is None:
+            if not (fence[0] == "`" and "`" in rest):  # a backtick fence's info string has no backticks
+                opened = (indent, fence)
+        elif fence[0] == opened[1][0] and len(fence) >= len(opened[1]) and not rest.strip():
+            opened = None
+    return None if opened is None else opened[0] + opened[1]
+
+
+def with_stats_line(text: str, stats: str) -> str:
+    """A reply with its stats line under it. A reply stopped inside a code block gets the block closed first:
+    otherwise the line rendered as code, inside the block."""
+    if not stats:
+        return text
+    fence = open_fence(text)
+    if fence is not None:
+        text += ("" if text.endswith("\n") else "\n") + fence
+    return f"{text}\n\n<sub>{stats}</sub>"
+
+
+def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int,
+                 interrupted: Callable[[], bool] = lambda: False) -> Iterator[Turn]:
     """Consume one reply's stream into message `message_id`, yielding the turn after every increment.
 
     The store gets the text at least every SAVE_EVERY_S and at the end. If the consumer stops
     early, the request is aborted and what exists is kept. A remote server's last increment
-    carries its own token counts, which replace the estimates."""
+    carries its own token counts, which replace the estimates. Once `interrupted()` (Pagoda is shutting
+    down), the reply is stored as unfinished, never with the "abort" its cancelled stream ends with: the
+    process may end between two saves, and its chat must then read "interrupted", not "stopped"."""
     turn = Turn(prompt_tokens=num_prompt_tokens)
     start = last_save = time.perf_counter()
     first = None
+
+    def save() -> None:
+        meta = turn.meta()
+        if interrupted():
+            meta.update(finished=False, finish_reason=None)
+        store.update_message(message_id, turn.text, meta)
     try:
         for delta in stream:
             now = time.perf_counter()
@@ -88,14 +135,14 @@ def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens:
             if delta.finished:
                 turn.finished, turn.finish_reason = True, delta.finish_reason
             if turn.finished or now - last_save >= SAVE_EVERY_S:
-                store.update_message(message_id, turn.text, turn.meta())
+                save()
                 last_save = now
             yield turn
     finally:
         if not turn.finished:
             stream.cancel()
             turn.finished, turn.finish_reason = True, "abort"
-            store.update_message(message_id, turn.text, turn.meta())
+            save()
 
 
 class ReplyTask:
@@ -112,13 +159,14 @@ class ReplyTask:
         # Stop, Edit or Regenerate took it back: what its chat shows next comes from them, so pages stop drawing
         # it (its last frame landed after an edit's and put the deleted rows back on screen)
         self.withdrawn = False
+        self.interrupted = False  # Pagoda is shutting down under it (see interrupt)
         self._thread = threading.Thread(target=self._run, args=(store, message_id, num_prompt_tokens),
                                         name=f"reply-{message_id}", daemon=True)
         self._thread.start()
 
     def _run(self, store, message_id: int, num_prompt_tokens: int) -> None:
         try:
-            for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens):
+            for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens, lambda: self.interrupted):
                 self.turn = turn
         except Exception as e:  # the chat was deleted while it answered, or a remote server failed mid-reply
             self.stream.cancel()
@@ -132,4 +180,10 @@ class ReplyTask:
             self.done.set()
 
     def cancel(self) -> None:
+        self.stream.cancel()
+
+    def interrupt(self) -> None:
+        """Pagoda is shutting down: the reply ends where it is and is kept as unfinished, so that its chat says
+        "interrupted" (Pagoda stopped under it), not "stopped" as the Stop button leaves a reply."""
+        self.interrupted = True
         self.stream.cancel()

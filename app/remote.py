@@ -400,6 +400,9 @@ class RemoteBackend:
                                   seed=None if seed in (None, "", -1) else int(seed), **extra)
         return stream, 0  # the server counts the prompt with its own template; its usage says how many
 
+    def prompt_tokens(self, messages: list[dict], settings: dict) -> None:
+        return None  # the server applies its own template: only it knows
+
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         """A server tokenizes with its own template: only its count at the last reply is known."""
         last = next((m for m in reversed(stored) if m.role == "assistant" and m.meta.get("prompt_tokens")), None)

@@ -3,7 +3,9 @@ import argparse
 import logging
 import os
 import secrets
+import signal
 import sys
+import threading
 import webbrowser
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
@@ -138,14 +140,27 @@ def main(argv: list[str] | None = None) -> int:
         print("Could not create the share link: Gradio's tunnel helper (frpc) is missing and could not be downloaded, "
               "or the share server is unreachable. Pagoda keeps running locally at "
               f"http://127.0.0.1:{args.port}.", flush=True)
-    try:
-        demo.block_thread()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        host.unload()
-        store.close()
+    wait_for_stop_signal(demo)
+    # Ctrl-C or a SIGTERM: the replies streaming now are kept as interrupted, not marked "stopped" as if the user
+    # had pressed Stop, and Pagoda exits within seconds. Gradio's own close is skipped: it waits up to 5 s for the
+    # pages' open connections, which end with the process anyway.
+    log.info("Shutting down: replies still being written are kept as interrupted.")
+    ui.interrupt_replies()
+    host.unload()
+    store.close()
     return 0
+
+
+def wait_for_stop_signal(demo) -> None:
+    """Serve until Ctrl-C (SIGINT) or SIGTERM. A second one during the shutdown that follows ends it at once."""
+    stop = threading.Event()
+    handlers = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while demo.is_running and not stop.wait(0.2):
+            pass
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

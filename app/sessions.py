@@ -22,6 +22,7 @@ class Session:
     viewing: int | None = None  # the chat the page shows (None: none opened, as for API clients)
     kv_tab_open: bool = False  # whether the page shows the KV cache tab
     panels_sent: tuple = NOT_SENT  # (KV HTML, header, chat titles) the page last got from the timer
+    title_sent: tuple[int, str] | None = None  # (chat, title) the page's Title field last got
 
 
 class Sessions:
@@ -80,6 +81,10 @@ class Replies:
             if self._tasks.get(conversation_id) is task:
                 del self._tasks[conversation_id]
             self._labels.pop(task.stream.request_id, None)
+
+    def running(self) -> list[ReplyTask]:
+        with self._lock:
+            return [task for task in self._tasks.values() if not task.done.is_set()]
 
     def labels(self) -> dict[str, str]:
         """A copy: the KV panel renders from it while replies start and end."""

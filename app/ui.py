@@ -13,8 +13,16 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.backend import DEFAULT_SETTINGS, BadSettings, ContextOverflow, ReplyStream, chat_messages, meter_text
-from app.chat import ReplyTask, Turn, summary
+from app.backend import (
+    DEFAULT_SETTINGS,
+    BadSettings,
+    ContextOverflow,
+    ReplyStream,
+    chat_messages,
+    meter_text,
+    reply_room,
+)
+from app.chat import ReplyTask, Turn, summary, with_stats_line
 from app.model_host import ModelHost
 from app.page import user_error
 from app.page.api import add_api
@@ -23,7 +31,7 @@ from app.page.kv_tab import render_kv_tab, track_kv_tab
 from app.page.sidebar import load_first_view, render_sidebar, wire_sidebar
 from app.remote import RemoteError
 from app.sessions import Replies, Session, Sessions
-from app.store import ConversationStore
+from app.store import ConversationStore, NotFound
 from app.visualizer import visualizer_css
 from engine import EngineFailed
 
@@ -31,6 +39,7 @@ log = logging.getLogger("pagoda")
 UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched replies are aborted
 UNWATCHED_S = 2.0  # a reply whose page has not polled it for this long is not being watched
 STOP_WAIT_S = 10.0  # how long editing or regenerating waits for the chat's running reply to stop
+SHUTDOWN_WAIT_S = 2.0  # how long shutting down waits for the replies streaming to store their last words
 UNCHANGED = tuple(gr.update() for _ in range(5))  # a reply stream's outputs, left as they are
 # A prompt shorter than this is read in well under a second: no progress line flickers before its reply.
 PREFILL_PROGRESS_MIN_TOKENS = 256
@@ -64,8 +73,7 @@ class PagodaUI:
             live = running is not None and not running.done.is_set() and i == len(msgs) - 1
             if m.role == "assistant" and m.meta.get("finished") is False and not live:
                 stats = "interrupted: Pagoda stopped before this reply finished" + (f" · {stats}" if stats else "")
-            if stats:
-                content = f"{content}\n\n<sub>{stats}</sub>"
+            content = with_stats_line(content, stats)
             if m.role == "assistant" and m.meta.get("reasoning"):
                 rows.append(thought_row(m.meta["reasoning"], m.meta.get("thought_s"), thinking=live and not m.content))
             rows.append({"role": m.role, "content": content})
@@ -88,19 +96,23 @@ class PagodaUI:
         return shown is None or shown == int(conversation_id)
 
     def open(self, conversation_id: int | None, request: gr.Request = None):
-        if request is not None and conversation_id is not None:
-            with self.sessions.edit(request.session_hash) as session:
-                session.viewing = int(conversation_id)
         if conversation_id is None:
-            return [], "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", None, None, *self.chat_options(None)
+            return [], "", None, *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", *self.chat_options(None)
         conv = self.store.get(conversation_id)
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.viewing, session.title_sent = conv.id, (conv.id, conv.title)
         settings = {**DEFAULT_SETTINGS, **conv.settings}
         think, json_output, json_schema = self.chat_options(conversation_id)
+        return (self.history(conversation_id), conv.system_prompt, conv.id, *[settings[k] for k, *_ in SLIDERS],
+                self.context_meter(conversation_id), conv.title, gr.update(value=think, **self.think_switch()),
+                json_output, json_schema)
+
+    def think_switch(self) -> dict:
+        """Whether the page offers Think: only while a model that reasons serves. Not while a model loads (it
+        showed, ticked, for a model that does not reason); the header's change at the end of a load asks again."""
         backend = self.host.backend
-        shown = backend is None or backend.thinks  # the switch only where the model thinks
-        return (self.history(conversation_id), conv.system_prompt, *[settings[k] for k, *_ in SLIDERS],
-                self.context_meter(conversation_id), conv.title, *self.export_files(conversation_id),
-                gr.update(value=think, visible=shown), json_output, json_schema)
+        return {"visible": backend is not None and backend.thinks}
 
     def chat_options(self, conversation_id: int | None) -> tuple[bool, bool, str]:
         """The chat's switches: Think, JSON output, and its schema."""
@@ -116,9 +128,35 @@ class PagodaUI:
                                                      "json_output": bool(json_output),
                                                      "json_schema": json_schema or ""})
 
+    def save_system_prompt(self, conversation_id: int | None, system_prompt: str, request: gr.Request = None):
+        """Keep a chat's system prompt as it is typed: saved only with the next message, an edit was lost on
+        switching to another chat first, and the meter did not count it. Returns the chat's meter."""
+        if conversation_id is None:
+            return gr.update()
+        conversation_id, system_prompt = int(conversation_id), system_prompt or ""
+        try:
+            if self.store.get(conversation_id).system_prompt != system_prompt:  # a mere focus and blur moves nothing
+                self.store.update(conversation_id, system_prompt=system_prompt)
+        except NotFound:  # deleted while it was typed
+            return gr.update()
+        # A save that lands once the page has opened another chat must not put this chat's count under that one
+        return self.context_meter(conversation_id) if self.shows(request, conversation_id) else gr.update()
+
     def new_chat(self, system_prompt: str, query: str):
         conv = self.store.create(system_prompt=system_prompt or "")
         return gr.update(choices=self.conversation_choices(query), value=conv.id)
+
+    def delete_chat(self, conversation_id):
+        """Delete the chat (None: the browser's confirmation said no) and open the first one left."""
+        if conversation_id is None:
+            return gr.update()
+        self.stop(conversation_id)
+        try:
+            self.store.delete(int(conversation_id))
+        except NotFound:  # another tab deleted it first
+            pass
+        choices = self.conversation_choices()
+        return gr.update(choices=choices, value=choices[0][1] if choices else None)
 
     # ---- replies --------------------------------------------------------------------------------
     def respond(self, conversation_id, user_text: str, system_prompt: str, temperature: float, top_p: float, top_k: int,
@@ -147,7 +185,10 @@ class PagodaUI:
         except (ContextOverflow, RemoteError, EngineFailed, BadSettings) as e:  # too long a chat, the server
             # refused, the engine crashed on an earlier step, or the chat's JSON schema is broken: say so in the chat
             overflow = isinstance(e, ContextOverflow) or getattr(e, "context_overflow", False)
-            if overflow and isinstance(e, RemoteError):
+            alone = overflow and self.too_long_alone(backend, system_prompt, pending, settings)
+            if alone:  # no dropping of turns or new chat can help: said at once, with nothing offered
+                e, overflow = alone, False
+            elif overflow and isinstance(e, RemoteError):
                 e = f"{e} Drop the oldest messages, lower the reply length, or start a new chat."
             # The message is kept out of the chat until it can be answered: it stays in the box, for Drop the
             # oldest turn (which sends it) or an edit. Saved, it overflowed every later try too.
@@ -172,15 +213,39 @@ class PagodaUI:
                self.live_meter(task.turn))
         yield from self.follow(conversation_id, request)
 
+    @staticmethod
+    def too_long_alone(backend, system_prompt: str, message: str, settings: dict) -> str | None:
+        """Why `message`, which overflowed the context, cannot be sent in this chat or any other: alone, with the
+        system prompt and room for the reply, it is longer than the context. None when dropping earlier turns
+        could make room, when there is no new message (an answer to the chat's last one), or when only a server
+        can count (its refusal may be about the reply length asked for)."""
+        if not message:
+            return None
+        tokens = backend.prompt_tokens(chat_messages(system_prompt, [{"role": "user", "content": message}]),
+                                       settings)
+        limit = backend.max_model_len
+        if tokens is None or limit is None:
+            return None
+        room = reply_room(settings["max_tokens"])
+        if tokens + room <= limit:
+            return None
+        return (f"This message alone is too long: with the system prompt it is {tokens:,} tokens, and the model's "
+                f"context holds {limit:,}, of which {room} are kept for the reply. Shorten the message (or the system "
+                "prompt).")
+
     def follow(self, conversation_id, request: gr.Request = None):
         """Show the chat's reply as it streams (the reply itself runs on, whatever this page does)."""
         hidden = gr.update(visible=False)
         task = self.replies.get(int(conversation_id)) if conversation_id is not None else None
+        try:
+            history = self.history(conversation_id)
+        except NotFound:  # deleted as it answered: the page has opened another chat
+            yield UNCHANGED
+            return
         if task is None:
             shown = conversation_id is None or self.shows(request, conversation_id)
-            yield (self.history(conversation_id), gr.update(), hidden, hidden, gr.update()) if shown else UNCHANGED
+            yield (history, gr.update(), hidden, hidden, gr.update()) if shown else UNCHANGED
             return
-        history = self.history(conversation_id)
         history = history[: -2 if len(history) > 1 and history[-2].get("metadata") else -1]  # the reply's rows
         while True:
             task.last_followed = time.time()
@@ -190,7 +255,7 @@ class PagodaUI:
                 yield UNCHANGED
                 return
             turn = task.turn
-            content = turn.text + (f"\n\n<sub>{turn.summary()}</sub>" if finished and turn.summary() else "")
+            content = with_stats_line(turn.text, turn.summary() if finished else "")
             if not (content or turn.reasoning or finished):
                 content = prefill_line(task.stream)
             thought = [thought_row(turn.reasoning, turn.thought_s, turn.thinking)] if turn.reasoning else []
@@ -199,6 +264,15 @@ class PagodaUI:
             if finished:
                 self.replies.finish(int(conversation_id), task)
                 return
+
+    def after_reply(self, conversation_id):
+        """Once a reply has ended: its chat's meter, and the chat list (a new chat took its title from its first
+        message). A chat deleted as its reply ended leaves the meter to the chat the page opened instead."""
+        try:
+            meter = self.context_meter(conversation_id)
+        except NotFound:
+            return gr.update(), gr.update(choices=self.conversation_choices())
+        return meter, gr.update(choices=self.conversation_choices(), value=conversation_id)
 
     def live_meter(self, turn: Turn):
         """The context meter while a reply streams: its prompt and the tokens written so far. A server's
@@ -236,7 +310,18 @@ class PagodaUI:
                     log.info("browser gone: stopping the reply in chat %s", conversation_id)
                     task.cancel()
 
-        threading.Timer(UNLOAD_GRACE_S, abort_unwatched).start()
+        timer = threading.Timer(UNLOAD_GRACE_S, abort_unwatched)
+        timer.daemon = True  # Pagoda exits without waiting for it: its replies end as interrupted anyway
+        timer.start()
+
+    def interrupt_replies(self, timeout: float = SHUTDOWN_WAIT_S) -> None:
+        """Pagoda is shutting down: every reply still streaming ends where it is, stored as interrupted."""
+        tasks = self.replies.running()
+        for task in tasks:
+            task.interrupt()
+        deadline = time.monotonic() + timeout
+        for task in tasks:
+            task.done.wait(max(0.0, deadline - time.monotonic()))
 
     def _title_from_first_message(self, conversation_id: int, text: str) -> None:
         conv = self.store.get(conversation_id)
@@ -296,22 +381,15 @@ class PagodaUI:
         yield from self.respond(conversation_id, user_text, system_prompt, temperature, top_p, top_k, min_p,
                                 repetition_penalty, max_tokens, request)
 
-    def export_files(self, conversation_id) -> tuple[str | None, str | None]:
-        """The chat as a Markdown and a JSON file, for the Export buttons to hold. A DownloadButton
-        downloads the file it holds at the click, before any handler of the click runs, so the files
-        are made whenever the chat changes (opened, answered, edited), never on the click: made on the
-        click, each download was the previous click's file, after a switch the previous chat's."""
-        if conversation_id is None:
-            return None, None
-        return self.export(conversation_id, "md"), self.export(conversation_id, "json")
-
     def export(self, conversation_id, kind: str) -> str:
+        """The chat as it is stored now, as a Markdown ("md") or JSON file named after its title."""
         if conversation_id is None:
             raise user_error("Open a chat to export it.")
+        conversation_id = int(conversation_id)
         title = self.store.get(conversation_id).title
         safe = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in title).strip() or "chat"
         text = self.store.export_markdown(conversation_id) if kind == "md" else self.store.export_json(conversation_id)
-        folder = self.export_dir / str(int(conversation_id))
+        folder = self.export_dir / str(conversation_id)
         folder.mkdir(exist_ok=True)
         for old in folder.glob(f"*.{kind}"):  # a renamed chat's file under its old title
             old.unlink()
@@ -327,21 +405,40 @@ class PagodaUI:
         parts = [backend.label, backend.quantization, backend.device_label()]
         return "**Pagoda** · " + " · ".join(p for p in parts if p)
 
-    def panels(self, query: str, request: gr.Request) -> tuple:
-        """The timer's refresh of the KV grid, the header and the chat titles, for one page.
+    def panels(self, query: str, request: gr.Request, conversation_id: int | None = None) -> tuple:
+        """The timer's refresh of the KV grid, the header, the chat titles and the open chat's Title field
+        (`conversation_id`'s), for one page.
 
         The grid is thousands of elements: it is rendered only while the page shows its tab. None of
-        the three is re-sent when unchanged since this page last got it. Titles refresh here so that
-        a new chat takes its title from the first message while its reply still streams."""
+        the four is re-sent when unchanged since this page last got it (so a title being typed in the Title
+        field stays). Titles refresh here so that a new chat takes its title from the first message while
+        its reply still streams, in the list and in the Title field alike."""
         session_hash = request.session_hash if request is not None else ""
         page = self.sessions.get(session_hash) or Session()
         sent_html, sent_header, sent_titles = page.panels_sent
         html = self.kv_panel() if page.kv_tab_open else sent_html  # rendered outside the lock: it takes a while
         header, titles = self.header(), self.conversation_choices(query or "")
+        open_title = self.title_of(conversation_id)
         with self.sessions.edit(session_hash) as session:
             session.panels_sent = (html, header, titles)
+            # Only for the chat the page shows now: a tick that read the chat open before a switch would put that
+            # chat's title in the field (and a Rename then gave it to this chat)
+            new_title = (open_title is not None and open_title[0] == session.viewing
+                         and open_title != session.title_sent)
+            if new_title:
+                session.title_sent = open_title
         return (gr.update() if html == sent_html else html, gr.update() if header == sent_header else header,
-                gr.update() if titles == sent_titles else gr.update(choices=titles))
+                gr.update() if titles == sent_titles else gr.update(choices=titles),
+                open_title[1] if new_title else gr.update())
+
+    def title_of(self, conversation_id: int | None) -> tuple[int, str] | None:
+        """(The chat, its title) as stored now; None for no chat, or one deleted."""
+        if conversation_id is None:
+            return None
+        try:
+            return int(conversation_id), self.store.get(int(conversation_id)).title
+        except NotFound:
+            return None
 
     def show_kv_tab(self, shown: bool, request: gr.Request) -> None:
         with self.sessions.edit(request.session_hash if request is not None else "") as session:
@@ -397,9 +494,11 @@ def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) ->
         # Events cross the parts (New chat reads the Chat tab's system prompt), so they are wired once all exist.
         wire_sidebar(ui, sidebar, chat.system)
         wire_chat_tab(ui, chat, sidebar, presets)
+        header.change(lambda: gr.update(**ui.think_switch()), None, chat.think, show_progress="hidden")
         demo.unload(ui.on_unload)
         timer = gr.Timer(0.5)
-        timer.tick(ui.panels, sidebar.search, [kv_html, header, sidebar.conversations], show_progress="hidden",
+        refreshed = [kv_html, header, sidebar.conversations, sidebar.title]
+        timer.tick(ui.panels, [sidebar.search, sidebar.current], refreshed, show_progress="hidden",
                    concurrency_limit=1, concurrency_id="panels")
         track_kv_tab(ui, kv_page, other_pages)
         load_first_view(demo, ui, sidebar, presets, js=PAGE_JS)
@@ -435,6 +534,9 @@ PAGE_JS = """
 
 
 def launch_kwargs() -> dict:
-    return {"css": visualizer_css() + CHAT_CSS, "theme": gr.themes.Soft()}
+    # No run history: Gradio kept every event's inputs (each prompt, deleted chats' too) in the browser's local
+    # storage and listed them under internal event names in a "Runs" page linked from the footer.
+    return {"css": visualizer_css() + CHAT_CSS, "theme": gr.themes.Soft(), "run_history": False,
+            "footer_links": ["api", "gradio", "settings"]}
 
 

@@ -7,6 +7,7 @@ import gradio as gr
 
 from app.backend import DEFAULT_SETTINGS
 from app.page import user_error
+from app.page.sidebar import SAME_AS_RENAME
 
 if TYPE_CHECKING:
     from app.page.sidebar import Sidebar
@@ -31,6 +32,17 @@ KEYS_JS = """
   });
 }
 """  # Esc presses Stop; runs as the page loads
+DOWNLOAD_JS = """
+(file) => {
+  if (!file?.url) { return; }
+  const link = document.createElement('a');
+  link.href = file.url;
+  link.download = file.orig_name || '';
+  document.body.appendChild(link);
+  link.click();
+  link.remove();
+}
+"""  # the browser saves the file an Export button made
 
 
 @dataclass
@@ -44,14 +56,16 @@ class ChatTab:
     stop_btn: gr.Button
     regen_btn: gr.Button
     edit_btn: gr.Button
-    md_btn: gr.DownloadButton
-    json_btn: gr.DownloadButton
+    md_btn: gr.Button
+    json_btn: gr.Button
+    export_file: gr.File  # the file an Export button just made, which the browser then downloads
     meter: gr.Markdown
     think: gr.Checkbox
     json_output: gr.Checkbox
     json_schema: gr.Code
     preset: gr.Dropdown
     system: gr.Textbox
+    system_of: gr.Number  # the chat whose system prompt the box shows: set with the box, so the two always agree
     preset_name: gr.Textbox
     save_preset_btn: gr.Button
     sliders: list[gr.Slider]
@@ -69,11 +83,13 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
         regen_btn = gr.Button("Regenerate", size="sm")
         edit_btn = gr.Button("Edit last message", size="sm")
-        md_btn = gr.DownloadButton("Export Markdown", size="sm")
-        json_btn = gr.DownloadButton("Export JSON", size="sm")
+        md_btn = gr.Button("Export Markdown", size="sm")
+        json_btn = gr.Button("Export JSON", size="sm")
+    export_file = gr.File(visible="hidden", elem_id="export-file")
     meter = gr.Markdown(elem_id="context-meter")
     with gr.Row():
-        think = gr.Checkbox(DEFAULT_SETTINGS["think"], label="Think", elem_id="think",
+        # Shown once a model that reasons serves (PagodaUI.think_switch)
+        think = gr.Checkbox(DEFAULT_SETTINGS["think"], label="Think", elem_id="think", visible=False,
                             info="Models that reason (Qwen3, DeepSeek-R1 distills) think before they answer")
         json_output = gr.Checkbox(DEFAULT_SETTINGS["json_output"], label="JSON output", elem_id="json-output",
                                   info="Replies are JSON objects; give a schema to hold them to it")
@@ -82,20 +98,29 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     with gr.Accordion("System prompt and sampling", open=False):
         preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
         system = gr.Textbox(label="System prompt", lines=3, elem_id="system-prompt")
+        system_of = gr.Number(visible=False, precision=0)
         with gr.Row():
             preset_name = gr.Textbox(label="Save as preset", placeholder="Preset name", scale=3)
             save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
         sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
                    for k, label, lo, hi, step in SLIDERS]
     return ChatTab(chatbot, overflow, overflow_row, drop_btn, fresh_btn, msg, stop_btn, regen_btn, edit_btn,
-                   md_btn, json_btn, meter, think, json_output, json_schema, preset, system, preset_name,
+                   md_btn, json_btn, export_file, meter, think, json_output, json_schema, preset, system, system_of,
+                   preset_name,
                    save_preset_btn, sliders)
 
 
 def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[str, str]) -> None:
     """The Chat tab's events. Opening a chat in the sidebar (`bar.current`) fills the tab and follows its reply;
     saving a preset adds it to `presets`."""
-    tab.preset.change(lambda name: presets.get(name, ""), tab.preset, tab.system)
+    # The chat keeps its system prompt as it is typed or picked, and the meter counts it. Saved for the chat the box
+    # shows (`system_of`), not the open chat's id: that one changes an event before the box does, on a switch.
+    # "always_last": one save at a time, then the latest text; blur saves at once when the user clicks away.
+    save = dict(fn=ui.save_system_prompt, inputs=[tab.system_of, tab.system], outputs=tab.meter,
+                show_progress="hidden")
+    tab.system.input(**save, trigger_mode="always_last")
+    tab.system.blur(**save, trigger_mode="multiple")
+    tab.preset.change(lambda name: presets.get(name, ""), tab.preset, tab.system).then(**save)
 
     def save_preset(name, prompt):
         if not name.strip():
@@ -106,15 +131,11 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
 
     tab.save_preset_btn.click(save_preset, [tab.preset_name, tab.system], [tab.preset, tab.preset_name])
 
-    exports = [tab.md_btn, tab.json_btn]  # they hold the open chat's files (PagodaUI.export_files says why)
     options = [tab.think, tab.json_output, tab.json_schema]
-    opened = [tab.chatbot, tab.system, *tab.sliders, tab.meter, bar.title, *exports, *options]
+    opened = [tab.chatbot, tab.system, tab.system_of, *tab.sliders, tab.meter, bar.title, *options]
     reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row, tab.meter]
     reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
-    refresh = dict(fn=lambda cid: (ui.context_meter(cid), gr.update(choices=ui.conversation_choices(), value=cid),
-                                   *ui.export_files(cid)),
-                   inputs=bar.current, outputs=[tab.meter, bar.conversations, *exports])
-    refresh_exports = dict(fn=ui.export_files, inputs=bar.current, outputs=exports)
+    refresh = dict(fn=ui.after_reply, inputs=bar.current, outputs=[tab.meter, bar.conversations])
     limit = ui.max_concurrent_chats
     # No status overlay on a reply's outputs: the streaming text shows progress itself, and an overlay
     # left on the message box (a reply whose following was cancelled by switching chats could leave
@@ -136,13 +157,21 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
         option.input(ui.set_chat_options, [bar.current, *options], None)
     tab.json_output.input(lambda on: gr.update(visible=on), tab.json_output, tab.json_schema)
     follow = opening.then(ui.follow, bar.current, reply_outputs, **quiet)
-    follow.then(**refresh_exports)
     # Editing stops the chat's reply (PagodaUI.edit_last), and this page stops drawing it first, so that
     # its last frame cannot land after the edited chat.
-    tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg], cancels=[send, regen, follow]).then(
-        **refresh_exports)
+    tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg], cancels=[send, regen, follow])
     tab.stop_btn.click(ui.stop_and_show, bar.current, [tab.chatbot, tab.meter], cancels=[send, regen, follow],
-                       api_name="stop").then(**refresh_exports)
+                       api_name="stop")
+
+    # The file is made at the click, from the chat chosen in the list: made when a chat opened, a click just
+    # after a switch (the chat still opening) or a rename downloaded the chat before, or the old title. The list's
+    # choice is read as the page has it (no preprocessing), as its own change does; `current` lags it by an event.
+    def export(kind: str):
+        return lambda chosen, opened: ui.export(chosen if chosen is not None else opened, kind)
+
+    for button, kind in ((tab.md_btn, "md"), (tab.json_btn, "json")):
+        button.click(export(kind), [bar.conversations, bar.current], tab.export_file, preprocess=False,
+                     show_progress="hidden", **SAME_AS_RENAME).then(None, tab.export_file, None, js=DOWNLOAD_JS)
 
     drop = tab.drop_btn.click(ui.drop_oldest_and_answer, reply_inputs, reply_outputs, **quiet)
     drop.then(**refresh)

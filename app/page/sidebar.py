@@ -4,8 +4,13 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
+from app.page import user_error
+
 if TYPE_CHECKING:
     from app.ui import PagodaUI
+
+# Rename and Export take turns, in the order they were clicked: an Export right after a Rename has the new title.
+SAME_AS_RENAME = dict(concurrency_id="rename-export", concurrency_limit=1)
 
 
 @dataclass
@@ -42,20 +47,20 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     bar.conversations.change(lambda cid: cid, bar.conversations, bar.current, preprocess=False)
     bar.search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), bar.search, bar.conversations)
     bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat")
-    bar.rename_btn.click(
-        lambda cid, t: (ui.store.rename(cid, t), gr.update(choices=ui.conversation_choices(), value=cid))[1],
-        [bar.current, bar.title], bar.conversations)
 
-    def delete(cid):
-        if cid is None:  # not confirmed (or no chat open): nothing changes
-            return gr.update()
-        ui.stop(cid)
-        ui.store.delete(cid)
-        choices = ui.conversation_choices()
-        return gr.update(choices=choices, value=choices[0][1] if choices else None)
+    def rename(chosen, opened, title):
+        cid = chosen if chosen is not None else opened
+        if cid is None:
+            raise user_error("Open a chat to rename it.")
+        ui.store.rename(int(cid), title)
+        return gr.update(choices=ui.conversation_choices(), value=cid)
+
+    # The chat chosen in the list, read as the page has it (as its change does): `current` follows it an event later
+    bar.rename_btn.click(rename, [bar.conversations, bar.current, bar.title], bar.conversations, preprocess=False,
+                         **SAME_AS_RENAME)
 
     # Deleting cannot be undone, so the browser asks first; a "no" sends no chat id.
-    bar.delete_btn.click(delete, bar.current, bar.conversations,
+    bar.delete_btn.click(ui.delete_chat, bar.current, bar.conversations, api_name="delete",
                          js="(cid) => (cid !== null && confirm('Delete this chat and all its messages? "
                             "This cannot be undone.')) ? cid : null")
 

@@ -68,14 +68,14 @@ def test_the_kv_grid_is_sent_only_to_a_page_showing_it_and_only_when_it_changed(
     monkeypatch.setattr(ui, "kv_panel", lambda: next(grids))
     page = SimpleNamespace(session_hash="page-1")
     unchanged = gr.update()
-    html, header, titles = ui.panels("", page)  # on the Chat tab: no grid rendered; header and titles once
+    html, header, titles, _title = ui.panels("", page)  # on the Chat tab: no grid rendered; header and titles once
     assert html == unchanged and "Pagoda" in header and titles["choices"] == ui.conversation_choices()
     ui.show_kv_tab(True, page)
-    assert ui.panels("", page) == ("<grid 1>", unchanged, unchanged)
-    assert ui.panels("", page) == (unchanged, unchanged, unchanged)  # the same grid again: nothing sent
+    assert ui.panels("", page) == ("<grid 1>", unchanged, unchanged, unchanged)
+    assert ui.panels("", page) == (unchanged,) * 4  # the same grid again: nothing sent
     assert ui.panels("", page)[0] == "<grid 2>"
     ui.show_kv_tab(False, page)
-    assert ui.panels("", page) == (unchanged, unchanged, unchanged)  # hidden: not even rendered (the iterator is spent)
+    assert ui.panels("", page) == (unchanged,) * 4  # hidden: not even rendered (the iterator is spent)
 
 
 def test_a_new_chat_takes_its_title_from_the_first_message_while_the_reply_streams(tmp_path):
