@@ -78,6 +78,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, "torch.Tensor | 
         if tied and name == "model.embed_tokens.weight" and hasattr(model.lm_head, "load_quantizable"):
             model.lm_head.load_quantizable(tensor, None)  # a quantized head keeps its own copy of the table
             loaded.add("lm_head.weight")
+        del tensor  # not held while the next one is read
     quantized = {f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "load_quantizable")}
     expected = {n for n in params if not (n == "lm_head.weight" and tied)} | quantized
     missing = sorted(expected - loaded)
