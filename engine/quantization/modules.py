@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quantization.kernels import DenseMatmul, Int8PackMatmul, choose_matmul, pack_nibbles, unpack_nibbles
+from engine.quantization.chooser import choose_matmul
+from engine.quantization.kernels import DenseMatmul, Int8PackMatmul, pack_nibbles, unpack_nibbles
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
 
 METHODS = ("int8", "int4")
