@@ -126,6 +126,29 @@ def test_packing_a_slab_of_rows_at_a_time_gives_the_bytes_of_packing_whole(cls, 
     check_kernel(sliced, qw, 3, BF16_BOUND)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: (Int4PackMatmul, make_weight(4, 64, 80, 32, True)),
+    lambda: (SplitInt4Matmul, make_weight(8, 64, 80, 32, True)),
+    lambda: (HalvesSplitInt4Matmul, _q6_k_like(64, 80)),
+    lambda: (Int8PackMatmul, make_weight(8, 64, 80, 80, False)),
+    lambda: (DequantMatmul, make_weight(4, 40, 80, 32, True)),
+    lambda: (DequantMatmul, _q6_k_like(40, 80)),
+], ids=["int4pack", "split", "halves-split", "int8pack", "dequant-4bit", "dequant-8bit"])
+def test_kernels_give_back_rows_of_their_weight(make):
+    """A tied embedding reads its rows from the head's kernel instead of holding the table again: the rows must be
+    the weight's, up to the bf16 rounding of scales and zeros where the kernel rounds them (exact in DequantMatmul)."""
+    cls, qw = make()
+    kernel = cls(qw, torch.float32)
+    ids = torch.tensor([0, qw.shape[0] - 1, 5, 5, 17])
+    rows = kernel.looked_up_rows(ids)
+    assert rows is not None and rows.dtype == torch.float32 and rows.shape == (len(ids), qw.shape[1])
+    exact = qw.dequantize()[ids]
+    if cls is DequantMatmul:
+        assert torch.equal(rows, exact)
+    else:  # a wrong nibble, row or term errs by the group's whole magnitude
+        assert ((rows - exact).abs() <= 2 * BF16_BOUND * group_magnitude(qw)[ids]).all()
+
+
 @pytest.fixture(scope="module")
 def native_kernels():
     """Pagoda's opt-in CPU kernel, built here (tens of seconds, once per machine); Linux CI has a compiler, so
@@ -578,10 +601,10 @@ def test_tied_model_bytes(method, ratio, tiny_llama, monkeypatch):
     held = llm.parameter_bytes()[0]
     assert held <= ratio * fp32_bytes, f"{held} bytes is {held / fp32_bytes:.3f}x float32"
     model = llm.model_runner.model
-    if method == "int8":  # the table is the head's codes, not a copy
-        head = model.lm_head.parts[0]
-        assert isinstance(head, Int8PackMatmul)
-        assert model.model.embed_tokens.table.data_ptr() == head.codes.data_ptr()
+    head, embedding = model.lm_head.parts[0], model.model.embed_tokens
+    assert isinstance(head, Int8PackMatmul)  # int8 under int4 too (head_method)
+    # the table is the head's codes, not a copy: the embedding reads its rows there
+    assert embedding.table is None and embedding.rows_from_head == head.looked_up_rows
     assert f"{method}:" in str(model)  # print(model) says what the weights are
 
 

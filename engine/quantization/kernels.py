@@ -111,6 +111,11 @@ class QuantizedMatmul(nn.Module):
         """The weight in bf16, rebuilt from this kernel's own layout; None where that is not known."""
         return None
 
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows `ids` (a vector) of the weight in float32, read from this kernel's own layout, so that a tied
+        embedding looks its rows up here instead of keeping a second copy of the table; None where the layout
+        does not say."""
+        return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Not inside a compiled decode step: its batch size is symbolic there, and the compiled graph
@@ -125,6 +130,17 @@ class QuantizedMatmul(nn.Module):
         group = "per row" if self.group_size >= self.in_features else f"groups of {self.group_size}"
         prefill = f", bf16 from {self.dense_from_rows} rows" if self.dense_from_rows else ""
         return f"{self.in_features} -> {self.out_features}, {self.source}: {self.bits}-bit, {group}{prefill}"
+
+
+def _dequantize_looked_up(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor | None,
+                          group: int, k: int) -> torch.Tensor:
+    """Looked-up rows of codes (4-bit ones packed two to a byte) with their scales and offsets, in float32."""
+    if bits == 4:
+        codes = unpack_nibbles(codes, k)
+    w = codes[:, :k].float() * scale.float().repeat_interleave(group, dim=1)[:, :k]
+    if offset is not None:
+        w += offset.float().repeat_interleave(group, dim=1)[:, :k]
+    return w
 
 
 class DequantMatmul(QuantizedMatmul):
@@ -145,6 +161,11 @@ class DequantMatmul(QuantizedMatmul):
         if self.offset is not None:
             w += self.offset[start:stop].repeat_interleave(g, dim=1)[:, :k]
         return w.to(self.dtype)
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return _dequantize_looked_up(self.codes[ids], self.bits, self.scale[ids],
+                                     None if self.offset is None else self.offset[ids], self.group_size,
+                                     self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
@@ -241,6 +262,18 @@ class Int4PackMatmul(QuantizedMatmul):
         w = (codes.to(torch.bfloat16) - 8) * scale + zero
         return w.view(n, k)[: self.out_features, : self.in_features]
 
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        if self.layout_block is None:
+            return None
+        block, k = self.layout_block, self.padded_k
+        blocks = self.packed.view(-1, k, block // 2)
+        within = ids % block  # rows of a block's first half sit in the low nibbles, of its second in the high ones
+        packed = blocks[ids // block, :, within % (block // 2)]
+        codes = torch.where((within >= block // 2)[:, None], packed >> 4, packed & 15)
+        scale, zero = self.scales_and_zeros[:, ids].float().unbind(-1)  # [groups, rows] each
+        w = (codes.float() - 8).view(len(ids), -1, self.group_size) * scale.T[..., None] + zero.T[..., None]
+        return w.view(len(ids), k)[:, : self.in_features]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _pad_columns(x.to(torch.bfloat16), self.padded_k)  # zero activations make the pad columns count nothing
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
@@ -264,6 +297,9 @@ class Int8PackMatmul(QuantizedMatmul):
 
     def dequantized_bf16(self) -> torch.Tensor:
         return self.codes.to(torch.bfloat16) * self.scale[:, None]
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.codes[ids].float() * self.scale[ids, None].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(self.dtype)
@@ -314,6 +350,12 @@ class SideBySideInt4Matmul(QuantizedMatmul):
         if w is None:
             return None
         return w.view(w.shape[0], self.count, self.term_k).sum(1)[:, : self.in_features]
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        w = self.joined.looked_up_rows(ids)
+        if w is None:
+            return None
+        return w.view(len(ids), self.count, self.term_k).sum(1)[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _pad_columns(x.to(torch.bfloat16), self.term_k)  # zero activations make the pad columns count nothing
@@ -407,6 +449,11 @@ class GroupedInt8Matmul(QuantizedMatmul):
         if self.offset is not None:
             w += self.offset.repeat_interleave(g, dim=1)[:, :k]
         return w.to(torch.bfloat16)
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return _dequantize_looked_up(self.codes[ids], 8, self.scale[ids],
+                                     None if self.offset is None else self.offset[ids], self.group_size,
+                                     self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x.float().contiguous(), self.codes, self.scale, self.offset, self.group_size).to(self.dtype)
