@@ -1,6 +1,8 @@
-"""Helpers shared by the quantization tests: random quantized weights, and comparing logprob rows."""
+"""Helpers shared by the quantization tests: random quantized weights, the float32 kernel alone, and comparing
+logprob rows."""
 import torch
 
+from engine.quantization.kernels import DequantMatmul
 from engine.quantization.layout import QuantizedWeight
 
 
@@ -30,3 +32,9 @@ def logprob_differences(got: list[dict], want: list[dict], min_common: int) -> l
         assert len(common) >= min_common, f"position {i}: top tokens {sorted(g)} vs {sorted(w)}"
         diffs += [abs(g[t] - w[t]) for t in common]
     return diffs
+
+
+def only_dequant(qw, device, dtype):
+    """A `kernels.candidates` offering the float32 DequantMatmul alone: the engine then computes with exactly the
+    dequantized weights."""
+    return {"DequantMatmul": lambda w: DequantMatmul(w, dtype)}

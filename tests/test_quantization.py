@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.quantization import kernels
+from engine.quantization import chooser, kernels
+from engine.quantization.chooser import choose_matmul
 from engine.quantization.kernels import (
     DenseMatmul,
     DequantMatmul,
@@ -30,12 +31,11 @@ from engine.quantization.kernels import (
     Int4PackMatmul,
     Int8PackMatmul,
     SplitInt4Matmul,
-    choose_matmul,
 )
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
 from engine.quantization.modules import KernelTarget, QuantizedLinear
 from engine.quantization.passes import head_method
-from tests.quantized_weights import logprob_differences
+from tests.quantized_weights import logprob_differences, only_dequant
 from tests.quantized_weights import random_quantized_weight as make_weight
 
 CPU = torch.device("cpu")
@@ -97,6 +97,56 @@ def test_halves_split_int4_matmul(rows, n, k):
     check_kernel(HalvesSplitInt4Matmul(qw, torch.float32), qw, rows, BF16_BOUND)
     wide = make_weight(8, n, k, 16, with_offset=False)  # codes beyond 6 bits: not this kernel's
     assert not HalvesSplitInt4Matmul.applies(wide, CPU)
+
+
+def _q6_k_like(n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    qw = make_weight(8, n, k, 16, with_offset=False, seed=seed)
+    qw.q = qw.q.clamp(-32, 31)
+    return qw
+
+
+def _int4pack_of(kernel) -> Int4PackMatmul:
+    return kernel if isinstance(kernel, Int4PackMatmul) else kernel.joined
+
+
+@pytest.mark.parametrize("n", [200, 256])  # 200: the last slab of rows is shorter than the others
+@pytest.mark.parametrize("cls", [Int4PackMatmul, SplitInt4Matmul, HalvesSplitInt4Matmul])
+def test_packing_a_slab_of_rows_at_a_time_gives_the_bytes_of_packing_whole(cls, n, monkeypatch):
+    """The int4 kernels pack their codes (SplitInt4Matmul and HalvesSplitInt4Matmul make their terms too) a slab
+    of rows at a time, so that no int32 copy of a whole weight is ever made: the bytes are those of one step."""
+    qw = {Int4PackMatmul: lambda: make_weight(4, n, 96, 32, True),
+          SplitInt4Matmul: lambda: make_weight(8, n, 96, 32, True),
+          HalvesSplitInt4Matmul: lambda: _q6_k_like(n, 96)}[cls]()
+    whole = _int4pack_of(cls(qw, torch.float32))  # this small weight packs in one step by default
+    monkeypatch.setattr(kernels, "PACK_SLAB_VALUES", 1)  # 64 rows a step
+    sliced = cls(qw, torch.float32)
+    packed = _int4pack_of(sliced)
+    assert torch.equal(packed.packed, whole.packed) and torch.equal(packed.scales_and_zeros, whole.scales_and_zeros)
+    assert packed.layout_block == whole.layout_block
+    check_kernel(sliced, qw, 3, BF16_BOUND)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (Int4PackMatmul, make_weight(4, 64, 80, 32, True)),
+    lambda: (SplitInt4Matmul, make_weight(8, 64, 80, 32, True)),
+    lambda: (HalvesSplitInt4Matmul, _q6_k_like(64, 80)),
+    lambda: (Int8PackMatmul, make_weight(8, 64, 80, 80, False)),
+    lambda: (DequantMatmul, make_weight(4, 40, 80, 32, True)),
+    lambda: (DequantMatmul, _q6_k_like(40, 80)),
+], ids=["int4pack", "split", "halves-split", "int8pack", "dequant-4bit", "dequant-8bit"])
+def test_kernels_give_back_rows_of_their_weight(make):
+    """A tied embedding reads its rows from the head's kernel instead of holding the table again: the rows must be
+    the weight's, up to the bf16 rounding of scales and zeros where the kernel rounds them (exact in DequantMatmul)."""
+    cls, qw = make()
+    kernel = cls(qw, torch.float32)
+    ids = torch.tensor([0, qw.shape[0] - 1, 5, 5, 17])
+    rows = kernel.looked_up_rows(ids)
+    assert rows is not None and rows.dtype == torch.float32 and rows.shape == (len(ids), qw.shape[1])
+    exact = qw.dequantize()[ids]
+    if cls is DequantMatmul:
+        assert torch.equal(rows, exact)
+    else:  # a wrong nibble, row or term errs by the group's whole magnitude
+        assert ((rows - exact).abs() <= 2 * BF16_BOUND * group_magnitude(qw)[ids]).all()
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +231,10 @@ def test_kernels_apply_only_where_their_layout_fits():
     assert not Int8PackMatmul.applies(make_weight(8, 16, 64, 32, False), CPU)  # grouped, not per row
     assert not SplitInt4Matmul.applies(make_weight(8, 16, 96, 16, False), CPU)  # Q6_K's groups of 16
     assert not Int4PackMatmul.applies(make_weight(4, 16, 64, 32, True), torch.device("meta"))
-    makers = kernels.candidates(make_weight(8, 16, 96, 16, False), CPU, torch.float32)
-    assert isinstance(makers[-1](), DequantMatmul)  # the fallback, and otherwise only Pagoda's own kernel
-    assert [type(make()) for make in makers[:-1]] in ([], [GroupedInt8Matmul])
+    qw = make_weight(8, 16, 96, 16, False)
+    builders = list(kernels.candidates(qw, CPU, torch.float32).values())
+    assert isinstance(builders[-1](qw), DequantMatmul)  # the fallback, and otherwise only Pagoda's own kernel
+    assert [type(build(qw)) for build in builders[:-1]] in ([], [GroupedInt8Matmul])
 
 
 # ---- QuantizedLinear: shards of mixed layouts --------------------------------------------------------------------
@@ -229,7 +280,7 @@ def test_quantized_linear_with_mixed_shards_and_bias(onednn, monkeypatch):
         torch.testing.assert_close(got, reference, atol=0.02 * reference.abs().max().item(), rtol=0)
 
     # with every quantized run forced onto the float32 kernel, it is float32-exact
-    monkeypatch.setattr(kernels, "candidates", lambda qw, device, dtype: [lambda: DequantMatmul(qw, dtype)])
+    monkeypatch.setattr(kernels, "candidates", only_dequant)
     exact = QuantizedLinear(k, [s.shape[0] for s in shards], bias, None, 64, KernelTarget(CPU, torch.float32, False))
     for i, s in enumerate(shards):
         exact.load_quantizable(s, i)
@@ -280,7 +331,7 @@ class _Raises(torch.nn.Module):
 
 @pytest.fixture
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(kernels, "_CHOICES", {})  # each test measures afresh
+    monkeypatch.setattr(chooser, "_CHOICES", {})  # each test measures afresh
 
 
 @pytest.mark.parametrize("kind", ["scale", "tail"])
@@ -293,10 +344,10 @@ def test_choose_matmul_never_picks_a_kernel_that_disagrees(kind, monkeypatch, fr
     wrong_made = []
 
     def candidates(qw, device, dtype):
-        def wrong():
+        def wrong(w):
             wrong_made.append(1)
-            return _Wrong(qw, kind)
-        return [wrong, lambda: DequantMatmul(qw, dtype)]
+            return _Wrong(w, kind)
+        return {"wrong": wrong, "DequantMatmul": lambda w: DequantMatmul(w, dtype)}
 
     monkeypatch.setattr(kernels, "candidates", candidates)
     torch.manual_seed(0)  # choose_matmul's probe row
@@ -311,7 +362,7 @@ def test_choose_matmul_falls_back_when_a_candidate_raises(monkeypatch, fresh_cho
     qw = quantize_int4(torch.randn(48, 256) * 0.1, 64)
     real = kernels.candidates
     monkeypatch.setattr(kernels, "candidates",
-                        lambda qw, device, dtype: [lambda: _Raises(qw), *real(qw, device, dtype)])
+                        lambda qw, device, dtype: {"raises": _Raises, **real(qw, device, dtype)})
     chosen = choose_matmul(qw, CPU, torch.float32)
     assert type(chosen) in (Int4PackMatmul, DequantMatmul)
     check_kernel(chosen, qw, 3, BF16_BOUND)
@@ -320,7 +371,7 @@ def test_choose_matmul_falls_back_when_a_candidate_raises(monkeypatch, fresh_cho
 def test_choose_matmul_without_any_working_kernel_names_the_weight(monkeypatch, fresh_choices):
     qw = quantize_int4(torch.randn(48, 256) * 0.1, 64)
     monkeypatch.setattr(kernels, "candidates",
-                        lambda qw, device, dtype: [lambda: _Raises(qw), lambda: _Wrong(qw, "scale")])
+                        lambda qw, device, dtype: {"raises": _Raises, "wrong": lambda w: _Wrong(w, "scale")})
     with pytest.raises(RuntimeError, match=r"no kernel multiplies a int4 weight of shape \(48, 256\)"):
         choose_matmul(qw, CPU, torch.float32)
 
@@ -454,8 +505,8 @@ def dequantized_copy(src: Path, dst: Path, method: str, group_size: int) -> Path
 def forced_dequant(monkeypatch):
     """Every quantized weight on the float32 DequantMatmul: the engine then computes with exactly the
     dequantized weights, so it must equal a float32 model holding them up to summation order."""
-    monkeypatch.setattr(kernels, "_CHOICES", {})
-    monkeypatch.setattr(kernels, "candidates", lambda qw, device, dtype: [lambda: DequantMatmul(qw, dtype)])
+    monkeypatch.setattr(chooser, "_CHOICES", {})
+    monkeypatch.setattr(kernels, "candidates", only_dequant)
 
 
 @pytest.fixture(scope="module")
@@ -542,26 +593,26 @@ def test_tied_model_bytes(method, ratio, tiny_llama, monkeypatch):
     scale and zero per group of 64 in the kernels, the table's own codes apart, about 0.18x.
     These are the packed kernels' layouts: a loaded CI machine once timed the dequantizing fallback
     faster at these tiny shapes (0.32x and 0.24x), so the timer ranks it last here."""
-    monkeypatch.setattr(kernels, "_CHOICES", {})
-    monkeypatch.setattr(kernels, "_seconds_per_call",
+    monkeypatch.setattr(chooser, "_CHOICES", {})
+    monkeypatch.setattr(chooser, "_seconds_per_call",
                         lambda kernel, x, calls=20: 1.0 if isinstance(kernel, DequantMatmul) else 0.5)
     fp32_bytes = 4 * sum(t.numel() for f in tiny_llama.glob("*.safetensors") for t in load_file(f).values())
     llm = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, quantization=method)
     held = llm.parameter_bytes()[0]
     assert held <= ratio * fp32_bytes, f"{held} bytes is {held / fp32_bytes:.3f}x float32"
     model = llm.model_runner.model
-    if method == "int8":  # the table is the head's codes, not a copy
-        head = model.lm_head.parts[0]
-        assert isinstance(head, Int8PackMatmul)
-        assert model.model.embed_tokens.table.data_ptr() == head.codes.data_ptr()
+    head, embedding = model.lm_head.parts[0], model.model.embed_tokens
+    assert isinstance(head, Int8PackMatmul)  # int8 under int4 too (head_method)
+    # the table is the head's codes, not a copy: the embedding reads its rows there
+    assert embedding.table is None and embedding.rows_from_head == head.looked_up_rows
     assert f"{method}:" in str(model)  # print(model) says what the weights are
 
 
 def test_print_model_and_stats_name_the_kernels(tiny_qwen2, monkeypatch):
     # Kernels are chosen by timing, and a loaded machine once timed the slab fallback faster at these tiny
     # shapes: a timer that ranks it last (and no choices left from earlier tests) makes the names certain.
-    monkeypatch.setattr(kernels, "_CHOICES", {})
-    monkeypatch.setattr(kernels, "_seconds_per_call",
+    monkeypatch.setattr(chooser, "_CHOICES", {})
+    monkeypatch.setattr(chooser, "_seconds_per_call",
                         lambda kernel, x, calls=20: 1.0 if isinstance(kernel, DequantMatmul) else 0.5)
     llm = LLM(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=64, quantization="int4",
               quantization_group_size=32)

@@ -8,8 +8,8 @@
 
 Every block type a Llama/Qwen file uses is codes times a per-group scale plus a per-group offset
 (engine/quantization/layout.py), so each tensor is repacked into that layout exactly: its
-`dequantize()` equals llama.cpp's dequantization bit for bit. Tensors are decoded one at a time,
-vectorised over whole tensors, so loading needs about one tensor's memory beyond the result.
+`dequantize()` equals llama.cpp's dequantization bit for bit. Tensors are read and decoded one at a
+time, a few MB of rows per step, so loading needs little beyond the tensor being decoded.
 
 `resolve_gguf(model)` says whether a model string names a GGUF: a `.gguf` path, a folder holding one,
 `owner/repo/file.gguf` on the hub, or `owner/repo:Q4_K_M` (a quant tag, as llama.cpp and Ollama write it).
@@ -74,13 +74,31 @@ class _Entry:
     heads: int | None  # llama's q/k rows were interleaved per head by llama.cpp: undo with this many heads
 
 
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    type_name: str
+    shape: tuple[int, ...]  # rows first, as torch has it
+    offset: int  # of its bytes in the file
+    n_bytes: int
+
+
 class GGUFCheckpoint:
-    """One GGUF file, memory-mapped; metadata at hand, tensors decoded on demand."""
+    """One GGUF file: metadata at hand, tensors read from the file and decoded on demand.
+
+    gguf-py's reader parses the whole header into numpy views, one or two per element of every array: 136 MB for
+    SmolLM2's 49k-token vocabulary, three times that for a 150k one. What loading needs of it (the metadata's
+    values, the tensors' places, Llama 3's rope factors) is copied out here and the reader let go, so that it is
+    not held beside the weights while they load."""
 
     def __init__(self, path: Path, reader: Any) -> None:
         self.path = path
-        self._reader = reader
-        self._gguf_names = {t.name for t in reader.tensors}
+        self._fields = {key: field.contents() for key, field in reader.fields.items()}
+        self._tensors = [_TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
+                                     int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+        self._gguf_names = {t.name for t in self._tensors}
+        self._rope_freqs = next((np.array(t.data, dtype=np.float64) for t in reader.tensors
+                                 if t.name == "rope_freqs.weight"), None)
         self.architecture: str = self._field("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{path.name} is a GGUF of architecture {self.architecture!r}; Pagoda runs "
@@ -116,8 +134,8 @@ class GGUFCheckpoint:
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """One metadata value (`llama.context_length`, `tokenizer.chat_template`, ...), or `default`."""
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        value = self._fields.get(key)
+        return default if value is None else value
 
     def _field(self, key: str) -> Any:
         value = self.metadata(key)
@@ -207,10 +225,9 @@ class GGUFCheckpoint:
                 raise ValueError(f"{self.path.name} uses rope scaling {kind!r}; Pagoda supports linear and Llama 3 "
                                  "scaling. Use another file of this model.")
             return {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
-        if "rope_freqs.weight" not in self._gguf_names:
+        if self._rope_freqs is None:
             return None
-        tensor = next(t for t in self._reader.tensors if t.name == "rope_freqs.weight")
-        return _llama3_rope(np.asarray(tensor.data, dtype=np.float64), theta, self.path.name)
+        return _llama3_rope(self._rope_freqs, theta, self.path.name)
 
     # tensors
 
@@ -219,8 +236,8 @@ class GGUFCheckpoint:
                  int(self.metadata(f"{self.architecture}.attention.head_count_kv")
                      or self._field(f"{self.architecture}.attention.head_count")))
         plan, unsupported = [], []
-        for t in self._reader.tensors:
-            type_name = t.tensor_type.name
+        for t in self._tensors:
+            type_name = t.type_name
             if type_name not in SUPPORTED_TYPES:
                 unsupported.append(f"{t.name} ({type_name})")
             if t.name in _CONFIG_TENSORS:
@@ -250,15 +267,34 @@ class GGUFCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """`(hf_name, value)` for every weight, one tensor decoded at a time: a torch tensor in the file's
-        dtype for F32/F16/BF16, a QuantizedWeight for the block types."""
-        by_name = {t.name: t for t in self._reader.tensors}
-        for entry in self._plan:
-            t = by_name[entry.gguf_name]
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the fastest dimension first
-            value = decode(np.asarray(t.data), entry.type_name, shape)
-            if entry.heads is not None:
-                value = _unpermute_heads(value, entry.heads)
-            yield entry.hf_name, value
+        dtype for F32/F16/BF16, a QuantizedWeight for the block types.
+
+        The bytes are read from the file, not through a memory map: every mapped page read stays in the
+        process's resident memory while the map lives, which counted the whole file again beside the weights."""
+        by_name = {t.name: t for t in self._tensors}
+        with open(self.path, "rb") as file:
+            for entry in self._plan:
+                t = by_name[entry.gguf_name]
+                value = decode(_FileBytes(file, t.offset, t.n_bytes), entry.type_name, t.shape)
+                if entry.heads is not None:
+                    value = _unpermute_heads(value, entry.heads)
+                yield entry.hf_name, value
+                del value  # not held while the next tensor decodes
+
+
+class _FileBytes:
+    """One tensor's stored bytes in an open file, read a range at a time."""
+
+    def __init__(self, file: Any, offset: int, size: int) -> None:
+        self.file, self.offset, self.size = file, offset, size
+
+    def read(self, start: int, stop: int) -> torch.Tensor:
+        """Bytes [start, stop) of the tensor as a uint8 tensor."""
+        out = torch.empty(stop - start, dtype=torch.uint8)
+        self.file.seek(self.offset + start)
+        if self.file.readinto(out.numpy()) != stop - start:
+            raise RuntimeError(f"{self.file.name} ended inside a tensor; the file is incomplete: re-download it")
+        return out
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -383,15 +419,14 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0":
              "Q6_K": _q6_k}
 
 
-def decode(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
-    """One tensor's stored bytes (as GGUFReader maps them) in Pagoda's form: a float tensor of `shape` in
-    its own dtype, or a QuantizedWeight with `shape` [N, K] for a block type."""
+DECODE_SLAB_BYTES = 1 << 20  # stored bytes decoded per step: the decoders' temporaries stay a few times this
+
+
+def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
+    """One tensor's stored bytes in Pagoda's form: a float tensor of `shape` in its own dtype, or a
+    QuantizedWeight with `shape` [N, K] for a block type, decoded a slab of rows at a time."""
     if type_name in FLOAT_TYPES:
-        dtype = FLOAT_TYPES[type_name]
-        raw = torch.from_numpy(np.array(data, copy=True)).view(-1)
-        if raw.dtype != dtype:  # BF16 arrives as raw bytes
-            raw = raw.view(torch.uint8).view(dtype)
-        return raw.view(shape)
+        return data.read(0, data.size).view(FLOAT_TYPES[type_name]).view(shape)
     if type_name not in _DECODERS:
         raise ValueError(f"GGUF type {type_name} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
     block_bytes, block_values, bits, group = QUANT_TYPES[type_name]
@@ -401,11 +436,22 @@ def decode(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Te
     if cols % block_values:
         raise ValueError(f"a {type_name} tensor's rows hold whole {block_values}-value blocks, but it has {cols} "
                          "columns; the file is corrupt")
-    blocks = torch.from_numpy(np.array(data, copy=True)).view(-1, block_bytes)
-    codes, scale, offset = _DECODERS[type_name](blocks)
-    groups = cols // group
-    return QuantizedWeight(bits, codes.reshape(rows, cols), scale.reshape(rows, groups),
-                           None if offset is None else offset.reshape(rows, groups), group, type_name)
+    row_bytes, groups = cols // block_values * block_bytes, cols // group
+    step = max(1, DECODE_SLAB_BYTES // row_bytes)
+    codes = scale = offset = None
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        blocks = data.read(start * row_bytes, stop * row_bytes).view(-1, block_bytes)
+        part_codes, part_scale, part_offset = _DECODERS[type_name](blocks)
+        if codes is None:
+            codes = torch.empty(rows, cols, dtype=part_codes.dtype)
+            scale = torch.empty(rows, groups)
+            offset = None if part_offset is None else torch.empty(rows, groups)
+        codes[start:stop] = part_codes.reshape(stop - start, cols)
+        scale[start:stop] = part_scale.reshape(stop - start, groups)
+        if offset is not None:
+            offset[start:stop] = part_offset.reshape(stop - start, groups)
+    return QuantizedWeight(bits, codes, scale, offset, group, type_name)
 
 
 # finding a GGUF model

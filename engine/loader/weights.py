@@ -76,8 +76,12 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, "torch.Tensor | 
             continue
         _load_one(model, params, packed, name, tensor, loaded)
         if tied and name == "model.embed_tokens.weight" and hasattr(model.lm_head, "load_quantizable"):
-            model.lm_head.load_quantizable(tensor, None)  # a quantized head keeps its own copy of the table
+            model.lm_head.load_quantizable(tensor, None)  # a quantized head builds its own kernel over the table
             loaded.add("lm_head.weight")
+            embedding = _find_module(model, "model.embed_tokens")
+            if hasattr(embedding, "finalize"):  # it may read its rows from that kernel: then its copy goes now
+                embedding.finalize(model.lm_head)
+        del tensor  # not held while the next one is read
     quantized = {f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "load_quantizable")}
     expected = {n for n in params if not (n == "lm_head.weight" and tied)} | quantized
     missing = sorted(expected - loaded)

@@ -1,6 +1,6 @@
 """The ways to multiply by one weight: each a module that holds the weight in the layout its kernel
-reads, so `print(model)` shows what runs. `choose_matmul` builds the candidates that apply to a
-weight, checks each against the dequantized reference and keeps the fastest at decode's one row.
+reads, so `print(model)` shows what runs. `candidates` names those that apply to a weight; chooser.py
+measures them and keeps the fastest that agrees with the dequantized reference.
 
 CPU candidates (measured on a 2-core AVX-512 machine, one row, bf16 activations; bench/RESULTS.md):
 PyTorch's own weight-only kernels read 4- and 8-bit codes at about twice the speed oneDNN reads
@@ -22,9 +22,8 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
 On NVIDIA GPUs: TritonQuantMatmul, Pagoda's Triton dequant-GEMV and GEMM (or tinygemm where it
 measures faster), any layout.
 """
-import logging
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +34,26 @@ from engine.quantization import native
 from engine.quantization.layout import QuantizedWeight
 from engine.tracing import tracing_decode_step
 
-log = logging.getLogger("engine")
-
 INT4PACK_GROUPS = (32, 64, 128, 256)
 DEQUANT_SLAB_BYTES = 8 << 20  # rows dequantized per step of DequantMatmul: a few MB stay in cache
+# Codes packed per step for PyTorch's int4 kernel, in whole 64-row blocks: its packing op wants int32 codes, so
+# packing a whole weight at once took 4 bytes a weight (1.5 GB for a 150k-token table) on top of the weight.
+PACK_SLAB_VALUES = 2 << 20
+
+
+@dataclass(frozen=True)
+class WeightOutline:
+    """What a kernel module records of its weight, for a weight that is never whole in memory (SideBySideInt4Matmul's
+    joined terms, made a slab of rows at a time)."""
+
+    shape: tuple[int, int]
+    bits: int
+    group_size: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bits != 4:
+            raise ValueError(f"outlines describe the 4-bit weights of joined terms, not {self.bits}-bit ones")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -87,13 +102,19 @@ class QuantizedMatmul(nn.Module):
     # than they lose (measured per shape by `choose_prefill_rows`; None: never).
     dense_from_rows: int | None = None
 
-    def __init__(self, qw: QuantizedWeight):
+    def __init__(self, qw: QuantizedWeight | WeightOutline):
         super().__init__()
         self.out_features, self.in_features = qw.shape
         self.bits, self.group_size, self.source = qw.bits, qw.group_size, qw.source
 
     def dequantized_bf16(self) -> torch.Tensor | None:
         """The weight in bf16, rebuilt from this kernel's own layout; None where that is not known."""
+        return None
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows `ids` (a vector) of the weight in float32, read from this kernel's own layout, so that a tied
+        embedding looks its rows up here instead of keeping a second copy of the table; None where the layout
+        does not say."""
         return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,6 +130,17 @@ class QuantizedMatmul(nn.Module):
         group = "per row" if self.group_size >= self.in_features else f"groups of {self.group_size}"
         prefill = f", bf16 from {self.dense_from_rows} rows" if self.dense_from_rows else ""
         return f"{self.in_features} -> {self.out_features}, {self.source}: {self.bits}-bit, {group}{prefill}"
+
+
+def _dequantize_looked_up(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor | None,
+                          group: int, k: int) -> torch.Tensor:
+    """Looked-up rows of codes (4-bit ones packed two to a byte) with their scales and offsets, in float32."""
+    if bits == 4:
+        codes = unpack_nibbles(codes, k)
+    w = codes[:, :k].float() * scale.float().repeat_interleave(group, dim=1)[:, :k]
+    if offset is not None:
+        w += offset.float().repeat_interleave(group, dim=1)[:, :k]
+    return w
 
 
 class DequantMatmul(QuantizedMatmul):
@@ -130,6 +162,11 @@ class DequantMatmul(QuantizedMatmul):
             w += self.offset[start:stop].repeat_interleave(g, dim=1)[:, :k]
         return w.to(self.dtype)
 
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return _dequantize_looked_up(self.codes[ids], self.bits, self.scale[ids],
+                                     None if self.offset is None else self.offset[ids], self.group_size,
+                                     self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
         if self.out_features <= self.slab:
@@ -138,12 +175,14 @@ class DequantMatmul(QuantizedMatmul):
                           for start in range(0, self.out_features, self.slab)], dim=-1)
 
 
-def _int4pack_scales_and_zeros(scale: torch.Tensor, offset: torch.Tensor | None, n: int) -> torch.Tensor:
-    """PyTorch's int4 kernels compute w = (q - 8) * scale + zero: zero = offset + 8 * scale,
-    as [groups, N, 2] in bf16, padded with zero rows to `n`."""
+def _write_int4pack_scales_and_zeros(out: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> None:
+    """PyTorch's int4 kernels compute w = (q - 8) * scale + zero: zero = offset + 8 * scale, written into `out`
+    ([groups, rows, 2] bf16) for the first `scale.shape[0]` rows and groups, zero elsewhere."""
+    rows, groups = scale.shape
+    if (groups, rows) != out.shape[:2]:
+        out.zero_()
     zero = 8 * scale if offset is None else offset + 8 * scale
-    pairs = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # [groups, N, 2]
-    return F.pad(pairs, (0, 0, 0, n - scale.shape[0])).to(torch.bfloat16).contiguous()
+    out[:groups, :rows] = torch.stack((scale, zero), dim=-1).transpose(0, 1)
 
 
 def _unpack_int4pack(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
@@ -164,6 +203,40 @@ def _int4pack_block(packed: torch.Tensor, codes: torch.Tensor) -> int | None:
     return None
 
 
+def _pack_int4(rows: Callable[[int, int], QuantizedWeight], n: int, k: int,
+               group: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """PyTorch's int4 packing of an [n, k] weight (k a whole number of groups), its bf16 scales and zeros, and the
+    layout's row block (None where it is not one known block throughout), a slab of rows at a time. The packing
+    moves rows within blocks of at most 64, so slabs of whole 64-row blocks pack to the same bytes as the whole
+    weight; where the first slab's layout is not a known one (another torch version or CPU), the weight is packed
+    in one step instead, as that is then the only safe way."""
+    padded_n = _round_up(n, 16)
+    step = max(64, PACK_SLAB_VALUES // k // 64 * 64)
+    packed = torch.empty(padded_n, k // 2, dtype=torch.uint8)
+    scales_and_zeros = torch.empty(k // group, padded_n, 2, dtype=torch.bfloat16)
+    block = None
+    start = 0
+    while start < padded_n:
+        stop = min(start + step, padded_n)
+        part = rows(start, min(stop, n) - start)
+        if part.shape == (stop - start, k):
+            codes = part.q.to(torch.int32)
+        else:  # zero codes in the pad rows and columns, which zero scales and activations make count nothing
+            codes = torch.zeros(stop - start, k, dtype=torch.int32)
+            codes[: part.shape[0], : part.shape[1]] = part.q
+        packed[start:stop] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        _write_int4pack_scales_and_zeros(scales_and_zeros[:, start:stop], part.scale, part.offset)
+        if start == 0:
+            block = _int4pack_block(packed[:stop], codes)
+            if block is None and stop < padded_n:
+                step = padded_n
+                continue  # pack it again, whole
+        elif stop == padded_n and stop - start < step and block != _int4pack_block(packed[start:stop], codes):
+            block = None  # a shorter last slab packed in other blocks: one block size does not read it all
+        start = stop
+    return packed, scales_and_zeros, block if block is not None and padded_n % block == 0 else None
+
+
 class Int4PackMatmul(QuantizedMatmul):
     """4-bit codes in PyTorch's CPU int4 layout; scales and zeros are rounded to bf16."""
 
@@ -171,18 +244,14 @@ class Int4PackMatmul(QuantizedMatmul):
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         return device.type == "cpu" and qw.bits == 4 and qw.group_size in INT4PACK_GROUPS
 
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+    def __init__(self, qw: QuantizedWeight | WeightOutline, dtype: torch.dtype,
+                 rows: Callable[[int, int], QuantizedWeight] | None = None):
+        """`rows(start, count)` gives the weight's rows in that range where `qw` only outlines it; it is not kept."""
         super().__init__(qw)
         self.dtype = dtype
-        n, k = _round_up(qw.shape[0], 16), _round_up(qw.shape[1], qw.group_size)
-        self.padded_k = k
-        codes = F.pad(qw.q.to(torch.int32), (0, k - qw.shape[1], 0, n - qw.shape[0]))
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        groups = k // qw.group_size
-        scale = F.pad(qw.scale, (0, groups - qw.scale.shape[1]))
-        offset = None if qw.offset is None else F.pad(qw.offset, (0, groups - qw.offset.shape[1]))
-        self.scales_and_zeros = _int4pack_scales_and_zeros(scale, offset, n)
-        self.layout_block = _int4pack_block(self.packed, codes)
+        self.padded_k = _round_up(qw.shape[1], qw.group_size)
+        self.packed, self.scales_and_zeros, self.layout_block = _pack_int4(rows or qw.rows, qw.shape[0],
+                                                                           self.padded_k, qw.group_size)
 
     def dequantized_bf16(self) -> torch.Tensor | None:
         if self.layout_block is None:
@@ -192,6 +261,18 @@ class Int4PackMatmul(QuantizedMatmul):
         scale, zero = self.scales_and_zeros.transpose(0, 1).unsqueeze(-1).unbind(2)
         w = (codes.to(torch.bfloat16) - 8) * scale + zero
         return w.view(n, k)[: self.out_features, : self.in_features]
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        if self.layout_block is None:
+            return None
+        block, k = self.layout_block, self.padded_k
+        blocks = self.packed.view(-1, k, block // 2)
+        within = ids % block  # rows of a block's first half sit in the low nibbles, of its second in the high ones
+        packed = blocks[ids // block, :, within % (block // 2)]
+        codes = torch.where((within >= block // 2)[:, None], packed >> 4, packed & 15)
+        scale, zero = self.scales_and_zeros[:, ids].float().unbind(-1)  # [groups, rows] each
+        w = (codes.float() - 8).view(len(ids), -1, self.group_size) * scale.T[..., None] + zero.T[..., None]
+        return w.view(len(ids), k)[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _pad_columns(x.to(torch.bfloat16), self.padded_k)  # zero activations make the pad columns count nothing
@@ -217,6 +298,9 @@ class Int8PackMatmul(QuantizedMatmul):
     def dequantized_bf16(self) -> torch.Tensor:
         return self.codes.to(torch.bfloat16) * self.scale[:, None]
 
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.codes[ids].float() * self.scale[ids, None].float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(self.dtype)
 
@@ -224,32 +308,54 @@ class Int8PackMatmul(QuantizedMatmul):
 class SideBySideInt4Matmul(QuantizedMatmul):
     """A weight that is a sum of 4-bit terms over the same columns, W = W_1 + ... + W_r, multiplied
     as one int4 product: x W^T = [x | ... | x] [W_1 | ... | W_r]^T. One kernel call reads the bytes r
-    calls would, for less: at one row on 2 cores, 21 against 35 us at 576 x 576 (bench/RESULTS.md)."""
+    calls would, for less: at one row on 2 cores, 21 against 35 us at 576 x 576 (bench/RESULTS.md).
+    Subclasses say how a weight splits into its `count` terms (`terms`, or `joined_terms` directly); the joined
+    terms are made and packed a slab of rows at a time, so they are never whole in memory beside the packed copy."""
 
-    def __init__(self, qw: QuantizedWeight, terms: list[QuantizedWeight], dtype: torch.dtype):
+    count: int
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
         super().__init__(qw)
         self.dtype = dtype
+        first = self.joined_terms(qw.rows(0, 1))
         # Each term's columns padded to whole groups, so that every group of the joined weight is one term's.
-        self.term_k = _round_up(terms[0].shape[1], terms[0].group_size)
-        self.count = len(terms)
+        self.term_k = first.shape[1] // self.count
+        outline = WeightOutline((qw.shape[0], first.shape[1]), 4, first.group_size, qw.source)
+        self.joined = Int4PackMatmul(outline, dtype,
+                                     rows=lambda start, count: self.joined_terms(qw.rows(start, count)))
 
-        def padded(t: QuantizedWeight) -> QuantizedWeight:
-            groups = self.term_k // t.group_size
-            pad = lambda m: F.pad(m, (0, groups - m.shape[1]))
-            return QuantizedWeight(4, F.pad(t.q, (0, self.term_k - t.shape[1])), pad(t.scale),
-                                   None if t.offset is None else pad(t.offset), t.group_size, t.source)
+    def terms(self, qw: QuantizedWeight) -> list[QuantizedWeight]:
+        """4-bit weights over `qw`'s columns, in groups the int4 kernel takes, that sum to `qw`."""
+        raise NotImplementedError
 
-        parts = [padded(t) for t in terms]
-        offsets = [p.offset if p.offset is not None else torch.zeros_like(p.scale) for p in parts]
-        joined = QuantizedWeight(4, torch.cat([p.q for p in parts], 1), torch.cat([p.scale for p in parts], 1),
-                                 torch.cat(offsets, 1), terms[0].group_size, qw.source)
-        self.joined = Int4PackMatmul(joined, dtype)
+    def joined_terms(self, qw: QuantizedWeight) -> QuantizedWeight:
+        """[W_1 | ... | W_r] for `qw`'s rows, each term's columns padded with zero codes, scales and offsets to
+        whole groups."""
+        terms = self.terms(qw)
+        rows, group = qw.shape[0], terms[0].group_size
+        k = _round_up(terms[0].shape[1], group)
+        codes = torch.zeros(rows, self.count, k, dtype=torch.uint8)
+        scale = torch.zeros(rows, self.count, k // group)
+        offset = torch.zeros(rows, self.count, k // group)
+        for i, t in enumerate(terms):
+            codes[:, i, : t.shape[1]] = t.q
+            scale[:, i, : t.scale.shape[1]] = t.scale
+            if t.offset is not None:
+                offset[:, i, : t.offset.shape[1]] = t.offset
+        return QuantizedWeight(4, codes.view(rows, -1), scale.view(rows, -1), offset.view(rows, -1), group,
+                               self.source)
 
     def dequantized_bf16(self) -> torch.Tensor | None:
         w = self.joined.dequantized_bf16()
         if w is None:
             return None
         return w.view(w.shape[0], self.count, self.term_k).sum(1)[:, : self.in_features]
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        w = self.joined.looked_up_rows(ids)
+        if w is None:
+            return None
+        return w.view(len(ids), self.count, self.term_k).sum(1)[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _pad_columns(x.to(torch.bfloat16), self.term_k)  # zero activations make the pad columns count nothing
@@ -260,16 +366,18 @@ class SplitInt4Matmul(SideBySideInt4Matmul):
     """8-bit codes in groups the int4 kernel takes, as two exact 4-bit terms: a code c in -128..127 is
     16 * hi + lo - 128 with hi, lo in 0..15, so w = 16s * hi + s * lo + (offset - 128s)."""
 
+    count = 2
+
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         return device.type == "cpu" and qw.bits == 8 and qw.group_size in INT4PACK_GROUPS
 
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+    def terms(self, qw: QuantizedWeight) -> list[QuantizedWeight]:
         unsigned = (qw.q.to(torch.int16) + 128).to(torch.uint8)
         offset = -128 * qw.scale if qw.offset is None else qw.offset - 128 * qw.scale
         hi = QuantizedWeight(4, unsigned >> 4, 16 * qw.scale, offset, qw.group_size, qw.source)
         lo = QuantizedWeight(4, unsigned & 15, qw.scale, None, qw.group_size, qw.source)
-        super().__init__(qw, [hi, lo], dtype)
+        return [hi, lo]
 
 
 class HalvesSplitInt4Matmul(SideBySideInt4Matmul):
@@ -281,26 +389,30 @@ class HalvesSplitInt4Matmul(SideBySideInt4Matmul):
     gives s * (lo - 8), hi stored as hi + 5 with scale 8s gives 8s * hi - 24s, and the two add up to
     s * c."""
 
+    count = 4
+
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         return (device.type == "cpu" and qw.bits == 8 and qw.group_size == 16 and qw.offset is None
                 and int(qw.q.min()) >= -32 and int(qw.q.max()) <= 31)
 
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
-        n, k = qw.shape
+    def joined_terms(self, qw: QuantizedWeight) -> QuantizedWeight:
+        # Made side by side directly: Q6_K's terms are the largest part of a Q4_K_M file's load time.
+        rows, k = qw.shape
         padded = _round_up(k, 32)
-        unsigned = F.pad(qw.q.to(torch.int16) + 32, (0, padded - k)).to(torch.uint8)
-        scale = F.pad(qw.scale, (0, padded // 16 - qw.scale.shape[1]))
-        half = (torch.arange(padded, device=qw.q.device) // 16) % 2  # which half of its group each column is
-        terms = []
+        unsigned = torch.zeros(rows, padded, dtype=torch.uint8)
+        unsigned[:, :k] = qw.q + 32  # 0..63, in int8 without overflow
+        codes = torch.full((rows, 2, 2, padded), 8, dtype=torch.uint8)  # [half, low/high]; code 8, zero 0: nothing
+        halves = lambda t: t.view(rows, padded // 32, 2, 16)  # [rows, groups of 32, half, column]
+        scale = F.pad(qw.scale, (0, padded // 16 - qw.scale.shape[1])).view(rows, -1, 2)  # [rows, groups, half]
+        scales, offsets = torch.empty(rows, 2, 2, padded // 32), torch.empty(rows, 2, 2, padded // 32)
         for h in (0, 1):
-            mask, s = half == h, scale[:, h::2]
-            masked = unsigned.where(mask, 0)
-            low = torch.where(mask, masked % 8, 8).to(torch.uint8)
-            high = torch.where(mask, masked // 8 + 5, 8).to(torch.uint8)
-            terms += [QuantizedWeight(4, low, s, -8 * s, 32, qw.source),
-                      QuantizedWeight(4, high, 8 * s, -64 * s, 32, qw.source)]
-        super().__init__(qw, terms, dtype)
+            halves(codes[:, h, 0])[:, :, h] = halves(unsigned)[:, :, h] & 7
+            halves(codes[:, h, 1])[:, :, h] = (halves(unsigned)[:, :, h] >> 3) + 5
+            s = scale[:, :, h]
+            scales[:, h, 0], offsets[:, h, 0] = s, -8 * s
+            scales[:, h, 1], offsets[:, h, 1] = 8 * s, -64 * s
+        return QuantizedWeight(4, codes.view(rows, -1), scales.view(rows, -1), offsets.view(rows, -1), 32, qw.source)
 
 
 class GroupedInt8Matmul(QuantizedMatmul):
@@ -337,6 +449,11 @@ class GroupedInt8Matmul(QuantizedMatmul):
         if self.offset is not None:
             w += self.offset.repeat_interleave(g, dim=1)[:, :k]
         return w.to(torch.bfloat16)
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return _dequantize_looked_up(self.codes[ids], 8, self.scale[ids],
+                                     None if self.offset is None else self.offset[ids], self.group_size,
+                                     self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x.float().contiguous(), self.codes, self.scale, self.offset, self.group_size).to(self.dtype)
@@ -377,90 +494,11 @@ class TritonQuantMatmul(QuantizedMatmul):
         return super().extra_repr() + (", tinygemm" if self.tinygemm is not None else ", triton")
 
 
-def candidates(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> list[Callable[[], nn.Module]]:
-    """Constructors of every kernel that can multiply by `qw` here, the fallback last."""
+def candidates(qw: QuantizedWeight, device: torch.device,
+               dtype: torch.dtype) -> dict[str, Callable[[QuantizedWeight], nn.Module]]:
+    """The kernels that can multiply by `qw` here, by name, each a builder over a weight of `qw`'s layout
+    (the chooser builds them over a few of its rows first); the fallback last."""
     kinds = (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul, HalvesSplitInt4Matmul, GroupedInt8Matmul,
              TritonQuantMatmul)
-    made = [lambda cls=cls: cls(qw, dtype) for cls in kinds if cls.applies(qw, device)]
-    return [*made, lambda: DequantMatmul(qw, dtype)]
-
-
-def _seconds_per_call(kernel: nn.Module, x: torch.Tensor, calls: int = 20) -> float:
-    kernel(x)  # first-call costs (allocator, one-time dispatch) are not the kernel's speed
-    start = time.perf_counter()
-    for _ in range(calls):
-        kernel(x)
-    return (time.perf_counter() - start) / calls
-
-
-_CHOICES: dict[tuple, int] = {}  # layers of one shape and layout measure once per process
-
-
-@torch.inference_mode()
-def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The fastest kernel for `qw` at one row that agrees with the dequantized reference."""
-    makers = candidates(qw, device, dtype)
-    key = (qw.shape, qw.bits, qw.group_size, qw.offset is None, device.type, dtype)
-    if len(makers) == 1:
-        return makers[0]()
-    if device.type == "cuda":
-        # The Triton kernel measures its own tiles with CUDA events; the slab fallback is far slower on a
-        # GPU (it would need a timing that waits for the device to compare at all).
-        try:
-            return makers[0]()
-        except RuntimeError as e:
-            log.warning("the Triton quantized kernel cannot run a %s weight %s here (%s); using the slow "
-                        "dequantizing fallback", qw.source, qw.shape, str(e).splitlines()[0])
-            return makers[-1]()
-    if key in _CHOICES:
-        kernel = makers[_CHOICES[key]]()
-        choose_prefill_rows(kernel, dtype)  # measured once per shape too; this sets the layer's copy
-        return kernel
-    x = torch.randn(1, qw.shape[1], device=device, dtype=dtype)
-    reference = F.linear(x.float(), qw.dequantize().to(device))
-    tolerance = 0.02 * reference.abs().max().item() + 1e-3  # bf16 activations round each product at 2^-8
-    best, best_time, best_kernel = None, float("inf"), None
-    for i, make in enumerate(makers):
-        try:
-            kernel = make()
-            error = (kernel(x).float() - reference).abs().max().item()
-        except RuntimeError as e:  # a kernel this torch build or CPU lacks
-            log.info("%s cannot run here: %s", make, str(e).splitlines()[0])
-            continue
-        if error > tolerance:
-            log.warning("%s disagrees with the reference by %.3g on %s; not used", type(kernel).__name__, error,
-                        qw.shape)
-            continue
-        seconds = _seconds_per_call(kernel, x)
-        if seconds < best_time:
-            best, best_time, best_kernel = i, seconds, kernel
-    if best is None:
-        raise RuntimeError(f"no kernel multiplies a {qw.source} weight of shape {qw.shape} correctly on {device}")
-    _CHOICES[key] = best
-    choose_prefill_rows(best_kernel, dtype)
-    return best_kernel
-
-
-PREFILL_ROWS = (128, 512)  # where prefill's dequantized path is tried, fewest first
-_PREFILL_CHOICES: dict[tuple, int | None] = {}
-
-
-@torch.inference_mode()
-def choose_prefill_rows(kernel: nn.Module, dtype: torch.dtype) -> None:
-    """Set `kernel.dense_from_rows` to the fewest rows of PREFILL_ROWS at which multiplying by the
-    dequantized bf16 weight beats the kernel, if any, where the kernel can rebuild its weight."""
-    if not isinstance(kernel, QuantizedMatmul) or kernel.dequantized_bf16() is None:
-        return
-    key = (type(kernel), kernel.out_features, kernel.in_features, kernel.group_size, dtype)
-    if key not in _PREFILL_CHOICES:
-        _PREFILL_CHOICES[key] = None
-        for rows in PREFILL_ROWS:
-            x = torch.randn(rows, kernel.in_features, dtype=dtype)
-            plain = _seconds_per_call(kernel, x, calls=3)
-            kernel.dense_from_rows = rows
-            dense = _seconds_per_call(kernel, x, calls=3)
-            kernel.dense_from_rows = None
-            if dense < plain:
-                _PREFILL_CHOICES[key] = rows
-                break
-    kernel.dense_from_rows = _PREFILL_CHOICES[key]
+    made = {cls.__name__: lambda w, cls=cls: cls(w, dtype) for cls in kinds if cls.applies(qw, device)}
+    return {**made, DequantMatmul.__name__: lambda w: DequantMatmul(w, dtype)}

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quantization.kernels import DenseMatmul, Int8PackMatmul, choose_matmul, pack_nibbles, unpack_nibbles
+from engine.quantization.chooser import choose_matmul
+from engine.quantization.kernels import DenseMatmul, QuantizedMatmul, pack_nibbles, unpack_nibbles
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
 
 METHODS = ("int8", "int4")
@@ -140,11 +141,12 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = torch.float32
         self.bits = 0  # 0: a full-precision table in `table`
         self.table = self.scale = self.offset = None
+        self.rows_from_head = None  # a tied head's kernel's `looked_up_rows`, where that holds the table instead
         self.source = "dense"
 
     @property
     def loaded(self) -> bool:
-        return self.table is not None
+        return self.table is not None or self.rows_from_head is not None
 
     def load_quantizable(self, loaded: torch.Tensor | QuantizedWeight, shard: int | None = None) -> None:
         if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
@@ -163,19 +165,27 @@ class QuantizedEmbedding(nn.Module):
             self.table = w
 
     def finalize(self, head: nn.Module | None = None) -> None:
-        """Move the table to its device. With a tied `head` whose one kernel holds per-row int8 codes, look
-        rows up in the head's codes instead, so a tied int8 table is stored once."""
+        """Move the table to its device. With a tied `head` whose one kernel reads rows of its own layout, look
+        rows up there instead and drop the table: a tied table is then held once, in the head's layout. Idempotent:
+        the loader calls it as soon as a tied head is built, so the table goes before the other tensors load."""
         device, self.dtype = self.target.device, self.target.dtype
-        shared = head is not None and len(head.parts) == 1 and isinstance(head.parts[0], Int8PackMatmul)
-        if shared and self.bits == 8 and self.offset is None and self.group_size >= self.embedding_dim:
-            kernel = head.parts[0]
-            self.table, self.scale = kernel.codes, kernel.scale.float()[:, None]
+        if self.rows_from_head is not None:
+            return
+        kernel = head.parts[0] if head is not None and len(head.parts) == 1 else None
+        if (isinstance(kernel, QuantizedMatmul) and self.bits
+                and (kernel.out_features, kernel.in_features) == (self.num_embeddings, self.embedding_dim)
+                and kernel.looked_up_rows(torch.zeros(1, dtype=torch.long, device=device)) is not None):
+            self.rows_from_head = kernel.looked_up_rows
+            self.table = self.scale = self.offset = None
             return
         self.table = self.table.to(device) if self.bits else self.table.to(device, self.dtype)
         self.scale = None if self.scale is None else self.scale.to(device)
         self.offset = None if self.offset is None else self.offset.to(device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.rows_from_head is not None:
+            rows = self.rows_from_head(input_ids.reshape(-1))
+            return rows.view(*input_ids.shape, self.embedding_dim).to(self.dtype)
         if not self.bits:
             return F.embedding(input_ids, self.table)
         codes = self.table[input_ids]
@@ -189,4 +199,5 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         kind = f"{self.source}: {self.bits}-bit" if self.bits else "full precision"
-        return f"{self.num_embeddings}, {self.embedding_dim}, {kind}"
+        shared = ", rows read from the tied head's kernel" if self.rows_from_head is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, {kind}{shared}"

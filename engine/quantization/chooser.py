@@ -1,0 +1,172 @@
+"""Choosing each weight's kernel at load by measurement, without ever holding whole alternatives.
+
+Once per shape and layout (the first layer of its kind; the others reuse the choice), every candidate kernel
+(kernels.py) is built in turn over a proxy of the weight: up to PROXY_VALUES of its own rows, spread over it,
+first and last included. Each proxy kernel is checked against the exact float32 product of those rows, timed
+at decode's one row, and freed before the next is built. Then the fastest that agreed is built once over the
+whole weight and checked against the exact product of every row, computed a slab at a time; should it
+disagree there, the next fastest is tried.
+
+Building every candidate over the whole weight, beside the weight dequantized to float32, took several times
+the weight's size for each of the largest weights: a 2.5 GB Q4_K_M file passed 10.5 GB while loading (issue 38).
+Now what loading holds beyond the finished kernels is the weight in the loader's loose layout and a few MB.
+"""
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quantization import kernels
+from engine.quantization.kernels import QuantizedMatmul
+from engine.quantization.layout import QuantizedWeight
+
+log = logging.getLogger("engine")
+
+# Rows enough for about this many weights make a proxy (64 rows at least, for the kernels' threads to share):
+# the candidates differ by 5x and more at one row (bench/RESULTS.md), which a MB of weight shows as well as the
+# whole weight does.
+PROXY_VALUES = 1 << 20
+TIMING_BUDGET_S = 0.05  # a kernel is timed for up to this long
+REFERENCE_SLAB_BYTES = 8 << 20  # float32 rows dequantized at a time for the exact product
+
+_CHOICES: dict[tuple, list[str]] = {}  # per shape and layout: the kernels that agreed on a proxy, fastest first
+PREFILL_ROWS = (128, 512)  # where prefill's dequantized path is tried, fewest first
+_PREFILL_CHOICES: dict[tuple, int | None] = {}
+
+
+def _seconds_per_call(kernel: nn.Module, x: torch.Tensor, calls: int = 20) -> float:
+    """The fastest of up to `calls` calls, or of those that fit in TIMING_BUDGET_S: the least disturbed by
+    whatever else the machine runs."""
+    kernel(x)  # first-call costs (allocator, one-time dispatch) are not the kernel's speed
+    fastest, spent = float("inf"), 0.0
+    for _ in range(calls):
+        start = time.perf_counter()
+        kernel(x)
+        seconds = time.perf_counter() - start
+        fastest, spent = min(fastest, seconds), spent + seconds
+        if spent > TIMING_BUDGET_S:
+            break
+    return fastest
+
+
+def sampled_rows(n: int, k: int) -> torch.Tensor | None:
+    """Indices of the proxy's rows, evenly spread from the first to the last; None: the whole weight is small
+    enough to be its own proxy."""
+    count = max(64, PROXY_VALUES // k)
+    if count >= n:
+        return None
+    return torch.linspace(0, n - 1, count).round().long().unique()
+
+
+def take_rows(qw: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    return QuantizedWeight(qw.bits, qw.q[index], qw.scale[index], None if qw.offset is None else qw.offset[index],
+                           qw.group_size, qw.source)
+
+
+def exact_product(qw: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """x W^T in float32 from the exact dequantized weight, a slab of rows at a time."""
+    n, k = qw.shape
+    slab = max(1, REFERENCE_SLAB_BYTES // (4 * k))
+    return torch.cat([F.linear(x.float(), qw.rows(start, min(slab, n - start)).dequantize())
+                      for start in range(0, n, slab)], dim=-1)
+
+
+def _disagreement(kernel: nn.Module, reference: torch.Tensor, x: torch.Tensor) -> float:
+    """How far `kernel` is from `reference`, in multiples of what bf16 activations may cost (1 or less: agrees)."""
+    tolerance = 0.02 * reference.abs().max().item() + 1e-3  # bf16 activations round each product at 2^-8
+    return (kernel(x).float() - reference).abs().max().item() / tolerance
+
+
+@torch.inference_mode()
+def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The fastest kernel for `qw` at one row that agrees with the dequantized reference."""
+    builders = kernels.candidates(qw, device, dtype)
+    if len(builders) == 1:
+        return next(iter(builders.values()))(qw)
+    if device.type == "cuda":
+        # The Triton kernel measures its own tiles with CUDA events; the slab fallback is far slower on a
+        # GPU (it would need a timing that waits for the device to compare at all).
+        first, fallback = list(builders.values())[0], list(builders.values())[-1]
+        try:
+            return first(qw)
+        except RuntimeError as e:
+            log.warning("the Triton quantized kernel cannot run a %s weight %s here (%s); using the slow "
+                        "dequantizing fallback", qw.source, qw.shape, str(e).splitlines()[0])
+            return fallback(qw)
+    key = (qw.shape, qw.bits, qw.group_size, qw.offset is None, device.type, dtype)
+    ranked = _CHOICES.get(key)
+    if ranked is None or not any(name in builders for name in ranked):  # an applicability that depends on the codes
+        ranked = _CHOICES[key] = _rank_on_proxy(qw, builders, device, dtype)
+    x = torch.randn(1, qw.shape[1], device=device, dtype=dtype)
+    reference = exact_product(qw, x)
+    for name in (name for name in ranked if name in builders):
+        kernel = builders[name](qw)
+        error = _disagreement(kernel, reference, x)
+        if error <= 1:
+            if isinstance(kernel, QuantizedMatmul):
+                kernel.dense_from_rows = _prefill_rows(qw, builders, name, key, dtype)
+            return kernel
+        log.warning("%s agreed on sampled rows of a %s weight %s but is off by %.3g times the tolerance over the "
+                    "whole weight; not used", name, qw.source, qw.shape, error)
+        del kernel
+    raise RuntimeError(f"no kernel multiplies a {qw.source} weight of shape {qw.shape} correctly on {device}")
+
+
+def _proxy(qw: QuantizedWeight) -> QuantizedWeight:
+    index = sampled_rows(*qw.shape)
+    return qw if index is None else take_rows(qw, index)
+
+
+def _rank_on_proxy(qw: QuantizedWeight, builders: dict, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The names of the kernels that agree with the reference on `qw`'s proxy, fastest at one row first. Each is
+    built, checked, timed and freed before the next."""
+    proxy = _proxy(qw)
+    x = torch.randn(1, qw.shape[1], device=device, dtype=dtype)
+    reference = F.linear(x.float(), proxy.dequantize())
+    timed: dict[str, float] = {}
+    for name, build in builders.items():
+        try:
+            kernel = build(proxy)
+            error = _disagreement(kernel, reference, x)
+        except RuntimeError as e:  # a kernel this torch build or CPU lacks
+            log.info("%s cannot run here: %s", name, str(e).splitlines()[0])
+            continue
+        if error > 1:
+            log.warning("%s disagrees with the reference by %.3g times the tolerance on %s; not used", name, error,
+                        qw.shape)
+        else:
+            timed[name] = _seconds_per_call(kernel, x)
+        del kernel
+    if not timed:
+        raise RuntimeError(f"no kernel multiplies a {qw.source} weight of shape {qw.shape} correctly on {device}")
+    ranked = sorted(timed, key=timed.get)
+    log.debug("kernels for a %s weight %s, on %d of its rows: %s", qw.source, qw.shape, proxy.shape[0],
+              ", ".join(f"{name} {timed[name] * 1e6:.0f} us" for name in ranked))
+    return ranked
+
+
+def _prefill_rows(qw: QuantizedWeight, builders: dict, name: str, key: tuple, dtype: torch.dtype) -> int | None:
+    """The fewest rows of PREFILL_ROWS at which multiplying by the dequantized bf16 weight beats kernel `name`, if
+    any, measured once per shape and layout on the kernel built over the weight's proxy."""
+    if (name, key) not in _PREFILL_CHOICES:
+        _PREFILL_CHOICES[name, key] = choose_prefill_rows(builders[name](_proxy(qw)), dtype)
+    return _PREFILL_CHOICES[name, key]
+
+
+@torch.inference_mode()
+def choose_prefill_rows(kernel: nn.Module, dtype: torch.dtype) -> int | None:
+    """The fewest rows of PREFILL_ROWS at which `kernel` runs faster through its dequantized bf16 weight, if any
+    (None also where the kernel cannot rebuild its weight)."""
+    if not isinstance(kernel, QuantizedMatmul) or kernel.dequantized_bf16() is None:
+        return None
+    for rows in PREFILL_ROWS:
+        x = torch.randn(rows, kernel.in_features, dtype=dtype)
+        kernel.dense_from_rows = None
+        plain = _seconds_per_call(kernel, x, calls=3)
+        kernel.dense_from_rows = rows
+        dense = _seconds_per_call(kernel, x, calls=3)
+        if dense < plain:
+            return rows
+    return None
