@@ -83,7 +83,7 @@ class ModelRunner:
         self.quantized = config.quantization is not None or self.from_gguf
         self._check_host_memory(model_path)
         self.model = self._load_model(model_path)
-        self.gguf = None  # the reader holds the file's parsed metadata (160 MB for SmolLM2's): not past loading
+        self.gguf = None  # its metadata holds the vocabulary's lists, which nothing needs past loading
         self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
         self.attention_layers, self.backend = self._bind_attention_backend()
         # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
