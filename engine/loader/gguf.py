@@ -318,7 +318,7 @@ def _unpermute_heads(value: torch.Tensor | QuantizedWeight, heads: int) -> torch
         return value[order].contiguous()
     return QuantizedWeight(value.bits, value.q[order].contiguous(), value.scale[order].contiguous(),
                            None if value.offset is None else value.offset[order].contiguous(), value.group_size,
-                           value.source)
+                           value.source, None if value.blocks is None else value.blocks[order].contiguous())
 
 
 def _llama3_rope(factors: np.ndarray, theta: float, file_name: str) -> dict:
@@ -420,6 +420,7 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0":
 
 
 DECODE_SLAB_BYTES = 1 << 20  # stored bytes decoded per step: the decoders' temporaries stay a few times this
+KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
@@ -439,9 +440,12 @@ def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Te
     row_bytes, groups = cols // block_values * block_bytes, cols // group
     step = max(1, DECODE_SLAB_BYTES // row_bytes)
     codes = scale = offset = None
+    # K-quant blocks are also kept as stored, for the kernel that reads them so (engine/quantization/kquant.py)
+    stored = data.read(0, data.size).view(rows, row_bytes) if type_name in KEEP_BLOCKS else None
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        blocks = data.read(start * row_bytes, stop * row_bytes).view(-1, block_bytes)
+        blocks = (stored[start:stop] if stored is not None
+                  else data.read(start * row_bytes, stop * row_bytes)).reshape(-1, block_bytes)
         part_codes, part_scale, part_offset = _DECODERS[type_name](blocks)
         if codes is None:
             codes = torch.empty(rows, cols, dtype=part_codes.dtype)
@@ -451,7 +455,7 @@ def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Te
         scale[start:stop] = part_scale.reshape(stop - start, groups)
         if offset is not None:
             offset[start:stop] = part_offset.reshape(stop - start, groups)
-    return QuantizedWeight(bits, codes, scale, offset, group, type_name)
+    return QuantizedWeight(bits, codes, scale, offset, group, type_name, stored)
 
 
 # finding a GGUF model

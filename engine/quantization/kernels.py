@@ -498,7 +498,9 @@ def candidates(qw: QuantizedWeight, device: torch.device,
                dtype: torch.dtype) -> dict[str, Callable[[QuantizedWeight], nn.Module]]:
     """The kernels that can multiply by `qw` here, by name, each a builder over a weight of `qw`'s layout
     (the chooser builds them over a few of its rows first); the fallback last."""
+    from engine.quantization.kquant import KQuantMatmul  # it builds on this module's classes
+
     kinds = (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul, HalvesSplitInt4Matmul, GroupedInt8Matmul,
-             TritonQuantMatmul)
+             TritonQuantMatmul, KQuantMatmul)
     made = {cls.__name__: lambda w, cls=cls: cls(w, dtype) for cls in kinds if cls.applies(qw, device)}
     return {**made, DequantMatmul.__name__: lambda w: DequantMatmul(w, dtype)}

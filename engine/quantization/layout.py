@@ -28,6 +28,8 @@ class QuantizedWeight:
     offset: torch.Tensor | None  # like scale; None means zero (symmetric codes)
     group_size: int  # columns per scale; K itself for one scale per row
     source: str  # what made it, for print(model) and stats: "int8", "int4", or a GGUF type name like "Q4_K"
+    # The GGUF blocks the codes came from, [N, row bytes] uint8, for kernels that read them as stored (kquant.py)
+    blocks: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -57,13 +59,15 @@ class QuantizedWeight:
 
     def to(self, device: torch.device) -> "QuantizedWeight":
         return QuantizedWeight(self.bits, self.q.to(device), self.scale.to(device),
-                               None if self.offset is None else self.offset.to(device), self.group_size, self.source)
+                               None if self.offset is None else self.offset.to(device), self.group_size, self.source,
+                               None if self.blocks is None else self.blocks.to(device))
 
     def rows(self, start: int, count: int) -> "QuantizedWeight":
         """Rows [start, start + count): how tensor-parallel ranks and fused projections take their part."""
         cut = slice(start, start + count)
         return QuantizedWeight(self.bits, self.q[cut], self.scale[cut],
-                               None if self.offset is None else self.offset[cut], self.group_size, self.source)
+                               None if self.offset is None else self.offset[cut], self.group_size, self.source,
+                               None if self.blocks is None else self.blocks[cut])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full-precision matrix, computed in float32: the reference every kernel is tested against."""

@@ -37,8 +37,9 @@ def quantize_tensor(w: torch.Tensor, method: str | None, group_size: int) -> tor
 def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     offsets = None if first.offset is None else torch.cat([p.offset for p in parts])
+    blocks = torch.cat([p.blocks for p in parts]) if all(p.blocks is not None for p in parts) else None
     return QuantizedWeight(first.bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offsets,
-                           first.group_size, first.source)
+                           first.group_size, first.source, blocks)
 
 
 def _layout_key(w: torch.Tensor | QuantizedWeight) -> tuple:

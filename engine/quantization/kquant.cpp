@@ -1,0 +1,478 @@
+// x W^T with W in GGUF's K-quant blocks exactly as the file stores them (issue 38): Q4_K (144 bytes per 256
+// weights), Q5_K (176) and Q6_K (210). The weight stays at its file size; each thread unpacks one row of W at a
+// time into a few KB of codes and per-16 scales, and multiplies it by every row of x.
+//
+// Every K-quant weight of a 256-block is w = dw * sc_j * u - mw * mn_j, u an unsigned code (Q4_K 0..15, Q5_K 0..31,
+// Q6_K 0..63), sc_j and mn_j small integers per 16 columns (Q6_K: mn_j = sc_j, mw = 32 dw; Q4_K/Q5_K: per-32 scale
+// and min, dw = d, mw = dmin). So with x rounded per block to int8 (x ~ dx * q, as llama.cpp's q8_K):
+//   x . w = dx * (dw * sum_j sc_j * (u . q)_j - mw * sum_j mn_j * sum(q)_j)
+// with (u . q) exact in integers: vpmaddubsw (u8 x s8 pairs, at most 2 * 63 * 127, no saturation) and vpmaddwd by
+// the scales. Or x kept in float32 (act = 1): the codes are widened to float and the sums taken in float.
+//
+// Compiled on the machine that runs it (engine/quantization/kquant.py): -march=native, or an AVX2-only build
+// (-march=haswell) forced by PAGODA_KQUANT_ISA=avx2; the #if branches pick the widest the build allows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifndef PAGODA_KQ_NS
+#define PAGODA_KQ_NS pagoda_kquant
+#endif
+
+namespace {
+
+constexpr int64_t QK = 256;
+enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+
+int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case kQ4K: return 144;
+    case kQ5K: return 176;
+    case kQ6K: return 210;
+  }
+  TORCH_CHECK(false, "kquant: unknown block kind ", kind);
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// One row of W unpacked: codes u[K], scales expanded to one int16 per pair of columns (scx[K/2], what vpmaddwd
+// multiplies the pair sums by), the scale and min per 16 columns (sc16, mn16: K/16) and per block dw, mw.
+struct Row {
+  std::vector<uint8_t> u;
+  std::vector<int16_t> scx, sc16, mn16;
+  std::vector<float> dw, mw;
+  explicit Row(int64_t k) : u(k), scx(k / 2), sc16(k / 16), mn16(k / 16), dw(k / QK), mw(k / QK) {}
+};
+
+inline void k4_scale_min(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+void unpack_block(const uint8_t* b, int64_t kind, uint8_t* u, int16_t* sc16, int16_t* mn16, float& dw, float& mw) {
+  if (kind == kQ6K) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    for (int half = 0; half < 2; ++half) {
+      uint8_t* y = u + 128 * half;
+      const uint8_t* l = ql + 64 * half;
+      const uint8_t* h = qh + 32 * half;
+      for (int i = 0; i < 32; ++i) {
+        y[i] = (l[i] & 0xF) | ((h[i] & 3) << 4);
+        y[i + 32] = (l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4);
+        y[i + 64] = (l[i] >> 4) | (((h[i] >> 4) & 3) << 4);
+        y[i + 96] = (l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4);
+      }
+    }
+    for (int j = 0; j < 16; ++j) sc16[j] = mn16[j] = sc[j];
+    dw = d;
+    mw = 32.f * d;
+    return;
+  }
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = kind == kQ5K ? b + 16 : nullptr;
+  const uint8_t* ql = kind == kQ5K ? b + 48 : b + 16;
+  for (int c = 0; c < 4; ++c) {  // 64 columns: 32 low nibbles, then 32 high ones
+    const uint8_t* q = ql + 32 * c;
+    uint8_t* y = u + 64 * c;
+    for (int i = 0; i < 32; ++i) {
+      y[i] = q[i] & 0xF;
+      y[i + 32] = q[i] >> 4;
+    }
+    if (qh != nullptr) {
+      for (int i = 0; i < 32; ++i) {
+        y[i] |= ((qh[i] >> (2 * c)) & 1) << 4;
+        y[i + 32] |= ((qh[i] >> (2 * c + 1)) & 1) << 4;
+      }
+    }
+    for (int s = 0; s < 2; ++s) {
+      int sc, m;
+      k4_scale_min(2 * c + s, scales, sc, m);
+      sc16[4 * c + 2 * s] = sc16[4 * c + 2 * s + 1] = static_cast<int16_t>(sc);
+      mn16[4 * c + 2 * s] = mn16[4 * c + 2 * s + 1] = static_cast<int16_t>(m);
+    }
+  }
+  dw = d;
+  mw = dmin;
+}
+
+void unpack_row(const uint8_t* w, int64_t kind, int64_t k, Row& r) {
+  const int64_t nb = k / QK, bytes = block_bytes(kind);
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack_block(w + b * bytes, kind, r.u.data() + b * QK, r.sc16.data() + b * 16, r.mn16.data() + b * 16, r.dw[b],
+                 r.mw[b]);
+  }
+  for (int64_t j = 0; j < k / 16; ++j) {
+    for (int i = 0; i < 8; ++i) r.scx[8 * j + i] = r.sc16[j];
+  }
+}
+
+// x rounded per 256-block: q (int8, |q| <= 127), dx (the step), bsum (the sum of q per 16 columns).
+struct Q8Row {
+  const int8_t* q;
+  const float* dx;
+  const int16_t* bsum;
+};
+
+void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bsum) {
+  for (int64_t b = 0; b < k / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* qb = q + b * QK;
+    for (int i = 0; i < QK; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+    for (int j = 0; j < 16; ++j) {
+      int s = 0;
+      for (int i = 0; i < 16; ++i) s += qb[16 * j + i];
+      bsum[b * 16 + j] = static_cast<int16_t>(s);
+    }
+    dx[b] = amax / 127.f;
+  }
+}
+
+#if defined(__AVX2__)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+float dot_q8(const Row& r, const Q8Row& x, int64_t k) {
+  const int64_t nb = k / QK;
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  __m256 macc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* u = r.u.data() + b * QK;
+    const int8_t* q = x.q + b * QK;
+    const int16_t* scx = r.scx.data() + b * (QK / 2);
+    __m512i isum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i p = _mm512_maddubs_epi16(_mm512_loadu_si512(u + 64 * c), _mm512_loadu_si512(q + 64 * c));
+      isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, _mm512_loadu_si512(scx + 32 * c)));
+    }
+    const __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum + b * 16)),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.mn16.data() + b * 16)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(r.dw[b] * x.dx[b]), acc);
+    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(-r.mw[b] * x.dx[b]), macc);
+  }
+  return _mm512_reduce_add_ps(acc) + hsum256(macc);
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  __m256 macc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* u = r.u.data() + b * QK;
+    const int8_t* q = x.q + b * QK;
+    const int16_t* scx = r.scx.data() + b * (QK / 2);
+    __m256i isum = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32 * c)),
+                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
+      isum = _mm256_add_epi32(
+          isum, _mm256_madd_epi16(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scx + 16 * c))));
+    }
+    const __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum + b * 16)),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.mn16.data() + b * 16)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(r.dw[b] * x.dx[b]), acc);
+    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(-r.mw[b] * x.dx[b]), macc);
+  }
+  return hsum256(_mm256_add_ps(acc, macc));
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t isum = 0, msum = 0;
+    for (int j = 0; j < 16; ++j) {
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) s += int32_t(r.u[b * QK + 16 * j + i]) * int32_t(x.q[b * QK + 16 * j + i]);
+      isum += s * r.sc16[b * 16 + j];
+      msum += int32_t(x.bsum[b * 16 + j]) * r.mn16[b * 16 + j];
+    }
+    total += x.dx[b] * (r.dw[b] * float(isum) - r.mw[b] * float(msum));
+  }
+  return total;
+#endif
+}
+
+// x in float32: xsum is the sum of x per 16 columns.
+float dot_f32(const Row& r, const float* x, const float* xsum, int64_t k) {
+  const int64_t nb = k / QK;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  float mins = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 block = _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j) {
+      const int64_t at = b * QK + 16 * j;
+      const __m512 w = _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.u.data() + at))));
+      block = _mm512_fmadd_ps(_mm512_mul_ps(w, _mm512_loadu_ps(x + at)), _mm512_set1_ps(float(r.sc16[b * 16 + j])),
+                              block);
+      mins += r.mw[b] * float(r.mn16[b * 16 + j]) * xsum[b * 16 + j];
+    }
+    acc = _mm512_fmadd_ps(block, _mm512_set1_ps(r.dw[b]), acc);
+  }
+  return _mm512_reduce_add_ps(acc) - mins;
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  float mins = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 block = _mm256_setzero_ps();
+    for (int j = 0; j < 16; ++j) {
+      const int64_t at = b * QK + 16 * j;
+      const __m256 s = _mm256_set1_ps(float(r.sc16[b * 16 + j]));
+      for (int h = 0; h < 2; ++h) {
+        const __m256 w = _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.u.data() + at + 8 * h))));
+        block = _mm256_fmadd_ps(_mm256_mul_ps(w, _mm256_loadu_ps(x + at + 8 * h)), s, block);
+      }
+      mins += r.mw[b] * float(r.mn16[b * 16 + j]) * xsum[b * 16 + j];
+    }
+    acc = _mm256_fmadd_ps(block, _mm256_set1_ps(r.dw[b]), acc);
+  }
+  return hsum256(acc) - mins;
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < 16; ++j) {
+      float s = 0.f;
+      for (int i = 0; i < 16; ++i) s += float(r.u[b * QK + 16 * j + i]) * x[b * QK + 16 * j + i];
+      total += r.dw[b] * float(r.sc16[b * 16 + j]) * s - r.mw[b] * float(r.mn16[b * 16 + j]) * xsum[b * 16 + j];
+    }
+  }
+  return total;
+#endif
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+#define PAGODA_KQ_FUSED 1
+constexpr int64_t kMaxM = 16;  // rows of x one pass over a weight row serves
+
+// Lane i of the int16 scale vector for 64 columns starting at sub-block 4c (of 16 columns) is sub-block 4c + i / 8:
+// a pair sum of vpmaddubsw covers columns 2i, 2i + 1.
+inline __m512i scale_index(int c) {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 32; ++i) idx[i] = static_cast<int16_t>(4 * c + i / 8);
+  return _mm512_load_si512(idx);
+}
+
+// One weight row straight from its blocks, times up to kMaxM rows of x (rounded to int8): the codes of each block
+// are unpacked in registers once for all rows.
+void dot_fused(const uint8_t* w, int64_t kind, int64_t k, const Q8Row* xs, int64_t m, float* out) {
+  static const __m512i idx0 = scale_index(0), idx1 = scale_index(1), idx2 = scale_index(2), idx3 = scale_index(3);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+  const int64_t nb = k / QK, bytes = block_bytes(kind);
+  __m512 acc[kMaxM];
+  __m256 macc[kMaxM];
+  for (int64_t r = 0; r < m; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    macc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    __m512i u[4];
+    __m256i sc16, mn16;  // per 16 columns
+    float dw, mw;
+    if (kind == kQ6K) {
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+        const __m256i qhh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m512i qhz = _mm512_inserti64x4(_mm512_castsi256_si512(qhh), _mm256_srli_epi16(qhh, 2), 1);
+        u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(qhz, m2), 4));
+        u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhz, 4), m2), 4));
+      }
+      sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      mn16 = sc16;
+      dw = half_at(blk + 208);
+      mw = 32.f * dw;
+    } else {
+      uint32_t t[4];
+      std::memcpy(t, blk + 4, 12);
+      const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+      t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
+      const uint32_t mins_lo = t[1] & k1;
+      t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
+      t[2] = mins_lo;
+      t[0] &= k1;  // bytes 0..7: the eight scales, 8..15: the eight mins
+      const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+      const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+      sc16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, twice));
+      mn16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(sm, 8), twice));
+      dw = half_at(blk);
+      mw = half_at(blk + 2);
+      const uint8_t* ql = blk + (kind == kQ5K ? 48 : 16);
+      __m512i qhz = _mm512_setzero_si512();
+      if (kind == kQ5K) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+        qhz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+      }
+      for (int c = 0; c < 4; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * c));
+        const __m256i lo = _mm256_and_si256(q, _mm512_castsi512_si256(m4));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm512_castsi512_si256(m4));
+        u[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        if (kind == kQ5K) {
+          const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
+                                                 _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))), 1);
+          const __mmask64 set = _mm512_test_epi8_mask(qhz, bit);
+          u[c] = _mm512_mask_add_epi8(u[c], set, u[c], _mm512_set1_epi8(16));
+        }
+      }
+    }
+    const __m512i scz = _mm512_castsi256_si512(sc16);
+    const __m512i s[4] = {_mm512_permutexvar_epi16(idx0, scz), _mm512_permutexvar_epi16(idx1, scz),
+                          _mm512_permutexvar_epi16(idx2, scz), _mm512_permutexvar_epi16(idx3, scz)};
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* q = xs[r].q + b * QK;
+      __m512i isum = _mm512_madd_epi16(_mm512_maddubs_epi16(u[0], _mm512_loadu_si512(q)), s[0]);
+      for (int c = 1; c < 4; ++c) {
+        isum = _mm512_add_epi32(isum,
+                                _mm512_madd_epi16(_mm512_maddubs_epi16(u[c], _mm512_loadu_si512(q + 64 * c)), s[c]));
+      }
+      const __m256i mins =
+          _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[r].bsum + b * 16)), mn16);
+      const float dx = xs[r].dx[b];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(dw * dx), acc[r]);
+      macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(-mw * dx), macc[r]);
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum256(macc[r]);
+}
+#endif
+
+// x [M, K] float32 (K a multiple of 256); blocks [N, K / 256 * bytes] uint8; act 0: x rounded to int8 per block,
+// 1: x in float32. Returns [M, N] float32.
+at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind, int64_t act) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [N, row bytes]");
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  TORCH_CHECK(k % QK == 0 && blocks.size(1) == k / QK * block_bytes(kind), "blocks: ", k / QK, " blocks per row");
+  const float* xp = x.data_ptr<float>();
+  std::vector<int8_t> q;
+  std::vector<float> dx, xsum;
+  std::vector<int16_t> bsum;
+  if (act == 0) {
+    q.resize(m * k);
+    dx.resize(m * (k / QK));
+    bsum.resize(m * (k / 16));
+    for (int64_t r = 0; r < m; ++r) {
+      quantize_row(xp + r * k, k, q.data() + r * k, dx.data() + r * (k / QK), bsum.data() + r * (k / 16));
+    }
+  } else {
+    xsum.resize(m * (k / 16));
+    for (int64_t i = 0; i < m * (k / 16); ++i) {
+      float s = 0.f;
+      for (int j = 0; j < 16; ++j) s += xp[16 * i + j];
+      xsum[i] = s;
+    }
+  }
+  at::Tensor out = at::empty({m, n}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+#if defined(PAGODA_KQ_FUSED)
+  if (act == 0) {
+    std::vector<Q8Row> xs(m);
+    for (int64_t r = 0; r < m; ++r) xs[r] = Q8Row{q.data() + r * k, dx.data() + r * (k / QK), bsum.data() + r * (k / 16)};
+    at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+      float y[kMaxM];
+      for (int64_t j = begin; j < end; ++j) {
+        for (int64_t r0 = 0; r0 < m; r0 += kMaxM) {
+          const int64_t rows = std::min(kMaxM, m - r0);
+          dot_fused(wp + j * row_bytes, kind, k, xs.data() + r0, rows, y);
+          for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * n + j] = y[r];
+        }
+      }
+    });
+    return out;
+  }
+#endif
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    Row row(k);
+    for (int64_t j = begin; j < end; ++j) {
+      unpack_row(wp + j * row_bytes, kind, k, row);
+      for (int64_t r = 0; r < m; ++r) {
+        if (act == 0) {
+          const Q8Row xr{q.data() + r * k, dx.data() + r * (k / QK), bsum.data() + r * (k / 16)};
+          op[r * n + j] = dot_q8(row, xr, k);
+        } else {
+          op[r * n + j] = dot_f32(row, xp + r * k, xsum.data() + r * (k / 16), k);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// The weight's rows in float32 [rows, K]: the reference, the looked-up rows of a tied table, and prefill's tiles.
+at::Tensor kquant_dequant(const at::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [N, row bytes]");
+  const int64_t n = blocks.size(0), bytes = block_bytes(kind);
+  TORCH_CHECK(blocks.size(1) % bytes == 0, "blocks: whole blocks per row");
+  const int64_t k = blocks.size(1) / bytes * QK;
+  at::Tensor out = at::empty({n, k}, blocks.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    Row row(k);
+    for (int64_t j = begin; j < end; ++j) {
+      unpack_row(wp + j * blocks.size(1), kind, k, row);
+      float* y = op + j * k;
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t b = i / QK, g = i / 16;
+        y[i] = row.dw[b] * float(row.sc16[g]) * float(row.u[i]) - row.mw[b] * float(row.mn16[g]);
+      }
+    }
+  });
+  return out;
+}
+
+int64_t kquant_isa(const at::Tensor&) {
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+  return 512;
+#elif defined(__AVX2__)
+  return 256;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(PAGODA_KQ_NS, lib) {
+  lib.def("kquant_mm(Tensor x, Tensor blocks, int kind, int act) -> Tensor");
+  lib.def("kquant_dequant(Tensor blocks, int kind) -> Tensor");
+  lib.def("kquant_isa(Tensor any) -> int");
+}
+
+TORCH_LIBRARY_IMPL(PAGODA_KQ_NS, CPU, lib) {
+  lib.impl("kquant_mm", &kquant_mm);
+  lib.impl("kquant_dequant", &kquant_dequant);
+  lib.impl("kquant_isa", &kquant_isa);
+}

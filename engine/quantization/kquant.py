@@ -1,0 +1,164 @@
+"""Pagoda's K-quant CPU kernel (kquant.cpp): x W^T straight from GGUF's Q4_K, Q5_K and Q6_K blocks as the file stores
+them, so that a loaded model holds those weights at their file size (issue 38).
+
+PyTorch's int4 kernel reads Q6_K as four 4-bit terms (2.5 bytes a weight where the file has 0.82) and Q5_K as two
+(1.25 against 0.69): a Q4_K_M file's weights took about twice the file. This kernel keeps each row's blocks as
+they are and unpacks one row at a time per thread into a few KB, multiplying it by every row of x; the activations
+are rounded to int8 per 256 columns as llama.cpp's q8_K (or kept in float32: PAGODA_KQUANT_ACT=f32).
+
+Built with torch's C++ extension tools on first use, into the user's cache folder, for the CPU that runs it:
+-march=native by default, or AVX2 and FMA only with PAGODA_KQUANT_ISA=avx2 (what the bench uses to measure an AVX2
+machine on an AVX-512 one). PAGODA_KQUANT_KERNELS=0 turns it off. Without a C++ compiler or ninja the kernel is
+not offered, which the log says once, and PyTorch's kernels serve (at their larger layouts).
+"""
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.quantization import native
+from engine.quantization.kernels import QuantizedMatmul
+from engine.quantization.layout import QuantizedWeight
+from engine.tracing import tracing_decode_step
+
+log = logging.getLogger("engine")
+
+SOURCE = Path(__file__).with_name("kquant.cpp")
+KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # kquant.cpp's block kinds
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_VALUES = 256
+ISAS = ("native", "avx2")
+ACTS = {"int8": 0, "f32": 1}
+# From this many rows of x up (prefill), a slab of the weight's rows at a time is dequantized to bf16 and
+# multiplied by oneDNN, which beats unpacking each row for every one of many rows (bench/RESULTS.md); the slab
+# keeps the expansion to a few MB, never a second copy of the weight.
+TILED_FROM_ROWS = 32
+TILE_BYTES = 4 << 20  # bf16 weight bytes dequantized per tile
+
+_LOCK = threading.Lock()
+_BUILT: dict[str, object] = {}  # isa -> the ops namespace, or None once building it failed
+_FAKES: set[str] = set()
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGODA_KQUANT_KERNELS", "1") != "0"
+
+
+def isa_setting() -> str:
+    isa = os.environ.get("PAGODA_KQUANT_ISA", "native")
+    if isa not in ISAS:
+        raise ValueError(f"PAGODA_KQUANT_ISA must be one of {ISAS}, not {isa!r}")
+    return isa
+
+
+def act_setting() -> str:
+    act = os.environ.get("PAGODA_KQUANT_ACT", "int8")
+    if act not in ACTS:
+        raise ValueError(f"PAGODA_KQUANT_ACT must be one of {tuple(ACTS)}, not {act!r}")
+    return act
+
+
+def _flags(isa: str) -> list[str]:
+    march = "-march=native" if isa == "native" else "-march=haswell"  # haswell: AVX2, FMA, no AVX-512
+    return ["-O3", march, f"-DPAGODA_KQ_NS=pagoda_kquant_{isa}"]
+
+
+def _build_dir(isa: str) -> Path:
+    import platformdirs
+
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu += next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        pass
+    tag = hashlib.sha256(cpu.encode() + SOURCE.read_bytes() + torch.__version__.encode()
+                         + " ".join(_flags(isa)).encode()).hexdigest()[:12]
+    folder = platformdirs.user_cache_path("pagoda") / "kernels" / f"kquant-{isa}-{tag}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def ops(isa: str | None = None):
+    """The compiled operators for `isa` (the setting's by default), built on first call; None where they cannot be
+    built here (said once in the log) or are turned off."""
+    isa = isa or isa_setting()
+    if not enabled():
+        return None
+    with _LOCK:
+        if isa not in _BUILT:
+            _BUILT[isa] = _build(isa)
+        return _BUILT[isa]
+
+
+def _build(isa: str):
+    if platform.machine().lower() not in ("x86_64", "amd64") or os.name == "nt":
+        return None  # the kernel's fast paths are x86's; elsewhere PyTorch's kernels serve
+    name = f"pagoda_kquant_{isa}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        native._put_ninja_on_path()
+        load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(isa), build_directory=str(_build_dir(isa)),
+             is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a build error: the kernel is not offered
+        log.warning("Pagoda's K-quant CPU kernel could not be built (%s); PyTorch's kernels serve, holding Q4_K, "
+                    "Q5_K and Q6_K weights at up to 3x their file size. It needs a C++ compiler and ninja.",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+    namespace = getattr(torch.ops, name)
+    if name not in _FAKES:
+        torch.library.register_fake(f"{name}::kquant_mm")(lambda x, blocks, kind, act:
+                                                          x.new_empty((x.shape[0], blocks.shape[0])))
+        _FAKES.add(name)
+    log.info("K-quant CPU kernel built for %s (%d-bit vectors)", isa,
+             namespace.kquant_isa(torch.zeros(1)))
+    return namespace
+
+
+def dequantize_blocks(blocks: torch.Tensor, source: str, isa: str | None = None) -> torch.Tensor:
+    """Rows of GGUF blocks [rows, row bytes] as float32 [rows, K]."""
+    return ops(isa).kquant_dequant(blocks.contiguous(), KINDS[source])
+
+
+class KQuantMatmul(QuantizedMatmul):
+    """A Q4_K, Q5_K or Q6_K weight in its GGUF blocks (`QuantizedWeight.blocks`), multiplied by kquant.cpp."""
+
+    @staticmethod
+    def applies(qw: QuantizedWeight, device: torch.device) -> bool:
+        return (device.type == "cpu" and qw.source in KINDS and getattr(qw, "blocks", None) is not None
+                and qw.shape[1] % BLOCK_VALUES == 0 and ops() is not None)
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, isa: str | None = None, act: str | None = None):
+        super().__init__(qw)
+        self.dtype = dtype
+        self.kind = KINDS[qw.source]
+        self.isa, self.act = isa or isa_setting(), act or act_setting()
+        self.blocks = qw.blocks.contiguous()
+        if tuple(self.blocks.shape) != (qw.shape[0], qw.shape[1] // BLOCK_VALUES * BLOCK_BYTES[qw.source]):
+            raise ValueError(f"{qw.source} blocks of shape {tuple(self.blocks.shape)} do not hold a {qw.shape} weight")
+        self.ops = ops(self.isa)
+        self.tile_rows = max(1, TILE_BYTES // (2 * self.in_features))
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.kquant_dequant(self.blocks[ids].contiguous(), self.kind)
+
+    def tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T by oneDNN's bf16 product, a tile of W's rows dequantized at a time."""
+        x = x.to(torch.bfloat16)
+        return torch.cat([F.linear(x, self.ops.kquant_dequant(self.blocks[start:start + self.tile_rows], self.kind)
+                                   .to(torch.bfloat16))
+                          for start in range(0, self.out_features, self.tile_rows)], dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not tracing_decode_step() and x.shape[0] >= TILED_FROM_ROWS:
+            return self.tiled(x).to(self.dtype)
+        return self.ops.kquant_mm(x.float().contiguous(), self.blocks, self.kind, ACTS[self.act]).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", GGUF blocks, {self.isa}, {self.act} activations"

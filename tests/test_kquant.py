@@ -1,0 +1,153 @@
+"""Pagoda's K-quant CPU kernel (engine/quantization/kquant.py, issue 38): Q4_K, Q5_K and Q6_K multiplied straight
+from the GGUF blocks, which the model then holds at the file's size.
+
+- each kernel equals gguf-py's dequantized product: exactly (up to float32 sum order) once x is rounded per 256
+  columns to int8 as the kernel rounds it, and within that rounding's bound of the unrounded product; float32
+  activations to sum order; K-quants hold whole 256-column blocks, so K is a multiple of 256 (odd N, M up to 20,
+  past the 16 rows one pass serves, and prefill's tiled path)
+- its dequantization equals gguf-py's bit for bit, and the tied table's rows are read from it
+- a Q6_K file's greedy output equals its dequantized float32 model's, and its Q6_K weights are held at file size
+- without a compiler the kernel is not offered, the log says so once, and PyTorch's kernels serve
+"""
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.quantization import kquant
+from engine.quantization.layout import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(kquant.ops() is None, reason="the K-quant kernel cannot be built here")
+
+TYPES = ("Q4_K", "Q5_K", "Q6_K")
+# (N, K, M): odd N, K of one and of several blocks, one row (decode), a few, more than one pass serves
+SHAPES = [(7, 256, 1), (33, 768, 3), (5, 1280, 16), (17, 512, 20)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random block bytes with small finite fp16 scales (and mins), [rows, row bytes]."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    blocks = rng.integers(0, 256, size=(n, kquant.BLOCK_BYTES[type_name]), dtype=np.uint8)
+    for at in (208,) if type_name == "Q6_K" else (0, 2):
+        halves = (rng.uniform(1e-3, 1e-2, n) * rng.choice([-1, 1], n)).astype(np.float16)
+        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, -1)
+
+
+def weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A QuantizedWeight as the loader makes it (codes and the blocks), and gguf-py's dequantization of it."""
+    from engine.loader.gguf import decode
+
+    stored = random_blocks(type_name, n, k, seed)
+
+    class Bytes:
+        size = stored.size
+
+        def read(self, start, stop):
+            return torch.from_numpy(stored.reshape(-1)[start:stop].copy())
+
+    qw = decode(Bytes(), type_name, (n, k))
+    return qw, torch.from_numpy(gguf.dequantize(stored, T[type_name])).float()
+
+
+def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it: int8 steps of (the largest |x| of each 256 columns) / 127."""
+    blocks = x.view(x.shape[0], -1, 256)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / step) * step).view_as(x)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("n,k,m", SHAPES)
+def test_kernel_equals_the_dequantized_product(type_name, n, k, m):
+    qw, w = weight(type_name, n, k, seed=n + k)
+    assert qw.blocks is not None and torch.equal(qw.dequantize(), w)  # the loader keeps the blocks it decoded
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    exact = (x.double() @ w.double().T)
+    scale = exact.abs().max().item()
+    kernel = kquant.KQuantMatmul(qw, torch.float32, act="int8")
+    y = kernel.ops.kquant_mm(x, kernel.blocks, kernel.kind, 0)
+    # exact once x is rounded as the kernel rounds it, but for float32 sum order
+    assert (y.double() - rounded_to_int8(x).double() @ w.double().T).abs().max().item() <= 1e-5 * scale
+    # and within that rounding of the exact product: each column moves by at most half a step
+    bound = (w.double().abs() @ (x - rounded_to_int8(x)).double().abs().T).T  # |W| |dx|, a column's share
+    assert ((y.double() - exact).abs() <= bound + 1e-5 * scale).all()
+    f32 = kquant.KQuantMatmul(qw, torch.float32, act="f32")
+    assert (f32(x).double() - exact).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_prefill_tiles_and_looked_up_rows(type_name, monkeypatch):
+    qw, w = weight(type_name, 29, 512, seed=3)
+    kernel = kquant.KQuantMatmul(qw, torch.float32)
+    monkeypatch.setattr(kernel, "tile_rows", 8)  # several tiles, the last one short
+    x = torch.randn(kquant.TILED_FROM_ROWS + 3, 512)
+    exact = x @ w.T
+    assert (kernel(x) - exact).abs().max().item() <= 0.02 * exact.abs().max().item()  # bf16 tiles
+    ids = torch.tensor([0, 28, 5, 5])
+    assert torch.equal(kernel.looked_up_rows(ids), w[ids])
+    assert torch.equal(kquant.dequantize_blocks(qw.blocks, type_name), w)
+
+
+def test_the_chooser_takes_it_and_holds_the_file_size():
+    from engine.quantization.chooser import choose_matmul
+
+    qw, _ = weight("Q6_K", 96, 1024, seed=5)
+    kernel = choose_matmul(qw, torch.device("cpu"), torch.float32)
+    assert isinstance(kernel, kquant.KQuantMatmul), type(kernel).__name__
+    held = sum(t.numel() * t.element_size() for t in vars(kernel).values() if isinstance(t, torch.Tensor))
+    assert held == 96 * 1024 // 256 * 210
+
+
+def test_a_q6_k_file_replies_as_its_dequantized_model(tmp_path):
+    """Greedy output of a small Q6_K GGUF over 16 tokens equals its dequantized float32 folder's."""
+    from tests.conftest import build_tokenizer
+    from tests.test_gguf_engine import dequantized_folder, greedy, hf_model, make_llm, prompt_ids, write_model_gguf
+
+    build_tokenizer(tmp_path / "tok")
+    model = hf_model("qwen3")
+    path = write_model_gguf(tmp_path / "model.gguf", "qwen3", model, {"linear": "Q6_K", "embed": "Q6_K"},
+                            tmp_path / "tok")
+    reference = make_llm(dequantized_folder(path, model, tmp_path / "tok", tmp_path / "reference"))
+    llm = make_llm(path)
+    assert "KQuantMatmul" in llm.stats().matmul, llm.stats().matmul
+    prompts = [prompt_ids(2), prompt_ids(3, 7)]
+    for got, want in zip(greedy(llm, prompts, max_tokens=16), greedy(reference, prompts, max_tokens=16)):
+        assert got["token_ids"] == want["token_ids"]
+
+
+NO_COMPILER = """
+import logging, torch
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from engine.quantization import kquant
+from engine.quantization.kernels import candidates
+from tests.test_kquant import weight
+assert kquant.ops() is None and kquant.ops() is None
+qw, _ = weight("Q6_K", 8, 256)
+names = candidates(qw, torch.device("cpu"), torch.float32)
+assert "KQuantMatmul" not in names and "HalvesSplitInt4Matmul" in names, names
+print("OK")
+"""
+
+
+def test_without_a_compiler_pytorch_kernels_serve_and_the_log_says_so_once(tmp_path):
+    env = {**os.environ, "CXX": str(tmp_path / "no-compiler"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if "K-quant CPU kernel could not be built" in line]
+    assert len(said) == 1, done.stderr[-2000:]
