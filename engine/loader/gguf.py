@@ -20,12 +20,14 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine.quantization.blocks import BlockWeight
 from engine.quantization.layout import QuantizedWeight
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -316,9 +318,11 @@ def _unpermute_heads(value: torch.Tensor | QuantizedWeight, heads: int) -> torch
     order = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
     if isinstance(value, torch.Tensor):
         return value[order].contiguous()
+    if isinstance(value, BlockWeight):
+        return value.take(order)
     return QuantizedWeight(value.bits, value.q[order].contiguous(), value.scale[order].contiguous(),
                            None if value.offset is None else value.offset[order].contiguous(), value.group_size,
-                           value.source, None if value.blocks is None else value.blocks[order].contiguous())
+                           value.source)
 
 
 def _llama3_rope(factors: np.ndarray, theta: float, file_name: str) -> dict:
@@ -425,7 +429,8 @@ KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K")
 
 def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
     """One tensor's stored bytes in Pagoda's form: a float tensor of `shape` in its own dtype, or a
-    QuantizedWeight with `shape` [N, K] for a block type, decoded a slab of rows at a time."""
+    QuantizedWeight with `shape` [N, K] for a block type, decoded a slab of rows at a time. K-quants stay as
+    stored (a BlockWeight, decoded when asked for), for the kernel that reads them so (quantization/kquant.py)."""
     if type_name in FLOAT_TYPES:
         return data.read(0, data.size).view(FLOAT_TYPES[type_name]).view(shape)
     if type_name not in _DECODERS:
@@ -437,15 +442,29 @@ def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Te
     if cols % block_values:
         raise ValueError(f"a {type_name} tensor's rows hold whole {block_values}-value blocks, but it has {cols} "
                          "columns; the file is corrupt")
+    row_bytes = cols // block_values * block_bytes
+    if type_name in KEEP_BLOCKS:
+        stored = data.read(0, data.size).view(rows, row_bytes)
+        return BlockWeight(stored, type_name, (rows, cols), bits, group, partial(_decode_stored, type_name))
+    codes, scale, offset = _decode_rows(lambda start, stop: data.read(start * row_bytes, stop * row_bytes),
+                                        type_name, rows, cols)
+    return QuantizedWeight(bits, codes, scale, offset, group, type_name)
+
+
+def _decode_stored(type_name: str, stored: torch.Tensor, cols: int):
+    """BlockWeight's decoder: codes, scales and offsets of stored blocks [rows, row bytes]."""
+    return _decode_rows(lambda start, stop: stored[start:stop].reshape(-1), type_name, stored.shape[0], cols)
+
+
+def _decode_rows(read, type_name: str, rows: int, cols: int):
+    """(codes, scale, offset) of `rows` rows whose bytes `read(start_row, stop_row)` gives, a slab at a time."""
+    block_bytes, block_values, _, group = QUANT_TYPES[type_name]
     row_bytes, groups = cols // block_values * block_bytes, cols // group
     step = max(1, DECODE_SLAB_BYTES // row_bytes)
     codes = scale = offset = None
-    # K-quant blocks are also kept as stored, for the kernel that reads them so (engine/quantization/kquant.py)
-    stored = data.read(0, data.size).view(rows, row_bytes) if type_name in KEEP_BLOCKS else None
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        blocks = (stored[start:stop] if stored is not None
-                  else data.read(start * row_bytes, stop * row_bytes)).reshape(-1, block_bytes)
+        blocks = read(start, stop).view(-1, block_bytes)
         part_codes, part_scale, part_offset = _DECODERS[type_name](blocks)
         if codes is None:
             codes = torch.empty(rows, cols, dtype=part_codes.dtype)
@@ -455,7 +474,7 @@ def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Te
         scale[start:stop] = part_scale.reshape(stop - start, groups)
         if offset is not None:
             offset[start:stop] = part_offset.reshape(stop - start, groups)
-    return QuantizedWeight(bits, codes, scale, offset, group, type_name, stored)
+    return codes, scale, offset
 
 
 # finding a GGUF model

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.quantization import kernels
+from engine.quantization.blocks import BlockWeight
 from engine.quantization.kernels import QuantizedMatmul
 from engine.quantization.layout import QuantizedWeight
 
@@ -61,6 +62,8 @@ def sampled_rows(n: int, k: int) -> torch.Tensor | None:
 
 
 def take_rows(qw: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    if isinstance(qw, BlockWeight):  # decoded as a slab, not whole
+        return qw.take(index)
     return QuantizedWeight(qw.bits, qw.q[index], qw.scale[index], None if qw.offset is None else qw.offset[index],
                            qw.group_size, qw.source, None if qw.blocks is None else qw.blocks[index])
 
@@ -95,7 +98,7 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
             log.warning("the Triton quantized kernel cannot run a %s weight %s here (%s); using the slow "
                         "dequantizing fallback", qw.source, qw.shape, str(e).splitlines()[0])
             return fallback(qw)
-    key = (qw.shape, qw.bits, qw.group_size, qw.offset is None, qw.source, device.type, dtype)
+    key = (qw.shape, qw.bits, qw.group_size, not qw.has_offset, qw.source, device.type, dtype)
     ranked = _CHOICES.get(key)
     if ranked is None or not any(name in builders for name in ranked):  # an applicability that depends on the codes
         ranked = _CHOICES[key] = _rank_on_proxy(qw, builders, device, dtype)

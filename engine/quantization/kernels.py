@@ -393,8 +393,8 @@ class HalvesSplitInt4Matmul(SideBySideInt4Matmul):
 
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
-        return (device.type == "cpu" and qw.bits == 8 and qw.group_size == 16 and qw.offset is None
-                and int(qw.q.min()) >= -32 and int(qw.q.max()) <= 31)
+        return (device.type == "cpu" and qw.bits == 8 and qw.group_size == 16 and not qw.has_offset
+                and (qw.source == "Q6_K" or (int(qw.q.min()) >= -32 and int(qw.q.max()) <= 31)))
 
     def joined_terms(self, qw: QuantizedWeight) -> QuantizedWeight:
         # Made side by side directly: Q6_K's terms are the largest part of a Q4_K_M file's load time.

@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -124,6 +125,16 @@ def _build(isa: str):
 def dequantize_blocks(blocks: torch.Tensor, source: str, isa: str | None = None) -> torch.Tensor:
     """Rows of GGUF blocks [rows, row bytes] as float32 [rows, K]."""
     return ops(isa).kquant_dequant(blocks.contiguous(), KINDS[source])
+
+
+def block_rows(holder) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`rows(ids)`: rows of the K-quant weight in `holder.blocks` (of type `holder.source`) in float32, where this
+    kernel serves it; None elsewhere."""
+    blocks = getattr(holder, "blocks", None)
+    if blocks is None or holder.source not in KINDS or blocks.device.type != "cpu" or ops() is None:
+        return None
+    namespace, kind = ops(), KINDS[holder.source]
+    return lambda ids: namespace.kquant_dequant(blocks[ids].contiguous(), kind)
 
 
 class KQuantMatmul(QuantizedMatmul):

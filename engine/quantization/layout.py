@@ -52,6 +52,10 @@ class QuantizedWeight:
         return tuple(self.q.shape)
 
     @property
+    def has_offset(self) -> bool:
+        return self.offset is not None
+
+    @property
     def nbytes(self) -> int:
         """Bytes at rest, with 4-bit codes counted as packed two to a byte (as kernels hold them)."""
         codes = self.q.numel() // 2 if self.bits == 4 else self.q.numel()

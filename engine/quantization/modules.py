@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.quantization import kquant
+from engine.quantization.blocks import BlockWeight
 from engine.quantization.chooser import choose_matmul
 from engine.quantization.kernels import DenseMatmul, QuantizedMatmul, pack_nibbles, unpack_nibbles
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
@@ -35,6 +37,10 @@ def quantize_tensor(w: torch.Tensor, method: str | None, group_size: int) -> tor
 
 
 def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, BlockWeight) for p in parts):
+        return BlockWeight.concat(parts)
     first = parts[0]
     offsets = None if first.offset is None else torch.cat([p.offset for p in parts])
     blocks = torch.cat([p.blocks for p in parts]) if all(p.blocks is not None for p in parts) else None
@@ -44,7 +50,7 @@ def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 def _layout_key(w: torch.Tensor | QuantizedWeight) -> tuple:
     if isinstance(w, QuantizedWeight):
-        return (w.bits, w.group_size, w.offset is None, w.source)
+        return (w.bits, w.group_size, not w.has_offset, w.source)
     return ("dense",)
 
 
@@ -143,11 +149,12 @@ class QuantizedEmbedding(nn.Module):
         self.bits = 0  # 0: a full-precision table in `table`
         self.table = self.scale = self.offset = None
         self.rows_from_head = None  # a tied head's kernel's `looked_up_rows`, where that holds the table instead
+        self.blocks = None  # a K-quant table in its GGUF blocks, its rows dequantized by kquant.py
         self.source = "dense"
 
     @property
     def loaded(self) -> bool:
-        return self.table is not None or self.rows_from_head is not None
+        return self.table is not None or self.rows_from_head is not None or self.blocks is not None
 
     def load_quantizable(self, loaded: torch.Tensor | QuantizedWeight, shard: int | None = None) -> None:
         if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
@@ -160,6 +167,9 @@ class QuantizedEmbedding(nn.Module):
                                                                                 self.method, self.group_size)
         if isinstance(w, QuantizedWeight):
             self.bits, self.group_size, self.source = w.bits, w.group_size, w.source
+            if kquant.block_rows(w) is not None:  # not expanded to codes
+                self.blocks = w.blocks
+                return
             self.table = pack_nibbles(w.q) if w.bits == 4 else w.q
             self.scale, self.offset = w.scale, w.offset
         else:
@@ -177,7 +187,11 @@ class QuantizedEmbedding(nn.Module):
                 and (kernel.out_features, kernel.in_features) == (self.num_embeddings, self.embedding_dim)
                 and kernel.looked_up_rows(torch.zeros(1, dtype=torch.long, device=device)) is not None):
             self.rows_from_head = kernel.looked_up_rows
-            self.table = self.scale = self.offset = None
+            self.table = self.scale = self.offset = self.blocks = None
+            return
+        if self.blocks is not None:
+            self.blocks = self.blocks.to(device)
+            self.rows_from_head = kquant.block_rows(self)
             return
         self.table = self.table.to(device) if self.bits else self.table.to(device, self.dtype)
         self.scale = None if self.scale is None else self.scale.to(device)

@@ -1,0 +1,83 @@
+"""A GGUF K-quant tensor held as the file stores it: `BlockWeight` is a QuantizedWeight whose codes, scales and
+offsets are decoded from its blocks when asked for, not kept (issue 38).
+
+The kernel chooser reads a weight a slab of rows at a time (`rows`, `take`), and the K-quant kernel (kquant.py)
+keeps the blocks themselves, so a Q6_K head is never expanded whole: decoded beside its blocks, the loader's layout
+(a byte a code, float32 scales) took 1.5x the blocks for Q6_K and 2.2x for Q4_K, and a 150k-token table's
+expansion alone outweighed everything else a load holds beyond the kept weights. Small slices keep what they
+decoded, so a slab's codes, scales and offsets come from one decoding.
+"""
+from collections.abc import Callable
+
+import torch
+
+from engine.quantization.layout import QuantizedWeight
+
+CACHE_BYTES = 16 << 20  # slices of up to this many stored bytes keep their decoding
+
+Decoder = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+class BlockWeight(QuantizedWeight):
+    """`blocks` [N, row bytes] of GGUF type `source`; `decoder(blocks, K)` gives (codes, scale, offset) in the
+    layout QuantizedWeight describes."""
+
+    def __init__(self, blocks: torch.Tensor, source: str, shape: tuple[int, int], bits: int, group_size: int,
+                 decoder: Decoder):
+        # Not the dataclass's __init__: q, scale and offset are decoded on access.
+        if blocks.dim() != 2 or blocks.shape[0] != shape[0]:
+            raise ValueError(f"{source} blocks of shape {tuple(blocks.shape)} do not hold a {shape} weight")
+        self.blocks, self.source, self.bits, self.group_size = blocks, source, bits, group_size
+        self._k, self._decoder, self._cache = shape[1], decoder, None
+
+    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self._cache is not None:
+            return self._cache
+        decoded = self._decoder(self.blocks, self._k)
+        if self.blocks.numel() <= CACHE_BYTES:
+            self._cache = decoded
+        return decoded
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self._decoded()[0]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._decoded()[1]
+
+    @property
+    def offset(self) -> torch.Tensor | None:
+        return self._decoded()[2]
+
+    @property
+    def has_offset(self) -> bool:
+        return self.source != "Q6_K"  # the K-quants with a min per sub-block: Q4_K, Q5_K
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self._k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def _like(self, blocks: torch.Tensor) -> "BlockWeight":
+        return BlockWeight(blocks, self.source, (blocks.shape[0], self._k), self.bits, self.group_size, self._decoder)
+
+    def to(self, device: torch.device) -> "BlockWeight":
+        return self if self.blocks.device == torch.device(device) else self._like(self.blocks.to(device))
+
+    def rows(self, start: int, count: int) -> "BlockWeight":
+        return self._like(self.blocks[start:start + count])
+
+    def take(self, index: torch.Tensor) -> "BlockWeight":
+        """Rows `index` (a copy of their blocks)."""
+        return self._like(self.blocks[index])
+
+    @staticmethod
+    def concat(parts: list["BlockWeight"]) -> "BlockWeight":
+        return parts[0]._like(torch.cat([p.blocks for p in parts]))
+
+    def __repr__(self) -> str:
+        return f"BlockWeight({self.source}, {self.shape})"
