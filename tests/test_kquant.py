@@ -151,3 +151,17 @@ def test_without_a_compiler_pytorch_kernels_serve_and_the_log_says_so_once(tmp_p
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if "K-quant CPU kernel could not be built" in line]
     assert len(said) == 1, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_avx2_build_equals_the_dequantized_product(type_name):
+    """The AVX2-only build (PAGODA_KQUANT_ISA=avx2, for AVX2 machines) runs its own fused loop."""
+    if kquant.ops("avx2") is None:
+        pytest.skip("the AVX2 build cannot be made here")
+    for n, k, m in SHAPES:
+        qw, w = weight(type_name, n, k, seed=n)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+        kernel = kquant.KQuantMatmul(qw, torch.float32, isa="avx2")
+        y = kernel.ops.kquant_mm(x, kernel.blocks, kernel.kind, 0).double()
+        want = rounded_to_int8(x).double() @ w.double().T
+        assert (y - want).abs().max().item() <= 1e-5 * want.abs().max().item()
