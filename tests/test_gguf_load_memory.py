@@ -7,14 +7,18 @@ dequantized to float32, and the reader's memory map counted the file once more: 
 Now it adds 304-324 MB (six runs): the 174 MB of weights the model keeps, the 67 MB KV cache, and some 70 MB of
 code pages and allocator slack.
 
-What the model keeps is each weight in its fastest kernel's layout: Q4_K at 1.11x its stored size, but Q6_K at
-3x (HalvesSplitInt4Matmul, four 4-bit terms), so a Q4_K_M file's weights take about 2x the file. The issue's
-goal of 1.15x the file for the whole load needs a Q6_K kernel with a compact layout; until then this checks the
-load against what the model keeps (1.15x, plus the allowance), and the file ratio against the layouts' 2x.
+What the model keeps is each weight in its fastest kernel's layout. With PyTorch's kernels alone that is Q4_K at
+1.11x its stored size but Q6_K at 3x (HalvesSplitInt4Matmul, four 4-bit terms), so a Q4_K_M file's weights took
+about 2x the file. The K-quant kernel (engine/quantization/kquant.py) holds Q4_K, Q5_K and Q6_K in their GGUF blocks,
+and the load keeps them so throughout (engine/quantization/blocks.py): the load then adds 219 MB (1.41x the file
+and KV cache; 1.16x for a 473 MB file of the same mix, where the fixed code pages weigh less). Where that kernel can
+be built, the load must stay within the issue's 1.15x of file and KV cache plus the allowance; elsewhere within
+2.5x.
 """
 import pytest
 
 from bench.gguf_load_memory import measure_load
+from engine.quantization import kquant
 from tests.conftest import build_tokenizer
 from tests.shaped_gguf import SMALL, write_shaped_gguf
 
@@ -36,4 +40,8 @@ def test_loading_a_gguf_takes_little_more_than_the_model_keeps(small_q4_k_m):
     report = (f"the load added {added / 1e6:.0f} MB over its imports; the model keeps {f['held_bytes'] / 1e6:.0f} MB "
               f"of weights and a {KV_BYTES / 1e6:.0f} MB KV cache; the file is {f['file_bytes'] / 1e6:.0f} MB")
     assert added <= 1.15 * kept + ALLOWANCE, report
-    assert added <= 2.5 * (f["file_bytes"] + KV_BYTES), report
+    if kquant.ops() is not None:  # the weights are held at the file's size
+        assert f["held_bytes"] <= 1.15 * f["file_bytes"], report  # Q4_K in Int4PackMatmul, where faster: 1.11x
+        assert added <= 1.15 * (f["file_bytes"] + KV_BYTES) + ALLOWANCE, report
+    else:
+        assert added <= 2.5 * (f["file_bytes"] + KV_BYTES), report
