@@ -95,12 +95,24 @@ def test_prefill_tiles_and_looked_up_rows(type_name, monkeypatch):
     qw, w = weight(type_name, 29, 512, seed=3)
     kernel = kquant.KQuantMatmul(qw, torch.float32)
     monkeypatch.setattr(kernel, "tile_rows", 8)  # several tiles, the last one short
-    x = torch.randn(kquant.TILED_FROM_ROWS + 3, 512)
+    kernel.dense_from_rows = 16
+    x = torch.randn(19, 512)
     exact = x @ w.T
     assert (kernel(x) - exact).abs().max().item() <= 0.02 * exact.abs().max().item()  # bf16 tiles
+    assert torch.equal(kernel.dequantized_bf16(), w.to(torch.bfloat16))
     ids = torch.tensor([0, 28, 5, 5])
     assert torch.equal(kernel.looked_up_rows(ids), w[ids])
     assert torch.equal(kquant.dequantize_blocks(qw.blocks, type_name), w)
+
+
+def test_compiled_graphs_call_it():
+    """Decode steps are compiled graphs: the kernel and a tied table's row lookup run inside one."""
+    qw, w = weight("Q6_K", 9, 512, seed=7)
+    kernel = kquant.KQuantMatmul(qw, torch.float32)
+    step = torch.compile(lambda ids, x: kernel(x) + kernel.looked_up_rows(ids)[:, :9], fullgraph=True,
+                         backend="eager")
+    ids, x = torch.tensor([1, 4]), torch.randn(2, 512)
+    assert torch.allclose(step(ids, x), kernel(x) + w[ids][:, :9])
 
 
 def test_the_chooser_takes_it_and_holds_the_file_size():

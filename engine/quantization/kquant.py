@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.quantization import native
 from engine.quantization.kernels import QuantizedMatmul
@@ -35,10 +36,9 @@ BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 BLOCK_VALUES = 256
 ISAS = ("native", "avx2")
 ACTS = {"int8": 0, "f32": 1}
-# From this many rows of x up (prefill), a slab of the weight's rows at a time is dequantized to bf16 and
-# multiplied by oneDNN, which beats unpacking each row for every one of many rows (bench/RESULTS.md); the slab
+# Prefill: from `dense_from_rows` rows of x up (chosen per shape by the chooser's `choose_prefill_rows`, as for
+# PyTorch's kernels), a tile of the weight's rows at a time is dequantized to bf16 and multiplied by oneDNN; the tile
 # keeps the expansion to a few MB, never a second copy of the weight.
-TILED_FROM_ROWS = 32
 TILE_BYTES = 4 << 20  # bf16 weight bytes dequantized per tile
 
 _LOCK = threading.Lock()
@@ -113,9 +113,13 @@ def _build(isa: str):
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
     namespace = getattr(torch.ops, name)
-    if name not in _FAKES:
+    if name not in _FAKES:  # shapes for compiled graphs: decode steps call the kernel and a tied table's lookup
+        row_bytes = {KINDS[t]: BLOCK_BYTES[t] for t in KINDS}
         torch.library.register_fake(f"{name}::kquant_mm")(lambda x, blocks, kind, act:
                                                           x.new_empty((x.shape[0], blocks.shape[0])))
+        torch.library.register_fake(f"{name}::kquant_dequant")(
+            lambda blocks, kind: blocks.new_empty((blocks.shape[0], blocks.shape[1] // row_bytes[kind] * BLOCK_VALUES),
+                                                  dtype=torch.float32))
         _FAKES.add(name)
     log.info("K-quant CPU kernel built for %s (%d-bit vectors)", isa,
              namespace.kquant_isa(torch.zeros(1)))
@@ -156,6 +160,11 @@ class KQuantMatmul(QuantizedMatmul):
         self.ops = ops(self.isa)
         self.tile_rows = max(1, TILE_BYTES // (2 * self.in_features))
 
+    def dequantized_bf16(self) -> torch.Tensor:
+        """The whole weight in bf16: for the chooser's measurement on a proxy of a few rows; a model's kernel
+        multiplies tile by tile instead (`tiled`)."""
+        return self.ops.kquant_dequant(self.blocks, self.kind).to(torch.bfloat16)
+
     def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ops.kquant_dequant(self.blocks[ids].contiguous(), self.kind)
 
@@ -166,9 +175,14 @@ class KQuantMatmul(QuantizedMatmul):
                                    .to(torch.bfloat16))
                           for start in range(0, self.out_features, self.tile_rows)], dim=-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not tracing_decode_step() and x.shape[0] >= TILED_FROM_ROWS:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # as QuantizedMatmul.__call__, but a tile at a time: not inside a compiled decode step (symbolic rows)
+        if (self.dense_from_rows is not None and not tracing_decode_step()
+                and x.shape[0] >= self.dense_from_rows):
             return self.tiled(x).to(self.dtype)
+        return nn.Module.__call__(self, x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.kquant_mm(x.float().contiguous(), self.blocks, self.kind, ACTS[self.act]).to(self.dtype)
 
     def extra_repr(self) -> str:
