@@ -66,7 +66,8 @@ def act_setting() -> str:
 
 def _flags(isa: str) -> list[str]:
     march = "-march=native" if isa == "native" else "-march=haswell"  # haswell: AVX2, FMA, no AVX-512
-    return ["-O3", march, f"-DPAGODA_KQ_NS=pagoda_kquant_{isa}"]
+    # -fopenmp: ATen's parallel_for is inline, and without it runs every row on the calling thread alone
+    return ["-O3", march, "-fopenmp", f"-DPAGODA_KQ_NS=pagoda_kquant_{isa}"]
 
 
 def _build_dir(isa: str) -> Path:
@@ -105,8 +106,8 @@ def _build(isa: str):
         from torch.utils.cpp_extension import load
 
         native._put_ninja_on_path()
-        load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(isa), build_directory=str(_build_dir(isa)),
-             is_python_module=False, verbose=False)
+        load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(isa), extra_ldflags=["-fopenmp"],
+             build_directory=str(_build_dir(isa)), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the kernel is not offered
         log.warning("Pagoda's K-quant CPU kernel could not be built (%s); PyTorch's kernels serve, holding Q4_K, "
                     "Q5_K and Q6_K weights at up to 3x their file size. It needs a C++ compiler and ninja.",
