@@ -142,6 +142,27 @@ def test_a_q6_k_file_replies_as_its_dequantized_model(tmp_path):
         assert got["token_ids"] == want["token_ids"]
 
 
+def test_compiled_decode_steps_agree_with_eager_ones(tmp_path, monkeypatch):
+    """A Q4_K_M-like file's decode steps compiled (the kernel and the table's lookup inside the graph) agree with the
+    eager steps, and greedy output is the eager engine's."""
+    from engine import compiled_decode
+    from tests.conftest import build_tokenizer
+    from tests.test_gguf_engine import greedy, hf_model, make_llm, prompt_ids, write_model_gguf
+
+    build_tokenizer(tmp_path / "tok")
+    types = {"linear": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q5_K", "embed": "Q6_K"}
+    path = write_model_gguf(tmp_path / "model.gguf", "qwen3", hf_model("qwen3"), types, tmp_path / "tok")
+    eager = make_llm(path)
+    monkeypatch.setenv(compiled_decode.ENV_SWITCH, "1")
+    compiled = make_llm(path)
+    assert compiled.model_runner.wait_for_compiled_decode(timeout=600)
+    notes = "; ".join(compiled.model_runner.compiled_decode.notes)
+    assert "KQuantMatmul" in compiled.stats().matmul and "disagrees" not in notes, notes
+    prompts = [prompt_ids(4), prompt_ids(5, 9)]
+    for got, want in zip(greedy(compiled, prompts, max_tokens=12), greedy(eager, prompts, max_tokens=12)):
+        assert got["token_ids"] == want["token_ids"]
+
+
 NO_COMPILER = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
