@@ -40,9 +40,9 @@ def one_thread():
 def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random block bytes with small finite fp16 scales (and mins), [rows, row bytes]."""
     rng = np.random.default_rng(seed)
-    n = rows * cols // 256
+    n = rows * cols // kquant.BLOCK_VALUES[type_name]
     blocks = rng.integers(0, 256, size=(n, kquant.BLOCK_BYTES[type_name]), dtype=np.uint8)
-    for at in (208,) if type_name == "Q6_K" else (0, 2):
+    for at in {"Q6_K": (208,), "Q8_0": (0,)}.get(type_name, (0, 2)):
         halves = (rng.uniform(1e-3, 1e-2, n) * rng.choice([-1, 1], n)).astype(np.float16)
         blocks[:, at:at + 2] = halves.view(np.uint8).reshape(n, 2)
     return blocks.reshape(rows, -1)
@@ -64,9 +64,9 @@ def weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeig
     return qw, torch.from_numpy(gguf.dequantize(stored, T[type_name])).float()
 
 
-def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel rounds it: int8 steps of (the largest |x| of each 256 columns) / 127."""
-    blocks = x.view(x.shape[0], -1, 256)
+def rounded_to_int8(x: torch.Tensor, columns: int = 256) -> torch.Tensor:
+    """x as the kernel rounds it: int8 steps of (the largest |x| of each `columns` columns) / 127."""
+    blocks = x.view(x.shape[0], -1, columns)
     step = blocks.abs().amax(-1, keepdim=True) / 127
     return (torch.round(blocks / step) * step).view_as(x)
 
@@ -88,6 +88,26 @@ def test_kernel_equals_the_dequantized_product(type_name, n, k, m):
     assert ((y.double() - exact).abs() <= bound + 1e-5 * scale).all()
     f32 = kquant.KQuantMatmul(qw, torch.float32, act="f32")
     assert (f32(x).double() - exact).abs().max().item() <= 1e-5 * scale
+
+
+# Q8_0: K any multiple of 32, x rounded per 32 columns
+Q8_0_SHAPES = [(7, 32, 1), (33, 96, 3), (5, 576, 16), (17, 800, 20)]
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("n,k,m", Q8_0_SHAPES)
+def test_q8_0_kernel_equals_the_dequantized_product(n, k, m, isa):
+    if kquant.ops(isa) is None:
+        pytest.skip(f"the {isa} build cannot be made here")
+    qw, w = weight("Q8_0", n, k, seed=n + k)
+    assert qw.blocks is not None and torch.equal(qw.dequantize(), w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    kernel = kquant.KQuantMatmul(qw, torch.float32, isa=isa)
+    y = kernel(x).double()
+    exact = x.double() @ w.double().T
+    want = rounded_to_int8(x, 32).double() @ w.double().T
+    assert (y - want).abs().max().item() <= 1e-5 * exact.abs().max().item()
+    assert torch.equal(kernel.looked_up_rows(torch.tensor([n - 1, 0])), w[[n - 1, 0]])
 
 
 @pytest.mark.parametrize("type_name", TYPES)

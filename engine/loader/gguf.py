@@ -424,7 +424,7 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0":
 
 
 DECODE_SLAB_BYTES = 1 << 20  # stored bytes decoded per step: the decoders' temporaries stay a few times this
-KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K")
+KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # the types kquant.py reads as stored
 
 
 def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:

@@ -52,7 +52,7 @@ class BlockWeight(QuantizedWeight):
 
     @property
     def has_offset(self) -> bool:
-        return self.source != "Q6_K"  # the K-quants with a min per sub-block: Q4_K, Q5_K
+        return self.source not in ("Q6_K", "Q8_0")  # Q4_K and Q5_K have a min per sub-block
 
     @property
     def shape(self) -> tuple[int, int]:

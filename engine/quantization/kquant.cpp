@@ -31,13 +31,15 @@
 namespace {
 
 constexpr int64_t QK = 256;
-enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ80 = 3 };
+constexpr int64_t QK8 = 32;  // Q8_0's block: an fp16 scale and 32 int8 codes
 
 int64_t block_bytes(int64_t kind) {
   switch (kind) {
     case kQ4K: return 144;
     case kQ5K: return 176;
     case kQ6K: return 210;
+    case kQ80: return 34;
   }
   TORCH_CHECK(false, "kquant: unknown block kind ", kind);
 }
@@ -451,12 +453,68 @@ void dot_fused(const uint8_t* w, int64_t kind, int64_t k, const Q8Row* xs, int64
 }
 #endif
 
+// Q8_0: w = d * c per 32 columns, c int8; x rounded per 32 columns to int8 as llama.cpp's q8_0. A block's product
+// is |c| times x's codes with c's sign (vpsignb), so vpmaddubsw takes it (pairs at most 2 * 128 * 127, no saturation).
+void quantize_row_q80(const float* x, int64_t k, int8_t* q, float* dx) {
+  for (int64_t b = 0; b < k / QK8; ++b) {
+    const float* xb = x + b * QK8;
+    float amax = 0.f;
+    for (int i = 0; i < QK8; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < QK8; ++i) q[b * QK8 + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+    dx[b] = amax / 127.f;
+  }
+}
+
+float dot_q80(const uint8_t* w, const int8_t* q, const float* dx, int64_t nb) {
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 34;
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c)), ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half_at(blk) * dx[b]), acc);
+  }
+  return hsum256(acc);
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(w + b * 34 + 2);
+    int32_t s = 0;
+    for (int i = 0; i < QK8; ++i) s += int32_t(c[i]) * int32_t(q[b * QK8 + i]);
+    total += half_at(w + b * 34) * dx[b] * float(s);
+  }
+  return total;
+#endif
+}
+
+at::Tensor q80_mm(const at::Tensor& x, const at::Tensor& blocks) {
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / QK8;
+  TORCH_CHECK(k % QK8 == 0 && blocks.size(1) == nb * 34, "blocks: ", nb, " Q8_0 blocks per row");
+  std::vector<int8_t> q(m * k);
+  std::vector<float> dx(m * nb);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) quantize_row_q80(xp + r * k, k, q.data() + r * k, dx.data() + r * nb);
+  at::Tensor out = at::empty({m, n}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t r = 0; r < m; ++r) op[r * n + j] = dot_q80(wp + j * nb * 34, q.data() + r * k, dx.data() + r * nb, nb);
+    }
+  });
+  return out;
+}
+
 // x [M, K] float32 (K a multiple of 256); blocks [N, K / 256 * bytes] uint8; act 0: x rounded to int8 per block,
 // 1: x in float32. Returns [M, N] float32.
 at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind, int64_t act) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blocks: contiguous uint8 [N, row bytes]");
+  if (kind == kQ80) return q80_mm(x, blocks);  // int8 activations whatever `act` says
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
   TORCH_CHECK(k % QK == 0 && blocks.size(1) == k / QK * block_bytes(kind), "blocks: ", k / QK, " blocks per row");
   const float* xp = x.data_ptr<float>();
@@ -522,6 +580,20 @@ at::Tensor kquant_dequant(const at::Tensor& blocks, int64_t kind) {
               "blocks: contiguous uint8 [N, row bytes]");
   const int64_t n = blocks.size(0), bytes = block_bytes(kind);
   TORCH_CHECK(blocks.size(1) % bytes == 0, "blocks: whole blocks per row");
+  if (kind == kQ80) {
+    const int64_t nb = blocks.size(1) / bytes;
+    at::Tensor out = at::empty({n, nb * QK8}, blocks.options().dtype(at::kFloat));
+    float* op = out.data_ptr<float>();
+    const uint8_t* wp = blocks.data_ptr<uint8_t>();
+    at::parallel_for(0, n * nb, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const float d = half_at(wp + b * 34);
+        const int8_t* c = reinterpret_cast<const int8_t*>(wp + b * 34 + 2);
+        for (int i = 0; i < QK8; ++i) op[b * QK8 + i] = d * float(c[i]);
+      }
+    });
+    return out;
+  }
   const int64_t k = blocks.size(1) / bytes * QK;
   at::Tensor out = at::empty({n, k}, blocks.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();

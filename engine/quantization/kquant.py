@@ -31,9 +31,9 @@ from engine.tracing import tracing_decode_step
 log = logging.getLogger("engine")
 
 SOURCE = Path(__file__).with_name("kquant.cpp")
-KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # kquant.cpp's block kinds
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-BLOCK_VALUES = 256
+KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q8_0": 3}  # kquant.cpp's block kinds
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34}
+BLOCK_VALUES = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q8_0": 32}
 ISAS = ("native", "avx2")
 ACTS = {"int8": 0, "f32": 1}
 # Prefill: from `dense_from_rows` rows of x up (chosen per shape by the chooser's `choose_prefill_rows`, as for
@@ -103,11 +103,16 @@ def _build(isa: str):
         return None  # the kernel's fast paths are x86's; elsewhere PyTorch's kernels serve
     name = f"pagoda_kquant_{isa}"
     try:
-        from torch.utils.cpp_extension import load
+        folder = _build_dir(isa)  # named by the source, flags, torch and CPU: a library there is this build
+        if (folder / f"{name}.so").is_file():
+            # loaded as it is: torch's extension builder imports setuptools and more, 30-70 MB a load would keep
+            torch.ops.load_library(str(folder / f"{name}.so"))
+        else:
+            from torch.utils.cpp_extension import load
 
-        native._put_ninja_on_path()
-        load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(isa), extra_ldflags=["-fopenmp"],
-             build_directory=str(_build_dir(isa)), is_python_module=False, verbose=False)
+            native._put_ninja_on_path()
+            load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(isa), extra_ldflags=["-fopenmp"],
+                 build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the kernel is not offered
         log.warning("Pagoda's K-quant CPU kernel could not be built (%s); PyTorch's kernels serve, holding Q4_K, "
                     "Q5_K and Q6_K weights at up to 3x their file size. It needs a C++ compiler and ninja.",
@@ -115,11 +120,11 @@ def _build(isa: str):
         return None
     namespace = getattr(torch.ops, name)
     if name not in _FAKES:  # shapes for compiled graphs: decode steps call the kernel and a tied table's lookup
-        row_bytes = {KINDS[t]: BLOCK_BYTES[t] for t in KINDS}
+        block = {KINDS[t]: (BLOCK_BYTES[t], BLOCK_VALUES[t]) for t in KINDS}
         torch.library.register_fake(f"{name}::kquant_mm")(lambda x, blocks, kind, act:
                                                           x.new_empty((x.shape[0], blocks.shape[0])))
         torch.library.register_fake(f"{name}::kquant_dequant")(
-            lambda blocks, kind: blocks.new_empty((blocks.shape[0], blocks.shape[1] // row_bytes[kind] * BLOCK_VALUES),
+            lambda blocks, kind: blocks.new_empty((blocks.shape[0], blocks.shape[1] // block[kind][0] * block[kind][1]),
                                                   dtype=torch.float32))
         _FAKES.add(name)
     log.info("K-quant CPU kernel built for %s (%d-bit vectors)", isa,
@@ -148,7 +153,7 @@ class KQuantMatmul(QuantizedMatmul):
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         return (device.type == "cpu" and qw.source in KINDS and getattr(qw, "blocks", None) is not None
-                and qw.shape[1] % BLOCK_VALUES == 0 and ops() is not None)
+                and qw.shape[1] % BLOCK_VALUES[qw.source] == 0 and ops() is not None)
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, isa: str | None = None, act: str | None = None):
         super().__init__(qw)
@@ -156,7 +161,7 @@ class KQuantMatmul(QuantizedMatmul):
         self.kind = KINDS[qw.source]
         self.isa, self.act = isa or isa_setting(), act or act_setting()
         self.blocks = qw.blocks.contiguous()
-        if tuple(self.blocks.shape) != (qw.shape[0], qw.shape[1] // BLOCK_VALUES * BLOCK_BYTES[qw.source]):
+        if tuple(self.blocks.shape) != (qw.shape[0], qw.shape[1] // BLOCK_VALUES[qw.source] * BLOCK_BYTES[qw.source]):
             raise ValueError(f"{qw.source} blocks of shape {tuple(self.blocks.shape)} do not hold a {qw.shape} weight")
         self.ops = ops(self.isa)
         self.tile_rows = max(1, TILE_BYTES // (2 * self.in_features))
