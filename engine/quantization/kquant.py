@@ -1,5 +1,6 @@
-"""Pagoda's K-quant CPU kernel (kquant.cpp): x W^T straight from GGUF's Q4_K, Q5_K and Q6_K blocks as the file stores
-them, so that a loaded model holds those weights at their file size (issue 38).
+"""Pagoda's K-quant CPU kernel (kquant.cpp): x W^T straight from GGUF's Q4_K, Q5_K and Q6_K blocks (and Q8_0's, x then
+rounded per 32 columns) as the file stores them, so that a loaded model holds those weights at their file size
+(issue 38).
 
 PyTorch's int4 kernel reads Q6_K as four 4-bit terms (2.5 bytes a weight where the file has 0.82) and Q5_K as two
 (1.25 against 0.69): a Q4_K_M file's weights took about twice the file. This kernel keeps each row's blocks as
