@@ -30,14 +30,14 @@ from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.linear import OneDNNMatmul, PackableLinear, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
-from engine.layers.sampler import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs, unpack_bitmask
 from engine.loader import GGUFCheckpoint, checkpoint_numel, load_tensors, load_weights, safetensors_files
 from engine.memory import check_host_memory
 from engine.models import model_class
+from engine.sample.logprobs import LogprobsTensors, gather_logprobs
+from engine.sample.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 from engine.staging import StagingBuffer
-from engine.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step, sampling_columns
-from engine.structured_output import fill_bitmask
+from engine.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step
 from engine.tracing import MODULE_CALLS
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
@@ -164,7 +164,7 @@ class ModelRunner:
     def _create_step_buffers(self) -> None:
         """The sampler, and the buffers each step's inputs and sampled tokens pass through."""
         config, device = self.config, self.device
-        self.sampler = Sampler(compiled=device.type == "cuda" and not config.enforce_eager)
+        self.sampler = Sampler(self.vocab_size, device, compiled=device.type == "cuda" and not config.enforce_eager)
         # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
         self.staging = None if device.type == "cpu" else {
             t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
@@ -174,10 +174,6 @@ class ModelRunner:
         # The last step's logprobs rows on the device (StepInputs' sample_logprobs_rows, prompt_logits_index,
         # prompt_token_ids), uploaded with its inputs; empty unless some request asked for logprobs.
         self.logprobs_rows: list[torch.Tensor] = []
-        # Values assigned through tensor indices must already be on the device: a Python scalar is
-        # staged through a blocking copy that waits for every step in flight.
-        self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
-        self.one_on_device = torch.ones((), dtype=torch.float32, device=device)
         # Sampled tokens come back through two pinned buffers taking turns (StagingBuffer's mirror for
         # the way back): one step's are read while the next's arrive.
         self.readback = self.readback_done = None
@@ -416,60 +412,6 @@ class ModelRunner:
         )
         return token_ids, positions, meta, logits_index, logprobs_rows
 
-    def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
-        """Each row's sampling parameters as device columns, uploaded without waiting for the device
-        (a plain `torch.tensor(..., device="cuda")` would wait for every step in flight)."""
-        columns = sampling_columns(batch, self.vocab_size, self.last_sampled_rows)
-        floats, ints = columns.floats, columns.ints
-        f = dict(zip(floats, self.upload(list(floats.values()), torch.float32), strict=True))
-        i = dict(zip(ints, self.upload(list(ints.values()), torch.int64), strict=True))
-        seen = counts = bias = None
-        pending = None  # (rows, tokens) of penalised rows whose last sampled token is still only on the device
-        if "pending_rows" in ints and ints["pending_rows"].size:
-            pending = (i["pending_rows"], self.last_sampled[i["pending_sources"]])
-        if "repetition_penalties" in f:
-            seen = torch.zeros(len(batch), self.vocab_size, dtype=torch.bool, device=self.device)
-            seen.index_put_((i["seen_rows"], i["seen_ids"]), self.true_on_device)
-            if pending is not None:
-                seen.index_put_(pending, self.true_on_device)
-        if "presence_penalties" in f:
-            counts = torch.zeros(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
-            counts.index_put_((i["output_rows"], i["output_ids"]), self.one_on_device.expand(len(i["output_ids"])),
-                              accumulate=True)
-            if pending is not None:
-                counts.index_put_(pending, self.one_on_device.expand(len(pending[0])), accumulate=True)
-        if "logit_bias_values" in f:
-            bias = torch.zeros(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
-            bias.index_put_((i["logit_bias_rows"], i["logit_bias_ids"]), f["logit_bias_values"])
-        grammar_rows = grammar_allowed = None
-        constrained = [row for row, s in enumerate(batch) if s.seq.grammar is not None]
-        if constrained:  # filled on the host while the device runs this step's forward pass
-            mask = fill_bitmask([batch[row].seq.grammar for row in constrained], self.vocab_size,
-                                parallel=self.device.type != "cpu")
-            (grammar_rows,) = self.upload([np.array(constrained, np.int64)], torch.int64)
-            if self.device.type == "cpu":  # numpy unpacks the bits in one C pass
-                bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
-                grammar_allowed = torch.from_numpy(bits.view(np.bool_))
-            else:  # a 32x smaller transfer, unpacked on the device
-                (words,) = self.upload([mask], torch.int32)
-                grammar_allowed = unpack_bitmask(words, self.vocab_size)
-        return SamplingBatch(
-            temperatures=f.get("temperatures"),
-            top_k=i.get("top_k"),
-            top_p=f.get("top_p"),
-            min_p=f.get("min_p"),
-            repetition_penalties=f.get("repetition_penalties"),
-            seen_tokens=seen,
-            logit_bias=bias,
-            presence_penalties=f.get("presence_penalties"),
-            frequency_penalties=f.get("frequency_penalties"),
-            output_counts=counts,
-            generators=[s.seq.generator for s in batch],
-            all_greedy=columns.all_greedy,
-            grammar_rows=grammar_rows,
-            grammar_allowed=grammar_allowed,
-        )
-
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq]) -> LaunchedStep:
         """Enqueue one step: the forward, the sampling, and the copy of the sampled tokens to the
@@ -490,7 +432,9 @@ class ModelRunner:
             sample_logprobs = tokens = None
             if logits is not None:
                 sampling = [s for s in batch if s.samples]
-                tokens = self.sampler(logits, self.prepare_sampling(sampling))
+                sampling_batch = self.sampler.prepare([s.seq for s in sampling], self.upload, self.last_sampled,
+                                                      self.last_sampled_rows)
+                tokens = self.sampler(logits, sampling_batch)
                 self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
                 if plan is not None and plan.sample_rows.size:
                     sample_logprobs = self._sample_logprobs(logits, tokens, step)

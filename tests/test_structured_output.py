@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.layers.sampler import apply_grammar_mask, unpack_bitmask
+from engine.sample.sampler import apply_grammar_mask, unpack_bitmask
 from engine.loader.bundled import bundled_gguf_path
 
 # Objects, enums, integer ranges, arrays and additionalProperties: false: far beyond what a 135M model

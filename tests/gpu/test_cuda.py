@@ -121,7 +121,7 @@ def test_compiled_sampler_on_cuda_picks_the_eager_tokens():
     """Batches of 64 rows and more sample through torch.compile on the GPU: the same tokens as
     eager sampling from the same noise, for plain temperature (the throughput benchmark's) and a
     mix of min-p, penalties and greedy rows; top-k/top-p batches stay eager."""
-    from engine.layers.sampler import Sampler, SamplingBatch
+    from engine.sample.sampler import Sampler, SamplingBatch
 
     rows, vocab = 96, 151936
     gen = torch.Generator("cuda").manual_seed(0)
