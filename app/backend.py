@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from app.visualizer import render_kv_cache
 from engine import EngineThread, RequestStream, SamplingParams, StructuredOutputsParams
-from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
+from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 
 if TYPE_CHECKING:
     from app.store import Message

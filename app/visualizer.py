@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.outputs import EngineStats, KVBlock
+    from engine.front.outputs import EngineStats, KVBlock
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "visualizer.css"
 PALETTE_SIZE = 12

@@ -376,7 +376,7 @@ def cpu_upload(arrays, dtype):
 
 def sampling_seq(prompt: list[int], params: SamplingParams, output: tuple[int, ...] = (), num_pending: int = 0):
     """A sequence about to sample, with `output` read by the host and `num_pending` more tokens only on the device."""
-    from engine.sequence import Sequence
+    from engine.core.sequence import Sequence
 
     seq = Sequence(prompt, params)
     seq.token_ids.extend(output)

@@ -8,11 +8,11 @@ import torch
 
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.distributed import SINGLE, TPGroup
-from engine.kv_cache import CPU_KV_CACHE_BYTES, KVCacheLayout, blocks_for_budget, choose_num_blocks
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
-from engine.step_inputs import SampledRows, StepInputs, prepare_step
+from engine.core.scheduler import ScheduledSeq
+from engine.core.sequence import Sequence
+from engine.runner.distributed import SINGLE, TPGroup
+from engine.runner.kv_cache import CPU_KV_CACHE_BYTES, KVCacheLayout, blocks_for_budget, choose_num_blocks
+from engine.runner.step_inputs import SampledRows, StepInputs, prepare_step
 
 BS = 4  # block size: small, so a few tokens span several blocks
 GREEDY = SamplingParams(temperature=0)
@@ -150,7 +150,8 @@ def test_blocks_from_a_byte_budget():
 
 def test_number_of_blocks_from_the_settings(monkeypatch):
     checked = []  # the host-memory checks, recorded instead of reading this machine's free memory
-    monkeypatch.setattr("engine.kv_cache.check_host_memory", lambda needed, what, _: checked.append((needed, what)))
+    monkeypatch.setattr("engine.runner.kv_cache.check_host_memory",
+                        lambda needed, what, _: checked.append((needed, what)))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # naming a device allocates nothing
     config = EngineConfig(model="m", num_kvcache_blocks=12)
     assert choose_num_blocks(config, LAYOUT, cpu, SINGLE, never_measured) == 12
@@ -173,7 +174,7 @@ def test_number_of_blocks_from_the_settings(monkeypatch):
 def test_gpu_memory_is_what_the_process_may_use(monkeypatch):
     """KV sizing reads the GPU through process_memory_info: within a set_per_process_memory_fraction cap (an
     8 GiB laptop modelled on a big GPU) the cap is the total, and free is what is left under it."""
-    from engine.kv_cache import process_memory_info
+    from engine.runner.kv_cache import process_memory_info
 
     gib, cuda = 2**30, torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (120 * gib, 128 * gib))

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.sequence import Sequence
-from engine.step_inputs import rows_in_last_sampled
-from engine.structured_output import fill_bitmask
+from engine.core.sequence import Sequence
+from engine.runner.step_inputs import rows_in_last_sampled
+from engine.sample.structured_output import fill_bitmask
 
 log = logging.getLogger("engine")
 

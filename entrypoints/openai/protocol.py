@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_PENALTY, StructuredOutputsParams
+from engine.front.sampling_params import MAX_LOGPROBS, MAX_PENALTY, StructuredOutputsParams
 from entrypoints.openai.limits import MAX_REQUEST_BYTES
 
 # Fields of OpenAI's (or vLLM's) that would change the reply and that Pagoda does not do: refused by name

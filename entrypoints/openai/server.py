@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from engine import EngineThread, RequestFailed, RequestStream, SamplingParams
-from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.openai import request_log
 from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
@@ -42,6 +41,7 @@ from entrypoints.openai.tool_calls import (
     prompt_messages,
     template_knows_tools,
 )
+from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 
 log = logging.getLogger("pagoda.api")
 

@@ -249,7 +249,7 @@ def test_bf16_logits_close_to_transformers_on_qwen3_06b_shape(tmp_path_factory):
 def test_staging_buffer_on_cuda():
     import numpy as np
 
-    from engine.staging import StagingBuffer
+    from engine.runner.staging import StagingBuffer
 
     staging = StagingBuffer(torch.device("cuda"), torch.int64, num_buffers=1)
     torch.cuda._sleep(10**8)  # keep the stream busy, so the first copy is still queued when the second upload comes
@@ -266,7 +266,7 @@ def test_staging_uploads_do_not_wait_for_a_busy_stream():
     """With buffers taking turns, the next step's uploads go out while the device still runs this one."""
     import numpy as np
 
-    from engine.staging import StagingBuffer
+    from engine.runner.staging import StagingBuffer
 
     staging = StagingBuffer(torch.device("cuda"), torch.int64)
     for i in range(len(staging.hosts)):  # every buffer allocated first: pinning new memory may itself wait

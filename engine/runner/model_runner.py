@@ -1,11 +1,11 @@
 """Runs the model for one scheduled batch: uploads its inputs, owns the KV cache, samples.
 
 With tensor parallelism, every rank has a ModelRunner over its shard of the weights and KV
-cache. Rank 0 builds each step's inputs and sends them to the workers (engine/tp_workers.py),
+cache. Rank 0 builds each step's inputs and sends them to the workers (engine/runner/tp_workers.py),
 which `execute` the same step; only rank 0 gets logits and samples.
 
-The host arrays of a step come from engine/step_inputs.py, the KV cache's size and layout from
-engine/kv_cache.py; this file keeps what touches the device.
+The host arrays of a step come from engine/runner/step_inputs.py, the KV cache's size and layout from
+engine/runner/kv_cache.py; this file keeps what touches the device.
 """
 import gc
 import logging
@@ -20,25 +20,25 @@ from torch import nn
 
 from engine import quantization
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
-from engine.compiled_decode import CompiledDecode, compile_disabled_by_env
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs
-from engine.distributed import SINGLE, TPGroup
-from engine.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks, gpu_kv_budget
+from engine.core.scheduler import ScheduledSeq
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.linear import OneDNNMatmul, PackableLinear, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
 from engine.loader import GGUFCheckpoint, checkpoint_numel, load_tensors, load_weights, safetensors_files
-from engine.memory import check_host_memory
 from engine.models import model_class
+from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env
+from engine.runner.cuda_graph import DecodeGraphs
+from engine.runner.distributed import SINGLE, TPGroup
+from engine.runner.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks, gpu_kv_budget
+from engine.runner.memory import check_host_memory
+from engine.runner.staging import StagingBuffer
+from engine.runner.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step
+from engine.runner.tracing import MODULE_CALLS
 from engine.sample.logprobs import LogprobsTensors, gather_logprobs
 from engine.sample.sampler import Sampler
-from engine.scheduler import ScheduledSeq
-from engine.staging import StagingBuffer
-from engine.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step
-from engine.tracing import MODULE_CALLS
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
 
@@ -184,7 +184,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> tuple[list[torch.Tensor], int]:
         """The KV cache (keys and values of each layer, a tensor each) and its number of blocks
-        (engine/kv_cache.py); each attention layer is bound to its two. On a GPU without an explicit
+        (engine/runner/kv_cache.py); each attention layer is bound to its two. On a GPU without an explicit
         size, a warm-up step measures what is left."""
         def measure_gpu_budget() -> int:
             return gpu_kv_budget(self.model, self.attention_layers, self.kv_layout, self.config, self.device,
@@ -222,7 +222,7 @@ class ModelRunner:
                 and self.tp.size == 1 and self.backend.name == "torch")
 
     def _start_compiling_decode(self) -> None:
-        """Trace and compile the decode steps in a background thread (engine/compiled_decode.py): steps
+        """Trace and compile the decode steps in a background thread (engine/runner/compiled_decode.py): steps
         run eagerly meanwhile, so a load is not held up by the compiler (about a minute on two cores
         the first time, seconds once inductor's disk cache has them). The thread that steps the engine
         then measures the graphs, at its next `launch` (or in `wait_for_compiled_decode`), and keeps
@@ -379,7 +379,7 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq], plan: LogprobsPlan | None = None) -> StepInputs:
-        """This step's inputs as host arrays (engine/step_inputs.py), for `to_device` to upload in one
+        """This step's inputs as host arrays (engine/runner/step_inputs.py), for `to_device` to upload in one
         transfer per dtype. A pending input token is a placeholder there, filled on the device."""
         return prepare_step(batch, self.block_size, self.last_sampled_rows, plan)
 
@@ -422,7 +422,7 @@ class ModelRunner:
             self._adopt_compiled_decode()
         plan = logprobs_plan(batch)
         step = self.prepare(batch, plan)
-        with MODULE_CALLS.eager_call():  # never inside a window of the decode compiler's tracing (engine/tracing.py)
+        with MODULE_CALLS.eager_call():  # never inside a window of the decode compiler's tracing (runner/tracing.py)
             if self.workers is None:
                 logits, prompt_logprobs = self.execute(step)
             else:

@@ -13,8 +13,8 @@ from itertools import chain
 
 import numpy as np
 
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from engine.core.scheduler import ScheduledSeq
+from engine.core.sequence import Sequence
 
 
 @dataclass
