@@ -11,7 +11,7 @@ import sympy
 import torch
 
 from engine import SamplingParams
-from engine import compiled_decode as cd
+from engine.runner import compiled_decode as cd
 from engine.runner.tracing import tracing_decode_step
 from tests.test_parity import hf_greedy
 
