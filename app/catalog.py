@@ -449,17 +449,23 @@ def fit_report(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", d
 
 def quantization_advice(entry: CatalogEntry, context_len: int = _WANTED_CONTEXT, dtype: str = "bfloat16",
                         device: str = "auto", *, num_seqs: int = 1, free_bytes: int | None = None,
-                        device_name: str | None = None) -> QuantAdvice:
+                        device_name: str | None = None, quantized_dtype: str | None = None) -> QuantAdvice:
     """Which quantization fits `device`, with how much context each leaves, and the one to pick: the most
     precise that leaves room for `context_len` tokens (or the trained length, if shorter), else the one that
-    leaves the most. A GGUF entry has only its own types; its advice is "none" (no quantization at load)."""
+    leaves the most. A GGUF entry has only its own types; its advice is "none" (no quantization at load).
+
+    `quantized_dtype` is the dtype of a load whose weights are quantized (at load, or a GGUF's), when it is
+    not `dtype`: on a CPU the engine gives those float32 activations and KV cache, which doubles the KV of
+    each token, so each option is sized at the dtype its own load gets (`dtype` when None)."""
     free_bytes, device_name = _measure(device, free_bytes, device_name)
     on_cpu = device_name.startswith("CPU")
     free = f"{format_gib(free_bytes)} GiB free"
     kinds = ("none",) if entry.is_gguf else QUANTIZATIONS
     options = []
     for quant in kinds:
-        est = estimate_memory(entry, 256, dtype, num_seqs, on_cpu, quantization=quant)
+        quantized = entry.is_gguf or quant != "none"
+        load_dtype = quantized_dtype if quantized and quantized_dtype else dtype
+        est = estimate_memory(entry, 256, load_dtype, num_seqs, on_cpu, quantization=quant)
         options.append(QuantOption(quant, est.weights_bytes, _max_context(entry, est, free_bytes)))
     if entry.is_gguf:
         ctx = options[0].max_context_len

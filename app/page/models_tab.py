@@ -12,6 +12,7 @@ import torch
 from app.catalog import (
     QUANTIZATIONS,
     CatalogEntry,
+    QuantAdvice,
     available_memory,
     entry_for_repo,
     fit_report,
@@ -53,6 +54,17 @@ def _estimate_dtype(dtype_name: str, device_name: str, quantized: bool = False) 
     return str(pick_dtype("auto", device, quantized)).removeprefix("torch.")
 
 
+def _advice(entry: CatalogEntry, ctx: int, dtype_name: str, memory: tuple[str, int]) -> QuantAdvice:
+    """The quantization advice, each option sized at the dtype its own load gets. The one place the form
+    asks for it: the preselected quantization and context and the sentences under them must agree (a CPU
+    gives quantized weights float32 KV, twice bf16's, and an advice sized at bf16 preselected a context
+    the estimate then said did not fit)."""
+    device_name, free = memory
+    return quantization_advice(entry, ctx, _estimate_dtype(dtype_name, device_name), free_bytes=free,
+                               device_name=device_name,
+                               quantized_dtype=_estimate_dtype(dtype_name, device_name, quantized=True))
+
+
 def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str | None,
                   memory: tuple[str, int] | None = None) -> str:
     """The estimate under the load form: download size, whether the model fits at this precision,
@@ -72,8 +84,7 @@ def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str |
         size = f"Download: {format_gib(entry.download_bytes)} GiB. "
     quant = None if entry.is_gguf else quantization
     report = fit_report(entry, ctx, dtype, free_bytes=free, device_name=device_name, quantization=quant)
-    advice = quantization_advice(entry, ctx, _estimate_dtype(dtype_name, device_name), free_bytes=free,
-                                 device_name=device_name)
+    advice = _advice(entry, ctx, dtype_name, (device_name, free))
     return f"{size}{report.message}\n\n{advice.message}"
 
 
@@ -88,9 +99,7 @@ def quantization_field(repo_id: str | None, dtype_name: str = "auto", ctx=4096,
                     info=f"Off: this GGUF model is already quantized{kind} and is served as it is")
     if entry is None:
         return dict(value="none", interactive=True, info=QUANT_INFO)
-    device_name, free = memory if memory is not None else available_memory("auto")
-    advice = quantization_advice(entry, int(ctx or 4096), _estimate_dtype(dtype_name, device_name),
-                                 free_bytes=free, device_name=device_name)
+    advice = _advice(entry, int(ctx or 4096), dtype_name, memory if memory is not None else available_memory("auto"))
     value = advice.recommended or "int4"  # nothing fits: the smallest is the best chance
     return dict(value=value, interactive=True, info=f"{QUANT_INFO}. Recommended here: {value}")
 
@@ -103,9 +112,7 @@ def default_context(repo_id: str | None, dtype_name: str, quantization: str | No
     entry = entry_for_repo(repo_id or "")
     if entry is None:
         return None
-    device_name, free = memory
-    advice = quantization_advice(entry, entry.max_position_embeddings, _estimate_dtype(dtype_name, device_name),
-                                 free_bytes=free, device_name=device_name)
+    advice = _advice(entry, entry.max_position_embeddings, dtype_name, memory)
     quant = "none" if entry.is_gguf else (quantization or "none")
     option = next((o for o in advice.options if o.quantization == quant), None)
     if option is None or option.max_context_len is None:  # it does not fit: the estimate says so at a usual length
