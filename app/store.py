@@ -289,6 +289,27 @@ class ConversationStore:
                 (title, system_prompt, settings_json, now, now))
             return Conversation(cur.lastrowid, title, system_prompt, json.loads(settings_json), now, now)
 
+    def empty_chat(self, system_prompt: str = "") -> Conversation:
+        """An empty chat with this system prompt, at the top of the list: the newest chat that is still empty
+        and untitled (no messages, still "New chat"), started afresh, else a new one. New chat added another
+        empty "New chat" to the list at each press."""
+        if not isinstance(system_prompt, str):
+            raise ValueError("system_prompt must be a string (use \"\" for none).")
+        with self._write() as conn:
+            row = conn.execute(
+                """SELECT id FROM conversations c WHERE title = 'New chat'
+                   AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id)
+                   ORDER BY updated DESC, id DESC LIMIT 1""").fetchone()
+            now = self._stamp(conn)
+            if row is None:
+                cid = conn.execute("INSERT INTO conversations(title, system_prompt, settings, created, updated) "
+                                   "VALUES ('New chat', ?, '{}', ?, ?)", (system_prompt, now, now)).lastrowid
+            else:
+                cid = row[0]
+                conn.execute("UPDATE conversations SET system_prompt = ?, settings = '{}', updated = ? WHERE id = ?",
+                             (system_prompt, now, cid))
+        return self.get(cid)
+
     def get(self, conversation_id: int) -> Conversation:
         """One chat; raises NotFound (a KeyError) if there is none with this id."""
         with self._read() as conn:

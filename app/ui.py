@@ -143,7 +143,9 @@ class PagodaUI:
         return self.context_meter(conversation_id) if self.shows(request, conversation_id) else gr.update()
 
     def new_chat(self, system_prompt: str, query: str):
-        conv = self.store.create(system_prompt=system_prompt or "")
+        """Open an empty chat with `system_prompt`: the empty one already in the list, if any (each press added
+        another empty "New chat")."""
+        conv = self.store.empty_chat(system_prompt or "")
         return gr.update(choices=self.conversation_choices(query), value=conv.id)
 
     def delete_chat(self, conversation_id):
