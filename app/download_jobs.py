@@ -371,6 +371,16 @@ class DownloadManager:
             state.thread.join(timeout)
         return self._snapshot(state)
 
+    def retry(self, job_id: str) -> str:
+        """Start a failed or cancelled job again, in its place: its row goes, the new job's comes, and the files
+        that finished before are reused. Returns the new job's id (the old one's while it is still active)."""
+        job = self.job(job_id)
+        if job.active:
+            return job.id
+        new_id = self.start(job.repo_id, job.gguf_file)
+        self.forget(job_id)
+        return new_id
+
     def forget(self, job_id: str) -> None:
         """Drop a finished job from `jobs()`."""
         with self._lock:

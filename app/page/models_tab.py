@@ -156,12 +156,36 @@ def _describe_job(job: DownloadJob) -> str:
     return line + (f"  \n{job.error}" if job.error else "")
 
 
+def job_actions(job: DownloadJob) -> tuple[str, ...]:
+    """The buttons on a download's row: Cancel while it runs; Retry and Dismiss once it failed or was cancelled
+    (a failed row had neither, and stayed until a restart); Dismiss once it is done."""
+    if job.active:
+        return ("Cancel",)
+    return ("Dismiss",) if job.status == "done" else ("Retry", "Dismiss")
+
+
 def listing(manager: DownloadManager) -> dict:
-    """What the Downloads and Downloaded lists show, one row each: a download (its line, and whether Cancel
-    applies) and a downloaded model (its line). The rows are drawn again only when this changes."""
-    return {"jobs": [(job.id, _describe_job(job), job.active) for job in manager.jobs()],
+    """What the Downloads and Downloaded lists show, one row each: a download (its line, and its buttons, see
+    `job_actions`) and a downloaded model (its line). The rows are drawn again only when this changes."""
+    return {"jobs": [(job.id, _describe_job(job), job_actions(job)) for job in manager.jobs()],
             "models": [(m.repo_id, f"**{m.repo_id}** · {format_gib(m.size_bytes)} GiB · `{m.load_path}`")
                        for m in manager.local_models()]}
+
+
+def job_action(manager: DownloadManager, job_id: str, action: str) -> dict:
+    """A download row's button pressed (one of `job_actions`); the listing after it."""
+    try:
+        if action == "Cancel":
+            manager.cancel(job_id)
+        elif action == "Retry":
+            manager.retry(job_id)
+        elif action == "Dismiss":
+            manager.forget(job_id)
+    except KeyError:  # dismissed meanwhile in another tab: the listing shows what is left
+        pass
+    except ValueError as e:  # a retry refused at once
+        raise user_error(str(e)) from e
+    return listing(manager)
 
 
 def _free_disk(manager: DownloadManager) -> str:
@@ -204,12 +228,12 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         gr.Markdown("**Downloads**")
         if not shown["jobs"]:
             gr.Markdown("No downloads yet.")
-        for job_id, line, active in shown["jobs"]:
+        for job_id, line, actions in shown["jobs"]:
             with gr.Row(key=f"job-{job_id}", equal_height=True, elem_classes="download-row"):
                 gr.Markdown(line)
-                if active:
-                    gr.Button("Cancel", size="sm", scale=0, min_width=90).click(
-                        lambda j=job_id: cancel_job(j), None, rows, api_visibility="private")
+                for action in actions:
+                    gr.Button(action, size="sm", scale=0, min_width=90).click(
+                        lambda j=job_id, a=action: job_action(manager, j, a), None, rows, api_visibility="private")
         gr.Markdown("**Downloaded models**")
         if not shown["models"]:
             gr.Markdown("None yet: pick a model above and press Download.")
@@ -260,10 +284,6 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         return listing(manager)
 
     download_btn.click(start_download, repo, rows)
-
-    def cancel_job(job_id: str) -> dict:
-        manager.cancel(job_id)
-        return listing(manager)
 
     def delete_model(repo_id: str) -> tuple[dict, str]:
         manager.delete(repo_id)
