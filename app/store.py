@@ -138,9 +138,14 @@ def _create_v1(conn: sqlite3.Connection) -> None:
     conn.executemany("INSERT INTO presets(name, system_prompt) VALUES (?, ?)", DEFAULT_PRESETS)
 
 
+def _add_app_settings_v2(conn: sqlite3.Connection) -> None:
+    """The app's own settings, one JSON value per key (the model loaded last, app/last_model.py)."""
+    conn.execute("CREATE TABLE app_settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+
+
 # MIGRATIONS[v] upgrades a database at user_version v to v + 1, inside one transaction.
 # Version 0 is a brand-new file. To change the schema, append a function and bump nothing else.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1, _add_app_settings_v2]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -451,6 +456,25 @@ class ConversationStore:
         with self._write() as conn:
             if conn.execute("DELETE FROM presets WHERE name = ?", (name.strip(),)).rowcount == 0:
                 raise NotFound(f"No preset named {name!r}. Pick a name from presets().")
+
+    # ---- app settings --------------------------------------------------------------------------
+
+    def app_setting(self, key: str) -> Any:
+        """The app setting stored under `key` (a JSON value), or None when none is."""
+        with self._read() as conn:
+            row = conn.execute("SELECT value FROM app_settings WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row is not None else None
+
+    def set_app_setting(self, key: str, value: Any) -> None:
+        """Store an app setting (any JSON value) under `key`, replacing what was there."""
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"App setting {key!r} must be a JSON value (str, number, bool, None, list, dict): "
+                             f"{e}") from None
+        with self._write() as conn:
+            conn.execute("INSERT INTO app_settings(key, value) VALUES (?, ?) "
+                         "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, text))
 
     # ---- export / import -----------------------------------------------------------------------
 

@@ -313,7 +313,7 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             raise user_error(str(e)) from e
         settings = load_settings(repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats)
         try:
-            ui.host.load(source, label=label, **settings)
+            ui.host.load(source, label=label, remember_as=repo_id.strip(), **settings)  # the next start loads it
         except RuntimeError as e:
             raise user_error(str(e)) from e
         return ui.host.status_message()
