@@ -201,7 +201,8 @@ class PagodaUI:
             self.store.add_message(conversation_id, "user", pending)
             self._title_from_first_message(conversation_id, pending)
         reply = self.store.add_message(conversation_id, "assistant", "")
-        task = ReplyTask(stream, self.store, reply.id, num_prompt_tokens)
+        task = ReplyTask(stream, self.store, reply.id, num_prompt_tokens, model=backend.model,
+                         max_tokens=int(settings["max_tokens"]))
         self.replies.start(conversation_id, task, label=f"#{conversation_id} {self.store.get(conversation_id).title}")
         log.info("chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens,
                  stream.request_id)

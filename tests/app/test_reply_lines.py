@@ -198,3 +198,45 @@ def test_the_stats_line_counts_in_words_people_write():
     meta.update(output_tokens=1200, reasoning_tokens=1100, cached_tokens=4096, tokens_per_s=31.24)
     assert summary(meta) == ("first token 250 ms · 31.2 tok/s · 1,200 tokens (1,100 reasoning) · 4,096/6,150 prompt "
                              "tokens from the prefix cache")
+
+
+class CountedReply:
+    """A reply of `n` one-token words that ends for `reason` ("length": the reply limit, or the context)."""
+
+    request_id = "r"
+
+    def __init__(self, n: int, reason: str):
+        self.n, self.reason = n, reason
+
+    def __iter__(self):
+        for i in range(1, self.n + 1):
+            last = i == self.n
+            yield ReplyDelta("word ", 1, finished=last, finish_reason=self.reason if last else None)
+
+    def cancel(self):
+        pass
+
+    def prefill_progress(self):
+        return None
+
+
+def test_a_reply_names_its_model_and_says_when_max_reply_tokens_cut_it(tmp_path):
+    """Replies said neither which model wrote them nor that "Max reply tokens" had cut them; both are stored with
+    the reply, so the chat says so still after another model loads."""
+    ui = make_ui(tmp_path)
+    backend = word_counting_backend()
+    replies = [CountedReply(16, "length"), CountedReply(5, "length"), CountedReply(3, "stop")]
+    backend.model = "Tiny Model 1B"
+    backend.submit = lambda messages, settings: (replies.pop(0), 4)
+    ui.host.backend = backend
+    chat = ui.store.create().id
+    sliders = (0.7, 0.9, -1, 0.0, 1.0, 16)  # Max reply tokens: 16
+    for message in ("Tell me a long story.", "Again.", "Shorter."):
+        list(ui.respond(chat, message, "", *sliders, None))  # follows the reply to its end
+    ui.host.backend = None  # another model serves next, or none: the lines stay
+    lines = [row["content"].split("<sub>")[1] for row in ui.history(chat) if row["role"] == "assistant"]
+    assert all(line.startswith("Tiny Model 1B · first token ") for line in lines)
+    assert " · 16 tokens · " in lines[0]
+    assert lines[0].endswith(" from the prefix cache · cut at Max reply tokens (16)</sub>")
+    assert " · 5 tokens · " in lines[1] and lines[1].endswith(" · cut: the context is full</sub>")  # short of the limit
+    assert " · 3 tokens · " in lines[2] and lines[2].endswith(" from the prefix cache</sub>")
