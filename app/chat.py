@@ -2,13 +2,13 @@
 
 Both backends (app/backend.py) answer with the same ReplyDelta increments, so nothing here asks
 which one serves."""
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from app.backend import ReplyStream
+from app.markdown_text import close_open_fence, dollar_math
 
 SAVE_EVERY_S = 0.5  # how often a streaming reply is written to the store
 
@@ -78,35 +78,18 @@ def count(n: int, thing: str) -> str:
     return f"{n:,} {thing}{'' if n == 1 else 's'}"
 
 
-# A Markdown code fence: three or more backticks or tildes at the start of a line (list items indent theirs)
-FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})(.*)$")
-
-
-def open_fence(text: str) -> str | None:
-    """The fence line that would close the code block `text` leaves open (a reply cut mid-code), or None."""
-    opened = None  # (indent, fence) of the block open at this line
-    for line in text.split("\n"):
-        found = FENCE.match(line)
-        if found is None:
-            continue
-        indent, fence, rest = found.groups()
-        if opened is None:
-            if not (fence[0] == "`" and "`" in rest):  # a backtick fence's info string has no backticks
-                opened = (indent, fence)
-        elif fence[0] == opened[1][0] and len(fence) >= len(opened[1]) and not rest.strip():
-            opened = None
-    return None if opened is None else opened[0] + opened[1]
-
-
 def with_stats_line(text: str, stats: str) -> str:
     """A reply with its stats line under it. A reply stopped inside a code block gets the block closed first:
     otherwise the line rendered as code, inside the block."""
     if not stats:
         return text
-    fence = open_fence(text)
-    if fence is not None:
-        text += ("" if text.endswith("\n") else "\n") + fence
-    return f"{text}\n\n<sub>{stats}</sub>"
+    return f"{close_open_fence(text)}\n\n<sub>{stats}</sub>"
+
+
+def as_shown(text: str, stats: str) -> str:
+    """A message as the chat view shows it: its inline `$…$` math marked for the chatbot's LaTeX (it showed raw),
+    and its stats line under it."""
+    return with_stats_line(dollar_math(text), stats)
 
 
 def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int,

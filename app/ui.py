@@ -22,7 +22,7 @@ from app.backend import (
     meter_text,
     reply_room,
 )
-from app.chat import ReplyTask, Turn, summary, with_stats_line
+from app.chat import ReplyTask, Turn, as_shown, summary
 from app.model_host import ModelHost
 from app.page import user_error
 from app.page.api import add_api
@@ -73,7 +73,7 @@ class PagodaUI:
             live = running is not None and not running.done.is_set() and i == len(msgs) - 1
             if m.role == "assistant" and m.meta.get("finished") is False and not live:
                 stats = "interrupted: Pagoda stopped before this reply finished" + (f" · {stats}" if stats else "")
-            content = with_stats_line(content, stats)
+            content = as_shown(content, stats)
             if m.role == "assistant" and m.meta.get("reasoning"):
                 rows.append(thought_row(m.meta["reasoning"], m.meta.get("thought_s"), thinking=live and not m.content))
             rows.append({"role": m.role, "content": content})
@@ -258,7 +258,7 @@ class PagodaUI:
                 yield UNCHANGED
                 return
             turn = task.turn
-            content = with_stats_line(turn.text, turn.summary() if finished else "")
+            content = as_shown(turn.text, turn.summary() if finished else "")
             if not (content or turn.reasoning or finished):
                 content = prefill_line(task.stream)
             thought = [thought_row(turn.reasoning, turn.thought_s, turn.thinking)] if turn.reasoning else []

@@ -45,6 +45,14 @@ DOWNLOAD_JS = """
 """  # the browser saves the file an Export button made
 
 
+# The LaTeX the chatbot renders: display math between $$ (Gradio's default), and \(…\) and \[…\] as models write
+# them. Not single $: the browser's KaTeX would read "$5 and $10" as math; app/markdown_text.py turns the `$…$`
+# that are math into \(…\) instead.
+MATH_DELIMITERS = [{"left": "$$", "right": "$$", "display": True},
+                   {"left": "\\(", "right": "\\)", "display": False},
+                   {"left": "\\[", "right": "\\]", "display": True}]
+
+
 @dataclass
 class ChatTab:
     chatbot: gr.Chatbot
@@ -72,7 +80,7 @@ class ChatTab:
 
 
 def render_chat_tab(presets: dict[str, str]) -> ChatTab:
-    chatbot = gr.Chatbot(height=480, label="Chat", elem_id="chatbot")
+    chatbot = gr.Chatbot(height=480, label="Chat", elem_id="chatbot", latex_delimiters=MATH_DELIMITERS)
     overflow = gr.Markdown(visible=False)
     with gr.Row(visible=False) as overflow_row:
         drop_btn = gr.Button("Drop the oldest turn", size="sm")

@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.store import ConversationStore
 from tests.app import test_browser
 from tests.app.test_browser import start_new_chat, wait_for_js, wait_idle
 
@@ -88,8 +89,10 @@ def meter_count(page) -> int:
 
 def test_a_system_prompt_typed_then_left_before_sending_is_kept_and_the_meter_counts_it(session, open_page):
     """It was saved only with the next message: a switch to another chat lost it, and the meter ignored it."""
-    _, client, _ = session
+    app, client, _ = session
     other = client.predict("", "", api_name="/new_chat")["value"]
+    with ConversationStore(app.home / "pagoda.db") as store:  # no longer empty and untitled: New chat makes another
+        store.rename(other, f"Other {uuid.uuid4().hex[:6]}")
     chat = client.predict("", "", api_name="/new_chat")["value"]
     page = open_page()  # on `chat`, the newest
     page.get_by_text("System prompt and sampling").click()
@@ -141,3 +144,19 @@ def test_the_title_field_reads_the_title_the_first_message_gives(session, open_p
     assert client.predict(api_name="/engine_stats")["num_running"] == 1  # while the reply still streams
     page.keyboard.press("Escape")
     wait_idle(client)
+
+
+def test_inline_math_renders_and_prices_stay_text(session, open_page):
+    """`$…$` math showed raw; with $ a delimiter, "$5 and $10" would have turned into math."""
+    app, _, _ = session
+    with ConversationStore(app.home / "pagoda.db") as store:  # the app's own database, as another process
+        chat = store.create(title=f"Math {uuid.uuid4().hex[:6]}").id
+        store.add_message(chat, "user", "Area of a circle?")
+        store.add_message(chat, "assistant", "It is $\\pi r^2$, or \\(2\\pi r\\) around it. A compass costs $5 and a "
+                                             "book $10.", {"finish_reason": "stop", "ttft_s": 0.1, "output_tokens": 9})
+    page = open_page()  # on the newest chat: this one
+    wait_for_js(page, f"() => {LAST_BOT}.querySelectorAll('.katex').length >= 2", timeout=20000)
+    maths = page.evaluate(f"() => [...{LAST_BOT}.querySelectorAll('.katex annotation')].map(a => a.textContent)")
+    assert maths == ["\\pi r^2", "2\\pi r"]
+    assert "costs $5 and a book $10." in page.evaluate(f"() => {LAST_BOT}.innerText")
+    page.close()

@@ -240,3 +240,21 @@ def test_a_reply_names_its_model_and_says_when_max_reply_tokens_cut_it(tmp_path)
     assert lines[0].endswith(" from the prefix cache · cut at Max reply tokens (16)</sub>")
     assert " · 5 tokens · " in lines[1] and lines[1].endswith(" · cut: the context is full</sub>")  # short of the limit
     assert " · 3 tokens · " in lines[2] and lines[2].endswith(" from the prefix cache</sub>")
+
+
+def test_inline_dollar_math_is_marked_for_the_chatbot_and_prices_are_not(tmp_path):
+    """`$x^2$` showed raw: the chatbot renders only its delimiters, and single $ cannot be one ("$5 and $10")."""
+    from app.page.chat_tab import MATH_DELIMITERS
+
+    ui = make_ui(tmp_path)
+    chat = ui.store.create().id
+    reply = ("The area is $\\pi r^2$ for $r = 2$. It costs $5 and $10, or $20,000.\n"
+             "`$HOME` stays code, and so does\n```sh\necho $a$b$\n```")
+    ui.store.add_message(chat, "assistant", reply, STOPPED_META)
+    shown = ui.history(chat)[-1]["content"]
+    assert shown.startswith("The area is \\(\\pi r^2\\) for \\(r = 2\\). It costs $5 and $10, or $20,000.\n"
+                            "`$HOME` stays code, and so does\n```sh\necho $a$b$\n```")
+    assert ui.store.messages(chat)[-1].content == reply  # stored as the model wrote it
+    lefts = [d["left"] for d in MATH_DELIMITERS]
+    assert "\\(" in lefts and "$" not in lefts
+
