@@ -30,6 +30,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from app.markdown_text import close_open_fence
+
 __all__ = [
     "ROLES",
     "SCHEMA_VERSION",
@@ -489,8 +491,8 @@ class ConversationStore:
         parts = [f"# {conv.title}", f"*Exported from Pagoda. Chat started {created}.*"]
         if conv.system_prompt:
             parts.append(f"## System\n\n{conv.system_prompt}")
-        for m in msgs:
-            parts.append(f"## {m.role.capitalize()}\n\n{m.content}")
+        for m in msgs:  # a reply cut inside a code block: closed, or every heading after it read as code
+            parts.append(f"## {m.role.capitalize()}\n\n{close_open_fence(m.content)}")
         return "\n\n".join(parts) + "\n"
 
     def export_json(self, conversation_id: int) -> str:
