@@ -99,14 +99,33 @@ class PagodaUI:
         if conversation_id is None:
             return [], "", None, *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", *self.chat_options(None)
         conv = self.store.get(conversation_id)
+        typed = False
         if request is not None:
             with self.sessions.edit(request.session_hash) as session:
                 session.viewing, session.title_sent = conv.id, (conv.id, conv.title)
+                typed = session.title_typed_for == conv.id
         settings = {**DEFAULT_SETTINGS, **conv.settings}
         think, json_output, json_schema = self.chat_options(conversation_id)
+        # A title typed while the chat opened (right after New chat) stays: it was overwritten with "New chat"
+        title = gr.update() if typed else conv.title
         return (self.history(conversation_id), conv.system_prompt, conv.id, *[settings[k] for k, *_ in SLIDERS],
-                self.context_meter(conversation_id), conv.title, gr.update(value=think, **self.think_switch()),
+                self.context_meter(conversation_id), title, gr.update(value=think, **self.think_switch()),
                 json_output, json_schema)
+
+    def asked_for_chat(self, conversation_id, request: gr.Request = None) -> None:
+        """New chat pressed, a chat picked in the list, or a Rename (None): the Title field follows the chat
+        until the user types in it again (see `title_typed`)."""
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.asked_for = None if conversation_id is None else int(conversation_id)
+                session.title_typed_for = None
+
+    def title_typed(self, request: gr.Request = None) -> None:
+        """The user typed in the Title field: neither the opening of the chat they asked for nor the title its
+        first message gives replaces what they type, until Rename or another chat."""
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.title_typed_for = session.asked_for
 
     def think_switch(self) -> dict:
         """Whether the page offers Think: only while a model that reasons serves. Not while a model loads (it
@@ -142,10 +161,11 @@ class PagodaUI:
         # A save that lands once the page has opened another chat must not put this chat's count under that one
         return self.context_meter(conversation_id) if self.shows(request, conversation_id) else gr.update()
 
-    def new_chat(self, system_prompt: str, query: str):
+    def new_chat(self, system_prompt: str, query: str, request: gr.Request = None):
         """Open an empty chat with `system_prompt`: the empty one already in the list, if any (each press added
         another empty "New chat")."""
         conv = self.store.empty_chat(system_prompt or "")
+        self.asked_for_chat(conv.id, request)
         return gr.update(choices=self.conversation_choices(query), value=conv.id)
 
     def delete_chat(self, conversation_id):
@@ -427,7 +447,8 @@ class PagodaUI:
             # Only for the chat the page shows now: a tick that read the chat open before a switch would put that
             # chat's title in the field (and a Rename then gave it to this chat)
             new_title = (open_title is not None and open_title[0] == session.viewing
-                         and open_title != session.title_sent)
+                         and open_title != session.title_sent
+                         and session.title_typed_for != session.viewing)
             if new_title:
                 session.title_sent = open_title
         return (gr.update() if html == sent_html else html, gr.update() if header == sent_header else header,

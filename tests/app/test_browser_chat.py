@@ -10,7 +10,7 @@ import pytest
 
 from app.store import ConversationStore
 from tests.app import test_browser
-from tests.app.test_browser import start_new_chat, wait_for_js, wait_idle
+from tests.app.test_browser import send, start_new_chat, wait_for_js, wait_idle
 
 # test_browser's fixtures: its app process and browser, a tab on the app, the app's log after a failed test
 session, open_page, app_log_on_failure = test_browser.session, test_browser.open_page, test_browser.app_log_on_failure
@@ -160,3 +160,25 @@ def test_inline_math_renders_and_prices_stay_text(session, open_page):
     assert maths == ["\\pi r^2", "2\\pi r"]
     assert "costs $5 and a book $10." in page.evaluate(f"() => {LAST_BOT}.innerText")
     page.close()
+
+
+def test_a_title_typed_right_after_new_chat_stays_in_the_field(session, open_page):
+    """Typed while the new chat opened, the title was replaced by "New chat"; typed before the first reply, by the
+    title the first message gave."""
+    page = open_page()
+    page.get_by_text("Rename or delete").click()
+    title = page.get_by_label("Title", exact=True)
+    page.get_by_role("button", name="New chat").click()
+    # New chat has answered (the list shows the new chat chosen): type at once, while the chat opens. (Typing
+    # before the server has even had the click is not covered: a person is not that fast.)
+    wait_for_js(page, "() => document.querySelector('#chat-list input:checked')?.closest('label').innerText.trim()"
+                      " === 'New chat'", timeout=20000)
+    title.select_text()  # what the field holds now, replaced by what is typed
+    title.press_sequentially("Lighthouses", delay=5)
+    page.wait_for_timeout(1500)  # the opening, and a few timer ticks
+    send(page, "How far can a lighthouse beam reach?")
+    page.wait_for_timeout(1500)  # the first message titles the chat; the timer sends titles
+    test_browser.sync_api.expect(title).to_have_value("Lighthouses")
+    page.get_by_role("button", name="Rename", exact=True).click()
+    wait_for_js(page, "() => document.querySelector('#chat-list').innerText.includes('Lighthouses')", timeout=20000)
+    page.keyboard.press("Escape")

@@ -258,3 +258,19 @@ def test_inline_dollar_math_is_marked_for_the_chatbot_and_prices_are_not(tmp_pat
     lefts = [d["left"] for d in MATH_DELIMITERS]
     assert "\\(" in lefts and "$" not in lefts
 
+
+def test_a_title_typed_right_after_new_chat_is_not_overwritten(tmp_path):
+    """Typed while the new chat opened, the title was replaced by "New chat" as it opened, and typed before the
+    first message's reply, by the title that message gave."""
+    ui = make_ui(tmp_path)
+    page = SimpleNamespace(session_hash="page-1")
+    other = ui.store.create(title="Other").id
+    chat = ui.new_chat("", "", page)["value"]
+    ui.title_typed(page)  # the user types in the Title field at once
+    assert ui.open(chat, page)[-4] == gr.update()  # the chat opens: the field keeps what is typed
+    ui._title_from_first_message(chat, "How far can a lighthouse beam be seen at sea?")
+    assert ui.panels("", page, chat)[3] == gr.update()  # nor does the first message's title replace it
+    ui.asked_for_chat(other, page)  # another chat picked in the list: the field follows the chats again
+    assert ui.open(other, page)[-4] == "Other"
+    ui.asked_for_chat(chat, page)
+    assert ui.open(chat, page)[-4] == "How far can a lighthouse beam be seen at…"
