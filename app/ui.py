@@ -14,7 +14,6 @@ from pathlib import Path
 import gradio as gr
 
 from app.backend import (
-    DEFAULT_SETTINGS,
     BadSettings,
     ContextOverflow,
     ReplyStream,
@@ -23,6 +22,7 @@ from app.backend import (
     reply_room,
 )
 from app.chat import ReplyTask, Turn, as_shown, summary
+from app.chat_settings import ChatSettings
 from app.model_host import ModelHost
 from app.page import user_error
 from app.page.api import add_api
@@ -97,18 +97,18 @@ class PagodaUI:
 
     def open(self, conversation_id: int | None, request: gr.Request = None):
         if conversation_id is None:
-            return [], "", None, *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", *self.chat_options(None)
+            return [], "", None, *slider_values(ChatSettings()), "", "", *self.chat_options(None)
         conv = self.store.get(conversation_id)
         typed = False
         if request is not None:
             with self.sessions.edit(request.session_hash) as session:
                 session.viewing, session.title_sent = conv.id, (conv.id, conv.title)
                 typed = session.title_typed_for == conv.id
-        settings = {**DEFAULT_SETTINGS, **conv.settings}
         think, json_output, json_schema = self.chat_options(conversation_id)
         # A title typed while the chat opened (right after New chat) stays: it was overwritten with "New chat"
         title = gr.update() if typed else conv.title
-        return (self.history(conversation_id), conv.system_prompt, conv.id, *[settings[k] for k, *_ in SLIDERS],
+        return (self.history(conversation_id), conv.system_prompt, conv.id,
+                *slider_values(ChatSettings.from_dict(conv.settings)),
                 self.context_meter(conversation_id), title, gr.update(value=think, **self.think_switch()),
                 json_output, json_schema)
 
@@ -135,17 +135,17 @@ class PagodaUI:
 
     def chat_options(self, conversation_id: int | None) -> tuple[bool, bool, str]:
         """The chat's switches: Think, JSON output, and its schema."""
-        settings = {**DEFAULT_SETTINGS, **(self.store.get(conversation_id).settings if conversation_id else {})}
-        return bool(settings["think"]), bool(settings["json_output"]), settings["json_schema"] or ""
+        settings = ChatSettings.from_dict(self.store.get(conversation_id).settings if conversation_id else None)
+        return settings.think, settings.json_output, settings.json_schema
 
     def set_chat_options(self, conversation_id: int | None, think: bool, json_output: bool, json_schema: str) -> None:
         """Keep the chat's switches with it (they apply from its next reply on)."""
         if conversation_id is None:
             return
         conv = self.store.get(conversation_id)
-        self.store.update(conversation_id, settings={**conv.settings, "think": bool(think),
-                                                     "json_output": bool(json_output),
-                                                     "json_schema": json_schema or ""})
+        settings = ChatSettings.from_dict(conv.settings).replace(think=think, json_output=json_output,
+                                                                 json_schema=json_schema)
+        self.store.update(conversation_id, settings={**conv.settings, **settings.to_dict()})
 
     def save_system_prompt(self, conversation_id: int | None, system_prompt: str, request: gr.Request = None):
         """Keep a chat's system prompt as it is typed: saved only with the next message, an edit was lost on
@@ -184,7 +184,7 @@ class PagodaUI:
     def respond(self, conversation_id, user_text: str, system_prompt: str, temperature: float, top_p: float, top_k: int,
                 min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
         """Add the user's message (when given), start the assistant's reply and follow it."""
-        slider_values = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
+        sliders = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
         if conversation_id is None:
             conversation_id = self.store.create(system_prompt=system_prompt or "").id
         conversation_id, system_prompt = int(conversation_id), system_prompt or ""
@@ -195,9 +195,9 @@ class PagodaUI:
         running = self.replies.get(conversation_id)
         if running is not None and not running.done.is_set():
             raise user_error("This chat is still answering: press Stop first, or open another chat.")
-        settings = {**self.store.get(conversation_id).settings,  # the chat's switches (set_chat_options)
-                    **dict(zip([k for k, *_ in SLIDERS], slider_values, strict=True))}
-        self.store.update(conversation_id, system_prompt=system_prompt, settings=settings)
+        stored = self.store.get(conversation_id).settings  # the chat's switches (set_chat_options)
+        settings = ChatSettings.from_dict(stored).replace(**dict(zip([k for k, *_ in SLIDERS], sliders, strict=True)))
+        self.store.update(conversation_id, system_prompt=system_prompt, settings={**stored, **settings.to_dict()})
         pending = user_text if user_text and user_text.strip() else ""
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
         if pending:
@@ -222,7 +222,7 @@ class PagodaUI:
             self._title_from_first_message(conversation_id, pending)
         reply = self.store.add_message(conversation_id, "assistant", "")
         task = ReplyTask(stream, self.store, reply.id, num_prompt_tokens, model=backend.model,
-                         max_tokens=int(settings["max_tokens"]))
+                         max_tokens=settings.max_tokens)
         self.replies.start(conversation_id, task, label=f"#{conversation_id} {self.store.get(conversation_id).title}")
         log.info("chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens,
                  stream.request_id)
@@ -237,7 +237,7 @@ class PagodaUI:
         yield from self.follow(conversation_id, request)
 
     @staticmethod
-    def too_long_alone(backend, system_prompt: str, message: str, settings: dict) -> str | None:
+    def too_long_alone(backend, system_prompt: str, message: str, settings: ChatSettings) -> str | None:
         """Why `message`, which overflowed the context, cannot be sent in this chat or any other: alone, with the
         system prompt and room for the reply, it is longer than the context. None when dropping earlier turns
         could make room, when there is no new message (an answer to the chat's last one), or when only a server
@@ -249,7 +249,7 @@ class PagodaUI:
         limit = backend.max_model_len
         if tokens is None or limit is None:
             return None
-        room = reply_room(settings["max_tokens"])
+        room = reply_room(settings.max_tokens)
         if tokens + room <= limit:
             return None
         return (f"This message alone is too long: with the system prompt it is {tokens:,} tokens, and the model's "
@@ -471,6 +471,11 @@ class PagodaUI:
     def kv_panel(self) -> str:
         backend = self.host.backend
         return backend.kv_panel(self.replies.labels()) if backend is not None else "<p>No model loaded.</p>"
+
+
+def slider_values(settings: ChatSettings) -> list:
+    """The chat's settings in the order of the Chat tab's sliders (SLIDERS)."""
+    return [getattr(settings, k) for k, *_ in SLIDERS]
 
 
 def prefill_line(stream: ReplyStream) -> str:

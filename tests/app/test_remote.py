@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from app.backend import DEFAULT_SETTINGS
 from app.chat import stream_reply
+from app.chat_settings import ChatSettings
 from app.remote import (
     RemoteClient,
     RemoteError,
@@ -95,14 +95,14 @@ def test_only_standard_fields_unless_the_nonstandard_ones_are_switched_on():
 
     seen = []
     backend = RemoteBackend(RemoteClient("http://srv", transport=answering(body=REPLY, seen=seen)), "m")
-    stream, num_prompt_tokens = backend.submit([{"role": "user", "content": "Hi"}], DEFAULT_SETTINGS)
+    stream, num_prompt_tokens = backend.submit([{"role": "user", "content": "Hi"}], ChatSettings())
     assert num_prompt_tokens == 0  # only the server knows, and says so in its usage
     list(stream)
     body = json.loads(seen[-1].content)
     assert set(body) == {"model", "messages", "stream", "stream_options", "temperature", "top_p", "max_tokens"}
     assert "authorization" not in seen[-1].headers
     list(backend.submit([{"role": "user", "content": "Hi"}],
-                        {**DEFAULT_SETTINGS, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7})[0])
+                        ChatSettings(top_k=40, min_p=0.05, repetition_penalty=1.1, seed=7))[0])
     body = json.loads(seen[-1].content)
     assert (body["top_k"], body["min_p"], body["repetition_penalty"], body["seed"]) == (40, 0.05, 1.1, 7)
 
