@@ -2,25 +2,17 @@
 a connection to a remote OpenAI-compatible server instead of a local model.
 
 The load form offers the engine's weight-only quantization (none, int8, int4). It starts at the
-recommendation for the chosen model on this machine (app.catalog.quantization_advice) and is
+recommendation for the chosen model on this machine (app.memory_estimate.quantization_advice) and is
 switched off for GGUF models, whose weights are quantized already."""
 from pathlib import Path
 
 import gradio as gr
 import torch
 
-from app.catalog import (
-    QUANTIZATIONS,
-    CatalogEntry,
-    QuantAdvice,
-    available_memory,
-    entry_for_repo,
-    fit_report,
-    format_gib,
-    load_catalog,
-    quantization_advice,
-)
+from app.catalog import CatalogEntry, entry_for_repo, load_catalog
+from app.device_memory import available_memory
 from app.download_jobs import DownloadJob, DownloadManager
+from app.memory_estimate import QUANTIZATIONS, QuantAdvice, fit_report, format_gib, quantization_advice
 from app.model_host import resolve_model
 from app.page import user_error
 from app.remote import RemoteError

@@ -9,7 +9,7 @@ import torch
 
 import app.page.models_tab as models_tab
 from app.backend import LocalBackend
-from app.catalog import GiB
+from app.device_memory import GiB
 from app.download_jobs import DownloadManager
 from app.model_host import ModelHost
 from app.store import ConversationStore
@@ -45,7 +45,8 @@ def handler(demo: gr.Blocks, trigger, event: str = "change", api_name: str | Non
 
 def recording_load(ui, monkeypatch) -> list:
     loads = []
-    monkeypatch.setattr(ui.host, "load", lambda source, label=None, **settings: loads.append((source, settings)))
+    monkeypatch.setattr(ui.host, "load",
+                        lambda source, label=None, remember_as=None, **settings: loads.append((source, settings)))
     return loads
 
 
