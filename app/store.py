@@ -23,14 +23,14 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.markdown_text import close_open_fence
+from app.chat_export import EXPORT_FORMAT, chat_json, chat_markdown
+from app.store_schema import DEFAULT_PRESETS, SCHEMA_VERSION, SchemaError, migrate
 
 __all__ = [
     "ROLES",
@@ -41,32 +41,18 @@ __all__ = [
     "NotFound",
     "Preset",
     "SchemaError",
+    "DEFAULT_PRESETS",
     "default_db_path",
 ]
 
 ROLES = ("system", "user", "assistant")
 DB_NAME = "pagoda.db"
-EXPORT_FORMAT = "pagoda.conversation"
-
-DEFAULT_PRESETS: tuple[tuple[str, str], ...] = (
-    ("Helpful assistant", "You are a helpful assistant."),
-    ("Concise", "You are a helpful assistant. Answer briefly and directly: short sentences, no preamble, "
-                "no repetition of the question. Use a list only when it is clearer than prose."),
-    ("Coder", "You are an expert programmer. Give correct, idiomatic, runnable code in fenced code blocks "
-              "with the language named. Explain only what is not obvious from the code, and point out "
-              "edge cases and bugs you notice."),
-)
-
 
 class NotFound(KeyError, ValueError):
     """An unknown conversation, message or preset. Both a KeyError and a ValueError."""
 
     def __str__(self) -> str:  # KeyError would show the message in quotes
         return str(self.args[0]) if self.args else ""
-
-
-class SchemaError(RuntimeError):
-    """The file is not a Pagoda database, or was written by a newer Pagoda."""
 
 
 @dataclass
@@ -107,48 +93,6 @@ def default_db_path() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_data_dir("pagoda")) / DB_NAME
-
-
-# ---- schema ------------------------------------------------------------------------------------
-
-def _create_v1(conn: sqlite3.Connection) -> None:
-    conn.execute("""
-        CREATE TABLE conversations (
-            id            INTEGER PRIMARY KEY AUTOINCREMENT,
-            title         TEXT NOT NULL,
-            system_prompt TEXT NOT NULL DEFAULT '',
-            settings      TEXT NOT NULL DEFAULT '{}',
-            created       REAL NOT NULL,
-            updated       REAL NOT NULL
-        )""")
-    conn.execute("CREATE INDEX conversations_by_updated ON conversations(updated DESC, id DESC)")
-    conn.execute("""
-        CREATE TABLE messages (
-            id              INTEGER PRIMARY KEY AUTOINCREMENT,
-            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-            role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
-            content         TEXT NOT NULL,
-            meta            TEXT NOT NULL DEFAULT '{}',
-            created         REAL NOT NULL
-        )""")
-    conn.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
-    conn.execute("""
-        CREATE TABLE presets (
-            name          TEXT PRIMARY KEY,
-            system_prompt TEXT NOT NULL
-        )""")
-    conn.executemany("INSERT INTO presets(name, system_prompt) VALUES (?, ?)", DEFAULT_PRESETS)
-
-
-def _add_app_settings_v2(conn: sqlite3.Connection) -> None:
-    """The app's own settings, one JSON value per key (the model loaded last, app/last_model.py)."""
-    conn.execute("CREATE TABLE app_settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-
-
-# MIGRATIONS[v] upgrades a database at user_version v to v + 1, inside one transaction.
-# Version 0 is a brand-new file. To change the schema, append a function and bump nothing else.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1, _add_app_settings_v2]
-SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def _contains(haystack: str | None, needle: str | None) -> bool:
@@ -239,21 +183,7 @@ class ConversationStore:
 
     def _migrate(self) -> None:
         with self._write() as conn:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise SchemaError(
-                    f"{self.path} has schema version {version}, but this Pagoda only understands up to "
-                    f"version {SCHEMA_VERSION}: it was written by a newer Pagoda. Upgrade Pagoda, or set "
-                    f"PAGODA_HOME to another folder to start a separate history.")
-            if version == 0:
-                tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
-                if tables:
-                    raise SchemaError(
-                        f"{self.path} is an SQLite database but not a Pagoda one. Move it aside, or set "
-                        f"PAGODA_HOME to another folder.")
-            for v in range(version, SCHEMA_VERSION):
-                MIGRATIONS[v](conn)
-                conn.execute(f"PRAGMA user_version = {v + 1}")
+            migrate(conn, self.path)
 
     def _stamp(self, conn: sqlite3.Connection) -> float:
         """A timestamp later than every ``updated`` in the database (call inside a write)."""
@@ -485,21 +415,12 @@ class ConversationStore:
             return self.get(conversation_id), self.messages(conversation_id)
 
     def export_markdown(self, conversation_id: int) -> str:
-        """The chat as Markdown: the title, then one ``## Role`` heading per message."""
-        conv, msgs = self._snapshot(conversation_id)
-        created = datetime.fromtimestamp(conv.created).strftime("%Y-%m-%d %H:%M")
-        parts = [f"# {conv.title}", f"*Exported from Pagoda. Chat started {created}.*"]
-        if conv.system_prompt:
-            parts.append(f"## System\n\n{conv.system_prompt}")
-        for m in msgs:  # a reply cut inside a code block: closed, or every heading after it read as code
-            parts.append(f"## {m.role.capitalize()}\n\n{close_open_fence(m.content)}")
-        return "\n\n".join(parts) + "\n"
+        """The chat as Markdown (app/chat_export.py)."""
+        return chat_markdown(*self._snapshot(conversation_id))
 
     def export_json(self, conversation_id: int) -> str:
-        """The chat and its messages as JSON; ``import_json`` reads it back."""
-        conv, msgs = self._snapshot(conversation_id)
-        data = {"format": EXPORT_FORMAT, "version": 1, **asdict(conv), "messages": [asdict(m) for m in msgs]}
-        return json.dumps(data, ensure_ascii=False, indent=2)
+        """The chat and its messages as JSON (app/chat_export.py); ``import_json`` reads it back."""
+        return chat_json(*self._snapshot(conversation_id))
 
     def import_json(self, text: str) -> Conversation:
         """Create a new chat from ``export_json`` output (new ids; timestamps kept)."""
@@ -507,7 +428,7 @@ class ConversationStore:
             data = json.loads(text)
         except ValueError as e:
             raise ValueError(f"This is not JSON ({e}); import a file made by Pagoda's JSON export.") from None
-        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
+        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # app/chat_export.py writes it
             raise ValueError(f"This JSON is not a Pagoda chat export (no \"format\": \"{EXPORT_FORMAT}\").")
         raw_msgs: Any = data.get("messages", [])
         if not isinstance(raw_msgs, builtins.list) or not all(isinstance(m, dict) for m in raw_msgs):
