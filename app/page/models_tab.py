@@ -4,6 +4,7 @@ a connection to a remote OpenAI-compatible server instead of a local model.
 The load form offers the engine's weight-only quantization (none, int8, int4). It starts at the
 recommendation for the chosen model on this machine (app.memory_estimate.quantization_advice) and is
 switched off for GGUF models, whose weights are quantized already."""
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -184,13 +185,53 @@ def _free_disk(manager: DownloadManager) -> str:
     return f"Free disk for downloads: {format_gib(manager.free_disk_bytes())} GiB"
 
 
+@dataclass
+class LoadForm:
+    """The model to load and how: the status line, the fields, the estimate under them, and the buttons."""
+
+    status: gr.Markdown
+    repo: gr.Dropdown
+    dtype: gr.Dropdown
+    quant: gr.Dropdown
+    context: gr.Number
+    kv_gib: gr.Number
+    fit: gr.Markdown
+    download_btn: gr.Button
+    load_btn: gr.Button
+    unload_btn: gr.Button
+
+
+@dataclass
+class RemoteForm:
+    """Connect to a server: its URL and key, the model it serves, and the buttons."""
+
+    base_url: gr.Textbox
+    api_key: gr.Textbox
+    served: gr.Dropdown
+    connect_btn: gr.Button
+    disconnect_btn: gr.Button
+
+
 def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
-    """Render inside an open gr.Blocks/gr.Tab. `ui` is the PagodaUI (its host loads models)."""
+    """Render inside an open gr.Blocks/gr.Tab. `ui` is the PagodaUI (its host loads models). The page, top to
+    bottom: the load form, the downloads and downloaded models, free disk, and the server to connect to."""
     manager = manager or DownloadManager()
+    form = render_load_form(ui)
+    rows, disk = render_download_rows(manager)
+    remote = render_remote_form()
+    wire_load_form(form, manager, rows)
+    publish_download_api(manager)
+    wire_loading(ui, form, manager)
+    wire_remote(ui, remote, form.status)
+    poll_downloads(ui, manager, form.status, rows)
+
+
+def render_load_form(ui) -> LoadForm:
+    """The fields open on the catalog's first model, with its recommended quantization and the context that
+    fits this machine."""
     catalog = load_catalog()
     choices = [(f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}"
                 f"{' · gated' if e.gated else ''}", e.repo_id) for e in catalog]
-
     first = catalog[0].repo_id
     memory = available_memory("auto")  # one measurement for the form's first render
     first_quant = quantization_field(first, "auto", 4096, memory)
@@ -212,8 +253,18 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         download_btn = gr.Button("Download")
         load_btn = gr.Button("Load", variant="primary")
         unload_btn = gr.Button("Unload")
+    return LoadForm(status, repo, dtype, quant, context, kv_gib, fit, download_btn, load_btn, unload_btn)
+
+
+def render_download_rows(manager: DownloadManager) -> tuple[gr.State, gr.Markdown]:
+    """The Downloads and Downloaded models lists, one row each with its buttons, and free disk under them:
+    (the listing they are drawn from, the free-disk line)."""
     rows = gr.State(listing(manager))
     confirmed = gr.Checkbox(visible=False)  # a Delete's answer to the browser's "are you sure?"
+
+    def delete_model(repo_id: str) -> tuple[dict, str]:
+        manager.delete(repo_id)
+        return listing(manager), _free_disk(manager)
 
     @gr.render(inputs=rows)
     def draw_rows(shown: dict):
@@ -238,6 +289,10 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
                     api_visibility="private")
 
     disk = gr.Markdown(_free_disk(manager))
+    return rows, disk
+
+
+def render_remote_form() -> RemoteForm:
     with gr.Accordion("Connect to a server", open=False, elem_id="remote"):
         gr.Markdown("Chats can come from an OpenAI-compatible server instead: vLLM, SGLang, llama.cpp's server, "
                     "Ollama, or another Pagoda (`python -m engine.serve`). Conversations stay here. Connecting "
@@ -249,6 +304,12 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             served = gr.Dropdown(choices=[], label="Model on the server", interactive=True, scale=3)
             connect_btn = gr.Button("Connect", variant="primary", scale=1)
             disconnect_btn = gr.Button("Disconnect", scale=1)
+    return RemoteForm(base_url, api_key, served, connect_btn, disconnect_btn)
+
+
+def wire_load_form(form: LoadForm, manager: DownloadManager, rows: gr.State) -> None:
+    """A picked model gets its quantization, context and estimate; each field redoes the estimate; Download
+    starts a row."""
 
     def pick_model(repo_id: str, dtype_name: str, ctx):
         """A new model: its recommended quantization (or none, off, for a GGUF), the context it can serve
@@ -258,9 +319,9 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         ctx = default_context(repo_id, dtype_name, field["value"], memory) or ctx
         return gr.update(**field), gr.update(value=ctx), estimate_text(repo_id, dtype_name, ctx, field["value"], memory)
 
-    repo.change(pick_model, [repo, dtype, context], [quant, context, fit])
-    for control in (dtype, context, quant):
-        control.change(estimate_text, [repo, dtype, context, quant], fit)
+    form.repo.change(pick_model, [form.repo, form.dtype, form.context], [form.quant, form.context, form.fit])
+    for control in (form.dtype, form.context, form.quant):
+        control.change(estimate_text, [form.repo, form.dtype, form.context, form.quant], form.fit)
 
     def start_download(repo_id: str):
         repo_id = (repo_id or "").strip()
@@ -275,11 +336,11 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             raise user_error(str(e)) from e
         return listing(manager)
 
-    download_btn.click(start_download, repo, rows)
+    form.download_btn.click(start_download, form.repo, rows)
 
-    def delete_model(repo_id: str) -> tuple[dict, str]:
-        manager.delete(repo_id)
-        return listing(manager), _free_disk(manager)
+
+def publish_download_api(manager: DownloadManager) -> None:
+    """Cancel and delete for scripts; the page has buttons on each row instead."""
 
     def cancel_download(repo_id: str) -> str:
         """Cancel the downloads of a repo (scripts; the page has a Cancel button on each download's row)."""
@@ -297,6 +358,10 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     gr.api(cancel_download, api_name="cancel_download")
     gr.api(delete_downloaded, api_name="delete_model")
 
+
+def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
+    """Load (the form's choice, remembered for the next start once it serves) and Unload."""
+
     def load(repo_id: str, dtype_name: str, ctx, kv, quantization: str = "none"):
         try:
             source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path
@@ -310,20 +375,27 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             raise user_error(str(e)) from e
         return ui.host.status_message()
 
-    load_btn.click(load, [repo, dtype, context, kv_gib, quant], status, api_name="load")
-    unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, status)
+    form.load_btn.click(load, [form.repo, form.dtype, form.context, form.kv_gib, form.quant], form.status,
+                        api_name="load")
+    form.unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, form.status)
 
+
+def wire_remote(ui, remote: RemoteForm, status: gr.Markdown) -> None:
     def connect(url: str, key: str, model: str | None = None):
         try:
-            remote = ui.host.connect(url, key or None, model)
+            server = ui.host.connect(url, key or None, model)
         except RemoteError as e:  # the previous backend keeps serving; the status line says so too
             gr.Warning(str(e))
             return ui.host.state.message, gr.update()
-        return ui.host.state.message, gr.update(choices=remote.models, value=remote.model)
+        return ui.host.state.message, gr.update(choices=server.models, value=server.model)
 
-    connect_btn.click(connect, [base_url, api_key], [status, served])
-    served.input(connect, [base_url, api_key, served], [status, served])
-    disconnect_btn.click(lambda: (ui.host.disconnect(), ui.host.state.message)[1], None, status)
+    remote.connect_btn.click(connect, [remote.base_url, remote.api_key], [status, remote.served])
+    remote.served.input(connect, [remote.base_url, remote.api_key, remote.served], [status, remote.served])
+    remote.disconnect_btn.click(lambda: (ui.host.disconnect(), ui.host.state.message)[1], None, status)
+
+
+def poll_downloads(ui, manager: DownloadManager, status: gr.Markdown, rows: gr.State) -> None:
+    """Once a second: the status line, and the rows when a download moved on."""
 
     def refresh(shown: dict):
         now = listing(manager)
