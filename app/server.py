@@ -110,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     from app.download_jobs import DownloadManager
     from app.last_model import LastModel, load_at_start
     from app.model_host import ModelHost
+    from app.page.layout import build, launch_kwargs
     from app.page.models_tab import render_models_tab
     from app.store import ConversationStore, default_db_path
-    from app.ui import PagodaUI, build, launch_kwargs
+    from app.ui import PagodaUI
 
     store = ConversationStore(default_db_path())
     last_model = LastModel(store)

@@ -5,8 +5,9 @@ import app.page.models_tab as models_tab
 from app.download_jobs import DownloadManager
 from app.last_model import LastModel, load_at_start
 from app.model_host import ModelHost
+from app.page.layout import build
 from app.store import ConversationStore
-from app.ui import PagodaUI, build
+from app.ui import PagodaUI
 from tests.processes import wait_until
 
 

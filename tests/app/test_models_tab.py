@@ -12,8 +12,9 @@ from app.backend import LocalBackend
 from app.device_memory import GiB
 from app.download_jobs import DownloadManager
 from app.model_host import ModelHost
+from app.page.layout import build
 from app.store import ConversationStore
-from app.ui import PagodaUI, build
+from app.ui import PagodaUI
 
 GPU = ("NVIDIA Test GPU (8.0 GiB)", int(7.1 * GiB))
 
