@@ -1,8 +1,8 @@
 """The model loaded last from the Models tab, kept in the store, so that Pagoda starts with it again.
 
 Only a model still on this computer is loaded at start (a downloaded repo, a folder or a .gguf file):
-nothing is downloaded then. A model deleted since gives the bundled one, and the status line says why;
-so does a model loaded again (the status names it as the one used last)."""
+nothing is downloaded then. A model deleted since, or one that no longer loads, gives the bundled one, and the
+status line says why; so does a model loaded again (the status names it as the one used last)."""
 import logging
 from pathlib import Path
 
@@ -48,6 +48,12 @@ def load_at_start(host: ModelHost, last: LastModel, cli_model: str | None, downl
                           note=f"({choice}, the model used last, is no longer on this computer: download it again "
                                "from the Models tab.)")
         return
+    def instead(why: str) -> None:  # it no longer loads here (less memory free, say): Pagoda still starts serving
+        log.warning("%s, the model used last, did not load: loading the bundled model", choice)
+        host.load_default(None, max_num_seqs=max_num_seqs,
+                          note=f"({choice}, the model used last, did not load: {why} The bundled model serves "
+                               "instead.)")
+
     # The chat slots follow this start's --max-chats, not the last one's
     host.load(source, label=label, remember_as=choice, note="(The model used last, loaded again at start.)",
-              **{**settings, "max_num_seqs": max_num_seqs})
+              on_failure=instead, **{**settings, "max_num_seqs": max_num_seqs})

@@ -116,15 +116,17 @@ class ModelHost:
         self.load(source, label=label, note=note, **settings)
 
     def load(self, model: str, label: str | None = None, wait: bool = False, remember_as: str | None = None,
-             note: str = "", **settings) -> None:
+             note: str = "", on_failure: Callable[[str], None] | None = None, **settings) -> None:
         """Load `model` with engine settings; the current backend keeps serving until it is ready. Once it is,
-        `remember_as` (the user's choice: a repo id or a path) goes to `remember`; `note` follows the status."""
+        `remember_as` (the user's choice: a repo id or a path) goes to `remember`; `note` follows the status;
+        `on_failure(message)` is called, on the loading thread, when the load fails."""
         with self._lock:
             if self.state.status == "loading":
                 raise RuntimeError(f"{self.state.model} is still loading; wait for it to finish")
             self.state = LoadState("loading", f"Loading {label or model}…", model, settings, time.time(),
                                    label or model, note)
-        thread = threading.Thread(target=self._load, args=(model, label, settings, remember_as), name="pagoda-load",
+        thread = threading.Thread(target=self._load, args=(model, label, settings, remember_as, on_failure),
+                                  name="pagoda-load",
                                   daemon=True)
         thread.start()
         if wait:
@@ -138,7 +140,8 @@ class ModelHost:
         return (self.engine is not None and self.engine.device.startswith("cuda")
                 and settings.get("device", "auto") != "cpu")
 
-    def _load(self, model: str, label: str | None, settings: dict, remember_as: str | None = None) -> None:
+    def _load(self, model: str, label: str | None, settings: dict, remember_as: str | None = None,
+              on_failure: Callable[[str], None] | None = None) -> None:
         unloaded = ""
         if self._must_unload_first(settings):
             with self._lock:
@@ -155,6 +158,8 @@ class ModelHost:
                      else self._serving())
             self.state = LoadState("error", f"Could not load {label or model}: {e}.{after}", model, settings,
                                    note=self.state.note)
+            if on_failure is not None:
+                on_failure(self.state.message)
             return
         old, self.backend = self.backend, LocalBackend(engine, label or model)
         s = engine.stats()

@@ -60,3 +60,20 @@ def test_the_command_lines_model_wins_over_the_one_used_last(tmp_path, monkeypat
     monkeypatch.setattr(host, "load", lambda source, label=None, note="", **settings: loads.append((source, note)))
     load_at_start(host, LastModel(store), str(tiny_llama), downloaded={}, max_num_seqs=2)
     assert loads == [(str(tiny_llama), "")]
+
+
+def test_a_model_used_last_that_no_longer_loads_gives_the_bundled_one_and_the_reason(tmp_path, monkeypatch):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    store = ConversationStore(tmp_path / "chats.db")
+    LastModel(store).remember(str(broken), {"dtype": "float32"})
+    host = ModelHost()
+    instead = []
+    monkeypatch.setattr(host, "load_default", lambda model, note="", **settings: instead.append((model, note)))
+    load_at_start(host, LastModel(store), None, downloaded={}, max_num_seqs=2)
+    assert wait_until(lambda: instead, timeout=60)
+    [(model, note)] = instead
+    assert model is None  # the bundled model
+    assert note.startswith(f"({broken}, the model used last, did not load: Could not load broken-model: ")
+    assert note.endswith(" The bundled model serves instead.)")
