@@ -33,6 +33,7 @@ from app.chat_export import EXPORT_FORMAT, chat_json, chat_markdown
 from app.store_schema import DEFAULT_PRESETS, SCHEMA_VERSION, SchemaError, migrate
 
 __all__ = [
+    "NEW_CHAT_TITLE",
     "ROLES",
     "SCHEMA_VERSION",
     "Conversation",
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant")
+NEW_CHAT_TITLE = "New chat"  # a chat's title until its first message (or a rename) gives it one
 DB_NAME = "pagoda.db"
 
 class NotFound(KeyError, ValueError):
@@ -213,7 +215,8 @@ class ConversationStore:
 
     # ---- conversations -------------------------------------------------------------------------
 
-    def create(self, title: str = "New chat", system_prompt: str = "", settings: dict | None = None) -> Conversation:
+    def create(self, title: str = NEW_CHAT_TITLE, system_prompt: str = "",
+               settings: dict | None = None) -> Conversation:
         """Start a new, empty chat."""
         title = _clean_title(title)
         if not isinstance(system_prompt, str):
@@ -234,13 +237,13 @@ class ConversationStore:
             raise ValueError("system_prompt must be a string (use \"\" for none).")
         with self._write() as conn:
             row = conn.execute(
-                """SELECT id FROM conversations c WHERE title = 'New chat'
+                """SELECT id FROM conversations c WHERE title = ?
                    AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id)
-                   ORDER BY updated DESC, id DESC LIMIT 1""").fetchone()
+                   ORDER BY updated DESC, id DESC LIMIT 1""", (NEW_CHAT_TITLE,)).fetchone()
             now = self._stamp(conn)
             if row is None:
                 cid = conn.execute("INSERT INTO conversations(title, system_prompt, settings, created, updated) "
-                                   "VALUES ('New chat', ?, '{}', ?, ?)", (system_prompt, now, now)).lastrowid
+                                   "VALUES (?, ?, '{}', ?, ?)", (NEW_CHAT_TITLE, system_prompt, now, now)).lastrowid
             else:
                 cid = row[0]
                 conn.execute("UPDATE conversations SET system_prompt = ?, settings = '{}', updated = ? WHERE id = ?",

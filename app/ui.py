@@ -27,7 +27,7 @@ from app.page import user_error
 from app.page.chat_tab import SLIDERS
 from app.remote import RemoteError
 from app.sessions import Replies, Session, Sessions
-from app.store import ConversationStore, NotFound
+from app.store import NEW_CHAT_TITLE, ConversationStore, NotFound
 from engine import EngineFailed
 
 log = logging.getLogger("pagoda")
@@ -343,7 +343,7 @@ class PagodaUI:
 
     def _title_from_first_message(self, conversation_id: int, text: str) -> None:
         conv = self.store.get(conversation_id)
-        if conv.title == "New chat":
+        if conv.title == NEW_CHAT_TITLE:
             words = " ".join(text.split())
             self.store.rename(conversation_id, words[:40] + ("…" if len(words) > 40 else ""))
 
