@@ -13,17 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from app.chat_settings import ChatSettings, as_chat_settings
 from app.visualizer import render_kv_cache
 from engine import EngineThread, RequestStream, SamplingParams, StructuredOutputsParams
-from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
+from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 
 if TYPE_CHECKING:
     from app.store import Message
 
-DEFAULT_SETTINGS = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-                    "max_tokens": 512, "seed": None,
-                    # per chat: let a thinking model reason first; hold replies to JSON (to a schema, when given)
-                    "think": True, "json_output": False, "json_schema": ""}
 MIN_REPLY_ROOM = 64  # tokens of room a chat needs for its reply before it is refused as too long
 
 
@@ -65,7 +62,7 @@ class Backend(Protocol):
     thinks: bool  # whether the model may reason before it answers (a server's model: assumed so)
     max_model_len: int | None  # the longest prompt plus reply it serves (None: a server that does not say)
 
-    def submit(self, messages: list[dict], settings: dict) -> tuple[ReplyStream, int]:
+    def submit(self, messages: list[dict], settings: ChatSettings) -> tuple[ReplyStream, int]:
         """Start the assistant's reply to `messages` (system prompt included) with the chat's sampling
         settings: (its stream, prompt tokens, or 0 when only a server knows). Raises ContextOverflow,
         BadSettings or RemoteError before anything streams when the chat cannot be answered."""
@@ -73,7 +70,7 @@ class Backend(Protocol):
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         """The line under a chat: how much of the context its messages use."""
 
-    def prompt_tokens(self, messages: list[dict], settings: dict) -> int | None:
+    def prompt_tokens(self, messages: list[dict], settings: ChatSettings) -> int | None:
         """The tokens `messages` (system prompt included) take as a prompt; None when only a server knows."""
 
     def kv_panel(self, owners: dict[str, str]) -> str:
@@ -109,12 +106,11 @@ class BadSettings(ValueError):
     """A chat setting that cannot be used as it is (an invalid JSON schema): the message says which and why."""
 
 
-def json_constraint(settings: dict) -> StructuredOutputsParams | None:
+def json_constraint(settings: ChatSettings) -> StructuredOutputsParams | None:
     """The chat's "JSON output" switch as a constraint: any JSON object, or its schema when one is given."""
-    s = {**DEFAULT_SETTINGS, **(settings or {})}
-    if not s["json_output"]:
+    if not settings.json_output:
         return None
-    schema = (s["json_schema"] or "").strip()
+    schema = settings.json_schema.strip()
     try:
         return StructuredOutputsParams(json=schema) if schema else StructuredOutputsParams(json_object=True)
     except ValueError as e:
@@ -122,13 +118,11 @@ def json_constraint(settings: dict) -> StructuredOutputsParams | None:
                           " Fix it, or clear it for any JSON object.") from None
 
 
-def sampling_params(settings: dict) -> SamplingParams:
-    s = {**DEFAULT_SETTINGS, **(settings or {})}
-    seed = s["seed"]
-    return SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
-                          min_p=float(s["min_p"]), repetition_penalty=float(s["repetition_penalty"]),
-                          max_tokens=int(s["max_tokens"]), seed=None if seed in (None, "", -1) else int(seed),
-                          structured_outputs=json_constraint(s))
+def sampling_params(settings: ChatSettings) -> SamplingParams:
+    return SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                          min_p=settings.min_p, repetition_penalty=settings.repetition_penalty,
+                          max_tokens=settings.max_tokens, seed=settings.seed,
+                          structured_outputs=json_constraint(settings))
 
 
 def reply_room(max_tokens: int) -> int:
@@ -183,7 +177,8 @@ class LocalBackend:
         self.max_model_len = engine.max_model_len
         self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
 
-    def submit(self, messages: list[dict], settings: dict) -> tuple[LocalReplyStream, int]:
+    def submit(self, messages: list[dict], settings: ChatSettings | dict) -> tuple[LocalReplyStream, int]:
+        settings = as_chat_settings(settings)  # a script's dict too
         params = sampling_params(settings)  # first: a bad schema is refused before anything is tokenized
         ids = self._encode(messages, settings)
         check_fits(len(ids), params.max_tokens, self.engine.max_model_len)
@@ -196,12 +191,11 @@ class LocalBackend:
             raise BadSettings(f"{e}. Fix the chat's JSON schema, or clear it.") from None
         return LocalReplyStream(stream, reasoning), len(ids)
 
-    def _encode(self, messages: list[dict], settings: dict) -> list[int]:
-        think = bool({**DEFAULT_SETTINGS, **settings}["think"])
-        return self.engine.encode_chat(messages, **({"enable_thinking": think} if self.thinks else {}))
+    def _encode(self, messages: list[dict], settings: ChatSettings) -> list[int]:
+        return self.engine.encode_chat(messages, **({"enable_thinking": settings.think} if self.thinks else {}))
 
-    def prompt_tokens(self, messages: list[dict], settings: dict) -> int:
-        return len(self._encode(messages, settings))
+    def prompt_tokens(self, messages: list[dict], settings: ChatSettings | dict) -> int:
+        return len(self._encode(messages, as_chat_settings(settings)))
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         messages = chat_messages(system_prompt, [m.as_chat() for m in stored])

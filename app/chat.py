@@ -2,13 +2,13 @@
 
 Both backends (app/backend.py) answer with the same ReplyDelta increments, so nothing here asks
 which one serves."""
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from app.backend import ReplyStream
+from app.markdown_text import close_open_fence, dollar_math
 
 SAVE_EVERY_S = 0.5  # how often a streaming reply is written to the store
 
@@ -30,6 +30,8 @@ class Turn:
     reasoning: str = ""
     reasoning_tokens: int = 0
     thought_s: float | None = None  # how long it reasoned, once the answer began (or the reply ended)
+    model: str = ""  # the model that wrote it: stored with it, so an old chat still says which
+    max_tokens: int | None = None  # the chat's "Max reply tokens" for it: a reply cut there says so
 
     @property
     def thinking(self) -> bool:
@@ -37,7 +39,7 @@ class Turn:
         return bool(self.reasoning) and self.thought_s is None
 
     def meta(self) -> dict:
-        keep = {"error", "reasoning", "reasoning_tokens", "thought_s"}  # only when there is something to say
+        keep = {"error", "reasoning", "reasoning_tokens", "thought_s", "model", "max_tokens"}  # only when said
         return {k: v for k, v in self.__dict__.items() if k != "text" and (k not in keep or v)}
 
     def summary(self) -> str:
@@ -45,7 +47,14 @@ class Turn:
 
 
 def summary(meta: dict) -> str:
-    """The line under a reply: first-token time, speed, and what the prefix cache served."""
+    """The line under a reply: the model that wrote it, first-token time, speed, what the prefix cache served,
+    and why it ended when it did not finish by itself."""
+    line = _measures(meta)
+    model = meta.get("model") if meta else None
+    return f"{model} · {line}" if model and line else line
+
+
+def _measures(meta: dict) -> str:
     if meta and meta.get("error"):
         return f"stopped: {meta['error']}"
     if not meta or meta.get("ttft_s") is None:  # no token yet
@@ -53,6 +62,10 @@ def summary(meta: dict) -> str:
     rate = f" · {meta['tokens_per_s']:.1f} tok/s" if meta.get("tokens_per_s") else ""
     reasoning = f" ({meta['reasoning_tokens']:,} reasoning)" if meta.get("reasoning_tokens") else ""
     stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
+    if meta.get("finish_reason") == "length":  # the reply limit, or else the model's context, ended it
+        limit = meta.get("max_tokens")
+        stopped = (f" · cut at Max reply tokens ({limit:,})" if limit and meta.get("output_tokens", 0) >= limit
+                   else " · cut: the context is full")
     prompt = meta.get("prompt_tokens")
     cache = (f" · {meta.get('cached_tokens', 0):,}/{count(prompt, 'prompt token')} from the prefix cache"
              if prompt else "")  # a remote server that sends no usage leaves it unknown
@@ -65,47 +78,32 @@ def count(n: int, thing: str) -> str:
     return f"{n:,} {thing}{'' if n == 1 else 's'}"
 
 
-# A Markdown code fence: three or more backticks or tildes at the start of a line (list items indent theirs)
-FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})(.*)$")
-
-
-def open_fence(text: str) -> str | None:
-    """The fence line that would close the code block `text` leaves open (a reply cut mid-code), or None."""
-    opened = None  # (indent, fence) of the block open at this line
-    for line in text.split("\n"):
-        found = FENCE.match(line)
-        if found is None:
-            continue
-        indent, fence, rest = found.groups()
-        if opened is None:
-            if not (fence[0] == "`" and "`" in rest):  # a backtick fence's info string has no backticks
-                opened = (indent, fence)
-        elif fence[0] == opened[1][0] and len(fence) >= len(opened[1]) and not rest.strip():
-            opened = None
-    return None if opened is None else opened[0] + opened[1]
-
-
 def with_stats_line(text: str, stats: str) -> str:
     """A reply with its stats line under it. A reply stopped inside a code block gets the block closed first:
     otherwise the line rendered as code, inside the block."""
     if not stats:
         return text
-    fence = open_fence(text)
-    if fence is not None:
-        text += ("" if text.endswith("\n") else "\n") + fence
-    return f"{text}\n\n<sub>{stats}</sub>"
+    return f"{close_open_fence(text)}\n\n<sub>{stats}</sub>"
+
+
+def as_shown(text: str, stats: str) -> str:
+    """A message as the chat view shows it: its inline `$…$` math marked for the chatbot's LaTeX (it showed raw),
+    and its stats line under it."""
+    return with_stats_line(dollar_math(text), stats)
 
 
 def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int,
-                 interrupted: Callable[[], bool] = lambda: False) -> Iterator[Turn]:
+                 interrupted: Callable[[], bool] = lambda: False, model: str = "",
+                 max_tokens: int | None = None) -> Iterator[Turn]:
     """Consume one reply's stream into message `message_id`, yielding the turn after every increment.
 
     The store gets the text at least every SAVE_EVERY_S and at the end. If the consumer stops
     early, the request is aborted and what exists is kept. A remote server's last increment
     carries its own token counts, which replace the estimates. Once `interrupted()` (Pagoda is shutting
     down), the reply is stored as unfinished, never with the "abort" its cancelled stream ends with: the
-    process may end between two saves, and its chat must then read "interrupted", not "stopped"."""
-    turn = Turn(prompt_tokens=num_prompt_tokens)
+    process may end between two saves, and its chat must then read "interrupted", not "stopped".
+    `model` and `max_tokens` are kept with the reply for its stats line."""
+    turn = Turn(prompt_tokens=num_prompt_tokens, model=model, max_tokens=max_tokens)
     start = last_save = time.perf_counter()
     first = None
 
@@ -151,22 +149,25 @@ class ReplyTask:
     It outlives the page event that started it, so switching to another chat lets it finish in
     the background; `cancel()` (Stop, or the browser going away) aborts it in the engine."""
 
-    def __init__(self, stream: ReplyStream, store, message_id: int, num_prompt_tokens: int):
+    def __init__(self, stream: ReplyStream, store, message_id: int, num_prompt_tokens: int, model: str = "",
+                 max_tokens: int | None = None):
         self.stream = stream
-        self.turn = Turn(prompt_tokens=num_prompt_tokens)
+        self.turn = Turn(prompt_tokens=num_prompt_tokens, model=model, max_tokens=max_tokens)
         self.done = threading.Event()
         self.last_followed = time.time()  # when a page last showed this reply (see PagodaUI.on_unload)
         # Stop, Edit or Regenerate took it back: what its chat shows next comes from them, so pages stop drawing
         # it (its last frame landed after an edit's and put the deleted rows back on screen)
         self.withdrawn = False
         self.interrupted = False  # Pagoda is shutting down under it (see interrupt)
-        self._thread = threading.Thread(target=self._run, args=(store, message_id, num_prompt_tokens),
+        self._thread = threading.Thread(target=self._run,
+                                        args=(store, message_id, num_prompt_tokens, model, max_tokens),
                                         name=f"reply-{message_id}", daemon=True)
         self._thread.start()
 
-    def _run(self, store, message_id: int, num_prompt_tokens: int) -> None:
+    def _run(self, store, message_id: int, num_prompt_tokens: int, model: str, max_tokens: int | None) -> None:
         try:
-            for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens, lambda: self.interrupted):
+            for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens, lambda: self.interrupted,
+                                     model, max_tokens):
                 self.turn = turn
         except Exception as e:  # the chat was deleted while it answered, or a remote server failed mid-reply
             self.stream.cancel()

@@ -10,15 +10,7 @@ Each job runs in its own thread; the UI polls `jobs()`. The cache itself (listin
 `app.hub_cache`, and the sentences for hub failures are `app.hub_errors`; `DownloadManager.local_models()` and
 `delete()` wrap the cache functions so that they take running jobs into account.
 
-How byte progress is obtained: `snapshot_download(tqdm_class=...)` gets a tqdm subclass made for the job.
-huggingface_hub 2.4 (checked against its source) builds two aggregate *byte* bars from that class (unit "B": bytes
-written, bytes received) and feeds every file's chunks into them; older versions build only the "Fetching N files"
-bar from it. The job counts bytes from the unit-"B" bars when there are any and otherwise measures the repo's blob
-folder on disk (including `*.incomplete` files), so progress works either way. huggingface_hub reads responses in
-DOWNLOAD_CHUNK_SIZE pieces (10 MiB) and reports once per piece; the manager lowers that to 1 MiB. The bar's
-`update()` is also where a cancelled job stops: it raises a private exception inside the download thread. Xet
-transfers report from a thread hf_xet owns and ignore that exception, so downloads use plain HTTP unless the
-manager is built with `use_xet=True` (see DownloadManager).
+Byte progress and cancelling go through the job's own progress bar: see app/download_progress.py.
 
 After a cancel (or a failure) the files that finished stay in the cache and are reused by the next start; the file
 in flight is dropped (huggingface_hub 2.x writes each download to a uniquely named `*.incomplete` file and deletes it
@@ -37,13 +29,12 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tqdm import tqdm as _std_tqdm
-
 from app import hub_cache
+from app.download_progress import Cancelled, JobState, progress_bar_class
 from app.hub_cache import LocalModel, folder_bytes, snapshot_complete
 from app.hub_errors import DownloadError, explain_error
 from engine.loader import HUB_PATTERNS
@@ -59,12 +50,6 @@ _ACTIVE = ("queued", "running")
 # huggingface_hub reads the response in DOWNLOAD_CHUNK_SIZE pieces (10 MiB) and reports progress once per piece; the
 # progress bar is also where a cancel takes effect. 1 MiB pieces give smooth progress and a prompt cancel.
 _PROGRESS_CHUNK = 1024 * 1024
-
-
-class _Cancelled(BaseException):
-    """Raised from the job's progress bar to unwind snapshot_download when the job is cancelled.
-
-    A BaseException so that no `except Exception` on the way (retries, fallbacks) swallows it."""
 
 
 @dataclass
@@ -113,69 +98,6 @@ class _RepoFiles:
     sha: str | None
 
 
-@dataclass
-class _JobState:
-    job: DownloadJob
-    cancel: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    thread: threading.Thread | None = None
-    storage: Path | None = None
-    cached_bytes: int = 0              # bytes of this repo's files already in the cache at start
-    disk_baseline: int = 0             # bytes in the repo's blob folder at start (fallback progress)
-    bars: dict[int, list] = field(default_factory=dict)  # bar key -> [kind, bytes counted]
-    sample_t: float = 0.0
-    sample_bytes: int = 0
-    last_progress_t: float = 0.0
-
-    def register_bar(self, bar, kwargs: dict, byte_bars: bool) -> None:
-        """Classify a new progress bar: bytes written (unit "B" with a total), network bytes, or a file count."""
-        unit = kwargs.get("unit", "it")
-        bar_format = str(kwargs.get("bar_format") or "{total}")
-        if unit != "B" or not byte_bars:
-            kind = "items"
-        elif str(kwargs.get("desc") or "").startswith("Downloading bytes") or "{total" not in bar_format:
-            kind = "transfer"      # network bytes: after dedup/compression, no trustworthy total
-        else:
-            kind = "bytes"         # bytes written: add up to the file sizes
-        with self.lock:
-            bar._pagoda_key = len(self.bars)
-            self.bars[bar._pagoda_key] = [kind, 0]
-        if kind != "items" and kwargs.get("initial"):
-            self.bar_progress(bar, int(kwargs["initial"]))
-
-    def bar_progress(self, bar, n) -> None:
-        with self.lock:
-            entry = self.bars.get(getattr(bar, "_pagoda_key", None))
-            if entry is None or entry[0] == "items":
-                return
-            entry[1] += int(n)
-            kinds = {k for k, _ in self.bars.values()}
-            want = "bytes" if "bytes" in kinds else "transfer"
-            downloaded = max((c for k, c in self.bars.values() if k == want), default=0)
-        self.set_done(self.cached_bytes + downloaded)
-
-    def set_done(self, done: int) -> None:
-        now = time.monotonic()
-        with self.lock:
-            job = self.job
-            if job.bytes_total:
-                done = min(done, job.bytes_total)
-            if done > job.bytes_done:
-                self.last_progress_t = now
-            job.bytes_done = max(job.bytes_done, done)
-            dt = now - self.sample_t
-            if dt >= 0.25:
-                rate = (job.bytes_done - self.sample_bytes) / dt
-                job.speed = rate if job.speed <= 0 else 0.3 * rate + 0.7 * job.speed
-                self.sample_t, self.sample_bytes = now, job.bytes_done
-                left = job.bytes_total - job.bytes_done
-                job.eta_s = left / job.speed if job.speed > 0 and job.bytes_total else None
-
-    def bars_seen_bytes(self) -> bool:
-        with self.lock:
-            return any(k != "items" for k, _ in self.bars.values())
-
-
 class DownloadManager:
     """Downloads hub repos into the HF cache (or `models_dir`) in background threads, and manages that cache.
 
@@ -194,7 +116,7 @@ class DownloadManager:
         self.token = token
         self.max_workers = max_workers
         self.use_xet = use_xet
-        self._jobs: dict[str, _JobState] = {}
+        self._jobs: dict[str, JobState] = {}
         self._lock = threading.Lock()
         self._sizes: dict[tuple[str, str], _RepoFiles] = {}  # (repo id, GGUF file or "") -> its files
         self._byte_bars = True  # tests turn this off to exercise the on-disk fallback
@@ -320,7 +242,7 @@ class DownloadManager:
                 if (job.repo_id, job.gguf_file) == (repo_id, gguf_file) and job.active and not state.cancel.is_set():
                     return job.id
             job = DownloadJob(id=uuid.uuid4().hex[:12], repo_id=repo_id, gguf_file=gguf_file, started_at=time.time())
-            state = _JobState(job, storage=self.storage_folder(repo_id))
+            state = JobState(job, storage=self.storage_folder(repo_id))
             self._jobs[job.id] = state
         state.thread = threading.Thread(target=self._run, args=(state,), name=f"download-{repo_id}", daemon=True)
         state.thread.start()
@@ -348,7 +270,7 @@ class DownloadManager:
             self._abort_xet_if_alone(state)
         return True
 
-    def _abort_xet_if_alone(self, state: _JobState) -> None:
+    def _abort_xet_if_alone(self, state: JobState) -> None:
         """Xet swallows exceptions from progress callbacks; its only stop is the process-wide session abort
         (private API in huggingface_hub 2.4), so use it when no other job would be cut off with it."""
         with self._lock:
@@ -371,6 +293,16 @@ class DownloadManager:
             state.thread.join(timeout)
         return self._snapshot(state)
 
+    def retry(self, job_id: str) -> str:
+        """Start a failed or cancelled job again, in its place: its row goes, the new job's comes, and the files
+        that finished before are reused. Returns the new job's id (the old one's while it is still active)."""
+        job = self.job(job_id)
+        if job.active:
+            return job.id
+        new_id = self.start(job.repo_id, job.gguf_file)
+        self.forget(job_id)
+        return new_id
+
     def forget(self, job_id: str) -> None:
         """Drop a finished job from `jobs()`."""
         with self._lock:
@@ -378,14 +310,14 @@ class DownloadManager:
             if state is not None and not state.job.active:
                 del self._jobs[job_id]
 
-    def _state(self, job_id: str) -> _JobState:
+    def _state(self, job_id: str) -> JobState:
         with self._lock:
             try:
                 return self._jobs[job_id]
             except KeyError:
                 raise KeyError(f"no download job {job_id!r}") from None
 
-    def _run(self, state: _JobState) -> None:
+    def _run(self, state: JobState) -> None:
         job = state.job
         try:
             files = self._repo_files(job.repo_id, refresh=True, gguf_file=job.gguf_file)
@@ -399,7 +331,7 @@ class DownloadManager:
                 self._finish(state, "error", error=check.message)
                 return
             if state.cancel.is_set():
-                raise _Cancelled()
+                raise Cancelled()
             with state.lock:
                 job.status = "running"
                 state.sample_t = state.last_progress_t = time.monotonic()
@@ -415,18 +347,18 @@ class DownloadManager:
             patterns = [_literal(job.gguf_file)] if job.gguf_file else HUB_PATTERNS
             path = snapshot_download(
                 job.repo_id, allow_patterns=patterns, cache_dir=self.cache_dir, endpoint=self.endpoint,
-                token=self.token, max_workers=self.max_workers, tqdm_class=self._bar_class(state),
+                token=self.token, max_workers=self.max_workers, tqdm_class=progress_bar_class(state, self._byte_bars),
             )
             complete = (Path(path, job.gguf_file).is_file() if job.gguf_file
                         else snapshot_complete(Path(path), state.storage))
             if state.cancel.is_set() and not complete:
-                raise _Cancelled()
+                raise Cancelled()
             if not complete:
                 self._finish(state, "error", error=f"The download of {job.repo_id} ended without all of its files; "
                                                    "start it again to resume.")
                 return
             self._finish(state, "done", path=str(Path(path, job.gguf_file) if job.gguf_file else path))
-        except _Cancelled:
+        except Cancelled:
             self._finish(state, "cancelled")
         except DownloadError as e:  # already a sentence for the user (a GGUF file the repo lacks)
             self._finish(state, "error", error=str(e))
@@ -436,7 +368,7 @@ class DownloadManager:
             else:
                 self._finish(state, "error", error=explain_error(e, job.repo_id, self.endpoint))
 
-    def _finish(self, state: _JobState, status: str, *, error: str | None = None, path: str | None = None) -> None:
+    def _finish(self, state: JobState, status: str, *, error: str | None = None, path: str | None = None) -> None:
         with state.lock:
             job = state.job
             job.status, job.error, job.path = status, error, path
@@ -447,9 +379,9 @@ class DownloadManager:
                 job.bytes_done = job.bytes_total = max(job.bytes_total, job.bytes_done)
                 job.eta_s = 0.0
 
-    def _snapshot(self, state: _JobState) -> DownloadJob:
+    def _snapshot(self, state: JobState) -> DownloadJob:
         if state.job.status == "running" and not state.bars_seen_bytes():
-            self._disk_progress(state)
+            state.disk_progress()
         with state.lock:
             job = dataclasses.replace(state.job)
             if job.status == "running":
@@ -462,39 +394,6 @@ class DownloadManager:
                 else:
                     job.eta_s = None
         return job
-
-    # ---- progress ---------------------------------------------------------------------------------------------
-
-    def _bar_class(self, state: _JobState) -> type:
-        manager = self
-
-        class _JobTqdm(_std_tqdm):
-            """Silent tqdm that reports into one job and stops the download when the job is cancelled."""
-
-            def __init__(self, *args, **kwargs):
-                kwargs.pop("name", None)      # huggingface_hub passes it to its own tqdm subclass only
-                kwargs["disable"] = True      # never draw; a disabled tqdm still keeps n and total
-                super().__init__(*args, **kwargs)
-                if state.cancel.is_set():
-                    raise _Cancelled()
-                state.register_bar(self, kwargs, manager._byte_bars)
-
-            def update(self, n=1):
-                if state.cancel.is_set():
-                    raise _Cancelled()
-                n = n or 0
-                self.n += n                   # tqdm.update returns early when disabled
-                state.bar_progress(self, n)
-                return None
-
-        return _JobTqdm
-
-    def _disk_progress(self, state: _JobState) -> None:
-        """Fallback progress from the bytes in the repo's blob folder (huggingface_hub versions without byte bars)."""
-        if state.storage is None:
-            return
-        grown = folder_bytes(state.storage / "blobs") - state.disk_baseline
-        state.set_done(state.cached_bytes + max(0, grown))
 
     def _cached_bytes(self, repo_id: str, gguf_file: str = "") -> int:
         files = self._sizes.get((repo_id, gguf_file))

@@ -9,6 +9,7 @@ a server unloads the model.
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class LoadState:
     settings: dict = field(default_factory=dict)
     started: float = 0.0
     label: str = ""  # the model's short name, as messages give it
+    note: str = ""  # said after the message until the next load (why this model loaded at start)
 
 
 def looks_like_a_path(choice: str) -> bool:
@@ -70,11 +72,13 @@ def resolve_model(choice: str | None, downloaded: dict[str, Path] | None = None)
 
 
 class ModelHost:
-    """Holds the one Backend that answers the chats, and swaps it."""
+    """Holds the one Backend that answers the chats, and swaps it. `remember(choice, settings)` is told of each
+    load that succeeds with a `remember_as` (the Models tab's), so that the next start can load it again."""
 
-    def __init__(self):
+    def __init__(self, remember: Callable[[str, dict], None] | None = None):
         self.backend: Backend | None = None
         self.state = LoadState()
+        self.remember = remember
         self._lock = threading.Lock()
 
     @property
@@ -98,26 +102,32 @@ class ModelHost:
         if state.status == "ready" and engine is not None and engine.error is not None:
             return (f"{self.label} stopped: the engine failed ({type(engine.error).__name__}: {engine.error}). "
                     "Load the model again from the Models tab.")
+        note = f" {state.note}" if state.note else ""
         if state.status == "loading" and state.started:
-            return f"{state.message} {time.time() - state.started:.0f} s so far."
-        return state.message
+            return f"{state.message} {time.time() - state.started:.0f} s so far.{note}"
+        return state.message + note
 
     def _serving(self) -> str:
         return f" {self.label} keeps serving." if self.ready else ""
 
-    def load_default(self, model: str | None, **settings) -> None:
+    def load_default(self, model: str | None, note: str = "", **settings) -> None:
         """Start-up: load the model given on the command line, else the bundled one, in the background."""
         source, label = resolve_model(model)
-        self.load(source, label=label, **settings)
+        self.load(source, label=label, note=note, **settings)
 
-    def load(self, model: str, label: str | None = None, wait: bool = False, **settings) -> None:
-        """Load `model` with engine settings; the current backend keeps serving until it is ready."""
+    def load(self, model: str, label: str | None = None, wait: bool = False, remember_as: str | None = None,
+             note: str = "", on_failure: Callable[[str], None] | None = None, **settings) -> None:
+        """Load `model` with engine settings; the current backend keeps serving until it is ready. Once it is,
+        `remember_as` (the user's choice: a repo id or a path) goes to `remember`; `note` follows the status;
+        `on_failure(message)` is called, on the loading thread, when the load fails."""
         with self._lock:
             if self.state.status == "loading":
                 raise RuntimeError(f"{self.state.model} is still loading; wait for it to finish")
             self.state = LoadState("loading", f"Loading {label or model}…", model, settings, time.time(),
-                                   label or model)
-        thread = threading.Thread(target=self._load, args=(model, label, settings), name="pagoda-load", daemon=True)
+                                   label or model, note)
+        thread = threading.Thread(target=self._load, args=(model, label, settings, remember_as, on_failure),
+                                  name="pagoda-load",
+                                  daemon=True)
         thread.start()
         if wait:
             thread.join()
@@ -130,7 +140,8 @@ class ModelHost:
         return (self.engine is not None and self.engine.device.startswith("cuda")
                 and settings.get("device", "auto") != "cpu")
 
-    def _load(self, model: str, label: str | None, settings: dict) -> None:
+    def _load(self, model: str, label: str | None, settings: dict, remember_as: str | None = None,
+              on_failure: Callable[[str], None] | None = None) -> None:
         unloaded = ""
         if self._must_unload_first(settings):
             with self._lock:
@@ -145,7 +156,10 @@ class ModelHost:
             log.exception("loading %s failed", model)
             after = (f" {unloaded} was unloaded to free the GPU; load it again from the Models tab." if unloaded
                      else self._serving())
-            self.state = LoadState("error", f"Could not load {label or model}: {e}.{after}", model, settings)
+            self.state = LoadState("error", f"Could not load {label or model}: {e}.{after}", model, settings,
+                                   note=self.state.note)
+            if on_failure is not None:
+                on_failure(self.state.message)
             return
         old, self.backend = self.backend, LocalBackend(engine, label or model)
         s = engine.stats()
@@ -153,9 +167,14 @@ class ModelHost:
         weights = f", {s.quantization} weights" if s.quantization != "none" else ""
         self.state = LoadState("ready", f"{self.label} is ready on {s.device} ({s.dtype}{weights}, context "
                                         f"{s.max_model_len:,} tokens, {s.num_blocks:,} KV blocks) after {took:.0f} s.",
-                               model, settings)
+                               model, settings, note=self.state.note)
         if old is not None:
             old.close()
+        if remember_as is not None and self.remember is not None:
+            try:
+                self.remember(remember_as, settings)
+            except Exception:  # noqa: BLE001 - the model serves all the same; only the next start forgets it
+                log.exception("could not remember %s as the model to load at start", remember_as)
 
     def connect(self, base_url: str, api_key: str | None = None, model: str | None = None) -> RemoteBackend:
         """Serve the chats from an OpenAI-compatible server (returned; the status says it serves). Raises

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from app.backend import DEFAULT_SETTINGS, ReplyDelta, json_constraint
+from app.backend import ReplyDelta, json_constraint
+from app.chat_settings import ChatSettings, as_chat_settings
 from app.visualizer import render_remote_notice
 
 if TYPE_CHECKING:
@@ -382,25 +383,23 @@ class RemoteBackend:
     def url(self) -> str:
         return self.client.url
 
-    def submit(self, messages: list[dict], settings: dict) -> tuple[ChatStream, int]:
-        settings = {**DEFAULT_SETTINGS, **settings}
-        top_k, min_p, penalty = int(settings["top_k"]), float(settings["min_p"]), float(settings["repetition_penalty"])
+    def submit(self, messages: list[dict], settings: ChatSettings | dict) -> tuple[ChatStream, int]:
+        settings = as_chat_settings(settings)  # a script's dict too
+        top_k, min_p, penalty = settings.top_k, settings.min_p, settings.repetition_penalty
         extra = {"top_k": top_k if top_k > 0 else None, "min_p": min_p if min_p > 0 else None,
                  "repetition_penalty": penalty if penalty != 1.0 else None}
-        if not settings["think"]:  # vLLM's and SGLang's switch for Qwen3-style templates
+        if not settings.think:  # vLLM's and SGLang's switch for Qwen3-style templates
             extra["chat_template_kwargs"] = {"enable_thinking": False}
         constraint = json_constraint(settings)
         if constraint is not None:
             extra["response_format"] = ({"type": "json_object"} if constraint.json_object else
                                         {"type": "json_schema", "json_schema": {"name": "reply",
                                                                                 "schema": constraint.json}})
-        seed = settings.get("seed")
-        stream = self.client.chat(self.model, messages, temperature=float(settings["temperature"]),
-                                  top_p=float(settings["top_p"]), max_tokens=int(settings["max_tokens"]),
-                                  seed=None if seed in (None, "", -1) else int(seed), **extra)
+        stream = self.client.chat(self.model, messages, temperature=settings.temperature, top_p=settings.top_p,
+                                  max_tokens=settings.max_tokens, seed=settings.seed, **extra)
         return stream, 0  # the server counts the prompt with its own template; its usage says how many
 
-    def prompt_tokens(self, messages: list[dict], settings: dict) -> None:
+    def prompt_tokens(self, messages: list[dict], settings: ChatSettings | dict) -> None:
         return None  # the server applies its own template: only it knows
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:

@@ -80,8 +80,10 @@ def guarded(policy: AccessPolicy) -> dict:
 def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | None,
                      max_request_bytes: int) -> None:
     """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
+    from entrypoints.openai.api_router import create_router
     from entrypoints.openai.protocol import APIError
-    from entrypoints.openai.server import ServedModel, create_metrics_router, create_router
+    from entrypoints.openai.server import create_metrics_router
+    from entrypoints.openai.serving import ServedModel
 
     def served() -> ServedModel | None:
         backend, engine = host.backend, host.engine
@@ -107,14 +109,19 @@ def main(argv: list[str] | None = None) -> int:
 
     api_key = resolve_api_key(args.api_key, exposed=args.listen or args.share)
 
+    from app.download_jobs import DownloadManager
+    from app.last_model import LastModel, load_at_start
     from app.model_host import ModelHost
+    from app.page.layout import build, launch_kwargs
     from app.page.models_tab import render_models_tab
     from app.store import ConversationStore, default_db_path
-    from app.ui import PagodaUI, build, launch_kwargs
+    from app.ui import PagodaUI
 
     store = ConversationStore(default_db_path())
-    host = ModelHost()
-    host.load_default(args.model, max_num_seqs=args.max_chats)
+    last_model = LastModel(store)
+    host = ModelHost(remember=last_model.remember)
+    downloaded = {m.repo_id: m.load_path for m in DownloadManager().local_models()}
+    load_at_start(host, last_model, args.model, downloaded, args.max_chats)
     ui = PagodaUI(store, host, max_concurrent_chats=args.max_chats)
     demo = build(ui, models_tab=render_models_tab)
     demo.queue(default_concurrency_limit=4)

@@ -23,6 +23,10 @@ class Session:
     kv_tab_open: bool = False  # whether the page shows the KV cache tab
     panels_sent: tuple = NOT_SENT  # (KV HTML, header, chat titles) the page last got from the timer
     title_sent: tuple[int, str] | None = None  # (chat, title) the page's Title field last got
+    asked_for: int | None = None  # the chat the user asked for last (New chat, or a pick in the list)
+    # The chat whose title the user typed in the Title field, when it is `asked_for`: what they type is theirs
+    # until Rename, and neither that chat's opening nor the title its first message gives may replace it
+    title_typed_for: int | None = None
 
 
 class Sessions:

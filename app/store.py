@@ -23,14 +23,17 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.chat_export import EXPORT_FORMAT, chat_json, chat_markdown
+from app.store_schema import DEFAULT_PRESETS, SCHEMA_VERSION, SchemaError, migrate
+
 __all__ = [
+    "NEW_CHAT_TITLE",
     "ROLES",
     "SCHEMA_VERSION",
     "Conversation",
@@ -39,32 +42,19 @@ __all__ = [
     "NotFound",
     "Preset",
     "SchemaError",
+    "DEFAULT_PRESETS",
     "default_db_path",
 ]
 
 ROLES = ("system", "user", "assistant")
+NEW_CHAT_TITLE = "New chat"  # a chat's title until its first message (or a rename) gives it one
 DB_NAME = "pagoda.db"
-EXPORT_FORMAT = "pagoda.conversation"
-
-DEFAULT_PRESETS: tuple[tuple[str, str], ...] = (
-    ("Helpful assistant", "You are a helpful assistant."),
-    ("Concise", "You are a helpful assistant. Answer briefly and directly: short sentences, no preamble, "
-                "no repetition of the question. Use a list only when it is clearer than prose."),
-    ("Coder", "You are an expert programmer. Give correct, idiomatic, runnable code in fenced code blocks "
-              "with the language named. Explain only what is not obvious from the code, and point out "
-              "edge cases and bugs you notice."),
-)
-
 
 class NotFound(KeyError, ValueError):
     """An unknown conversation, message or preset. Both a KeyError and a ValueError."""
 
     def __str__(self) -> str:  # KeyError would show the message in quotes
         return str(self.args[0]) if self.args else ""
-
-
-class SchemaError(RuntimeError):
-    """The file is not a Pagoda database, or was written by a newer Pagoda."""
 
 
 @dataclass
@@ -105,43 +95,6 @@ def default_db_path() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_data_dir("pagoda")) / DB_NAME
-
-
-# ---- schema ------------------------------------------------------------------------------------
-
-def _create_v1(conn: sqlite3.Connection) -> None:
-    conn.execute("""
-        CREATE TABLE conversations (
-            id            INTEGER PRIMARY KEY AUTOINCREMENT,
-            title         TEXT NOT NULL,
-            system_prompt TEXT NOT NULL DEFAULT '',
-            settings      TEXT NOT NULL DEFAULT '{}',
-            created       REAL NOT NULL,
-            updated       REAL NOT NULL
-        )""")
-    conn.execute("CREATE INDEX conversations_by_updated ON conversations(updated DESC, id DESC)")
-    conn.execute("""
-        CREATE TABLE messages (
-            id              INTEGER PRIMARY KEY AUTOINCREMENT,
-            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-            role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
-            content         TEXT NOT NULL,
-            meta            TEXT NOT NULL DEFAULT '{}',
-            created         REAL NOT NULL
-        )""")
-    conn.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
-    conn.execute("""
-        CREATE TABLE presets (
-            name          TEXT PRIMARY KEY,
-            system_prompt TEXT NOT NULL
-        )""")
-    conn.executemany("INSERT INTO presets(name, system_prompt) VALUES (?, ?)", DEFAULT_PRESETS)
-
-
-# MIGRATIONS[v] upgrades a database at user_version v to v + 1, inside one transaction.
-# Version 0 is a brand-new file. To change the schema, append a function and bump nothing else.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1]
-SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def _contains(haystack: str | None, needle: str | None) -> bool:
@@ -232,21 +185,7 @@ class ConversationStore:
 
     def _migrate(self) -> None:
         with self._write() as conn:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise SchemaError(
-                    f"{self.path} has schema version {version}, but this Pagoda only understands up to "
-                    f"version {SCHEMA_VERSION}: it was written by a newer Pagoda. Upgrade Pagoda, or set "
-                    f"PAGODA_HOME to another folder to start a separate history.")
-            if version == 0:
-                tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
-                if tables:
-                    raise SchemaError(
-                        f"{self.path} is an SQLite database but not a Pagoda one. Move it aside, or set "
-                        f"PAGODA_HOME to another folder.")
-            for v in range(version, SCHEMA_VERSION):
-                MIGRATIONS[v](conn)
-                conn.execute(f"PRAGMA user_version = {v + 1}")
+            migrate(conn, self.path)
 
     def _stamp(self, conn: sqlite3.Connection) -> float:
         """A timestamp later than every ``updated`` in the database (call inside a write)."""
@@ -276,7 +215,8 @@ class ConversationStore:
 
     # ---- conversations -------------------------------------------------------------------------
 
-    def create(self, title: str = "New chat", system_prompt: str = "", settings: dict | None = None) -> Conversation:
+    def create(self, title: str = NEW_CHAT_TITLE, system_prompt: str = "",
+               settings: dict | None = None) -> Conversation:
         """Start a new, empty chat."""
         title = _clean_title(title)
         if not isinstance(system_prompt, str):
@@ -288,6 +228,27 @@ class ConversationStore:
                 "INSERT INTO conversations(title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?)",
                 (title, system_prompt, settings_json, now, now))
             return Conversation(cur.lastrowid, title, system_prompt, json.loads(settings_json), now, now)
+
+    def empty_chat(self, system_prompt: str = "") -> Conversation:
+        """An empty chat with this system prompt, at the top of the list: the newest chat that is still empty
+        and untitled (no messages, still "New chat"), started afresh, else a new one. New chat added another
+        empty "New chat" to the list at each press."""
+        if not isinstance(system_prompt, str):
+            raise ValueError("system_prompt must be a string (use \"\" for none).")
+        with self._write() as conn:
+            row = conn.execute(
+                """SELECT id FROM conversations c WHERE title = ?
+                   AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id)
+                   ORDER BY updated DESC, id DESC LIMIT 1""", (NEW_CHAT_TITLE,)).fetchone()
+            now = self._stamp(conn)
+            if row is None:
+                cid = conn.execute("INSERT INTO conversations(title, system_prompt, settings, created, updated) "
+                                   "VALUES (?, ?, '{}', ?, ?)", (NEW_CHAT_TITLE, system_prompt, now, now)).lastrowid
+            else:
+                cid = row[0]
+                conn.execute("UPDATE conversations SET system_prompt = ?, settings = '{}', updated = ? WHERE id = ?",
+                             (system_prompt, now, cid))
+        return self.get(cid)
 
     def get(self, conversation_id: int) -> Conversation:
         """One chat; raises NotFound (a KeyError) if there is none with this id."""
@@ -431,6 +392,25 @@ class ConversationStore:
             if conn.execute("DELETE FROM presets WHERE name = ?", (name.strip(),)).rowcount == 0:
                 raise NotFound(f"No preset named {name!r}. Pick a name from presets().")
 
+    # ---- app settings --------------------------------------------------------------------------
+
+    def app_setting(self, key: str) -> Any:
+        """The app setting stored under `key` (a JSON value), or None when none is."""
+        with self._read() as conn:
+            row = conn.execute("SELECT value FROM app_settings WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row is not None else None
+
+    def set_app_setting(self, key: str, value: Any) -> None:
+        """Store an app setting (any JSON value) under `key`, replacing what was there."""
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"App setting {key!r} must be a JSON value (str, number, bool, None, list, dict): "
+                             f"{e}") from None
+        with self._write() as conn:
+            conn.execute("INSERT INTO app_settings(key, value) VALUES (?, ?) "
+                         "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, text))
+
     # ---- export / import -----------------------------------------------------------------------
 
     def _snapshot(self, conversation_id: int) -> tuple[Conversation, builtins.list[Message]]:
@@ -438,21 +418,12 @@ class ConversationStore:
             return self.get(conversation_id), self.messages(conversation_id)
 
     def export_markdown(self, conversation_id: int) -> str:
-        """The chat as Markdown: the title, then one ``## Role`` heading per message."""
-        conv, msgs = self._snapshot(conversation_id)
-        created = datetime.fromtimestamp(conv.created).strftime("%Y-%m-%d %H:%M")
-        parts = [f"# {conv.title}", f"*Exported from Pagoda. Chat started {created}.*"]
-        if conv.system_prompt:
-            parts.append(f"## System\n\n{conv.system_prompt}")
-        for m in msgs:
-            parts.append(f"## {m.role.capitalize()}\n\n{m.content}")
-        return "\n\n".join(parts) + "\n"
+        """The chat as Markdown (app/chat_export.py)."""
+        return chat_markdown(*self._snapshot(conversation_id))
 
     def export_json(self, conversation_id: int) -> str:
-        """The chat and its messages as JSON; ``import_json`` reads it back."""
-        conv, msgs = self._snapshot(conversation_id)
-        data = {"format": EXPORT_FORMAT, "version": 1, **asdict(conv), "messages": [asdict(m) for m in msgs]}
-        return json.dumps(data, ensure_ascii=False, indent=2)
+        """The chat and its messages as JSON (app/chat_export.py); ``import_json`` reads it back."""
+        return chat_json(*self._snapshot(conversation_id))
 
     def import_json(self, text: str) -> Conversation:
         """Create a new chat from ``export_json`` output (new ids; timestamps kept)."""
@@ -460,7 +431,7 @@ class ConversationStore:
             data = json.loads(text)
         except ValueError as e:
             raise ValueError(f"This is not JSON ({e}); import a file made by Pagoda's JSON export.") from None
-        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
+        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # app/chat_export.py writes it
             raise ValueError(f"This JSON is not a Pagoda chat export (no \"format\": \"{EXPORT_FORMAT}\").")
         raw_msgs: Any = data.get("messages", [])
         if not isinstance(raw_msgs, builtins.list) or not all(isinstance(m, dict) for m in raw_msgs):

@@ -2,19 +2,17 @@
 
 Everything a chat shows lives in the store; the page only renders it. Replies stream from the
 one engine thread that all chats share, or from a remote OpenAI-compatible server (app/remote.py).
-PagodaUI answers the page's events; `build` lays the page out from its parts in app/page/.
+PagodaUI answers the page's events; app/page/layout.py's `build` lays the page out from its parts in app/page/.
 """
 import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import gradio as gr
 
 from app.backend import (
-    DEFAULT_SETTINGS,
     BadSettings,
     ContextOverflow,
     ReplyStream,
@@ -22,17 +20,14 @@ from app.backend import (
     meter_text,
     reply_room,
 )
-from app.chat import ReplyTask, Turn, summary, with_stats_line
+from app.chat import ReplyTask, Turn, as_shown, summary
+from app.chat_settings import ChatSettings
 from app.model_host import ModelHost
 from app.page import user_error
-from app.page.api import add_api
-from app.page.chat_tab import CHAT_CSS, KEYS_JS, SLIDERS, render_chat_tab, wire_chat_tab
-from app.page.kv_tab import render_kv_tab, track_kv_tab
-from app.page.sidebar import load_first_view, render_sidebar, wire_sidebar
+from app.page.chat_tab import SLIDERS
 from app.remote import RemoteError
 from app.sessions import Replies, Session, Sessions
-from app.store import ConversationStore, NotFound
-from app.visualizer import visualizer_css
+from app.store import NEW_CHAT_TITLE, ConversationStore, NotFound
 from engine import EngineFailed
 
 log = logging.getLogger("pagoda")
@@ -73,7 +68,7 @@ class PagodaUI:
             live = running is not None and not running.done.is_set() and i == len(msgs) - 1
             if m.role == "assistant" and m.meta.get("finished") is False and not live:
                 stats = "interrupted: Pagoda stopped before this reply finished" + (f" · {stats}" if stats else "")
-            content = with_stats_line(content, stats)
+            content = as_shown(content, stats)
             if m.role == "assistant" and m.meta.get("reasoning"):
                 rows.append(thought_row(m.meta["reasoning"], m.meta.get("thought_s"), thinking=live and not m.content))
             rows.append({"role": m.role, "content": content})
@@ -97,16 +92,35 @@ class PagodaUI:
 
     def open(self, conversation_id: int | None, request: gr.Request = None):
         if conversation_id is None:
-            return [], "", None, *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], "", "", *self.chat_options(None)
+            return [], "", None, *slider_values(ChatSettings()), "", "", *self.chat_options(None)
         conv = self.store.get(conversation_id)
+        typed = False
         if request is not None:
             with self.sessions.edit(request.session_hash) as session:
                 session.viewing, session.title_sent = conv.id, (conv.id, conv.title)
-        settings = {**DEFAULT_SETTINGS, **conv.settings}
+                typed = session.title_typed_for == conv.id
         think, json_output, json_schema = self.chat_options(conversation_id)
-        return (self.history(conversation_id), conv.system_prompt, conv.id, *[settings[k] for k, *_ in SLIDERS],
-                self.context_meter(conversation_id), conv.title, gr.update(value=think, **self.think_switch()),
+        # A title typed while the chat opened (right after New chat) stays: it was overwritten with "New chat"
+        title = gr.update() if typed else conv.title
+        return (self.history(conversation_id), conv.system_prompt, conv.id,
+                *slider_values(ChatSettings.from_dict(conv.settings)),
+                self.context_meter(conversation_id), title, gr.update(value=think, **self.think_switch()),
                 json_output, json_schema)
+
+    def asked_for_chat(self, conversation_id, request: gr.Request = None) -> None:
+        """New chat pressed, a chat picked in the list, or a Rename (None): the Title field follows the chat
+        until the user types in it again (see `title_typed`)."""
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.asked_for = None if conversation_id is None else int(conversation_id)
+                session.title_typed_for = None
+
+    def title_typed(self, request: gr.Request = None) -> None:
+        """The user typed in the Title field: neither the opening of the chat they asked for nor the title its
+        first message gives replaces what they type, until Rename or another chat."""
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.title_typed_for = session.asked_for
 
     def think_switch(self) -> dict:
         """Whether the page offers Think: only while a model that reasons serves. Not while a model loads (it
@@ -116,17 +130,17 @@ class PagodaUI:
 
     def chat_options(self, conversation_id: int | None) -> tuple[bool, bool, str]:
         """The chat's switches: Think, JSON output, and its schema."""
-        settings = {**DEFAULT_SETTINGS, **(self.store.get(conversation_id).settings if conversation_id else {})}
-        return bool(settings["think"]), bool(settings["json_output"]), settings["json_schema"] or ""
+        settings = ChatSettings.from_dict(self.store.get(conversation_id).settings if conversation_id else None)
+        return settings.think, settings.json_output, settings.json_schema
 
     def set_chat_options(self, conversation_id: int | None, think: bool, json_output: bool, json_schema: str) -> None:
         """Keep the chat's switches with it (they apply from its next reply on)."""
         if conversation_id is None:
             return
         conv = self.store.get(conversation_id)
-        self.store.update(conversation_id, settings={**conv.settings, "think": bool(think),
-                                                     "json_output": bool(json_output),
-                                                     "json_schema": json_schema or ""})
+        settings = ChatSettings.from_dict(conv.settings).replace(think=think, json_output=json_output,
+                                                                 json_schema=json_schema)
+        self.store.update(conversation_id, settings={**conv.settings, **settings.to_dict()})
 
     def save_system_prompt(self, conversation_id: int | None, system_prompt: str, request: gr.Request = None):
         """Keep a chat's system prompt as it is typed: saved only with the next message, an edit was lost on
@@ -142,8 +156,11 @@ class PagodaUI:
         # A save that lands once the page has opened another chat must not put this chat's count under that one
         return self.context_meter(conversation_id) if self.shows(request, conversation_id) else gr.update()
 
-    def new_chat(self, system_prompt: str, query: str):
-        conv = self.store.create(system_prompt=system_prompt or "")
+    def new_chat(self, system_prompt: str, query: str, request: gr.Request = None):
+        """Open an empty chat with `system_prompt`: the empty one already in the list, if any (each press added
+        another empty "New chat")."""
+        conv = self.store.empty_chat(system_prompt or "")
+        self.asked_for_chat(conv.id, request)
         return gr.update(choices=self.conversation_choices(query), value=conv.id)
 
     def delete_chat(self, conversation_id):
@@ -162,7 +179,7 @@ class PagodaUI:
     def respond(self, conversation_id, user_text: str, system_prompt: str, temperature: float, top_p: float, top_k: int,
                 min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
         """Add the user's message (when given), start the assistant's reply and follow it."""
-        slider_values = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
+        sliders = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
         if conversation_id is None:
             conversation_id = self.store.create(system_prompt=system_prompt or "").id
         conversation_id, system_prompt = int(conversation_id), system_prompt or ""
@@ -173,9 +190,9 @@ class PagodaUI:
         running = self.replies.get(conversation_id)
         if running is not None and not running.done.is_set():
             raise user_error("This chat is still answering: press Stop first, or open another chat.")
-        settings = {**self.store.get(conversation_id).settings,  # the chat's switches (set_chat_options)
-                    **dict(zip([k for k, *_ in SLIDERS], slider_values, strict=True))}
-        self.store.update(conversation_id, system_prompt=system_prompt, settings=settings)
+        stored = self.store.get(conversation_id).settings  # the chat's switches (set_chat_options)
+        settings = ChatSettings.from_dict(stored).replace(**dict(zip([k for k, *_ in SLIDERS], sliders, strict=True)))
+        self.store.update(conversation_id, system_prompt=system_prompt, settings={**stored, **settings.to_dict()})
         pending = user_text if user_text and user_text.strip() else ""
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
         if pending:
@@ -199,7 +216,8 @@ class PagodaUI:
             self.store.add_message(conversation_id, "user", pending)
             self._title_from_first_message(conversation_id, pending)
         reply = self.store.add_message(conversation_id, "assistant", "")
-        task = ReplyTask(stream, self.store, reply.id, num_prompt_tokens)
+        task = ReplyTask(stream, self.store, reply.id, num_prompt_tokens, model=backend.model,
+                         max_tokens=settings.max_tokens)
         self.replies.start(conversation_id, task, label=f"#{conversation_id} {self.store.get(conversation_id).title}")
         log.info("chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens,
                  stream.request_id)
@@ -214,7 +232,7 @@ class PagodaUI:
         yield from self.follow(conversation_id, request)
 
     @staticmethod
-    def too_long_alone(backend, system_prompt: str, message: str, settings: dict) -> str | None:
+    def too_long_alone(backend, system_prompt: str, message: str, settings: ChatSettings) -> str | None:
         """Why `message`, which overflowed the context, cannot be sent in this chat or any other: alone, with the
         system prompt and room for the reply, it is longer than the context. None when dropping earlier turns
         could make room, when there is no new message (an answer to the chat's last one), or when only a server
@@ -226,7 +244,7 @@ class PagodaUI:
         limit = backend.max_model_len
         if tokens is None or limit is None:
             return None
-        room = reply_room(settings["max_tokens"])
+        room = reply_room(settings.max_tokens)
         if tokens + room <= limit:
             return None
         return (f"This message alone is too long: with the system prompt it is {tokens:,} tokens, and the model's "
@@ -255,7 +273,7 @@ class PagodaUI:
                 yield UNCHANGED
                 return
             turn = task.turn
-            content = with_stats_line(turn.text, turn.summary() if finished else "")
+            content = as_shown(turn.text, turn.summary() if finished else "")
             if not (content or turn.reasoning or finished):
                 content = prefill_line(task.stream)
             thought = [thought_row(turn.reasoning, turn.thought_s, turn.thinking)] if turn.reasoning else []
@@ -325,7 +343,7 @@ class PagodaUI:
 
     def _title_from_first_message(self, conversation_id: int, text: str) -> None:
         conv = self.store.get(conversation_id)
-        if conv.title == "New chat":
+        if conv.title == NEW_CHAT_TITLE:
             words = " ".join(text.split())
             self.store.rename(conversation_id, words[:40] + ("…" if len(words) > 40 else ""))
 
@@ -424,7 +442,8 @@ class PagodaUI:
             # Only for the chat the page shows now: a tick that read the chat open before a switch would put that
             # chat's title in the field (and a Rename then gave it to this chat)
             new_title = (open_title is not None and open_title[0] == session.viewing
-                         and open_title != session.title_sent)
+                         and open_title != session.title_sent
+                         and session.title_typed_for != session.viewing)
             if new_title:
                 session.title_sent = open_title
         return (gr.update() if html == sent_html else html, gr.update() if header == sent_header else header,
@@ -449,6 +468,11 @@ class PagodaUI:
         return backend.kv_panel(self.replies.labels()) if backend is not None else "<p>No model loaded.</p>"
 
 
+def slider_values(settings: ChatSettings) -> list:
+    """The chat's settings in the order of the Chat tab's sliders (SLIDERS)."""
+    return [getattr(settings, k) for k, *_ in SLIDERS]
+
+
 def prefill_line(stream: ReplyStream) -> str:
     """What an empty reply bubble says while the model reads a long prompt: tokens read out of the total."""
     progress = stream.prefill_progress()
@@ -466,77 +490,3 @@ def thought_row(reasoning: str, seconds: float | None, thinking: bool) -> dict:
         title = f"Thought for {seconds:.1f} s" if seconds is not None else "Thought (stopped)"
     metadata = {"title": title, "status": "pending" if thinking else "done"}
     return {"role": "assistant", "content": reasoning, "metadata": metadata}
-
-
-def build(ui: PagodaUI, models_tab: Callable[[PagodaUI], None] | None = None) -> gr.Blocks:
-    """The page. `models_tab(ui)` renders the Models tab inside the Blocks, when given."""
-    presets = {p.name: p.system_prompt for p in ui.store.presets()}  # shared by every chat, added to by Save preset
-    with gr.Blocks(title="Pagoda", fill_height=True) as demo:
-        # A drawer beside the chat: on a phone it starts closed (PAGE_JS), so the chat comes first.
-        with gr.Sidebar(elem_id="sidebar", width=300):
-            sidebar = render_sidebar(ui)
-        with gr.Row(equal_height=True):
-            # A callable value: each page fetches the header as it opens, instead of showing the start-up
-            # text ("Loading <model>…") until the timer's first refresh.
-            header = gr.Markdown(ui.header, elem_id="header")
-            theme_btn = gr.Button("◐ Light / dark", size="sm", scale=0, min_width=140)
-        with gr.Tabs():
-            with gr.Tab("Chat") as chat_page:
-                chat = render_chat_tab(presets)
-            with gr.Tab("KV cache") as kv_page:
-                kv_html = render_kv_tab(ui)
-            other_pages = [chat_page]
-            if models_tab is not None:
-                with gr.Tab("Models") as models_page:
-                    models_tab(ui)
-                other_pages.append(models_page)
-
-        # Events cross the parts (New chat reads the Chat tab's system prompt), so they are wired once all exist.
-        wire_sidebar(ui, sidebar, chat.system)
-        wire_chat_tab(ui, chat, sidebar, presets)
-        header.change(lambda: gr.update(**ui.think_switch()), None, chat.think, show_progress="hidden")
-        demo.unload(ui.on_unload)
-        timer = gr.Timer(0.5)
-        refreshed = [kv_html, header, sidebar.conversations, sidebar.title]
-        timer.tick(ui.panels, [sidebar.search, sidebar.current], refreshed, show_progress="hidden",
-                   concurrency_limit=1, concurrency_id="panels")
-        track_kv_tab(ui, kv_page, other_pages)
-        load_first_view(demo, ui, sidebar, presets, js=PAGE_JS)
-        theme_btn.click(None, js=THEME_TOGGLE_JS)
-        add_api(ui)
-    return demo
-
-
-# The page's choice of light or dark is kept in the browser, so a reload keeps it (Gradio follows the system's
-# setting until then). On a narrow screen the chat list is a drawer: closed as the page opens, and closed again
-# once a chat is picked or made, so the chat itself is always what shows.
-THEME_TOGGLE_JS = """
-() => {
-  const dark = document.body.classList.toggle('dark');
-  localStorage.setItem('pagoda-theme', dark ? 'dark' : 'light');
-}
-"""
-PAGE_JS = """
-() => {
-  (%s)();
-  const theme = localStorage.getItem('pagoda-theme');
-  if (theme) { document.body.classList.toggle('dark', theme === 'dark'); }
-  const narrow = () => window.matchMedia('(max-width: 768px)').matches;
-  const closeDrawer = () => {
-    const drawer = document.querySelector('#sidebar');
-    if (narrow() && drawer && drawer.classList.contains('open')) { drawer.querySelector('.toggle-button').click(); }
-  };
-  closeDrawer();
-  document.addEventListener('change', (e) => { if (e.target.closest('#chat-list')) { closeDrawer(); } });
-  document.addEventListener('click', (e) => { if (e.target.closest('#new-chat')) { closeDrawer(); } });
-}
-""" % KEYS_JS.strip()
-
-
-def launch_kwargs() -> dict:
-    # No run history: Gradio kept every event's inputs (each prompt, deleted chats' too) in the browser's local
-    # storage and listed them under internal event names in a "Runs" page linked from the footer.
-    return {"css": visualizer_css() + CHAT_CSS, "theme": gr.themes.Soft(), "run_history": False,
-            "footer_links": ["api", "gradio", "settings"]}
-
-

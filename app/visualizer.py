@@ -24,12 +24,13 @@ import functools
 import hashlib
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.outputs import EngineStats, KVBlock
+    from engine.front.outputs import EngineStats, KVBlock
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "visualizer.css"
 PALETTE_SIZE = 12
@@ -132,53 +133,79 @@ def render_kv_cache(blocks: list[KVBlock], stats: EngineStats, owners: dict[str,
     blocks: `LLMEngine.kv_blocks()`; stats: `LLMEngine.stats()`; owners: engine request id ->
     conversation label (user text: escaped here); tokens_per_s: shown when given.
     """
-    owners = owners or {}
-    bs = stats.block_size
+    holders = _Holders.of(blocks, owners or {})
+    body = (f'<div class="grid {_grid_size_class(len(blocks))}">{_grid(blocks, stats.block_size, holders)}</div>'
+            if blocks else '<p class="none">No KV cache yet: load a model to see its blocks.</p>')
+    head = _ascii(f'<div class="pgd-kv"><div class="header"><div class="stats">{_chips(stats, tokens_per_s)}</div>'
+                  f'{_usage_bar(stats)}<div class="legend">{_legend(holders)}</div>'
+                  f'<div class="legend kinds">{BLOCK_KINDS}</div></div>')
+    return f"{head}{body}</div>"
 
-    # Pass 1: the distinct owner lists (few, however many blocks) and who holds how many blocks.
-    groups: Counter[tuple] = Counter(b.owners for b in blocks if b.owners)
 
-    # Each request id -> its legend entry: ("c", label) for a known conversation, ("r", id) otherwise.
-    entry: dict = {}
-    for key in groups:
-        for rid in key:
-            if rid not in entry:
-                label = owners.get(rid)
-                entry[rid] = ("c", str(label)) if label is not None else ("r", str(rid))
-    entry_blocks: dict[tuple[str, str], int] = {}
-    group_entries: dict[tuple, list] = {}
-    for key, count in groups.items():
-        ents = group_entries[key] = list(dict.fromkeys(entry[rid] for rid in key))
-        for e in ents:
-            entry_blocks[e] = entry_blocks.get(e, 0) + count
-    slots = assign_colours(name for kind, name in entry_blocks if kind == "c")
-    # The suffix of the colour classes: own3/also3, or own-none/also-none for a request no conversation claims.
-    colour = {e: (str(slots[e[1]]) if e[0] == "c" else "-none") for e in entry_blocks}
-    display = {e: _ascii(escape(e[1]) if e[0] == "c" else f"request {escape(e[1])}") for e in entry_blocks}
+# What each kind of block looks like, under the conversations' colours
+BLOCK_KINDS = ('<span class="legend-entry"><i class="used own-none fill3"></i>in use (fill = tokens written)</span>'
+               '<span class="legend-entry"><i class="shared own-none">2</i>shared (ref count)</span>'
+               '<span class="legend-entry"><i class="cached"></i>free, cached</span>'
+               '<span class="legend-entry"><i></i>empty</span>')
 
-    # Per owner list: colour classes and the escaped owner line of the tooltip, computed once.
-    group_info: dict[tuple, tuple[str, str, str]] = {}
-    for key, ents in group_entries.items():
-        first = colour[ents[0]]
-        second = next((colour[e] for e in ents[1:] if colour[e] != first), None)
-        names = [display[e] for e in ents[:MAX_LABELS_IN_TITLE]]
-        if len(ents) > MAX_LABELS_IN_TITLE:
-            names.append(f"+{len(ents) - MAX_LABELS_IN_TITLE} more")
-        label_word = "owner" if len(ents) == 1 else "owners"
-        group_info[key] = (f" own{first}", f" own{first} also{second}" if second else f" own{first}",
-                           f"&#10;{label_word}: {', '.join(names)}")
-    no_owner = (" own-none", " own-none", "&#10;owner: none running")
 
-    # Pass 2: the markup. This runs a few times a second over every block, so the loop only looks
-    # up a (prefix, suffix) pair per block kind and puts the block id between them. Kinds are few:
-    # (ref count, cached, filled, owner list) takes a handful of values however many blocks there are.
+@dataclass
+class _Holders:
+    """Who holds the blocks: each legend entry (("c", conversation label) or ("r", request id) for a request no
+    conversation claims) with its block count, colour class suffix and escaped name, and per distinct owner list
+    its colour classes and tooltip line. Owner lists are few, however many blocks there are."""
+
+    blocks: dict[tuple[str, str], int]
+    colour: dict[tuple[str, str], str]  # own3/also3, or own-none/also-none for a request no conversation claims
+    display: dict[tuple[str, str], str]
+    groups: dict[tuple, tuple[str, str, str]]  # owner list -> (single class, shared classes, tooltip line)
+
+    @classmethod
+    def of(cls, blocks: list[KVBlock], owners: dict[str, str]) -> _Holders:
+        groups: Counter[tuple] = Counter(b.owners for b in blocks if b.owners)
+        entry: dict = {}
+        for key in groups:
+            for rid in key:
+                if rid not in entry:
+                    label = owners.get(rid)
+                    entry[rid] = ("c", str(label)) if label is not None else ("r", str(rid))
+        entry_blocks: dict[tuple[str, str], int] = {}
+        group_entries: dict[tuple, list] = {}
+        for key, count in groups.items():
+            ents = group_entries[key] = list(dict.fromkeys(entry[rid] for rid in key))
+            for e in ents:
+                entry_blocks[e] = entry_blocks.get(e, 0) + count
+        slots = assign_colours(name for kind, name in entry_blocks if kind == "c")
+        colour = {e: (str(slots[e[1]]) if e[0] == "c" else "-none") for e in entry_blocks}
+        display = {e: _ascii(escape(e[1]) if e[0] == "c" else f"request {escape(e[1])}") for e in entry_blocks}
+        group_info: dict[tuple, tuple[str, str, str]] = {}
+        for key, ents in group_entries.items():
+            first = colour[ents[0]]
+            second = next((colour[e] for e in ents[1:] if colour[e] != first), None)
+            names = [display[e] for e in ents[:MAX_LABELS_IN_TITLE]]
+            if len(ents) > MAX_LABELS_IN_TITLE:
+                names.append(f"+{len(ents) - MAX_LABELS_IN_TITLE} more")
+            label_word = "owner" if len(ents) == 1 else "owners"
+            group_info[key] = (f" own{first}", f" own{first} also{second}" if second else f" own{first}",
+                               f"&#10;{label_word}: {', '.join(names)}")
+        return cls(entry_blocks, colour, display, group_info)
+
+
+_NO_OWNER = (" own-none", " own-none", "&#10;owner: none running")
+
+
+def _grid(blocks: list[KVBlock], bs: int, holders: _Holders) -> str:
+    """One element per block. This runs a few times a second over every block, so the loop only looks up a
+    (prefix, suffix) pair per block kind and puts the block id between them. Kinds are few: (ref count, cached,
+    filled, owner list) takes a handful of values however many blocks there are."""
+
     def template(rc, cached, filled, ow) -> tuple[str, str]:
         m = f"{filled}/{bs} tokens · {'cached' if cached else 'not cached'}"
         if rc <= 0:
             if cached:
                 return '<i class="cached" title="Block ', f' · free, cached&#10;ref count {rc} · {m}"></i>'
             return '<i title="Block ', f' · empty&#10;ref count {rc} · {m}"></i>'
-        one, two, who = group_info[ow] if ow else no_owner
+        one, two, who = holders.groups[ow] if ow else _NO_OWNER
         if rc > 1:
             return (f'<i class="shared{two}" title="Block ',
                     f' · shared by {rc}&#10;ref count {rc} · {m}{who}">{rc if rc < 100 else "99+"}</i>')
@@ -197,50 +224,49 @@ def render_kv_cache(blocks: list[KVBlock], stats: EngineStats, owners: dict[str,
         if t is None:
             t = templates[key] = template(key[0], key[1], key[2], ow)
         add(f"{t[0]}{b.id}{t[1]}")
-    grid = "".join(parts)
+    return "".join(parts)
 
-    num_blocks, used, cached_free, free = stats.num_blocks, stats.used_blocks, stats.cached_blocks, stats.free_blocks
-    empty = free - cached_free
+
+def _chips(stats: EngineStats, tokens_per_s: float | None) -> str:
+    """The counters above the grid."""
+    used, cached_free, free = stats.used_blocks, stats.cached_blocks, stats.free_blocks
     hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
-    rate = format_hit_rate(hits, queries)
-
     chips = [
         _chip(f"{used:,}", "used", "blocks held by running requests", "used"),
         _chip(f"{cached_free:,}", "cached", "free blocks that still hold a prefix; reused on a hit, evicted last",
               "cached"),
-        _chip(f"{empty:,}", "empty", "free blocks holding nothing", "empty"),
-        _chip(f"{num_blocks:,}", f"blocks × {bs} tokens", f"{free:,} free in all"),
-        _chip(rate, "prefix hits", f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}"),
+        _chip(f"{free - cached_free:,}", "empty", "free blocks holding nothing", "empty"),
+        _chip(f"{stats.num_blocks:,}", f"blocks × {stats.block_size} tokens", f"{free:,} free in all"),
+        _chip(format_hit_rate(hits, queries), "prefix hits",
+              f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}"),
         _chip(f"{stats.num_preemptions:,}", "preemptions"),
         _chip(f"{stats.num_running} / {stats.num_waiting}", "running / waiting"),
     ]
     if tokens_per_s is not None:
         chips.append(_chip(f"{tokens_per_s:.1f}", "tok/s", "generated tokens per second"))
+    return "".join(chips)
 
-    total = max(num_blocks, 1)
-    bar = (f'<div class="bar" title="used {used:,} · cached {cached_free:,} · empty {empty:,}">'
-           f'<span class="used" style="width:{min(100.0, 100 * used / total):.2f}%"></span>'
-           f'<span class="cached" style="width:{min(100.0, 100 * cached_free / total):.2f}%"></span></div>')
 
+def _usage_bar(stats: EngineStats) -> str:
+    """The share of blocks in use and cached, as one bar."""
+    used, cached_free = stats.used_blocks, stats.cached_blocks
+    empty, total = stats.free_blocks - cached_free, max(stats.num_blocks, 1)
+    return (f'<div class="bar" title="used {used:,} · cached {cached_free:,} · empty {empty:,}">'
+            f'<span class="used" style="width:{min(100.0, 100 * used / total):.2f}%"></span>'
+            f'<span class="cached" style="width:{min(100.0, 100 * cached_free / total):.2f}%"></span></div>')
+
+
+def _legend(holders: _Holders) -> str:
+    """The conversations holding the most blocks, listed in a steady order so polls do not reshuffle them."""
     legend = []
-    # The conversations holding the most blocks, listed in a steady order so polls do not reshuffle them.
-    ranked = sorted(entry_blocks.items(), key=lambda kv: (-kv[1], kv[0]))
+    ranked = sorted(holders.blocks.items(), key=lambda kv: (-kv[1], kv[0]))
     for e, count in sorted(ranked[:MAX_LEGEND_ENTRIES], key=lambda kv: (kv[0][0], kv[0][1].casefold(), kv[0][1])):
-        name = display[e]
+        name = holders.display[e]
         legend.append(f'<span class="legend-entry" title="{name} · {count:,} blocks">'
-                      f'<i class="used own{colour[e]}"></i><span class="legend-name">{name}</span></span>')
+                      f'<i class="used own{holders.colour[e]}"></i><span class="legend-name">{name}</span></span>')
     if len(ranked) > MAX_LEGEND_ENTRIES:
         legend.append(f'<span class="legend-entry more">+{len(ranked) - MAX_LEGEND_ENTRIES} more</span>')
-    kinds = ('<span class="legend-entry"><i class="used own-none fill3"></i>in use (fill = tokens written)</span>'
-             '<span class="legend-entry"><i class="shared own-none">2</i>shared (ref count)</span>'
-             '<span class="legend-entry"><i class="cached"></i>free, cached</span>'
-             '<span class="legend-entry"><i></i>empty</span>')
-
-    body = (f'<div class="grid {_grid_size_class(len(blocks))}">{grid}</div>' if blocks
-            else '<p class="none">No KV cache yet: load a model to see its blocks.</p>')
-    head = _ascii(f'<div class="pgd-kv"><div class="header"><div class="stats">{"".join(chips)}</div>{bar}'
-                  f'<div class="legend">{"".join(legend)}</div><div class="legend kinds">{kinds}</div></div>')
-    return f"{head}{body}</div>"
+    return "".join(legend)
 
 
 # ---- remote servers ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
     python -m bench.gguf_load_memory --repo /other/checkout # the same measurement of another checkout's engine
     python -m bench.gguf_load_memory --threads 1           # the load on one thread
 
-The child imports what every load imports (torch, transformers, engine.llm_engine), reads its peak resident
+The child imports what every load imports (torch, transformers, engine.front.llm_engine), reads its peak resident
 memory (getrusage's ru_maxrss, the "Maximum resident set size" of /usr/bin/time -v) as the baseline, loads the
 file, and reads the peak again. Reported: the load's own peak, (peak - baseline), over (file size + the KV cache
 budget), and the load's wall and CPU time. Generated files are random-weight (tests/shaped_gguf.py).
@@ -26,7 +26,7 @@ KV_BYTES = 64 << 20
 
 _CHILD = """
 import json, resource, sys, time
-import torch, transformers, engine.llm_engine  # the baseline: what every load imports
+import torch, transformers, engine.front.llm_engine  # the baseline: what every load imports
 baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 from engine import LLM
 wall, cpu = time.perf_counter(), time.process_time()

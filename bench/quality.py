@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import MAX_LOGPROBS
+from engine.front.sampling_params import MAX_LOGPROBS
 
 Entries = list[dict[int, float]]  # per scored position: {token_id: logprob}, the actual token and the top k
 

@@ -23,7 +23,7 @@ from bench.common import qwen3_06b_config, save_random_model
 from bench.quantized import cpu_flags
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.loader.bundled import bundled_gguf_path
-from engine.structured_output import fill_bitmask
+from engine.sample.structured_output import fill_bitmask
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                            "story": {"type": "string", "minLength": 600}},

@@ -6,20 +6,20 @@ import importlib
 from typing import TYPE_CHECKING
 
 _HOMES = {
-    "EngineFailed": "engine.engine_thread", "EngineThread": "engine.engine_thread",
-    "RequestFailed": "engine.engine_thread", "RequestStream": "engine.engine_thread",
-    "LLM": "engine.llm_engine", "LLMEngine": "engine.llm_engine",
-    "EngineStats": "engine.outputs", "KVBlock": "engine.outputs", "RequestOutput": "engine.outputs",
-    "SamplingParams": "engine.sampling_params", "StructuredOutputsParams": "engine.sampling_params",
+    "EngineFailed": "engine.front.engine_thread", "EngineThread": "engine.front.engine_thread",
+    "RequestFailed": "engine.front.engine_thread", "RequestStream": "engine.front.engine_thread",
+    "LLM": "engine.front.llm_engine", "LLMEngine": "engine.front.llm_engine",
+    "EngineStats": "engine.front.outputs", "KVBlock": "engine.front.outputs", "RequestOutput": "engine.front.outputs",
+    "SamplingParams": "engine.front.sampling_params", "StructuredOutputsParams": "engine.front.sampling_params",
 }
 __all__ = ["LLM", "LLMEngine", "EngineFailed", "EngineThread", "EngineStats", "KVBlock", "RequestFailed",
            "RequestOutput", "RequestStream", "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
-    from engine.engine_thread import EngineFailed, EngineThread, RequestFailed, RequestStream
-    from engine.llm_engine import LLM, LLMEngine
-    from engine.outputs import EngineStats, KVBlock, RequestOutput
-    from engine.sampling_params import SamplingParams, StructuredOutputsParams
+    from engine.front.engine_thread import EngineFailed, EngineThread, RequestFailed, RequestStream
+    from engine.front.llm_engine import LLM, LLMEngine
+    from engine.front.outputs import EngineStats, KVBlock, RequestOutput
+    from engine.front.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

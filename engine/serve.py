@@ -1,5 +1,4 @@
-"""`python -m engine.serve`, as documented: the headless OpenAI-compatible server, which lives in
-entrypoints/cli.py (the engine itself has no web framework)."""
+"""`python -m engine.serve`, kept working beside the `pagoda-serve` command: both run entrypoints/cli.py."""
 import sys
 
 from entrypoints.cli import main

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
-# Engines built here run their CPU decode steps eagerly: compiling them (engine/compiled_decode.py) costs
+# Engines built here run their CPU decode steps eagerly: compiling them (engine/runner/compiled_decode.py) costs
 # each of the suite's many small engines seconds to save milliseconds. tests/test_compiled_decode.py
 # tests the compiled steps, and PAGODA_CPU_COMPILE=1 runs the whole suite compiled. App and server
 # processes the tests start inherit it.
 os.environ.setdefault("PAGODA_CPU_COMPILE", "0")
 # Without a GPU, Triton's kernels run under its interpreter. The switch is read when triton is first
-# imported, and importing torch._dynamo (the engine does, for engine/tracing.py) imports it: set by the
+# imported, and importing torch._dynamo (the engine does, for engine/runner/tracing.py) imports it: set by the
 # kernel tests' own modules, it came after test_compiled_decode.py's collection and every kernel failed.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -167,9 +167,9 @@ def test_async_scheduling_is_off_on_the_cpu_by_default_and_refused_with_tensor_p
 def test_scheduler_plans_around_pending_tokens():
     """The scheduler on its own: a pending token is the next step's input, a request whose pending
     token is its last gets no step, and a preempted request waits for its pending token."""
-    from engine.block_manager import BlockManager
-    from engine.scheduler import Scheduler
-    from engine.sequence import Sequence
+    from engine.core.block_manager import BlockManager
+    from engine.core.scheduler import Scheduler
+    from engine.core.sequence import Sequence
 
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)

@@ -6,8 +6,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from engine import EngineThread
+from entrypoints.openai.api_router import create_router
 from entrypoints.openai.protocol import ChatCompletionBody
-from entrypoints.openai.server import BACKGROUND_PRIORITY, ServedModel, create_router
+from entrypoints.openai.serving import BACKGROUND_PRIORITY, ServedModel
 
 TITLE_TASK = "### Task:\nGenerate a concise title summarizing the chat history.\n### Guidelines:\n- 3-5 words"
 

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import engine.block_manager as block_manager_module
-from engine.block_manager import BlockManager, chain_hash
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+import engine.core.block_manager as block_manager_module
+from engine.core.block_manager import BlockManager, chain_hash
+from engine.core.sequence import Sequence
+from engine.front.sampling_params import SamplingParams
 
 BS = 4
 NUM_BLOCKS = 8

@@ -32,3 +32,21 @@ def test_a_bad_value_is_refused_before_anything_loads(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv)
     assert exit_.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_pagoda_serve_is_installed_as_a_command_running_the_server_cli():
+    """`pip install` puts a `pagoda-serve` command beside the venv's python; it is the same CLI as
+    `python -m engine.serve`."""
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    command = Path(sysconfig.get_path("scripts")) / "pagoda-serve"
+    assert command.exists(), f"{command} missing: reinstall the project (pip install -e .)"
+    installed = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=120)
+    module = subprocess.run([sys.executable, "-m", "engine.serve", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert installed.returncode == 0 and module.returncode == 0, installed.stderr + module.stderr
+    assert "--max-num-seqs" in installed.stdout
+    assert installed.stdout.split("\n", 1)[1] == module.stdout.split("\n", 1)[1]  # past the "usage: <prog>" line

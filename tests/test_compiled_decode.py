@@ -1,4 +1,4 @@
-"""Compiled CPU decode steps (engine/compiled_decode.py): the same tokens as transformers and as the
+"""Compiled CPU decode steps (engine/runner/compiled_decode.py): the same tokens as transformers and as the
 eager steps, through block boundaries, batches of mixed lengths, preemption and the prefix cache;
 the rule for what a trace may assume; and the eager steps taking over whenever a graph cannot be
 trusted or is not faster."""
@@ -11,8 +11,8 @@ import sympy
 import torch
 
 from engine import SamplingParams
-from engine import compiled_decode as cd
-from engine.tracing import tracing_decode_step
+from engine.runner import compiled_decode as cd
+from engine.runner.tracing import tracing_decode_step
 from tests.test_parity import hf_greedy
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -237,7 +237,7 @@ def test_eager_steps_wait_out_a_window_in_which_fx_patches_every_module(compilin
     Here the compiler is held inside a window until a step is waiting for it to close; the step then runs."""
     from torch._inductor import compile_fx as inductor
 
-    from engine.tracing import MODULE_CALLS
+    from engine.runner.tracing import MODULE_CALLS
     from tests.processes import wait_until
 
     in_window, step_held_back = threading.Event(), []

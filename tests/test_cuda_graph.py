@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graph import DecodeGraphs, graph_batch_sizes, pick_graph_size
+from engine.runner.cuda_graph import DecodeGraphs, graph_batch_sizes, pick_graph_size
 
 
 def test_ladder_sizes_cover_max_num_seqs():

@@ -4,8 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
-from engine.detokenizer import Detokenizer
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
+from engine.front.detokenizer import Detokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -111,7 +111,7 @@ def test_engine_streams_the_same_text_as_decoding_its_tokens(tiny_models, make_l
 def test_an_invalid_byte_run_is_held_back_only_up_to_the_cap(tokenizer):
     """A model that samples stray bytes (0xE0 never completes a character here) must not stall its
     stream: past MAX_HELD_TOKENS the text goes out, broken characters and all, as the full decode has it."""
-    from engine.detokenizer import MAX_HELD_TOKENS
+    from engine.front.detokenizer import MAX_HELD_TOKENS
 
     ids = [159] * 24  # byte E0 again and again: invalid UTF-8 for as long as it lasts
     detok = Detokenizer(tokenizer)

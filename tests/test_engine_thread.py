@@ -199,16 +199,16 @@ def test_a_step_that_raises_ends_every_open_stream_and_refuses_new_requests(fron
 def test_load_builds_the_engine_in_a_thread_that_ends_and_raises_its_errors(tiny_llama, tmp_path, monkeypatch):
     """EngineThread.load keeps the model's parallel work off the caller's thread, which lives on (a
     server's main thread; see the module's note on OpenMP), and still raises a load's error there."""
-    import engine.llm_engine
+    import engine.front.llm_engine
 
     builders = []
 
-    class Recording(engine.llm_engine.LLM):
+    class Recording(engine.front.llm_engine.LLM):
         def __init__(self, *args, **kwargs):
             builders.append(threading.current_thread())
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(engine.llm_engine, "LLM", Recording)
+    monkeypatch.setattr(engine.front.llm_engine, "LLM", Recording)
     thread = EngineThread.load(str(tiny_llama), dtype="float32", num_kvcache_blocks=64)
     try:
         assert len(builders) == 1 and builders[0] is not threading.current_thread() and not builders[0].is_alive()
@@ -308,7 +308,7 @@ def test_a_step_that_raises_fails_only_its_requests_and_the_engine_serves_on(fro
 
 
 def test_offline_generate_raises_a_failed_step_and_the_engine_generates_again(tiny_llama, make_llm):
-    from engine.llm_engine import StepFailed
+    from engine.front.llm_engine import StepFailed
 
     llm = make_llm(tiny_llama)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

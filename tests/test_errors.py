@@ -91,7 +91,7 @@ def test_bad_engine_settings(settings, error, fragment, tiny_llama):
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(tiny_llama):
-    from engine.memory import available_host_memory
+    from engine.runner.memory import available_host_memory
 
     too_much = 2 * available_host_memory()
     with pytest.raises(MemoryError,
@@ -100,9 +100,9 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(tiny_llama):
 
 
 def test_weights_larger_than_memory_are_refused_before_loading(tiny_llama, monkeypatch):
-    import engine.memory
+    import engine.runner.memory
 
-    monkeypatch.setattr(engine.memory, "available_host_memory", lambda: 1000)  # a machine with 1 kB free
+    monkeypatch.setattr(engine.runner.memory, "available_host_memory", lambda: 1000)  # a machine with 1 kB free
     with pytest.raises(MemoryError, match="the model.s weights would take .* use a smaller model or a lower precision"):
         LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=8)
 

@@ -161,7 +161,8 @@ def test_choose_never_takes_a_kernel_that_disagrees(monkeypatch):
 def test_a_decoder_with_every_norm_fused_gives_the_same_tokens_and_close_logits(tiny_llama, monkeypatch):
     """The engine in half precision, with the kernel forced on for every q/k/v and gate/up: the
     decoder hands each norm to the right projection and carries the residual through."""
-    from engine import LLM, SamplingParams, model_runner
+    from engine import LLM, SamplingParams
+    from engine.runner import model_runner
 
     monkeypatch.setattr(model_runner, "can_pack_for_cpu", lambda dtype: False)  # keep the plain weights
     llm = LLM(str(tiny_llama), dtype="float16", num_kvcache_blocks=32, max_num_seqs=2, enable_prefix_caching=False)

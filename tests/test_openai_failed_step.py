@@ -7,7 +7,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from engine import EngineThread
-from entrypoints.openai.server import ServedModel, add_api_error_handlers, create_router
+from entrypoints.openai.api_router import create_router
+from entrypoints.openai.server import add_api_error_handlers
+from entrypoints.openai.serving import ServedModel
 
 ASK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
 

@@ -395,7 +395,7 @@ def test_each_request_gets_a_log_line_with_its_tokens(client, server):
 def test_the_default_max_tokens_fits_the_context_and_0_means_all_of_it(capsys):
     from entrypoints.cli import parse_args
     from entrypoints.openai.protocol import ChatCompletionBody
-    from entrypoints.openai.server import sampling_params
+    from entrypoints.openai.serving import sampling_params
 
     body = ChatCompletionBody(messages=[{"role": "user", "content": "hi"}])
     assert sampling_params(body, 90, None, 100, 2048).max_tokens == 10  # the room left, when less

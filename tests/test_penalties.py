@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.layers.sampler import Sampler, SamplingBatch
+from engine.sample.sampler import Sampler, SamplingBatch
 
 
 def direct(logits: torch.Tensor, output: list[int], presence: float, frequency: float,

@@ -1,7 +1,7 @@
 """The reasoning split: a thinking model's <think> text apart from its answer, whole and streamed in pieces."""
 import pytest
 
-from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
+from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 
 
 def split(text: str, piece: int, in_reasoning: bool = False) -> tuple[str, str]:

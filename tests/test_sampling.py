@@ -2,11 +2,12 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from engine import SamplingParams
-from engine.layers.sampler import Sampler, SamplingBatch, apply_repetition_penalty
+from engine.sample.sampler import Sampler, SamplingBatch, apply_repetition_penalty
 
 V = 24
 DRAWS = 20000
@@ -118,7 +119,7 @@ def compiled_case_batch(rows, vocab, top_k=None, top_p=None, min_p=None, penalty
 def test_compiled_sampler_picks_the_tokens_the_eager_one_does(case):
     """The GPU compiles the sampler for large batches; given the same noise, it must pick the same
     tokens (here through inductor's CPU backend: the same graph, compiled for another device)."""
-    from engine.layers.sampler import CompiledPick
+    from engine.sample.sampler import CompiledPick
 
     rows, vocab = 16, 1000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 2
@@ -134,7 +135,7 @@ def test_compiled_sampler_picks_the_tokens_the_eager_one_does(case):
 
 
 def test_sampler_compiles_only_large_batches_and_falls_back_when_compiling_fails(caplog):
-    from engine.layers.sampler import CompiledPick
+    from engine.sample.sampler import CompiledPick
 
     calls = []
 
@@ -165,7 +166,7 @@ def test_sampler_compiles_only_large_batches_and_falls_back_when_compiling_fails
 
 def test_sampler_keeps_top_k_and_top_p_batches_eager():
     """Their sort dominates, and inductor (torch 2.11, CUDA) fails on their cumsum with dynamic shapes."""
-    from engine.layers.sampler import CompiledPick
+    from engine.sample.sampler import CompiledPick
 
     pick = CompiledPick(min_rows=2)
     pick.compiled = lambda *args: pytest.fail("a top-k/top-p batch went to the compiler")
@@ -363,3 +364,81 @@ def test_sampling_params_defaults_and_normalisation():
     assert SamplingParams(stop=["a", "b"]).stop_list == ["a", "b"]
     assert SamplingParams(stop_token_ids=None).stop_token_ids == []
     assert SamplingParams(top_k=0).top_k == 0  # 0 means off, as in vLLM
+
+
+# ---- Sampler.prepare: each row's parameters as device columns, only those some row uses ------------------
+PREP_VOCAB = 100
+
+
+def cpu_upload(arrays, dtype):
+    return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in arrays]
+
+
+def sampling_seq(prompt: list[int], params: SamplingParams, output: tuple[int, ...] = (), num_pending: int = 0):
+    """A sequence about to sample, with `output` read by the host and `num_pending` more tokens only on the device."""
+    from engine.core.sequence import Sequence
+
+    seq = Sequence(prompt, params)
+    seq.token_ids.extend(output)
+    seq.num_pending_tokens = num_pending
+    return seq
+
+
+def prepare(seqs, last_sampled=None, rows=None):
+    return Sampler(PREP_VOCAB).prepare(seqs, cpu_upload, last_sampled, rows)
+
+
+def test_prepare_gives_greedy_rows_no_columns():
+    batch = prepare([sampling_seq([1, 2], SamplingParams(temperature=0)),
+                     sampling_seq([3], SamplingParams(temperature=0, top_k=5, top_p=0.5))])
+    assert batch.all_greedy and not batch.changes_logits
+    assert all(getattr(batch, f) is None for f in ("temperatures", "top_k", "top_p", "min_p", "seen_tokens",
+                                                   "logit_bias", "output_counts", "grammar_rows"))
+
+
+def test_prepare_gives_only_the_columns_some_row_uses_with_top_k_clamped_to_the_vocabulary():
+    batch = prepare([
+        sampling_seq([1], SamplingParams(temperature=0.7, top_k=5)),
+        sampling_seq([2], SamplingParams(temperature=1.0, top_p=0.9)),  # top_k -1: the whole vocabulary
+        sampling_seq([3], SamplingParams(temperature=0.0, top_k=1000)),  # a greedy row among sampled ones
+        sampling_seq([4], SamplingParams(temperature=0.5, top_k=0)),  # 0 also means off
+    ])
+    assert not batch.all_greedy
+    assert batch.temperatures.dtype == torch.float32
+    assert batch.temperatures.tolist() == pytest.approx([0.7, 1.0, 0.0, 0.5])
+    assert batch.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
+    assert batch.top_k.dtype == torch.int64 and batch.top_k.tolist() == [5, PREP_VOCAB, PREP_VOCAB, PREP_VOCAB]
+    assert batch.min_p is None and batch.repetition_penalties is None
+
+    # top_k at or above the vocabulary limits nothing: no column.
+    batch = prepare([sampling_seq([1], SamplingParams(top_k=PREP_VOCAB)),
+                     sampling_seq([2], SamplingParams(top_k=PREP_VOCAB + 1, min_p=0.1))])
+    assert batch.top_k is None and batch.top_p is None
+    assert batch.min_p.tolist() == pytest.approx([0.0, 0.1])
+
+
+def test_prepare_marks_the_tokens_each_penalised_row_has_seen_and_counts_its_output():
+    first = sampling_seq([3, 4, 3], SamplingParams(temperature=0, repetition_penalty=1.2))
+    plain = sampling_seq([5, 6], SamplingParams(temperature=0))  # not penalised: nothing marked
+    # Its output is 8, then another 8 still pending: row 4 of the last step's sampled tokens, added on the device.
+    waiting = sampling_seq([7], SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5),
+                           output=(8,), num_pending=1)
+    last_sampled = torch.tensor([0, 0, 0, 0, 8])
+    batch = prepare([first, plain, waiting], last_sampled, {waiting.seq_id: 4})
+
+    assert batch.all_greedy and batch.changes_logits
+    assert batch.repetition_penalties.tolist() == pytest.approx([1.2, 1.0, 1.5])
+    seen = {row: batch.seen_tokens[row].nonzero().flatten().tolist() for row in range(3)}
+    assert seen == {0: [3, 4], 1: [], 2: [7, 8]}
+    assert batch.frequency_penalties.tolist() == pytest.approx([0.0, 0.0, 0.5])
+    assert batch.output_counts[2, 8].item() == 2  # the prompt's 7 is not output
+    assert batch.output_counts.sum().item() == 2
+
+
+def test_prepare_puts_each_logit_bias_in_its_row():
+    batch = prepare([sampling_seq([1], SamplingParams(temperature=0)),
+                     sampling_seq([2], SamplingParams(temperature=0, logit_bias={5: -100.0, 9: 2.5}))])
+    assert batch.logit_bias.shape == (2, PREP_VOCAB)
+    assert batch.logit_bias[0].abs().sum().item() == 0
+    assert {t: batch.logit_bias[1, t].item() for t in batch.logit_bias[1].nonzero().flatten().tolist()} == {
+        5: -100.0, 9: 2.5}

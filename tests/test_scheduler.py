@@ -6,9 +6,9 @@ the scheduler started from.
 import pytest
 
 from engine import SamplingParams
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 
 MAX_STEPS = 2000
 

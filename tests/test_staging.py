@@ -5,7 +5,7 @@ the shapes and the alignment. tests/gpu checks the pinned, asynchronous branch."
 import numpy as np
 import torch
 
-from engine.staging import StagingBuffer
+from engine.runner.staging import StagingBuffer
 
 
 def test_views_hold_each_array_with_its_shape():

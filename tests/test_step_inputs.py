@@ -1,19 +1,18 @@
 """A step's host inputs and the KV cache's size, built from hand-made batches without a model.
 
 Every expected array is written out by hand from the block tables and token counts, so a change
-to how positions, slots, rows or sampling columns are derived shows up as a wrong number.
+to how positions, slots or rows are derived shows up as a wrong number.
 """
-import numpy as np
 import pytest
 import torch
 
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.distributed import SINGLE, TPGroup
-from engine.kv_cache import CPU_KV_CACHE_BYTES, KVCacheLayout, blocks_for_budget, choose_num_blocks
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
-from engine.step_inputs import SampledRows, StepInputs, prepare_step, sampling_columns
+from engine.core.scheduler import ScheduledSeq
+from engine.core.sequence import Sequence
+from engine.runner.distributed import SINGLE, TPGroup
+from engine.runner.kv_cache import CPU_KV_CACHE_BYTES, KVCacheLayout, blocks_for_budget, choose_num_blocks
+from engine.runner.step_inputs import SampledRows, StepInputs, prepare_step
 
 BS = 4  # block size: small, so a few tokens span several blocks
 GREEDY = SamplingParams(temperature=0)
@@ -117,61 +116,6 @@ def test_a_pending_token_the_last_step_did_not_sample_is_an_error():
 VOCAB = 100
 
 
-def sampled(token_ids: list[int], params: SamplingParams, num_pending: int = 0) -> ScheduledSeq:
-    """A sequence whose step samples: all its tokens are computed once this step's one input is."""
-    seq = make_seq(token_ids, [0], num_computed=len(token_ids) + num_pending - 1, num_pending=num_pending,
-                   params=params)
-    return ScheduledSeq(seq, 1)
-
-
-def test_greedy_rows_need_no_columns():
-    batch = [sampled([1, 2], GREEDY), sampled([3], SamplingParams(temperature=0, top_k=5, top_p=0.5))]
-    columns = sampling_columns(batch, VOCAB, {})
-    assert columns.all_greedy
-    assert columns.floats == {} and columns.ints == {}
-
-
-def test_only_the_columns_some_row_uses_with_top_k_clamped_to_the_vocabulary():
-    batch = [
-        sampled([1], SamplingParams(temperature=0.7, top_k=5)),
-        sampled([2], SamplingParams(temperature=1.0, top_p=0.9)),  # top_k -1: the whole vocabulary
-        sampled([3], SamplingParams(temperature=0.0, top_k=1000)),  # a greedy row among sampled ones
-        sampled([4], SamplingParams(temperature=0.5, top_k=0)),  # 0 also means off
-    ]
-    columns = sampling_columns(batch, VOCAB, {})
-    assert not columns.all_greedy
-    assert sorted(columns.floats) == ["temperatures", "top_p"]  # no min_p, no repetition penalty
-    np.testing.assert_array_equal(columns.floats["temperatures"], np.array([0.7, 1.0, 0.0, 0.5], np.float32))
-    np.testing.assert_array_equal(columns.floats["top_p"], np.array([1.0, 0.9, 1.0, 1.0], np.float32))
-    assert columns.floats["temperatures"].dtype == np.float32
-    assert sorted(columns.ints) == ["top_k"]
-    assert columns.ints["top_k"].tolist() == [5, VOCAB, VOCAB, VOCAB]
-    assert columns.ints["top_k"].dtype == np.int64
-
-    # top_k at or above the vocabulary limits nothing: no column.
-    batch = [sampled([1], SamplingParams(top_k=VOCAB)), sampled([2], SamplingParams(top_k=VOCAB + 1, min_p=0.1))]
-    columns = sampling_columns(batch, VOCAB, {})
-    assert sorted(columns.floats) == ["min_p", "temperatures"] and columns.ints == {}
-
-
-def test_repetition_penalty_lists_the_tokens_each_penalised_row_has_seen():
-    first = sampled([3, 4, 3], SamplingParams(temperature=0, repetition_penalty=1.2))
-    plain = sampled([5, 6], GREEDY)  # not penalised: its tokens are not listed
-    # Its newest token is pending, row 4 of the last step's sampled tokens: the device adds it.
-    waiting = sampled([7, 8], SamplingParams(temperature=0, repetition_penalty=1.5), num_pending=1)
-    columns = sampling_columns([first, plain, waiting], VOCAB, {waiting.seq.seq_id: 4})
-
-    assert columns.all_greedy
-    assert list(columns.floats) == ["repetition_penalties"]
-    np.testing.assert_array_equal(columns.floats["repetition_penalties"], np.array([1.2, 1.0, 1.5], np.float32))
-    assert {k: v.tolist() for k, v in columns.ints.items()} == {
-        "seen_rows": [0, 0, 0, 2, 2],
-        "seen_ids": [3, 4, 3, 7, 8],
-        "pending_rows": [2],
-        "pending_sources": [4],
-    }
-
-
 # ---- KV cache sizing ----------------------------------------------------------------------------
 LAYOUT = KVCacheLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # keys and values, layers, tokens, heads, head_dim, bytes
@@ -206,7 +150,8 @@ def test_blocks_from_a_byte_budget():
 
 def test_number_of_blocks_from_the_settings(monkeypatch):
     checked = []  # the host-memory checks, recorded instead of reading this machine's free memory
-    monkeypatch.setattr("engine.kv_cache.check_host_memory", lambda needed, what, _: checked.append((needed, what)))
+    monkeypatch.setattr("engine.runner.kv_cache.check_host_memory",
+                        lambda needed, what, _: checked.append((needed, what)))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # naming a device allocates nothing
     config = EngineConfig(model="m", num_kvcache_blocks=12)
     assert choose_num_blocks(config, LAYOUT, cpu, SINGLE, never_measured) == 12
@@ -229,7 +174,7 @@ def test_number_of_blocks_from_the_settings(monkeypatch):
 def test_gpu_memory_is_what_the_process_may_use(monkeypatch):
     """KV sizing reads the GPU through process_memory_info: within a set_per_process_memory_fraction cap (an
     8 GiB laptop modelled on a big GPU) the cap is the total, and free is what is left under it."""
-    from engine.kv_cache import process_memory_info
+    from engine.runner.kv_cache import process_memory_info
 
     gib, cuda = 2**30, torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (120 * gib, 128 * gib))

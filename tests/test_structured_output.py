@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.layers.sampler import apply_grammar_mask, unpack_bitmask
 from engine.loader.bundled import bundled_gguf_path
+from engine.sample.sampler import apply_grammar_mask, unpack_bitmask
 
 # Objects, enums, integer ranges, arrays and additionalProperties: false: far beyond what a 135M model
 # follows unaided, so every valid reply is the constraint's doing.
@@ -198,7 +198,7 @@ def test_a_long_chain_of_rules_compiles_and_constrains_without_crashing_the_proc
 
 
 def test_a_grammar_with_too_many_rules_is_refused_saying_the_limit(smollm2):
-    from engine.structured_output import MAX_GRAMMAR_RULES
+    from engine.sample.structured_output import MAX_GRAMMAR_RULES
 
     params = SamplingParams(structured_outputs=constrained(grammar=chained_rules(MAX_GRAMMAR_RULES)))
     with pytest.raises(ValueError, match=r"the grammar has 10,002 rules, more than the 10,000 Pagoda compiles"):
@@ -207,7 +207,7 @@ def test_a_grammar_with_too_many_rules_is_refused_saying_the_limit(smollm2):
 
 
 def test_llguidance_panics_are_said_plainly():
-    from engine.structured_output import compile_error_message
+    from engine.sample.structured_output import compile_error_message
 
     panic = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>\n"
              "   1: <unknown>")

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.distributed import TPGroup, check_tensor_parallel
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.runner.distributed import TPGroup, check_tensor_parallel
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -289,7 +289,7 @@ def step_in_thread(llm) -> BaseException | None:
     (ExitOnLoad(), r"tensor-parallel worker rank 1 exited unexpectedly \(exit code 3\).*create a new LLM"),
 ], ids=["raises", "dies"])
 def test_a_worker_failing_mid_step_is_a_clear_error_and_no_hang(tiny_llama, random_prompt, poison, says):
-    from engine.tp_workers import WorkerError
+    from engine.runner.tp_workers import WorkerError
 
     llm = LLM(str(tiny_llama), tensor_parallel_size=2, **SETTINGS)
     pids = llm.workers.pids

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from app.backend import DEFAULT_SETTINGS
+from app.chat_settings import ChatSettings
 from app.page import user_error
 from app.page.sidebar import SAME_AS_RENAME
 
@@ -45,6 +45,14 @@ DOWNLOAD_JS = """
 """  # the browser saves the file an Export button made
 
 
+# The LaTeX the chatbot renders: display math between $$ (Gradio's default), and \(…\) and \[…\] as models write
+# them. Not single $: the browser's KaTeX would read "$5 and $10" as math; app/markdown_text.py turns the `$…$`
+# that are math into \(…\) instead.
+MATH_DELIMITERS = [{"left": "$$", "right": "$$", "display": True},
+                   {"left": "\\(", "right": "\\)", "display": False},
+                   {"left": "\\[", "right": "\\]", "display": True}]
+
+
 @dataclass
 class ChatTab:
     chatbot: gr.Chatbot
@@ -72,7 +80,8 @@ class ChatTab:
 
 
 def render_chat_tab(presets: dict[str, str]) -> ChatTab:
-    chatbot = gr.Chatbot(height=480, label="Chat", elem_id="chatbot")
+    default = ChatSettings()  # what a new chat starts with
+    chatbot = gr.Chatbot(height=480, label="Chat", elem_id="chatbot", latex_delimiters=MATH_DELIMITERS)
     overflow = gr.Markdown(visible=False)
     with gr.Row(visible=False) as overflow_row:
         drop_btn = gr.Button("Drop the oldest turn", size="sm")
@@ -89,12 +98,12 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     meter = gr.Markdown(elem_id="context-meter")
     with gr.Row():
         # Shown once a model that reasons serves (PagodaUI.think_switch)
-        think = gr.Checkbox(DEFAULT_SETTINGS["think"], label="Think", elem_id="think", visible=False,
+        think = gr.Checkbox(default.think, label="Think", elem_id="think", visible=False,
                             info="Models that reason (Qwen3, DeepSeek-R1 distills) think before they answer")
-        json_output = gr.Checkbox(DEFAULT_SETTINGS["json_output"], label="JSON output", elem_id="json-output",
+        json_output = gr.Checkbox(default.json_output, label="JSON output", elem_id="json-output",
                                   info="Replies are JSON objects; give a schema to hold them to it")
-    json_schema = gr.Code(DEFAULT_SETTINGS["json_schema"], language="json", label="JSON schema (optional)",
-                          visible=DEFAULT_SETTINGS["json_output"], elem_id="json-schema", lines=4)
+    json_schema = gr.Code(default.json_schema, language="json", label="JSON schema (optional)",
+                          visible=default.json_output, elem_id="json-schema", lines=4)
     with gr.Accordion("System prompt and sampling", open=False):
         preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
         system = gr.Textbox(label="System prompt", lines=3, elem_id="system-prompt")
@@ -102,7 +111,7 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         with gr.Row():
             preset_name = gr.Textbox(label="Save as preset", placeholder="Preset name", scale=3)
             save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
-        sliders = [gr.Slider(lo, hi, value=DEFAULT_SETTINGS[k], step=step, label=label)
+        sliders = [gr.Slider(lo, hi, value=getattr(default, k), step=step, label=label)
                    for k, label, lo, hi, step in SLIDERS]
     return ChatTab(chatbot, overflow, overflow_row, drop_btn, fresh_btn, msg, stop_btn, regen_btn, edit_btn,
                    md_btn, json_btn, export_file, meter, think, json_output, json_schema, preset, system, system_of,

@@ -2,24 +2,18 @@
 a connection to a remote OpenAI-compatible server instead of a local model.
 
 The load form offers the engine's weight-only quantization (none, int8, int4). It starts at the
-recommendation for the chosen model on this machine (app.catalog.quantization_advice) and is
+recommendation for the chosen model on this machine (app.memory_estimate.quantization_advice) and is
 switched off for GGUF models, whose weights are quantized already."""
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
 import torch
 
-from app.catalog import (
-    QUANTIZATIONS,
-    CatalogEntry,
-    available_memory,
-    entry_for_repo,
-    fit_report,
-    format_gib,
-    load_catalog,
-    quantization_advice,
-)
+from app.catalog import CatalogEntry, entry_for_repo, load_catalog
+from app.device_memory import available_memory
 from app.download_jobs import DownloadJob, DownloadManager
+from app.memory_estimate import QUANTIZATIONS, QuantAdvice, fit_report, format_gib, quantization_advice
 from app.model_host import resolve_model
 from app.page import user_error
 from app.remote import RemoteError
@@ -53,6 +47,17 @@ def _estimate_dtype(dtype_name: str, device_name: str, quantized: bool = False) 
     return str(pick_dtype("auto", device, quantized)).removeprefix("torch.")
 
 
+def _advice(entry: CatalogEntry, ctx: int, dtype_name: str, memory: tuple[str, int]) -> QuantAdvice:
+    """The quantization advice, each option sized at the dtype its own load gets. The one place the form
+    asks for it: the preselected quantization and context and the sentences under them must agree (a CPU
+    gives quantized weights float32 KV, twice bf16's, and an advice sized at bf16 preselected a context
+    the estimate then said did not fit)."""
+    device_name, free = memory
+    return quantization_advice(entry, ctx, _estimate_dtype(dtype_name, device_name), free_bytes=free,
+                               device_name=device_name,
+                               quantized_dtype=_estimate_dtype(dtype_name, device_name, quantized=True))
+
+
 def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str | None,
                   memory: tuple[str, int] | None = None) -> str:
     """The estimate under the load form: download size, whether the model fits at this precision,
@@ -72,8 +77,7 @@ def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str |
         size = f"Download: {format_gib(entry.download_bytes)} GiB. "
     quant = None if entry.is_gguf else quantization
     report = fit_report(entry, ctx, dtype, free_bytes=free, device_name=device_name, quantization=quant)
-    advice = quantization_advice(entry, ctx, _estimate_dtype(dtype_name, device_name), free_bytes=free,
-                                 device_name=device_name)
+    advice = _advice(entry, ctx, dtype_name, (device_name, free))
     return f"{size}{report.message}\n\n{advice.message}"
 
 
@@ -88,9 +92,7 @@ def quantization_field(repo_id: str | None, dtype_name: str = "auto", ctx=4096,
                     info=f"Off: this GGUF model is already quantized{kind} and is served as it is")
     if entry is None:
         return dict(value="none", interactive=True, info=QUANT_INFO)
-    device_name, free = memory if memory is not None else available_memory("auto")
-    advice = quantization_advice(entry, int(ctx or 4096), _estimate_dtype(dtype_name, device_name),
-                                 free_bytes=free, device_name=device_name)
+    advice = _advice(entry, int(ctx or 4096), dtype_name, memory if memory is not None else available_memory("auto"))
     value = advice.recommended or "int4"  # nothing fits: the smallest is the best chance
     return dict(value=value, interactive=True, info=f"{QUANT_INFO}. Recommended here: {value}")
 
@@ -103,9 +105,7 @@ def default_context(repo_id: str | None, dtype_name: str, quantization: str | No
     entry = entry_for_repo(repo_id or "")
     if entry is None:
         return None
-    device_name, free = memory
-    advice = quantization_advice(entry, entry.max_position_embeddings, _estimate_dtype(dtype_name, device_name),
-                                 free_bytes=free, device_name=device_name)
+    advice = _advice(entry, entry.max_position_embeddings, dtype_name, memory)
     quant = "none" if entry.is_gguf else (quantization or "none")
     option = next((o for o in advice.options if o.quantization == quant), None)
     if option is None or option.max_context_len is None:  # it does not fit: the estimate says so at a usual length
@@ -149,25 +149,89 @@ def _describe_job(job: DownloadJob) -> str:
     return line + (f"  \n{job.error}" if job.error else "")
 
 
+def job_actions(job: DownloadJob) -> tuple[str, ...]:
+    """The buttons on a download's row: Cancel while it runs; Retry and Dismiss once it failed or was cancelled
+    (a failed row had neither, and stayed until a restart); Dismiss once it is done."""
+    if job.active:
+        return ("Cancel",)
+    return ("Dismiss",) if job.status == "done" else ("Retry", "Dismiss")
+
+
 def listing(manager: DownloadManager) -> dict:
-    """What the Downloads and Downloaded lists show, one row each: a download (its line, and whether Cancel
-    applies) and a downloaded model (its line). The rows are drawn again only when this changes."""
-    return {"jobs": [(job.id, _describe_job(job), job.active) for job in manager.jobs()],
+    """What the Downloads and Downloaded lists show, one row each: a download (its line, and its buttons, see
+    `job_actions`) and a downloaded model (its line). The rows are drawn again only when this changes."""
+    return {"jobs": [(job.id, _describe_job(job), job_actions(job)) for job in manager.jobs()],
             "models": [(m.repo_id, f"**{m.repo_id}** · {format_gib(m.size_bytes)} GiB · `{m.load_path}`")
                        for m in manager.local_models()]}
+
+
+def job_action(manager: DownloadManager, job_id: str, action: str) -> dict:
+    """A download row's button pressed (one of `job_actions`); the listing after it."""
+    try:
+        if action == "Cancel":
+            manager.cancel(job_id)
+        elif action == "Retry":
+            manager.retry(job_id)
+        elif action == "Dismiss":
+            manager.forget(job_id)
+    except KeyError:  # dismissed meanwhile in another tab: the listing shows what is left
+        pass
+    except ValueError as e:  # a retry refused at once
+        raise user_error(str(e)) from e
+    return listing(manager)
 
 
 def _free_disk(manager: DownloadManager) -> str:
     return f"Free disk for downloads: {format_gib(manager.free_disk_bytes())} GiB"
 
 
+@dataclass
+class LoadForm:
+    """The model to load and how: the status line, the fields, the estimate under them, and the buttons."""
+
+    status: gr.Markdown
+    repo: gr.Dropdown
+    dtype: gr.Dropdown
+    quant: gr.Dropdown
+    context: gr.Number
+    kv_gib: gr.Number
+    fit: gr.Markdown
+    download_btn: gr.Button
+    load_btn: gr.Button
+    unload_btn: gr.Button
+
+
+@dataclass
+class RemoteForm:
+    """Connect to a server: its URL and key, the model it serves, and the buttons."""
+
+    base_url: gr.Textbox
+    api_key: gr.Textbox
+    served: gr.Dropdown
+    connect_btn: gr.Button
+    disconnect_btn: gr.Button
+
+
 def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
-    """Render inside an open gr.Blocks/gr.Tab. `ui` is the PagodaUI (its host loads models)."""
+    """Render inside an open gr.Blocks/gr.Tab. `ui` is the PagodaUI (its host loads models). The page, top to
+    bottom: the load form, the downloads and downloaded models, free disk, and the server to connect to."""
     manager = manager or DownloadManager()
+    form = render_load_form(ui)
+    rows, disk = render_download_rows(manager)
+    remote = render_remote_form()
+    wire_load_form(form, manager, rows)
+    publish_download_api(manager)
+    wire_loading(ui, form, manager)
+    wire_remote(ui, remote, form.status)
+    poll_downloads(ui, manager, form.status, rows)
+
+
+def render_load_form(ui) -> LoadForm:
+    """The fields open on the catalog's first model, with its recommended quantization and the context that
+    fits this machine."""
     catalog = load_catalog()
     choices = [(f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}"
                 f"{' · gated' if e.gated else ''}", e.repo_id) for e in catalog]
-
     first = catalog[0].repo_id
     memory = available_memory("auto")  # one measurement for the form's first render
     first_quant = quantization_field(first, "auto", 4096, memory)
@@ -189,20 +253,30 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         download_btn = gr.Button("Download")
         load_btn = gr.Button("Load", variant="primary")
         unload_btn = gr.Button("Unload")
+    return LoadForm(status, repo, dtype, quant, context, kv_gib, fit, download_btn, load_btn, unload_btn)
+
+
+def render_download_rows(manager: DownloadManager) -> tuple[gr.State, gr.Markdown]:
+    """The Downloads and Downloaded models lists, one row each with its buttons, and free disk under them:
+    (the listing they are drawn from, the free-disk line)."""
     rows = gr.State(listing(manager))
     confirmed = gr.Checkbox(visible=False)  # a Delete's answer to the browser's "are you sure?"
+
+    def delete_model(repo_id: str) -> tuple[dict, str]:
+        manager.delete(repo_id)
+        return listing(manager), _free_disk(manager)
 
     @gr.render(inputs=rows)
     def draw_rows(shown: dict):
         gr.Markdown("**Downloads**")
         if not shown["jobs"]:
             gr.Markdown("No downloads yet.")
-        for job_id, line, active in shown["jobs"]:
+        for job_id, line, actions in shown["jobs"]:
             with gr.Row(key=f"job-{job_id}", equal_height=True, elem_classes="download-row"):
                 gr.Markdown(line)
-                if active:
-                    gr.Button("Cancel", size="sm", scale=0, min_width=90).click(
-                        lambda j=job_id: cancel_job(j), None, rows, api_visibility="private")
+                for action in actions:
+                    gr.Button(action, size="sm", scale=0, min_width=90).click(
+                        lambda j=job_id, a=action: job_action(manager, j, a), None, rows, api_visibility="private")
         gr.Markdown("**Downloaded models**")
         if not shown["models"]:
             gr.Markdown("None yet: pick a model above and press Download.")
@@ -215,6 +289,10 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
                     api_visibility="private")
 
     disk = gr.Markdown(_free_disk(manager))
+    return rows, disk
+
+
+def render_remote_form() -> RemoteForm:
     with gr.Accordion("Connect to a server", open=False, elem_id="remote"):
         gr.Markdown("Chats can come from an OpenAI-compatible server instead: vLLM, SGLang, llama.cpp's server, "
                     "Ollama, or another Pagoda (`python -m engine.serve`). Conversations stay here. Connecting "
@@ -226,6 +304,12 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             served = gr.Dropdown(choices=[], label="Model on the server", interactive=True, scale=3)
             connect_btn = gr.Button("Connect", variant="primary", scale=1)
             disconnect_btn = gr.Button("Disconnect", scale=1)
+    return RemoteForm(base_url, api_key, served, connect_btn, disconnect_btn)
+
+
+def wire_load_form(form: LoadForm, manager: DownloadManager, rows: gr.State) -> None:
+    """A picked model gets its quantization, context and estimate; each field redoes the estimate; Download
+    starts a row."""
 
     def pick_model(repo_id: str, dtype_name: str, ctx):
         """A new model: its recommended quantization (or none, off, for a GGUF), the context it can serve
@@ -235,9 +319,9 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
         ctx = default_context(repo_id, dtype_name, field["value"], memory) or ctx
         return gr.update(**field), gr.update(value=ctx), estimate_text(repo_id, dtype_name, ctx, field["value"], memory)
 
-    repo.change(pick_model, [repo, dtype, context], [quant, context, fit])
-    for control in (dtype, context, quant):
-        control.change(estimate_text, [repo, dtype, context, quant], fit)
+    form.repo.change(pick_model, [form.repo, form.dtype, form.context], [form.quant, form.context, form.fit])
+    for control in (form.dtype, form.context, form.quant):
+        control.change(estimate_text, [form.repo, form.dtype, form.context, form.quant], form.fit)
 
     def start_download(repo_id: str):
         repo_id = (repo_id or "").strip()
@@ -252,15 +336,11 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             raise user_error(str(e)) from e
         return listing(manager)
 
-    download_btn.click(start_download, repo, rows)
+    form.download_btn.click(start_download, form.repo, rows)
 
-    def cancel_job(job_id: str) -> dict:
-        manager.cancel(job_id)
-        return listing(manager)
 
-    def delete_model(repo_id: str) -> tuple[dict, str]:
-        manager.delete(repo_id)
-        return listing(manager), _free_disk(manager)
+def publish_download_api(manager: DownloadManager) -> None:
+    """Cancel and delete for scripts; the page has buttons on each row instead."""
 
     def cancel_download(repo_id: str) -> str:
         """Cancel the downloads of a repo (scripts; the page has a Cancel button on each download's row)."""
@@ -278,6 +358,10 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     gr.api(cancel_download, api_name="cancel_download")
     gr.api(delete_downloaded, api_name="delete_model")
 
+
+def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
+    """Load (the form's choice, remembered for the next start once it serves) and Unload."""
+
     def load(repo_id: str, dtype_name: str, ctx, kv, quantization: str = "none"):
         try:
             source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path
@@ -286,25 +370,32 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
             raise user_error(str(e)) from e
         settings = load_settings(repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats)
         try:
-            ui.host.load(source, label=label, **settings)
+            ui.host.load(source, label=label, remember_as=repo_id.strip(), **settings)  # the next start loads it
         except RuntimeError as e:
             raise user_error(str(e)) from e
         return ui.host.status_message()
 
-    load_btn.click(load, [repo, dtype, context, kv_gib, quant], status, api_name="load")
-    unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, status)
+    form.load_btn.click(load, [form.repo, form.dtype, form.context, form.kv_gib, form.quant], form.status,
+                        api_name="load")
+    form.unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, form.status)
 
+
+def wire_remote(ui, remote: RemoteForm, status: gr.Markdown) -> None:
     def connect(url: str, key: str, model: str | None = None):
         try:
-            remote = ui.host.connect(url, key or None, model)
+            server = ui.host.connect(url, key or None, model)
         except RemoteError as e:  # the previous backend keeps serving; the status line says so too
             gr.Warning(str(e))
             return ui.host.state.message, gr.update()
-        return ui.host.state.message, gr.update(choices=remote.models, value=remote.model)
+        return ui.host.state.message, gr.update(choices=server.models, value=server.model)
 
-    connect_btn.click(connect, [base_url, api_key], [status, served])
-    served.input(connect, [base_url, api_key, served], [status, served])
-    disconnect_btn.click(lambda: (ui.host.disconnect(), ui.host.state.message)[1], None, status)
+    remote.connect_btn.click(connect, [remote.base_url, remote.api_key], [status, remote.served])
+    remote.served.input(connect, [remote.base_url, remote.api_key, remote.served], [status, remote.served])
+    remote.disconnect_btn.click(lambda: (ui.host.disconnect(), ui.host.state.message)[1], None, status)
+
+
+def poll_downloads(ui, manager: DownloadManager, status: gr.Markdown, rows: gr.State) -> None:
+    """Once a second: the status line, and the rows when a download moved on."""
 
     def refresh(shown: dict):
         now = listing(manager)

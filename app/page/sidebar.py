@@ -45,14 +45,20 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     # and a refresh computed just before New chat (a reply's title) can store a list without the new chat, failing
     # the change ("Value: 15 is not in the list of choices", seen on CI), so the new chat never opened.
     bar.conversations.change(lambda cid: cid, bar.conversations, bar.current, preprocess=False)
+    # What the user types as a title stays theirs until they pick a chat (`input`: the user's picks only, not New
+    # chat's or a reply's updates of the list) or rename (PagodaUI.title_typed)
+    bar.conversations.input(ui.asked_for_chat, bar.conversations, None, preprocess=False, show_progress="hidden",
+                            api_visibility="private")
+    bar.title.input(ui.title_typed, None, None, show_progress="hidden", api_visibility="private")
     bar.search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), bar.search, bar.conversations)
     bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat")
 
-    def rename(chosen, opened, title):
+    def rename(chosen, opened, title, request: gr.Request):
         cid = chosen if chosen is not None else opened
         if cid is None:
             raise user_error("Open a chat to rename it.")
         ui.store.rename(int(cid), title)
+        ui.asked_for_chat(cid, request)  # the field holds the chat's title again: it follows the chat
         return gr.update(choices=ui.conversation_choices(), value=cid)
 
     # The chat chosen in the list, read as the page has it (as its change does): `current` follows it an event later

@@ -9,7 +9,7 @@ does) runs without a mask.
 
 It reads sequence lengths on the host. Under a CUDA graph those are upper bounds
 (`host_lens_exact` is False), and only the masked path is taken. Inside a compiled CPU decode
-step (engine/compiled_decode.py) nothing is read on the host: `compiled_decode` attends from the
+step (engine/runner/compiled_decode.py) nothing is read on the host: `compiled_decode` attends from the
 device tensors alone, so the compiler traces no Python values it would have to specialise on.
 """
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from engine.tracing import tracing_decode_step
+from engine.runner.tracing import tracing_decode_step
 
 DECODE_GROUP_ROWS = 8  # decode rows per length group (fewer calls vs. less padding)
 MAX_DECODE_GROUPS = 4

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import SINGLE, TPGroup
 from engine.layers.linear import PackableLinear
+from engine.runner.distributed import SINGLE, TPGroup
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import SINGLE, TPGroup
-from engine.tracing import tracing_decode_step
+from engine.runner.distributed import SINGLE, TPGroup
+from engine.runner.tracing import tracing_decode_step
 
 log = logging.getLogger("engine")
 

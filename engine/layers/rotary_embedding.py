@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.layers.layernorm import RMSNorm, rms_norm
-from engine.tracing import tracing_decode_step
+from engine.runner.tracing import tracing_decode_step
 
 
 def rope_parameters(hf_config) -> dict:
@@ -72,7 +72,7 @@ class RotaryEmbedding(nn.Module):
         self.init_caches()
         # One instance serves every layer: look up a step's cos/sin once, not once per layer. One
         # tuple, read and replaced whole: a second thread's forward (the compiled decode steps' trace
-        # and measurement, engine/compiled_decode.py) may run beside the engine's.
+        # and measurement, engine/runner/compiled_decode.py) may run beside the engine's.
         self._step: tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None] = (None, None)
 
     def init_caches(self, device: torch.device | None = None) -> None:

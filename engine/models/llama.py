@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.distributed import SINGLE, TPGroup
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from engine.runner.distributed import SINGLE, TPGroup
 
 
 @dataclass(frozen=True)

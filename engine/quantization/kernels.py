@@ -34,7 +34,7 @@ from torch import nn
 from engine.layers.linear import in_bucketed_rows, onednn_linear
 from engine.quantization import native
 from engine.quantization.layout import QuantizedWeight
-from engine.tracing import tracing_decode_step
+from engine.runner.tracing import tracing_decode_step
 
 INT4PACK_GROUPS = (32, 64, 128, 256)
 DEQUANT_SLAB_BYTES = 8 << 20  # rows dequantized per step of DequantMatmul: a few MB stay in cache

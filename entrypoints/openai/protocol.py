@@ -1,4 +1,4 @@
-"""OpenAI's request bodies and error shape, as Pagoda accepts them.
+"""OpenAI's request bodies, response objects and error shape, as Pagoda takes and gives them.
 
 The fields are OpenAI's, plus vLLM's `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` and
 `priority`. A field
@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_PENALTY, StructuredOutputsParams
+from engine.front.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams, StructuredOutputsParams
 from entrypoints.openai.limits import MAX_REQUEST_BYTES
 
 # Fields of OpenAI's (or vLLM's) that would change the reply and that Pagoda does not do: refused by name
@@ -101,6 +101,20 @@ class RequestBody(BaseModel):
             raise APIError(400, str(e).replace("StructuredOutputsParams", "structured_outputs"),
                            param=asked[0]) from None
         return response_format_constraint(self.response_format)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The engine's SamplingParams: the body's sampling fields as sent, with what the server decided (the
+        reply's length, the logprobs the route asks for, the constraint on the reply)."""
+        try:
+            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                  repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty, logit_bias=self.token_biases(),
+                                  max_tokens=max_tokens, stop=self.stop, seed=self.seed, logprobs=logprobs,
+                                  ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                                  prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
 
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias with int token ids."""
@@ -297,3 +311,90 @@ async def parse_body(request: Request, kind: type[RequestBody], limit: int = MAX
         raise APIError(400, f"{where}: {first['msg']}", param=where) from None
     body.check_supported()
     return body
+
+
+# ---- responses ----------------------------------------------------------------------------------------------
+class Response(BaseModel):
+    """A response object. In its JSON, a field left at None is absent unless the server set it (to None too), as
+    OpenAI's objects have it: a chunk's delta holds only what it brings, `logprobs` is null when not asked."""
+
+    def model_post_init(self, context) -> None:
+        self.model_fields_set.update(name for name in type(self).model_fields if getattr(self, name) is not None)
+
+    def json_body(self) -> dict:
+        return self.model_dump(exclude_unset=True)
+
+
+class ModelCard(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "pagoda"
+    max_model_len: int
+
+
+class ModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(Response):
+    cached_tokens: int
+
+
+class CompletionTokensDetails(Response):
+    reasoning_tokens: int
+
+
+class Usage(Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None  # for models that think
+
+
+class AssistantMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
+
+
+class ChatChoice(Response):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChoice(Response):
+    index: int = 0
+    text: str
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+
+
+class Delta(Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
+
+
+class ChatChunkChoice(Response):
+    index: int = 0
+    delta: Delta
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(Response):
+    """A whole reply or one streamed chunk, of either route: `object` says which."""
+
+    id: str
+    object: Literal["chat.completion", "chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice] | list[ChatChunkChoice] | list[CompletionChoice]
+    usage: Usage | None = None

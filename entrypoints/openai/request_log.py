@@ -16,7 +16,7 @@ _STATE_KEY = "pagoda_reply"
 
 
 def record(request: Request, reply) -> None:
-    """Name the Reply (entrypoints/openai/server.py) whose token counts go in this request's line."""
+    """Name the Reply (entrypoints/openai/serving.py) whose token counts go in this request's line."""
     setattr(request.state, _STATE_KEY, reply)
 
 

@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine import StructuredOutputsParams
-from engine.reasoning import partial_suffix
 from entrypoints.openai.protocol import APIError
+from entrypoints.reasoning import partial_suffix
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

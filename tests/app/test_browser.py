@@ -230,13 +230,13 @@ def test_the_page_chats_on_localhost_too(session, open_page):
 
 
 def open_new_chat(page) -> None:
-    """New chat, until the page shows it: the list has one more chat and the chat is empty (an Enter before
-    that sends into the chat open before)."""
-    chats = "document.querySelectorAll('#chat-list input').length"
-    before = page.evaluate(f"() => {chats}")
+    """New chat, until the page shows it: the chat chosen in the list is an empty "New chat" (the empty one
+    already there, or a new one), and the chat on screen is empty (an Enter before that sends into the chat open
+    before)."""
     page.get_by_role("button", name="New chat").click()
-    wait_for_js(page, f"() => {chats} > {before} && "
-                      "document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
+    wait_for_js(page, "() => { const on = document.querySelector('#chat-list input:checked'); "
+                      "return on !== null && on.closest('label').innerText.trim() === 'New chat' && "
+                      "document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0; }", timeout=20000)
 
 
 def start_new_chat(page, text: str) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.store import ConversationStore
 from tests.app import test_browser
-from tests.app.test_browser import start_new_chat, wait_for_js, wait_idle
+from tests.app.test_browser import send, start_new_chat, wait_for_js, wait_idle
 
 # test_browser's fixtures: its app process and browser, a tab on the app, the app's log after a failed test
 session, open_page, app_log_on_failure = test_browser.session, test_browser.open_page, test_browser.app_log_on_failure
@@ -88,8 +89,10 @@ def meter_count(page) -> int:
 
 def test_a_system_prompt_typed_then_left_before_sending_is_kept_and_the_meter_counts_it(session, open_page):
     """It was saved only with the next message: a switch to another chat lost it, and the meter ignored it."""
-    _, client, _ = session
+    app, client, _ = session
     other = client.predict("", "", api_name="/new_chat")["value"]
+    with ConversationStore(app.home / "pagoda.db") as store:  # no longer empty and untitled: New chat makes another
+        store.rename(other, f"Other {uuid.uuid4().hex[:6]}")
     chat = client.predict("", "", api_name="/new_chat")["value"]
     page = open_page()  # on `chat`, the newest
     page.get_by_text("System prompt and sampling").click()
@@ -141,3 +144,41 @@ def test_the_title_field_reads_the_title_the_first_message_gives(session, open_p
     assert client.predict(api_name="/engine_stats")["num_running"] == 1  # while the reply still streams
     page.keyboard.press("Escape")
     wait_idle(client)
+
+
+def test_inline_math_renders_and_prices_stay_text(session, open_page):
+    """`$…$` math showed raw; with $ a delimiter, "$5 and $10" would have turned into math."""
+    app, _, _ = session
+    with ConversationStore(app.home / "pagoda.db") as store:  # the app's own database, as another process
+        chat = store.create(title=f"Math {uuid.uuid4().hex[:6]}").id
+        store.add_message(chat, "user", "Area of a circle?")
+        store.add_message(chat, "assistant", "It is $\\pi r^2$, or \\(2\\pi r\\) around it. A compass costs $5 and a "
+                                             "book $10.", {"finish_reason": "stop", "ttft_s": 0.1, "output_tokens": 9})
+    page = open_page()  # on the newest chat: this one
+    wait_for_js(page, f"() => {LAST_BOT}.querySelectorAll('.katex').length >= 2", timeout=20000)
+    maths = page.evaluate(f"() => [...{LAST_BOT}.querySelectorAll('.katex annotation')].map(a => a.textContent)")
+    assert maths == ["\\pi r^2", "2\\pi r"]
+    assert "costs $5 and a book $10." in page.evaluate(f"() => {LAST_BOT}.innerText")
+    page.close()
+
+
+def test_a_title_typed_right_after_new_chat_stays_in_the_field(session, open_page):
+    """Typed while the new chat opened, the title was replaced by "New chat"; typed before the first reply, by the
+    title the first message gave."""
+    page = open_page()
+    page.get_by_text("Rename or delete").click()
+    title = page.get_by_label("Title", exact=True)
+    page.get_by_role("button", name="New chat").click()
+    # New chat has answered (the list shows the new chat chosen): type at once, while the chat opens. (Typing
+    # before the server has even had the click is not covered: a person is not that fast.)
+    wait_for_js(page, "() => document.querySelector('#chat-list input:checked')?.closest('label').innerText.trim()"
+                      " === 'New chat'", timeout=20000)
+    title.select_text()  # what the field holds now, replaced by what is typed
+    title.press_sequentially("Lighthouses", delay=5)
+    page.wait_for_timeout(1500)  # the opening, and a few timer ticks
+    send(page, "How far can a lighthouse beam reach?")
+    page.wait_for_timeout(1500)  # the first message titles the chat; the timer sends titles
+    test_browser.sync_api.expect(title).to_have_value("Lighthouses")
+    page.get_by_role("button", name="Rename", exact=True).click()
+    wait_for_js(page, "() => document.querySelector('#chat-list').innerText.includes('Lighthouses')", timeout=20000)
+    page.keyboard.press("Escape")

@@ -5,20 +5,9 @@ import sys
 
 import pytest
 
-from app.catalog import (
-    CatalogEntry,
-    GiB,
-    MiB,
-    available_memory,
-    count_params,
-    entry_for_repo,
-    entry_from_config,
-    estimate_memory,
-    fit_report,
-    load_catalog,
-    quantization_advice,
-    weights_bytes,
-)
+from app.catalog import CatalogEntry, count_params, entry_for_repo, entry_from_config, load_catalog
+from app.device_memory import GiB, MiB, available_memory
+from app.memory_estimate import estimate_memory, fit_report, quantization_advice, weights_bytes
 
 REQUESTED = {
     "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct",

@@ -7,7 +7,8 @@ from app.backend import chat_messages
 from app.model_host import ModelHost
 from app.store import ConversationStore
 from app.ui import PagodaUI
-from entrypoints.openai.server import ServedModel, create_router
+from entrypoints.openai.api_router import create_router
+from entrypoints.openai.serving import ServedModel
 
 SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
           "sentence, and you say so when you do not know.")

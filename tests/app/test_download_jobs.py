@@ -278,3 +278,24 @@ def test_cancelling_a_job_before_it_starts_downloads_nothing(manager, hub, monke
     assert not any("/resolve/" in r[1] for r in hub.requests), "a cancelled job fetched files"
     assert cache_files(manager, REPO) == []
     assert not manager.cancel(job_id), "cancelling a finished job is a no-op"
+
+
+def test_a_failed_download_row_offers_retry_and_dismiss_and_both_work(manager, hub, monkeypatch):
+    """A failed download's row had no button at all: it stayed, unretryable, until Pagoda restarted."""
+    from app.page.models_tab import job_action, listing
+
+    disk = {"free": 1024 * 1024}
+    monkeypatch.setattr(manager, "free_disk_bytes", lambda: disk["free"])
+    failed = manager.wait(manager.start(REPO), timeout=20)
+    assert failed.status == "error"
+    [(row_id, line, actions)] = listing(manager)["jobs"]
+    assert row_id == failed.id and "Not enough disk space" in line and actions == ("Retry", "Dismiss")
+
+    disk["free"] = 100 * 1024**3  # the user made room
+    [(retried_id, _, actions)] = job_action(manager, failed.id, "Retry")["jobs"]  # one row: the new job in its place
+    assert retried_id != failed.id
+    assert manager.wait(retried_id, timeout=60).status == "done"
+    assert [m.repo_id for m in manager.local_models()] == [REPO]
+    [(_, _, actions)] = listing(manager)["jobs"]
+    assert actions == ("Dismiss",)
+    assert job_action(manager, retried_id, "Dismiss")["jobs"] == []

@@ -70,8 +70,10 @@ def test_regenerate_replaces_the_last_reply(app):
 
 def test_two_chats_with_one_preset_share_the_system_prompt_blocks(app):
     _, client = app
-    first, second = new_chat(client), new_chat(client)
+    first = new_chat(client)
     list(reply(client, first, "Hello!", max_tokens=16))
+    second = new_chat(client)  # made once the first has a message: New chat reuses an empty chat
+    assert second != first
     list(reply(client, second, "What can you do?", max_tokens=16))
     meta = client.predict(second, api_name="/messages")[-1]["meta"]
     assert meta["cached_tokens"] >= 32  # the system prompt's full blocks came from the prefix cache

@@ -9,11 +9,12 @@ import torch
 
 import app.page.models_tab as models_tab
 from app.backend import LocalBackend
-from app.catalog import GiB
+from app.device_memory import GiB
 from app.download_jobs import DownloadManager
 from app.model_host import ModelHost
+from app.page.layout import build
 from app.store import ConversationStore
-from app.ui import PagodaUI, build
+from app.ui import PagodaUI
 
 GPU = ("NVIDIA Test GPU (8.0 GiB)", int(7.1 * GiB))
 
@@ -45,7 +46,8 @@ def handler(demo: gr.Blocks, trigger, event: str = "change", api_name: str | Non
 
 def recording_load(ui, monkeypatch) -> list:
     loads = []
-    monkeypatch.setattr(ui.host, "load", lambda source, label=None, **settings: loads.append((source, settings)))
+    monkeypatch.setattr(ui.host, "load",
+                        lambda source, label=None, remember_as=None, **settings: loads.append((source, settings)))
     return loads
 
 
@@ -228,3 +230,22 @@ def test_the_form_opens_with_the_models_context_and_the_kv_budget_it_will_use(pa
     _, demo = page
     assert component(demo, gr.Number, "Context length (tokens)").value == 8192  # the bundled SmolLM2's
     assert component(demo, gr.Number, "KV cache memory on a CPU, GiB").value == 1  # the engine's default
+
+
+@pytest.mark.parametrize("free_gib", [10, 12, 16, 24])
+def test_the_preselected_quantization_and_context_fit_by_the_estimate_under_them(page, monkeypatch, free_gib):
+    """On a CPU with native bf16, Qwen3 8B preselected int4 and 23,040 tokens, then said "needs about 12.1 GiB
+    … does not fit" above "int4 leaves room for 22,528 tokens (recommended)": the advice sized the KV at bf16,
+    the estimate at the float32 a quantized load gets on a CPU."""
+    import engine.loader.weights as weights
+
+    monkeypatch.setattr(weights, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(models_tab, "available_memory", lambda device="auto": ("CPU (32 GiB)", free_gib * GiB))
+    _, demo = page
+    pick = handler(demo, component(demo, gr.Dropdown, "Model"))
+    quant, context, text = pick.fn("Qwen/Qwen3-8B", "auto", 4096)
+    chosen, ctx = quant["value"], context["value"]
+    estimate, advice = text.split("\n\n")
+    assert "does not fit" not in estimate and f"at {ctx:,} tokens" in estimate
+    label = {"none": "full precision"}.get(chosen, chosen)
+    assert f"{label} leaves room for {ctx:,} tokens of context (recommended" in advice

@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from app.backend import DEFAULT_SETTINGS
 from app.chat import stream_reply
+from app.chat_settings import ChatSettings
 from app.remote import (
     RemoteClient,
     RemoteError,
@@ -95,14 +95,14 @@ def test_only_standard_fields_unless_the_nonstandard_ones_are_switched_on():
 
     seen = []
     backend = RemoteBackend(RemoteClient("http://srv", transport=answering(body=REPLY, seen=seen)), "m")
-    stream, num_prompt_tokens = backend.submit([{"role": "user", "content": "Hi"}], DEFAULT_SETTINGS)
+    stream, num_prompt_tokens = backend.submit([{"role": "user", "content": "Hi"}], ChatSettings())
     assert num_prompt_tokens == 0  # only the server knows, and says so in its usage
     list(stream)
     body = json.loads(seen[-1].content)
     assert set(body) == {"model", "messages", "stream", "stream_options", "temperature", "top_p", "max_tokens"}
     assert "authorization" not in seen[-1].headers
     list(backend.submit([{"role": "user", "content": "Hi"}],
-                        {**DEFAULT_SETTINGS, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7})[0])
+                        ChatSettings(top_k=40, min_p=0.05, repetition_penalty=1.1, seed=7))[0])
     body = json.loads(seen[-1].content)
     assert (body["top_k"], body["min_p"], body["repetition_penalty"], body["seed"]) == (40, 0.05, 1.1, 7)
 
@@ -261,7 +261,7 @@ def test_the_page_follows_a_remote_reply_and_knows_the_context_only_from_usage(t
     assert ui.context_meter(conv).startswith("Context: unknown / 2,048 tokens")
     assert ui.header() == "**Pagoda** · Remote: m at http://srv/v1"
     *_, last = ui.respond(conv, "Hi", "Be brief.", *GREEDY, 16, None)
-    assert last[0][-1]["content"].startswith("Hello!\n\n<sub>first token")
+    assert last[0][-1]["content"].startswith("Hello!\n\n<sub>m · first token")  # the model that wrote it first
     reply = ui.store.messages(conv)[-1]
     assert reply.content == "Hello!" and reply.meta["cached_tokens"] == 32
     assert ui.context_meter(conv) == "Context: 43 / 2,048 tokens at the last reply (the server's count)"
@@ -308,7 +308,7 @@ def test_a_stream_line_that_is_not_json_stops_the_reply_and_keeps_its_text(tmp_p
     conv = ui.store.create().id
     *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
     says = "stopped: The server sent a stream line that is not JSON: '<html>502 Bad Gateway</html>'"
-    assert last[0][-1]["content"] == f"Hel\n\n<sub>{says}</sub>"
+    assert last[0][-1]["content"] == f"Hel\n\n<sub>m · {says}</sub>"
     reply = ui.store.messages(conv)[-1]
     assert reply.content == "Hel" and "not JSON" in reply.meta["error"]
 
@@ -382,7 +382,7 @@ def test_a_server_that_stalls_or_resets_mid_reply_keeps_the_text_and_says_why(
         lambda: ui.replies.get(conv) is not None and ui.replies.get(conv).turn.text == "Hel"))
     *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
     shown = last[0][-1]["content"]
-    assert shown.startswith("Hel\n\n<sub>stopped: ") and says in shown, shown
+    assert shown.startswith("Hel\n\n<sub>m · stopped: ") and says in shown, shown
     assert f"{misbehaving_server}/v1" in shown  # which server
     reply = ui.store.messages(conv)[-1]
     assert reply.content == "Hel" and says in reply.meta["error"]

@@ -198,3 +198,79 @@ def test_the_stats_line_counts_in_words_people_write():
     meta.update(output_tokens=1200, reasoning_tokens=1100, cached_tokens=4096, tokens_per_s=31.24)
     assert summary(meta) == ("first token 250 ms · 31.2 tok/s · 1,200 tokens (1,100 reasoning) · 4,096/6,150 prompt "
                              "tokens from the prefix cache")
+
+
+class CountedReply:
+    """A reply of `n` one-token words that ends for `reason` ("length": the reply limit, or the context)."""
+
+    request_id = "r"
+
+    def __init__(self, n: int, reason: str):
+        self.n, self.reason = n, reason
+
+    def __iter__(self):
+        for i in range(1, self.n + 1):
+            last = i == self.n
+            yield ReplyDelta("word ", 1, finished=last, finish_reason=self.reason if last else None)
+
+    def cancel(self):
+        pass
+
+    def prefill_progress(self):
+        return None
+
+
+def test_a_reply_names_its_model_and_says_when_max_reply_tokens_cut_it(tmp_path):
+    """Replies said neither which model wrote them nor that "Max reply tokens" had cut them; both are stored with
+    the reply, so the chat says so still after another model loads."""
+    ui = make_ui(tmp_path)
+    backend = word_counting_backend()
+    replies = [CountedReply(16, "length"), CountedReply(5, "length"), CountedReply(3, "stop")]
+    backend.model = "Tiny Model 1B"
+    backend.submit = lambda messages, settings: (replies.pop(0), 4)
+    ui.host.backend = backend
+    chat = ui.store.create().id
+    sliders = (0.7, 0.9, -1, 0.0, 1.0, 16)  # Max reply tokens: 16
+    for message in ("Tell me a long story.", "Again.", "Shorter."):
+        list(ui.respond(chat, message, "", *sliders, None))  # follows the reply to its end
+    ui.host.backend = None  # another model serves next, or none: the lines stay
+    lines = [row["content"].split("<sub>")[1] for row in ui.history(chat) if row["role"] == "assistant"]
+    assert all(line.startswith("Tiny Model 1B · first token ") for line in lines)
+    assert " · 16 tokens · " in lines[0]
+    assert lines[0].endswith(" from the prefix cache · cut at Max reply tokens (16)</sub>")
+    assert " · 5 tokens · " in lines[1] and lines[1].endswith(" · cut: the context is full</sub>")  # short of the limit
+    assert " · 3 tokens · " in lines[2] and lines[2].endswith(" from the prefix cache</sub>")
+
+
+def test_inline_dollar_math_is_marked_for_the_chatbot_and_prices_are_not(tmp_path):
+    """`$x^2$` showed raw: the chatbot renders only its delimiters, and single $ cannot be one ("$5 and $10")."""
+    from app.page.chat_tab import MATH_DELIMITERS
+
+    ui = make_ui(tmp_path)
+    chat = ui.store.create().id
+    reply = ("The area is $\\pi r^2$ for $r = 2$. It costs $5 and $10, or $20,000.\n"
+             "`$HOME` stays code, and so does\n```sh\necho $a$b$\n```")
+    ui.store.add_message(chat, "assistant", reply, STOPPED_META)
+    shown = ui.history(chat)[-1]["content"]
+    assert shown.startswith("The area is \\(\\pi r^2\\) for \\(r = 2\\). It costs $5 and $10, or $20,000.\n"
+                            "`$HOME` stays code, and so does\n```sh\necho $a$b$\n```")
+    assert ui.store.messages(chat)[-1].content == reply  # stored as the model wrote it
+    lefts = [d["left"] for d in MATH_DELIMITERS]
+    assert "\\(" in lefts and "$" not in lefts
+
+
+def test_a_title_typed_right_after_new_chat_is_not_overwritten(tmp_path):
+    """Typed while the new chat opened, the title was replaced by "New chat" as it opened, and typed before the
+    first message's reply, by the title that message gave."""
+    ui = make_ui(tmp_path)
+    page = SimpleNamespace(session_hash="page-1")
+    other = ui.store.create(title="Other").id
+    chat = ui.new_chat("", "", page)["value"]
+    ui.title_typed(page)  # the user types in the Title field at once
+    assert ui.open(chat, page)[-4] == gr.update()  # the chat opens: the field keeps what is typed
+    ui._title_from_first_message(chat, "How far can a lighthouse beam be seen at sea?")
+    assert ui.panels("", page, chat)[3] == gr.update()  # nor does the first message's title replace it
+    ui.asked_for_chat(other, page)  # another chat picked in the list: the field follows the chats again
+    assert ui.open(other, page)[-4] == "Other"
+    ui.asked_for_chat(chat, page)
+    assert ui.open(chat, page)[-4] == "How far can a lighthouse beam be seen at…"

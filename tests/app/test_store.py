@@ -452,3 +452,19 @@ def test_delete_messages_removes_just_those_and_refuses_foreign_ids(tmp_path):
     with pytest.raises(ValueError, match="no message"):
         store.delete_messages(a.id, [other.id])
     assert [m.id for m in store.messages(b.id)] == [other.id] and m3.id
+
+
+def test_markdown_export_closes_the_code_block_a_cut_reply_left_open(store):
+    """A reply stopped inside a code block left it open, and every later heading and message was code."""
+    from markdown_it import MarkdownIt
+
+    chat = store.create(title="Code").id
+    store.add_message(chat, "user", "Write a program.")
+    store.add_message(chat, "assistant", "Here:\n\n```python\ndef main():\n    print(1)", {"finish_reason": "abort"})
+    store.add_message(chat, "user", "Thanks, go on.")
+    tokens = MarkdownIt("commonmark").parse(store.export_markdown(chat))
+    code = [t.content for t in tokens if t.type == "fence"]
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    assert code == ["def main():\n    print(1)\n"]
+    assert headings == ["Code", "User", "Assistant", "User"]
+    assert store.messages(chat)[1].content.endswith("print(1)")  # the stored reply is left as it was

@@ -7,7 +7,7 @@ import shutil
 import jsonschema
 import pytest
 
-from app.backend import DEFAULT_SETTINGS
+from app.chat_settings import ChatSettings
 from app.model_host import ModelHost
 from app.remote import RemoteBackend, RemoteClient
 from app.store import ConversationStore
@@ -126,7 +126,7 @@ def test_a_remote_servers_reasoning_comes_through_and_the_switches_are_sent(tmp_
     seen = []
     backend = RemoteBackend(RemoteClient("http://srv", transport=answering(body=body, content_type="text/event-stream",
                                                                            seen=seen)), "m")
-    settings = {**DEFAULT_SETTINGS, "think": False, "json_output": True, "json_schema": '{"type": "object"}'}
+    settings = ChatSettings(think=False, json_output=True, json_schema='{"type": "object"}')
     deltas = list(backend.submit([{"role": "user", "content": "2+2?"}], settings)[0])
     assert "".join(d.reasoning for d in deltas) == "Hm, sums. Four." and "".join(d.text for d in deltas) == "It is 4."
     sent = json.loads(seen[-1].content)

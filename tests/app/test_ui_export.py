@@ -17,10 +17,9 @@ def test_each_chats_export_files_hold_that_chat_and_no_other(tmp_path):
         store.add_message(chat.id, "assistant", f"{name} answer.")
         chats[name] = chat
     store.rename(chats["Gamma"].id, "Gamma")
-    # A page opens Alpha (the buttons get its files); Beta and Gamma are opened or answered after it, on this
-    # page or another: Alpha's buttons must still download Alpha.
-    *_, alpha_md, alpha_json, _think, _json_output, _schema = ui.open(chats["Alpha"].id)
-    files = {"Alpha": (alpha_md, alpha_json), **{n: ui.export_files(chats[n].id) for n in ("Beta", "Gamma")}}
+    # Each chat exported in turn, as a page's Export buttons make the files (at the click, for the chat chosen):
+    # a later export must not change an earlier chat's files, nor give one chat another's messages.
+    files = {name: (ui.export(chats[name].id, "md"), ui.export(chats[name].id, "json")) for name in chats}
 
     for name, (md_path, json_path) in files.items():
         chat = chats[name]

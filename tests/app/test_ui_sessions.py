@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 import app.ui
-from app.backend import DEFAULT_SETTINGS, ReplyDelta
+from app.backend import ReplyDelta
+from app.chat_settings import ChatSettings
 from app.model_host import ModelHost
-from app.page.chat_tab import SLIDERS
 from app.sessions import Replies, Sessions
 from app.store import ConversationStore
-from app.ui import UNCHANGED, PagodaUI
+from app.ui import UNCHANGED, PagodaUI, slider_values
 from tests.processes import wait_until
 
 
@@ -142,7 +142,7 @@ class EndlessBackend:
 
 def start_reply(ui: PagodaUI, conversation_id: int, page: SimpleNamespace):
     """Send a message from `page` and leave the reply running without following it (a closed tab)."""
-    reply = ui.respond(conversation_id, "Tell me a story.", "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], page)
+    reply = ui.respond(conversation_id, "Tell me a story.", "", *slider_values(ChatSettings()), page)
     next(reply)  # the reply has started; the box is cleared
     reply.close()
     return ui.replies.get(conversation_id)
@@ -188,7 +188,7 @@ def test_editing_or_regenerating_while_a_reply_streams_stops_it_first(tmp_path, 
         history, box = ui.edit_last(conv)
         assert box == "Tell me a story." and history == [] and ui.store.messages(conv) == []
     else:
-        regenerated = ui.regenerate(conv, "", *[DEFAULT_SETTINGS[k] for k, *_ in SLIDERS], page)
+        regenerated = ui.regenerate(conv, "", *slider_values(ChatSettings()), page)
         next(regenerated)
         regenerated.close()
         roles = [(m.role, m.content) for m in ui.store.messages(conv)]

@@ -17,7 +17,7 @@ from app.visualizer import (
     render_remote_notice,
     visualizer_css,
 )
-from engine.outputs import EngineStats, KVBlock
+from engine.front.outputs import EngineStats, KVBlock
 
 BS = 16
 

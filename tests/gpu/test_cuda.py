@@ -121,7 +121,7 @@ def test_compiled_sampler_on_cuda_picks_the_eager_tokens():
     """Batches of 64 rows and more sample through torch.compile on the GPU: the same tokens as
     eager sampling from the same noise, for plain temperature (the throughput benchmark's) and a
     mix of min-p, penalties and greedy rows; top-k/top-p batches stay eager."""
-    from engine.layers.sampler import Sampler, SamplingBatch
+    from engine.sample.sampler import Sampler, SamplingBatch
 
     rows, vocab = 96, 151936
     gen = torch.Generator("cuda").manual_seed(0)
@@ -249,7 +249,7 @@ def test_bf16_logits_close_to_transformers_on_qwen3_06b_shape(tmp_path_factory):
 def test_staging_buffer_on_cuda():
     import numpy as np
 
-    from engine.staging import StagingBuffer
+    from engine.runner.staging import StagingBuffer
 
     staging = StagingBuffer(torch.device("cuda"), torch.int64, num_buffers=1)
     torch.cuda._sleep(10**8)  # keep the stream busy, so the first copy is still queued when the second upload comes
@@ -266,7 +266,7 @@ def test_staging_uploads_do_not_wait_for_a_busy_stream():
     """With buffers taking turns, the next step's uploads go out while the device still runs this one."""
     import numpy as np
 
-    from engine.staging import StagingBuffer
+    from engine.runner.staging import StagingBuffer
 
     staging = StagingBuffer(torch.device("cuda"), torch.int64)
     for i in range(len(staging.hosts)):  # every buffer allocated first: pinning new memory may itself wait

@@ -48,7 +48,7 @@ class EngineStats:
     quantization: str  # how the weights are stored: "none", "int8", "int4 (groups of 64)", "GGUF Q4_1, Q8_0"
     sampler: str  # "compiled" (large GPU batches through torch.compile) or "eager"
     # How decode steps run: "cuda-graphs", "compiled (1 row, 2-256 rows)" on a CPU (the graphs that measured
-    # faster than eager; engine/compiled_decode.py), "eager", or "eager (compile failed)"
+    # faster than eager; engine/runner/compiled_decode.py), "eager", or "eager (compile failed)"
     decode: str
     async_scheduling: bool  # the host plans step N+1 while the device runs step N
     tensor_parallel_size: int  # processes (GPUs) the model is split across

@@ -22,8 +22,8 @@ prefill's inputs come from the host.
 import bisect
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, SequenceStatus
 
 
 def _priority(seq: Sequence) -> int:

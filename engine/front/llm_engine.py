@@ -18,10 +18,13 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import Detokenizer
-from engine.distributed import check_tensor_parallel
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.front.detokenizer import Detokenizer
+from engine.front.outputs import EngineStats, KVBlock, RequestOutput
+from engine.front.sampling_params import SamplingParams
 from engine.loader import (
     GGUFCheckpoint,
     check_not_prequantized,
@@ -31,12 +34,9 @@ from engine.loader import (
     resolve_gguf,
     resolve_model_path,
 )
-from engine.model_runner import LaunchedStep, ModelRunner
-from engine.outputs import EngineStats, KVBlock, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.structured_output import StructuredOutputs
+from engine.runner.distributed import check_tensor_parallel
+from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.sample.structured_output import StructuredOutputs
 
 log = logging.getLogger("engine")
 
@@ -133,7 +133,7 @@ class LLMEngine:
         self._stepping: list[Sequence] = []  # the requests of the step being run (what a failure aborts)
 
     def _start_tensor_parallel(self, hf_config, path) -> None:
-        from engine.tp_workers import WorkerPool
+        from engine.runner.tp_workers import WorkerPool
 
         if self.device.type == "cuda":
             self.device = torch.device("cuda", 0)  # rank r runs on GPU r
@@ -207,7 +207,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:
         """Queue a request and return its id. Invalid requests raise and change nothing. `priority`: vLLM's,
-        lower is more urgent; a step serves only the most urgent requests present (engine/scheduler.py)."""
+        lower is more urgent; a step serves only the most urgent requests present (engine/core/scheduler.py)."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int (lower is more urgent; 0 is the default), got {priority!r}")
         sampling_params = sampling_params or SamplingParams()
@@ -431,7 +431,7 @@ class LLMEngine:
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:
         """Complete every prompt; one dict per prompt, in order, with text, token_ids and finish_reason.
         `priority`: one per prompt, as vLLM takes it (see add_request). Waits first for the CPU decode
-        steps to compile, if they still are (engine/compiled_decode.py)."""
+        steps to compile, if they still are (engine/runner/compiled_decode.py)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -452,7 +452,7 @@ class LLMEngine:
         if not self.model_runner.compiled_decode_ready.is_set():
             # An offline batch runs at the speed its decode steps were chosen for; the online front
             # (EngineThread) serves eagerly meanwhile instead.
-            log.info("waiting for the decode steps to compile (engine/compiled_decode.py)")
+            log.info("waiting for the decode steps to compile (engine/runner/compiled_decode.py)")
             self.model_runner.wait_for_compiled_decode()
         seqs = [self.requests[self.add_request(e, p, priority=rank)]
                 for e, p, rank in zip(encoded, params, priority, strict=True)]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.tracing import decode_step_trace, fx_windows_guarded
+from engine.runner.tracing import decode_step_trace, fx_windows_guarded
 
 log = logging.getLogger("engine")
 
@@ -204,7 +204,7 @@ class CompiledDecode:
     def choose(self) -> None:
         """Keep each graph that agrees with the eager step and runs it faster. Call it in the thread
         that steps the engine, once the compiling thread has ended: the timings then see OpenMP's
-        workers as the steps will (engine/engine_thread.py's note on them)."""
+        workers as the steps will (engine/front/engine_thread.py's note on them)."""
         for name, (graph, args) in self.candidates.items():
             if self._measure(name, self.model, graph, args) is not None:
                 self.graphs[name] = graph

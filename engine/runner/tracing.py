@@ -1,4 +1,4 @@
-"""Tracing a compiled decode step (engine/compiled_decode.py) beside eager steps in other threads.
+"""Tracing a compiled decode step (engine/runner/compiled_decode.py) beside eager steps in other threads.
 
 `tracing_decode_step` tells whether this thread traces; `MODULE_CALLS` keeps torch.fx's process-wide patches
 away from the eager calls of other threads.

@@ -10,7 +10,7 @@ Each layer's keys and values live in tensors of their own:
 
 Separate tensors, not views of one: a compiled decode step writes each cache in place, which the
 compiler does only for a tensor that is no view of a larger one (with one shared tensor it copied
-the whole cache for every layer, 50-250 ms a step; engine/compiled_decode.py).
+the whole cache for every layer, 50-250 ms a step; engine/runner/compiled_decode.py).
 
     one sequence, block_size 4, block_table [7, 2, 9]:
 
@@ -36,9 +36,9 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.distributed import TPGroup
 from engine.layers.attention import Attention
-from engine.memory import check_host_memory
+from engine.runner.distributed import TPGroup
+from engine.runner.memory import check_host_memory
 
 log = logging.getLogger("engine")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.distributed import connect, new_store
+from engine.runner.distributed import connect, new_store
 
 _CLOSE = b"close"
 _JOIN_SECONDS = 10.0
@@ -187,7 +187,7 @@ def worker_main(rank: int, size: int, port: int, config, hf_config, model_path: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     try:
-        from engine.model_runner import ModelRunner
+        from engine.runner.model_runner import ModelRunner
 
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":

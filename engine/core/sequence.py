@@ -2,7 +2,7 @@
 from enum import Enum, auto
 from itertools import count
 
-from engine.sampling_params import SamplingParams
+from engine.front.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -55,7 +55,7 @@ class Sequence:
             None if sampling_params.prompt_logprobs is None else [None])
         self.wants_logprobs = sampling_params.logprobs is not None or sampling_params.prompt_logprobs is not None
         # An llguidance matcher when sampling_params.structured_outputs is set: it has taken every output
-        # token the host has read, and masks what may come next (engine/structured_output.py)
+        # token the host has read, and masks what may come next (engine/sample/structured_output.py)
         self.grammar = None
 
     def __len__(self) -> int:

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from engine.sampling_params import StructuredOutputsParams
+from engine.front.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger("engine")
 

@@ -1,11 +1,11 @@
 """Runs the model for one scheduled batch: uploads its inputs, owns the KV cache, samples.
 
 With tensor parallelism, every rank has a ModelRunner over its shard of the weights and KV
-cache. Rank 0 builds each step's inputs and sends them to the workers (engine/tp_workers.py),
+cache. Rank 0 builds each step's inputs and sends them to the workers (engine/runner/tp_workers.py),
 which `execute` the same step; only rank 0 gets logits and samples.
 
-The host arrays of a step come from engine/step_inputs.py, the KV cache's size and layout from
-engine/kv_cache.py; this file keeps what touches the device.
+The host arrays of a step come from engine/runner/step_inputs.py, the KV cache's size and layout from
+engine/runner/kv_cache.py; this file keeps what touches the device.
 """
 import gc
 import logging
@@ -20,25 +20,25 @@ from torch import nn
 
 from engine import quantization
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
-from engine.compiled_decode import CompiledDecode, compile_disabled_by_env
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs
-from engine.distributed import SINGLE, TPGroup
-from engine.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks, gpu_kv_budget
+from engine.core.scheduler import ScheduledSeq
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.linear import OneDNNMatmul, PackableLinear, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
-from engine.layers.sampler import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs, unpack_bitmask
 from engine.loader import GGUFCheckpoint, checkpoint_numel, load_tensors, load_weights, safetensors_files
-from engine.memory import check_host_memory
 from engine.models import model_class
-from engine.scheduler import ScheduledSeq
-from engine.staging import StagingBuffer
-from engine.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step, sampling_columns
-from engine.structured_output import fill_bitmask
-from engine.tracing import MODULE_CALLS
+from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env
+from engine.runner.cuda_graph import DecodeGraphs
+from engine.runner.distributed import SINGLE, TPGroup
+from engine.runner.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks, gpu_kv_budget
+from engine.runner.memory import check_host_memory
+from engine.runner.staging import StagingBuffer
+from engine.runner.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step
+from engine.runner.tracing import MODULE_CALLS
+from engine.sample.logprobs import LogprobsTensors, gather_logprobs
+from engine.sample.sampler import Sampler
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
 
@@ -164,7 +164,7 @@ class ModelRunner:
     def _create_step_buffers(self) -> None:
         """The sampler, and the buffers each step's inputs and sampled tokens pass through."""
         config, device = self.config, self.device
-        self.sampler = Sampler(compiled=device.type == "cuda" and not config.enforce_eager)
+        self.sampler = Sampler(self.vocab_size, device, compiled=device.type == "cuda" and not config.enforce_eager)
         # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
         self.staging = None if device.type == "cpu" else {
             t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
@@ -174,10 +174,6 @@ class ModelRunner:
         # The last step's logprobs rows on the device (StepInputs' sample_logprobs_rows, prompt_logits_index,
         # prompt_token_ids), uploaded with its inputs; empty unless some request asked for logprobs.
         self.logprobs_rows: list[torch.Tensor] = []
-        # Values assigned through tensor indices must already be on the device: a Python scalar is
-        # staged through a blocking copy that waits for every step in flight.
-        self.true_on_device = torch.ones((), dtype=torch.bool, device=device)
-        self.one_on_device = torch.ones((), dtype=torch.float32, device=device)
         # Sampled tokens come back through two pinned buffers taking turns (StagingBuffer's mirror for
         # the way back): one step's are read while the next's arrive.
         self.readback = self.readback_done = None
@@ -188,7 +184,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> tuple[list[torch.Tensor], int]:
         """The KV cache (keys and values of each layer, a tensor each) and its number of blocks
-        (engine/kv_cache.py); each attention layer is bound to its two. On a GPU without an explicit
+        (engine/runner/kv_cache.py); each attention layer is bound to its two. On a GPU without an explicit
         size, a warm-up step measures what is left."""
         def measure_gpu_budget() -> int:
             return gpu_kv_budget(self.model, self.attention_layers, self.kv_layout, self.config, self.device,
@@ -226,7 +222,7 @@ class ModelRunner:
                 and self.tp.size == 1 and self.backend.name == "torch")
 
     def _start_compiling_decode(self) -> None:
-        """Trace and compile the decode steps in a background thread (engine/compiled_decode.py): steps
+        """Trace and compile the decode steps in a background thread (engine/runner/compiled_decode.py): steps
         run eagerly meanwhile, so a load is not held up by the compiler (about a minute on two cores
         the first time, seconds once inductor's disk cache has them). The thread that steps the engine
         then measures the graphs, at its next `launch` (or in `wait_for_compiled_decode`), and keeps
@@ -383,7 +379,7 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq], plan: LogprobsPlan | None = None) -> StepInputs:
-        """This step's inputs as host arrays (engine/step_inputs.py), for `to_device` to upload in one
+        """This step's inputs as host arrays (engine/runner/step_inputs.py), for `to_device` to upload in one
         transfer per dtype. A pending input token is a placeholder there, filled on the device."""
         return prepare_step(batch, self.block_size, self.last_sampled_rows, plan)
 
@@ -416,60 +412,6 @@ class ModelRunner:
         )
         return token_ids, positions, meta, logits_index, logprobs_rows
 
-    def prepare_sampling(self, batch: list[ScheduledSeq]) -> SamplingBatch:
-        """Each row's sampling parameters as device columns, uploaded without waiting for the device
-        (a plain `torch.tensor(..., device="cuda")` would wait for every step in flight)."""
-        columns = sampling_columns(batch, self.vocab_size, self.last_sampled_rows)
-        floats, ints = columns.floats, columns.ints
-        f = dict(zip(floats, self.upload(list(floats.values()), torch.float32), strict=True))
-        i = dict(zip(ints, self.upload(list(ints.values()), torch.int64), strict=True))
-        seen = counts = bias = None
-        pending = None  # (rows, tokens) of penalised rows whose last sampled token is still only on the device
-        if "pending_rows" in ints and ints["pending_rows"].size:
-            pending = (i["pending_rows"], self.last_sampled[i["pending_sources"]])
-        if "repetition_penalties" in f:
-            seen = torch.zeros(len(batch), self.vocab_size, dtype=torch.bool, device=self.device)
-            seen.index_put_((i["seen_rows"], i["seen_ids"]), self.true_on_device)
-            if pending is not None:
-                seen.index_put_(pending, self.true_on_device)
-        if "presence_penalties" in f:
-            counts = torch.zeros(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
-            counts.index_put_((i["output_rows"], i["output_ids"]), self.one_on_device.expand(len(i["output_ids"])),
-                              accumulate=True)
-            if pending is not None:
-                counts.index_put_(pending, self.one_on_device.expand(len(pending[0])), accumulate=True)
-        if "logit_bias_values" in f:
-            bias = torch.zeros(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
-            bias.index_put_((i["logit_bias_rows"], i["logit_bias_ids"]), f["logit_bias_values"])
-        grammar_rows = grammar_allowed = None
-        constrained = [row for row, s in enumerate(batch) if s.seq.grammar is not None]
-        if constrained:  # filled on the host while the device runs this step's forward pass
-            mask = fill_bitmask([batch[row].seq.grammar for row in constrained], self.vocab_size,
-                                parallel=self.device.type != "cpu")
-            (grammar_rows,) = self.upload([np.array(constrained, np.int64)], torch.int64)
-            if self.device.type == "cpu":  # numpy unpacks the bits in one C pass
-                bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
-                grammar_allowed = torch.from_numpy(bits.view(np.bool_))
-            else:  # a 32x smaller transfer, unpacked on the device
-                (words,) = self.upload([mask], torch.int32)
-                grammar_allowed = unpack_bitmask(words, self.vocab_size)
-        return SamplingBatch(
-            temperatures=f.get("temperatures"),
-            top_k=i.get("top_k"),
-            top_p=f.get("top_p"),
-            min_p=f.get("min_p"),
-            repetition_penalties=f.get("repetition_penalties"),
-            seen_tokens=seen,
-            logit_bias=bias,
-            presence_penalties=f.get("presence_penalties"),
-            frequency_penalties=f.get("frequency_penalties"),
-            output_counts=counts,
-            generators=[s.seq.generator for s in batch],
-            all_greedy=columns.all_greedy,
-            grammar_rows=grammar_rows,
-            grammar_allowed=grammar_allowed,
-        )
-
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq]) -> LaunchedStep:
         """Enqueue one step: the forward, the sampling, and the copy of the sampled tokens to the
@@ -480,7 +422,7 @@ class ModelRunner:
             self._adopt_compiled_decode()
         plan = logprobs_plan(batch)
         step = self.prepare(batch, plan)
-        with MODULE_CALLS.eager_call():  # never inside a window of the decode compiler's tracing (engine/tracing.py)
+        with MODULE_CALLS.eager_call():  # never inside a window of the decode compiler's tracing (runner/tracing.py)
             if self.workers is None:
                 logits, prompt_logprobs = self.execute(step)
             else:
@@ -490,7 +432,9 @@ class ModelRunner:
             sample_logprobs = tokens = None
             if logits is not None:
                 sampling = [s for s in batch if s.samples]
-                tokens = self.sampler(logits, self.prepare_sampling(sampling))
+                sampling_batch = self.sampler.prepare([s.seq for s in sampling], self.upload, self.last_sampled,
+                                                      self.last_sampled_rows)
+                tokens = self.sampler(logits, sampling_batch)
                 self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
                 if plan is not None and plan.sample_rows.size:
                     sample_logprobs = self._sample_logprobs(logits, tokens, step)

@@ -13,7 +13,7 @@ MAX_LOGPROBS = 20
 @dataclass
 class StructuredOutputsParams:
     """vLLM's structured-output constraint: the reply must match exactly one of these
-    (engine/structured_output.py compiles it to a token mask with llguidance)."""
+    (engine/sample/structured_output.py compiles it to a token mask with llguidance)."""
 
     json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
     regex: str | None = None

@@ -2,8 +2,7 @@
 
 `prepare_step` gives the forward pass's inputs (token ids, positions, slot_mapping, the attention
 lengths and block tables, the rows whose logits get sampled); `logprobs_plan` the rows whose
-logprobs some request asked for (None, and no work, when none did); `sampling_columns` gives each
-sampling parameter as a column, only where some row uses it. ModelRunner uploads both to the
+logprobs some request asked for (None, and no work, when none did). ModelRunner uploads them to the
 device. An input token that the previous step sampled and the host has not read yet
 (asynchronous scheduling) is a placeholder here: its row, and the row of the previous step's
 sampled tokens that holds it, tell the device where to fill it in from.
@@ -14,8 +13,8 @@ from itertools import chain
 
 import numpy as np
 
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from engine.core.scheduler import ScheduledSeq
+from engine.core.sequence import Sequence
 
 
 @dataclass
@@ -58,21 +57,6 @@ class LogprobsPlan:
     prompt_token_ids: np.ndarray  # the prompt token each prompt row predicts
     num_prompt_logprobs: int  # the most top tokens any of their requests asked for
     prompt_segments: list[tuple[Sequence, int, int]]  # (sequence, first position, number of rows)
-
-
-@dataclass
-class SamplingColumns:
-    """Each row's sampling parameters as host columns, only those some row uses."""
-
-    all_greedy: bool
-    # repetition_penalties, presence_penalties and frequency_penalties (both or neither), temperatures, top_p,
-    # min_p; and logit_bias_values
-    floats: dict[str, np.ndarray]
-    # top_k; with a repetition penalty, the (row, token) pairs each penalised row has seen (seen_rows,
-    # seen_ids); with presence/frequency penalties, the (row, token) pairs of each such row's output
-    # (output_rows, output_ids); with either, the penalised rows' pending input tokens (pending_rows,
-    # pending_sources), still on the device; with logit biases, (logit_bias_rows, logit_bias_ids)
-    ints: dict[str, np.ndarray]
 
 
 class SampledRows(Mapping[int, int]):
@@ -194,55 +178,3 @@ def prepare_step(batch: list[ScheduledSeq], block_size: int, sampled_rows: Mappi
         step.prompt_logits_index, step.prompt_token_ids = plan.prompt_rows, plan.prompt_token_ids
         step.num_prompt_logprobs = plan.num_prompt_logprobs
     return step
-
-
-def sampling_columns(batch: list[ScheduledSeq], vocab_size: int, sampled_rows: Mapping[int, int]) -> SamplingColumns:
-    """The sampling parameters of `batch` (the rows that sample, in order) as columns.
-
-    A column no row needs is left out, so the sampler skips its work: top_k only where some row
-    limits it below the vocabulary (the others get the whole vocabulary), top_p and min_p only where
-    set, and only what changes the logits (penalties, logit biases) when every row is greedy."""
-    params = [s.seq.sampling_params for s in batch]
-    vocab = vocab_size
-    all_greedy = all(p.temperature == 0 for p in params)
-    floats: dict[str, np.ndarray] = {}
-    if any(p.repetition_penalty != 1.0 for p in params):
-        floats["repetition_penalties"] = np.array([p.repetition_penalty for p in params], np.float32)
-    if not all_greedy:
-        floats["temperatures"] = np.array([p.temperature for p in params], np.float32)
-        if any(p.top_p != 1.0 for p in params):
-            floats["top_p"] = np.array([p.top_p for p in params], np.float32)
-        if any(p.min_p != 0.0 for p in params):
-            floats["min_p"] = np.array([p.min_p for p in params], np.float32)
-    ints: dict[str, np.ndarray] = {}
-    if not all_greedy and any(0 < p.top_k < vocab for p in params):
-        ints["top_k"] = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params], np.int64)
-    if any(p.presence_penalty or p.frequency_penalty for p in params):
-        floats["presence_penalties"] = np.array([p.presence_penalty for p in params], np.float32)
-        floats["frequency_penalties"] = np.array([p.frequency_penalty for p in params], np.float32)
-    if any(p.logit_bias for p in params):
-        biases = [p.logit_bias or {} for p in params]
-        ints["logit_bias_rows"] = np.repeat(np.arange(len(batch)), [len(b) for b in biases])
-        ints["logit_bias_ids"] = np.fromiter(chain.from_iterable(biases), np.int64)
-        floats["logit_bias_values"] = np.fromiter(chain.from_iterable(b.values() for b in biases), np.float32)
-
-    def token_pairs(seqs: list, tokens) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, ids): each row's `tokens(seq)` as (row, token) pairs; rows whose seq is None have none."""
-        lists = [tokens(s) if s else [] for s in seqs]
-        rows = np.repeat(np.arange(len(seqs)), [len(t) for t in lists])
-        return rows, np.fromiter(chain.from_iterable(lists), np.int64, len(rows))
-
-    if "repetition_penalties" in floats:  # the tokens each penalised row has seen: prompt and output
-        seqs = [s.seq if p.repetition_penalty != 1.0 else None for s, p in zip(batch, params, strict=True)]
-        ints["seen_rows"], ints["seen_ids"] = token_pairs(seqs, lambda seq: seq.token_ids)
-    if "presence_penalties" in floats:  # the output only, as OpenAI defines these two
-        seqs = [s.seq if p.presence_penalty or p.frequency_penalty else None
-                for s, p in zip(batch, params, strict=True)]
-        ints["output_rows"], ints["output_ids"] = token_pairs(seqs, lambda seq: seq.output_token_ids)
-    if "repetition_penalties" in floats or "presence_penalties" in floats:
-        # A pending input token is a sampled one, so it is in the output too. Rows penalised by neither kind
-        # may be listed: a penalty of 1 (repetition) or 0 (presence, frequency) changes nothing.
-        pending = [row for row, s in enumerate(batch) if s.seq.num_pending_tokens]
-        ints["pending_rows"] = np.array(pending, np.int64)
-        ints["pending_sources"] = rows_in_last_sampled([batch[row].seq for row in pending], sampled_rows)
-    return SamplingColumns(all_greedy, floats, ints)

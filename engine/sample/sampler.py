@@ -1,20 +1,36 @@
 """Sampling with per-request parameters, vectorised over the batch.
 
+`Sampler.prepare` turns the rows' `SamplingParams` into a `SamplingBatch`: one device column per
+parameter, only where some row uses it, so the sampler skips the work nobody asked for. The columns
+cross to the device in one upload per dtype, without waiting for the steps in flight.
+
 Sampling uses the exponential race (argmax of probs / Exponential(1) noise), which draws from
 `probs` exactly and lets seeded requests draw their noise from their own generator. The noise is
 drawn eagerly (generators cannot enter a compiled function); the rest is `pick_tokens`.
 """
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 from torch import nn
 
+from engine.core.sequence import Sequence
+from engine.runner.step_inputs import rows_in_last_sampled
+from engine.sample.structured_output import fill_bitmask
+
 log = logging.getLogger("engine")
+
+# (host arrays, dtype) -> device tensors, as one transfer (ModelRunner.upload)
+Upload = Callable[[list[np.ndarray], torch.dtype], list[torch.Tensor]]
 
 
 @dataclass
 class SamplingBatch:
+    """The sampling parameters of one step's sampling rows, as device columns; None where no row uses one."""
+
     temperatures: torch.Tensor | None  # [B] float32, 0 = greedy; None when all_greedy
     top_k: torch.Tensor | None  # [B] int64, vocab size = off; None when no row uses it
     top_p: torch.Tensor | None  # [B] float32
@@ -36,6 +52,42 @@ class SamplingBatch:
         """Whether anything but temperature and truncation applies: greedy rows then need it too."""
         return (self.repetition_penalties is not None or self.logit_bias is not None
                 or self.presence_penalties is not None)
+
+
+class Columns:
+    """Host arrays of one dtype on their way to the device in one upload. `add` hands back a `Column`
+    whose `tensor` is filled in by `send`."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.columns = dtype, []
+        self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+
+    def add(self, values) -> "Column":
+        column = Column(np.asarray(values, self.np_dtype))
+        self.columns.append(column)
+        return column
+
+    def send(self, upload: Upload) -> None:
+        tensors = upload([c.host for c in self.columns], self.dtype)
+        for column, tensor in zip(self.columns, tensors, strict=True):
+            column.tensor = tensor
+
+
+@dataclass
+class Column:
+    host: np.ndarray
+    tensor: torch.Tensor | None = None
+
+
+def on_device(column: Column | None) -> torch.Tensor | None:
+    return None if column is None else column.tensor
+
+
+def token_pairs(seqs: list[Sequence | None], tokens: Callable[[Sequence], list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, ids): each row's `tokens(seq)` as (row, token) pairs; rows whose seq is None have none."""
+    lists = [tokens(s) if s else [] for s in seqs]
+    rows = np.repeat(np.arange(len(seqs)), [len(t) for t in lists])
+    return rows, np.fromiter(chain.from_iterable(lists), np.int64, len(rows))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
@@ -152,10 +204,16 @@ class CompiledPick:
 
 
 class Sampler(nn.Module):
-    def __init__(self, compiled: bool = False):
-        """`compiled`: large batches go through torch.compile (the GPU's choice, off with enforce_eager)."""
+    def __init__(self, vocab_size: int = 0, device: torch.device | str = "cpu", compiled: bool = False):
+        """`compiled`: large batches go through torch.compile (the GPU's choice, off with enforce_eager).
+        `vocab_size` and `device`: for `prepare`; a sampler given ready batches needs neither."""
         super().__init__()
+        self.vocab_size, self.device = vocab_size, torch.device(device)
         self.pick = CompiledPick() if compiled else pick_tokens
+        # Values assigned through tensor indices must already be on the device: a Python scalar is
+        # staged through a blocking copy that waits for every step in flight.
+        self.true_on_device = torch.ones((), dtype=torch.bool, device=self.device)
+        self.one_on_device = torch.ones((), dtype=torch.float32, device=self.device)
 
     @property
     def kind(self) -> str:
@@ -163,6 +221,105 @@ class Sampler(nn.Module):
         if isinstance(self.pick, CompiledPick):
             return "eager (compile failed)" if self.pick.failed else "compiled"
         return "eager"
+
+    def prepare(self, seqs: list[Sequence], upload: Upload, last_sampled: torch.Tensor | None = None,
+                last_sampled_rows: Mapping[int, int] | None = None) -> SamplingBatch:
+        """The sampling parameters of `seqs` (the rows that sample, in order) as device columns.
+
+        A column no row needs is left out: top_k only where some row limits it below the vocabulary (the
+        others get the whole vocabulary), top_p and min_p only where set, and only what changes the logits
+        (penalties, logit biases) when every row is greedy. A row whose newest token is still only on the
+        device (asynchronous scheduling) finds it in `last_sampled`, at its row in `last_sampled_rows`."""
+        params = [s.sampling_params for s in seqs]
+        vocab = self.vocab_size
+        floats, ints = Columns(torch.float32), Columns(torch.int64)
+        all_greedy = all(p.temperature == 0 for p in params)
+        temperatures = top_k = top_p = min_p = repetition = presence = frequency = None
+        if not all_greedy:
+            temperatures = floats.add([p.temperature for p in params])
+            if any(0 < p.top_k < vocab for p in params):
+                top_k = ints.add([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+            if any(p.top_p != 1.0 for p in params):
+                top_p = floats.add([p.top_p for p in params])
+            if any(p.min_p != 0.0 for p in params):
+                min_p = floats.add([p.min_p for p in params])
+        seen = outputs = bias = pending = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition = floats.add([p.repetition_penalty for p in params])
+            # the tokens each penalised row has seen: prompt and output
+            seen = [ints.add(a) for a in token_pairs([s if p.repetition_penalty != 1.0 else None
+                                                      for s, p in zip(seqs, params, strict=True)],
+                                                     lambda seq: seq.token_ids)]
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            presence = floats.add([p.presence_penalty for p in params])
+            frequency = floats.add([p.frequency_penalty for p in params])
+            # the output only, as OpenAI defines these two
+            outputs = [ints.add(a) for a in token_pairs([s if p.presence_penalty or p.frequency_penalty else None
+                                                         for s, p in zip(seqs, params, strict=True)],
+                                                        lambda seq: seq.output_token_ids)]
+        if seen or outputs:
+            # A pending input token is a sampled one, so it is in the output too. Rows penalised by neither
+            # kind may be listed: a penalty of 1 (repetition) or 0 (presence, frequency) changes nothing.
+            waiting = [row for row, s in enumerate(seqs) if s.num_pending_tokens]
+            if waiting:
+                sources = rows_in_last_sampled([seqs[row] for row in waiting], last_sampled_rows or {})
+                pending = (ints.add(waiting), ints.add(sources))
+        if any(p.logit_bias for p in params):
+            biases = [p.logit_bias or {} for p in params]
+            bias = (ints.add(np.repeat(np.arange(len(seqs)), [len(b) for b in biases])),
+                    ints.add(np.fromiter(chain.from_iterable(biases), np.int64)),
+                    floats.add(np.fromiter(chain.from_iterable(b.values() for b in biases), np.float32)))
+        constrained = [row for row, s in enumerate(seqs) if s.grammar is not None]
+        grammar_rows = ints.add(constrained) if constrained else None
+        floats.send(upload)
+        ints.send(upload)
+
+        device_pending = None
+        if pending is not None:
+            device_pending = (pending[0].tensor, last_sampled[pending[1].tensor])
+        return SamplingBatch(
+            temperatures=on_device(temperatures), top_k=on_device(top_k), top_p=on_device(top_p),
+            min_p=on_device(min_p), repetition_penalties=on_device(repetition),
+            seen_tokens=self._token_mask(len(seqs), seen, device_pending, torch.bool),
+            generators=[s.generator for s in seqs], all_greedy=all_greedy,
+            logit_bias=self._bias(len(seqs), bias),
+            presence_penalties=on_device(presence), frequency_penalties=on_device(frequency),
+            output_counts=self._token_mask(len(seqs), outputs, device_pending, torch.float32),
+            grammar_rows=on_device(grammar_rows),
+            grammar_allowed=self._grammar_allowed([seqs[row].grammar for row in constrained], upload),
+        )
+
+    def _token_mask(self, num_rows: int, pairs: list[Column] | None, pending, dtype: torch.dtype):
+        """[rows, vocab]: which tokens each row holds (bool), or how often (float32), from (row, token) pairs
+        and the rows' pending tokens."""
+        if pairs is None:
+            return None
+        mask = torch.zeros(num_rows, self.vocab_size, dtype=dtype, device=self.device)
+        one = self.true_on_device if dtype == torch.bool else self.one_on_device
+        rows, ids = pairs[0].tensor, pairs[1].tensor
+        mask.index_put_((rows, ids), one.expand(len(ids)), accumulate=dtype != torch.bool)
+        if pending is not None:
+            mask.index_put_(pending, one.expand(len(pending[0])), accumulate=dtype != torch.bool)
+        return mask
+
+    def _bias(self, num_rows: int, bias: tuple[Column, Column, Column] | None) -> torch.Tensor | None:
+        if bias is None:
+            return None
+        table = torch.zeros(num_rows, self.vocab_size, dtype=torch.float32, device=self.device)
+        table.index_put_((bias[0].tensor, bias[1].tensor), bias[2].tensor)
+        return table
+
+    def _grammar_allowed(self, grammars: list, upload: Upload) -> torch.Tensor | None:
+        """[rows, vocab] bool: the tokens each constrained row may sample, filled on the host while the
+        device runs this step's forward pass."""
+        if not grammars:
+            return None
+        mask = fill_bitmask(grammars, self.vocab_size, parallel=self.device.type != "cpu")
+        if self.device.type == "cpu":  # numpy unpacks the bits in one C pass
+            bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
+            return torch.from_numpy(bits.view(np.bool_))
+        (words,) = upload([mask], torch.int32)  # a 32x smaller transfer, unpacked on the device
+        return unpack_bitmask(words, self.vocab_size)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.grammar_rows is not None:
@@ -175,54 +332,3 @@ class Sampler(nn.Module):
         return self.pick(logits, None if batch.all_greedy else batch.temperatures, batch.top_k, batch.top_p,
                          batch.min_p, batch.repetition_penalties, batch.seen_tokens, noise, batch.logit_bias,
                          batch.presence_penalties, batch.frequency_penalties, batch.output_counts)
-
-
-@dataclass
-class LogprobsTensors:
-    """vLLM's LogprobsTensors: for each row, the log probability of one chosen token (the sampled one, or
-    the prompt's next one) and the `k` most likely tokens with theirs, in float32."""
-
-    token_logprobs: torch.Tensor  # [rows] float32
-    topk_ids: torch.Tensor  # [rows, k] int64, most likely first
-    topk_logprobs: torch.Tensor  # [rows, k] float32
-
-    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.token_logprobs, self.topk_ids, self.topk_logprobs
-
-    @staticmethod
-    def cat(parts: list["LogprobsTensors"]) -> "LogprobsTensors":
-        if len(parts) == 1:
-            return parts[0]
-        return LogprobsTensors(*(torch.cat(ts) for ts in zip(*(p.fields() for p in parts), strict=True)))
-
-    def to_host(self) -> "LogprobsTensors":
-        """Copies in pinned memory, arriving without making the host wait: valid once the device has
-        reached this point (the step's readback event)."""
-        def pinned(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-        return LogprobsTensors(*(pinned(t) for t in self.fields()))
-
-    def dicts(self, token_ids: list[int], ks: list[int]) -> list[dict[int, float]]:
-        """One `{token_id: logprob}` per row, as vLLM gives them: the chosen token first, then the row's
-        own top `ks[i]` (fewer entries when the chosen token is among them)."""
-        chosen, ids, values = self.token_logprobs.tolist(), self.topk_ids.tolist(), self.topk_logprobs.tolist()
-        out = []
-        for i, (token, k) in enumerate(zip(token_ids, ks, strict=True)):
-            row = {token: chosen[i]}
-            row.update(zip(ids[i][:k], values[i][:k]))
-            out.append(row)
-        return out
-
-
-def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """The raw distribution's logprobs of `token_ids` (one per row of `logits`) and of each row's top `k`
-    (vLLM's "raw_logprobs": the logits as the model gave them, before any sampling parameter)."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids[:, None].long())[:, 0]
-    if k:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
-    else:
-        top_values = logprobs.new_empty(logprobs.shape[0], 0)
-        top_ids = torch.empty(logprobs.shape[0], 0, dtype=torch.int64, device=logprobs.device)
-    return LogprobsTensors(chosen, top_ids, top_values)

@@ -18,7 +18,7 @@ Allocation takes empty blocks first and then evicts cached ones, least recently 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 @dataclass

@@ -20,9 +20,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from itertools import count
 
-from engine.llm_engine import LLMEngine, StepFailed
-from engine.outputs import EngineStats, KVBlock, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.front.llm_engine import LLMEngine, StepFailed
+from engine.front.outputs import EngineStats, KVBlock, RequestOutput
+from engine.front.sampling_params import SamplingParams
 
 log = logging.getLogger("engine")
 _DONE = object()
@@ -57,7 +57,7 @@ class EngineThread:
     def load(cls, model: str, name: str = "pagoda-engine", **settings) -> "EngineThread":
         """`EngineThread(LLM(model, **settings))`, with the LLM built in a thread that ends once it is
         (see the module's note on OpenMP's pools). Load errors are raised here, as LLM raises them."""
-        from engine.llm_engine import LLM
+        from engine.front.llm_engine import LLM
 
         built: dict = {}
 

@@ -1,0 +1,59 @@
+"""The model loaded last from the Models tab, kept in the store, so that Pagoda starts with it again.
+
+Only a model still on this computer is loaded at start (a downloaded repo, a folder or a .gguf file):
+nothing is downloaded then. A model deleted since, or one that no longer loads, gives the bundled one, and the
+status line says why; so does a model loaded again (the status names it as the one used last)."""
+import logging
+from pathlib import Path
+
+from app.model_host import ModelHost, resolve_model
+from app.store import ConversationStore
+
+log = logging.getLogger("pagoda")
+KEY = "last_model"
+
+
+class LastModel:
+    """Reads and writes the remembered model: the user's choice as typed or picked, and its load settings."""
+
+    def __init__(self, store: ConversationStore):
+        self.store = store
+
+    def remember(self, choice: str, settings: dict) -> None:
+        self.store.set_app_setting(KEY, {"model": choice, "settings": settings})
+
+    def recall(self) -> tuple[str, dict] | None:
+        """(choice, load settings) of the model loaded last; None before the first load (or when unreadable)."""
+        saved = self.store.app_setting(KEY)
+        if not isinstance(saved, dict) or not isinstance(saved.get("model"), str):
+            return None
+        settings = saved.get("settings")
+        return saved["model"], settings if isinstance(settings, dict) else {}
+
+
+def load_at_start(host: ModelHost, last: LastModel, cli_model: str | None, downloaded: dict[str, Path],
+                  max_num_seqs: int) -> None:
+    """Start the load Pagoda begins with: the command line's model when given, else the model used last when it
+    is still here (`downloaded`: repo id -> its files, as the Models tab lists them), else the bundled one."""
+    recalled = None if cli_model else last.recall()
+    if recalled is None:
+        host.load_default(cli_model, max_num_seqs=max_num_seqs)
+        return
+    choice, settings = recalled
+    try:
+        source, label = resolve_model(choice, downloaded)
+    except RuntimeError:
+        log.info("%s, the model used last, is no longer here: loading the bundled model", choice)
+        host.load_default(None, max_num_seqs=max_num_seqs,
+                          note=f"({choice}, the model used last, is no longer on this computer: download it again "
+                               "from the Models tab.)")
+        return
+    def instead(why: str) -> None:  # it no longer loads here (less memory free, say): Pagoda still starts serving
+        log.warning("%s, the model used last, did not load: loading the bundled model", choice)
+        host.load_default(None, max_num_seqs=max_num_seqs,
+                          note=f"({choice}, the model used last, did not load: {why} The bundled model serves "
+                               "instead.)")
+
+    # The chat slots follow this start's --max-chats, not the last one's
+    host.load(source, label=label, remember_as=choice, note="(The model used last, loaded again at start.)",
+              on_failure=instead, **{**settings, "max_num_seqs": max_num_seqs})

@@ -1,0 +1,81 @@
+"""The SQLite schema of Pagoda's store, and its migrations: a database is brought up to this Pagoda's version as
+it opens, inside one transaction, and one written by a newer Pagoda (or not by Pagoda) is refused with what to do."""
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["DEFAULT_PRESETS", "MIGRATIONS", "SCHEMA_VERSION", "SchemaError", "migrate"]
+
+DEFAULT_PRESETS: tuple[tuple[str, str], ...] = (
+    ("Helpful assistant", "You are a helpful assistant."),
+    ("Concise", "You are a helpful assistant. Answer briefly and directly: short sentences, no preamble, "
+                "no repetition of the question. Use a list only when it is clearer than prose."),
+    ("Coder", "You are an expert programmer. Give correct, idiomatic, runnable code in fenced code blocks "
+              "with the language named. Explain only what is not obvious from the code, and point out "
+              "edge cases and bugs you notice."),
+)
+
+
+class SchemaError(RuntimeError):
+    """The file is not a Pagoda database, or was written by a newer Pagoda."""
+
+
+def _create_v1(conn: sqlite3.Connection) -> None:
+    conn.execute("""
+        CREATE TABLE conversations (
+            id            INTEGER PRIMARY KEY AUTOINCREMENT,
+            title         TEXT NOT NULL,
+            system_prompt TEXT NOT NULL DEFAULT '',
+            settings      TEXT NOT NULL DEFAULT '{}',
+            created       REAL NOT NULL,
+            updated       REAL NOT NULL
+        )""")
+    conn.execute("CREATE INDEX conversations_by_updated ON conversations(updated DESC, id DESC)")
+    conn.execute("""
+        CREATE TABLE messages (
+            id              INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content         TEXT NOT NULL,
+            meta            TEXT NOT NULL DEFAULT '{}',
+            created         REAL NOT NULL
+        )""")
+    conn.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
+    conn.execute("""
+        CREATE TABLE presets (
+            name          TEXT PRIMARY KEY,
+            system_prompt TEXT NOT NULL
+        )""")
+    conn.executemany("INSERT INTO presets(name, system_prompt) VALUES (?, ?)", DEFAULT_PRESETS)
+
+
+def _add_app_settings_v2(conn: sqlite3.Connection) -> None:
+    """The app's own settings, one JSON value per key (the model loaded last, app/last_model.py)."""
+    conn.execute("CREATE TABLE app_settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+
+
+# MIGRATIONS[v] upgrades a database at user_version v to v + 1, inside one transaction.
+# Version 0 is a brand-new file. To change the schema, append a function and bump nothing else.
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1, _add_app_settings_v2]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(conn: sqlite3.Connection, path: Path | str) -> None:
+    """Bring the database open on `conn` (inside a write transaction) to SCHEMA_VERSION. `path` names it in errors."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise SchemaError(
+            f"{path} has schema version {version}, but this Pagoda only understands up to "
+            f"version {SCHEMA_VERSION}: it was written by a newer Pagoda. Upgrade Pagoda, or set "
+            f"PAGODA_HOME to another folder to start a separate history.")
+    if version == 0:
+        tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
+        if tables:
+            raise SchemaError(
+                f"{path} is an SQLite database but not a Pagoda one. Move it aside, or set "
+                f"PAGODA_HOME to another folder.")
+    for v in range(version, SCHEMA_VERSION):
+        MIGRATIONS[v](conn)
+        conn.execute(f"PRAGMA user_version = {v + 1}")

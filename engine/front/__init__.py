@@ -1,0 +1,2 @@
+"""The engine's front: what callers hold. `LLM`/`LLMEngine` (the step loop, offline generate), `EngineThread`
+(the thread-safe online front), `SamplingParams` in and `RequestOutput`/`EngineStats` out, the detokenizer."""

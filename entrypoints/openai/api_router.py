@@ -1,0 +1,139 @@
+"""The /v1 routes: /v1/models, /v1/chat/completions and /v1/completions, each answering in OpenAI's shapes.
+
+A route reads its body and finds the served model; serving.py does the rest. Every route passes through
+`guarded`: the API key, then OpenAI's error shape for whatever fails (a bug of ours is a 500 in that shape,
+with the traceback in the log).
+"""
+import functools
+import logging
+import secrets
+
+import anyio
+from fastapi import APIRouter, Request
+
+from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
+from entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionBody,
+    CompletionBody,
+    ModelCard,
+    ModelList,
+    openapi_body,
+    parse_body,
+)
+from entrypoints.openai.serving import (
+    BACKGROUND_PRIORITY,
+    TOOLS_DROPPED_HEADER,
+    Echo,
+    ModelSource,
+    ServedModel,
+    chat_prompt,
+    complete,
+    refuse_what_cannot_fit,
+)
+
+log = logging.getLogger("pagoda.api")
+
+
+def key_required() -> APIError:
+    return APIError(401, "a valid API key is required: send it as `Authorization: Bearer <key>`",
+                    type="authentication_error", code="invalid_api_key")
+
+
+def has_key(authorization: str, api_key: str | None) -> bool:
+    """Whether an Authorization header carries the key (any header does when there is no key)."""
+    if api_key is None:
+        return True
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
+
+
+def create_router(models: ModelSource, api_key: str | None = None,
+                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                  max_request_bytes: int = MAX_REQUEST_BYTES) -> APIRouter:
+    """The /v1 routes. With an api_key, every one of them wants `Authorization: Bearer <key>`.
+    `default_max_tokens`: for requests that send none (None: the rest of the context);
+    `max_request_bytes`: larger bodies get a 413."""
+
+    def guarded(route):
+        @functools.wraps(route)  # FastAPI reads the route's own parameters through this wrapper
+        async def answer(request: Request, *args, **kwargs):
+            try:
+                if not has_key(request.headers.get("authorization", ""), api_key):
+                    raise key_required()
+                return await route(request, *args, **kwargs)
+            except APIError as e:
+                return e.response()
+            except Exception as e:  # a bug of ours: still OpenAI's error shape, and the traceback in the log
+                log.exception("%s %s failed", request.method, request.url.path)
+                return APIError(500, f"Pagoda failed on this request ({type(e).__name__}: {e}); the server log has "
+                                     "the details", type="server_error").response()
+        return answer
+
+    router = APIRouter(prefix="/v1")
+    told_of_dropped_tools: set[tuple] = set()
+
+    def served(asked: str | None) -> ServedModel:
+        model = models()
+        if model is None:
+            raise APIError(503, "no model is loaded; load one in Pagoda's Models tab", type="server_error",
+                           code="model_not_loaded")
+        if asked is not None and asked != model.name:
+            raise APIError(404, f"the model {asked!r} does not exist; this server serves {model.name!r}",
+                           code="model_not_found", param="model")
+        return model
+
+    def model_card(model: ServedModel) -> ModelCard:
+        return ModelCard(id=model.name, max_model_len=model.engine.max_model_len)
+
+    @router.get("/models")
+    @guarded
+    async def list_models(request: Request):
+        model = models()
+        return ModelList(data=[] if model is None else [model_card(model)]).model_dump()
+
+    @router.get("/models/{model_id:path}")
+    @guarded
+    async def retrieve_model(request: Request, model_id: str):
+        return model_card(served(model_id)).model_dump()
+
+    @router.post("/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
+    @guarded
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionBody, max_request_bytes)
+        model = served(body.model)
+        if "priority" not in body.model_fields_set and body.looks_like_a_background_task:
+            body.priority = BACKGROUND_PRIORITY  # out of the way of the user's visible chats
+        token_ids, plan, dropped = await chat_prompt(model.engine, body)
+        if dropped:
+            client = (request.client.host if request.client else "?", request.headers.get("user-agent", ""))
+            if (client, dropped.split(":")[0]) not in told_of_dropped_tools:  # once per client and reason
+                told_of_dropped_tools.add((client, dropped.split(":")[0]))
+                log.warning("tools dropped for %s (%s): %s", client[0], client[1] or "no user agent", dropped)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await complete(request, model, body, token_ids, max_tokens, default_max_tokens, chat=True,
+                              tools=plan, headers={TOOLS_DROPPED_HEADER: dropped} if dropped else None)
+
+    @router.post("/completions", openapi_extra=openapi_body(CompletionBody))
+    @guarded
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionBody, max_request_bytes)
+        model = served(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "send one prompt per request (a list of several prompts is not supported)",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            refuse_what_cannot_fit(model.engine, len(prompt), "prompt")
+            token_ids = await anyio.to_thread.run_sync(model.engine.tokenize, prompt)
+        else:
+            token_ids = list(prompt)
+        # Token ids are decoded for the echo once the engine has accepted them (in `complete`)
+        echo = Echo(prompt if isinstance(prompt, str) else None, token_ids, only=body.echo_only) \
+            if body.echo else None
+        return await complete(request, model, body, token_ids, body.max_tokens, default_max_tokens, chat=False,
+                              echo=echo)
+
+    return router

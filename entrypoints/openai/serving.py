@@ -1,0 +1,399 @@
+"""Serving one request: the prompt a chat becomes, the sampling settings, the engine's stream, and the reply
+in OpenAI's shape (whole, or as server-sent events). The routes (api_router.py) call `complete`."""
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from functools import lru_cache
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine import EngineThread, RequestFailed, RequestStream, SamplingParams
+from entrypoints.openai import request_log
+from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from entrypoints.openai.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionBody,
+    CompletionBody,
+    CompletionChoice,
+    CompletionResponse,
+    CompletionTokensDetails,
+    Delta,
+    PromptTokensDetails,
+    RequestBody,
+    Usage,
+)
+from entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, prompt_messages, template_knows_tools
+from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
+
+
+@dataclass
+class ServedModel:
+    """What the API serves right now: the engine and the name clients ask for it by."""
+
+    engine: EngineThread
+    name: str
+
+
+# None: no model is loaded (the app between models); it may also raise APIError to say why not.
+ModelSource = Callable[[], ServedModel | None]
+
+
+@lru_cache(maxsize=4)
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for: its spelling's length (byte-level BPE spells each byte as
+    one character, SentencePiece each character), so n tokens never hold more than n times this."""
+    return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t)
+
+
+def refuse_what_cannot_fit(engine: EngineThread, chars: int, param: str) -> None:
+    """A 400 for text too long for the context whatever its tokens, before tokenizing it: a 10 MB prompt
+    once took 21 s to tokenize only to be refused."""
+    most = engine.max_model_len * max_token_chars(engine.tokenizer)
+    if chars > most:
+        raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, which hold "
+                            f"at most {most:,} characters, and this request sends {chars:,}. Shorten the {param}.",
+                       code="context_length_exceeded", param=param)
+
+
+# What Open WebUI's background tasks get when they send no priority (lower is more urgent; chats get 0):
+# beside three 8k-token requests at it, a chat kept 0.98x of its speed alone, at 0 it kept 0.03x
+# (bench/RESULTS.md).
+BACKGROUND_PRIORITY = 1
+
+# A response whose request's tools were left out (tool_choice auto) says why in this header.
+TOOLS_DROPPED_HEADER = "X-Pagoda-Tools-Dropped"
+# Tools with tool_choice auto are left out when their description would take more than this share of the
+# context: Open WebUI sends 36 by default, about 7k tokens, which leaves an 8k model no room for the chat.
+TOOLS_MAX_SHARE = 0.5
+
+
+async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> tuple[list[int], ToolPlan | None, str]:
+    """The chat's prompt ids, its tool plan, and why its tools were left out ("" when they were not).
+
+    Tools with tool_choice auto (or none given, as Open WebUI sends them on every chat) are left out
+    when the template has no place for them or they would take too much of the context: refusing them
+    would break every chat of such a client. `required` and a named tool always go in (described in
+    a system message when the template knows no tools): the reply is held to the calls anyway."""
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    chat_template = engine.tokenizer.chat_template
+    knows_tools = template_knows_tools(chat_template)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        if not template_thinks(chat_template):
+            raise APIError(400, "reasoning_effort is for models that think (Qwen3, DeepSeek-R1 distills), and this "
+                                "one does not: leave it out", param="reasoning_effort")
+        template_kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
+    dropped = ""
+    if plan is not None and plan.mode == "auto" and not knows_tools:
+        plan, dropped = None, "the model's chat template has no tool support"
+    raw = [m.for_template(i) for i, m in enumerate(body.messages)]
+    tools = plan.template_tools() if plan else None
+    messages = prompt_messages(raw, tools, knows_tools)
+    refuse_what_cannot_fit(engine, sum(len(json.dumps(m)) for m in messages), "messages")
+    with_tools = {**template_kwargs, "tools": tools} if tools and knows_tools else template_kwargs
+    token_ids = await anyio.to_thread.run_sync(lambda: encode_chat(engine, messages, **with_tools))
+    if tools and plan.mode == "auto":
+        bare = await anyio.to_thread.run_sync(lambda: encode_chat(engine, prompt_messages(raw, None, knows_tools),
+                                                                  **template_kwargs))
+        cost, limit = len(token_ids) - len(bare), int(TOOLS_MAX_SHARE * engine.max_model_len)
+        if cost > limit:
+            token_ids, plan = bare, None
+            dropped = (f"the tools take {cost:,} tokens, more than {TOOLS_MAX_SHARE:.0%} of the model's "
+                       f"{engine.max_model_len:,}-token context")
+    return token_ids, plan, dropped
+
+
+def encode_chat(engine: EngineThread, messages: list[dict], **template_kwargs) -> list[int]:
+    """The conversation through the engine's one chat encoder, which the app's chats use too."""
+    from jinja2 import TemplateError
+
+    try:
+        return engine.encode_chat(messages, **template_kwargs)
+    except ValueError as e:  # e.g. a model without a chat template
+        raise APIError(400, f"{e}; use /v1/completions with a plain prompt") from None
+    except TemplateError as e:  # the template refuses the conversation (e.g. roles out of order)
+        raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
+
+
+def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int | None,
+                    max_model_len: int, default_max_tokens: int | None = None,
+                    tools: ToolPlan | None = None) -> SamplingParams:
+    """The request's sampling settings. Without max_tokens: `default_max_tokens`, or as many as the
+    context has room for, whichever is fewer."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                            f"{num_prompt_tokens}. Shorten the messages.", code="context_length_exceeded",
+                                param="messages")
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                            f"{max_tokens} for "
+                            f"the completion). Reduce the prompt or max_tokens.",
+                       code="context_length_exceeded", param="max_tokens")
+    logprobs = prompt_logprobs = None
+    if isinstance(body, ChatCompletionBody):
+        logprobs = body.num_logprobs
+    elif isinstance(body, CompletionBody):
+        logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo else None
+        if body.echo_only:  # one token is generated (the engine always samples one) and left out of the reply
+            max_tokens = 1
+    if max_tokens is None:
+        max_tokens = min(room, default_max_tokens or room)
+    constraint = body.constraint()
+    forced = tools.constraint() if tools else None
+    if forced is not None:
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {tools.mode!r} holds the reply to tool calls, so it cannot also follow "
+                                "response_format; send one of them", param="response_format")
+        constraint = forced
+    return body.sampling_params(max_tokens, logprobs, prompt_logprobs, constraint)
+
+
+@dataclass
+class Echo:
+    """A completion's prompt, to put before its text (`echo`)."""
+
+    text: str | None  # None: to be decoded from token_ids
+    token_ids: list[int]
+    only: bool  # max_tokens=0: the prompt and nothing generated
+
+
+@lru_cache(maxsize=4)
+def token_texts(tokenizer) -> TokenTexts:
+    """One per tokenizer, so its cache of token texts lasts across requests."""
+    return TokenTexts(tokenizer)
+
+
+async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int],
+                   max_tokens: int | None, default_max_tokens: int | None, chat: bool,
+                   echo: Echo | None = None, tools: ToolPlan | None = None,
+                   headers: dict[str, str] | None = None) -> object:
+    engine = model.engine
+    params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len, default_max_tokens, tools)
+    try:
+        stream = await anyio.to_thread.run_sync(engine.submit, token_ids, params, body.priority)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e)) from None
+    except RuntimeError as e:
+        raise APIError(503, str(e), type="server_error") from None
+    if echo is not None and echo.text is None:
+        # Only now: the engine has refused ids outside the vocabulary with a 400 that names them, where the
+        # tokenizer raised OverflowError on a negative one (a 500).
+        try:
+            echo.text = await anyio.to_thread.run_sync(engine.tokenizer.decode, echo.token_ids)
+        except BaseException:
+            stream.cancel()
+            raise
+    texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
+    reasoning = None
+    if chat and template_thinks(engine.tokenizer.chat_template) and not (tools and tools.constraint()):
+        prompt_tail = await anyio.to_thread.run_sync(engine.tokenizer.decode, token_ids[-8:])
+        reasoning = ReasoningSplitter(in_reasoning=prompt_opens_reasoning(prompt_tail))
+    reply = Reply(model.name, chat, len(token_ids), params.logprobs, texts, echo,
+                  ToolCallStream(tools) if tools and tools.mode != "none" else None, reasoning)
+    request_log.record(request, reply)
+    if body.stream:
+        return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+    text = []
+    try:
+        async for out in stream:
+            reply.count(out)
+            text.append(out.new_text)
+            if reply.chat:
+                reply.take(out)
+            if await request.is_disconnected():
+                stream.cancel()
+                return JSONResponse({}, status_code=499)
+    except RequestFailed as e:
+        raise APIError(500, str(e), type="server_error") from None
+    return JSONResponse(reply.whole("".join(text)), headers=headers)
+
+
+class Reply:
+    """Shapes engine increments into OpenAI's response objects and counts usage.
+
+    `logprobs`: SamplingParams.logprobs (None: not asked), with `texts` to name the tokens; `echo`: a
+    completion's prompt, which comes first in its text (and its logprobs, when asked)."""
+
+    def __init__(self, model_name: str, chat: bool, num_prompt_tokens: int, logprobs: int | None = None,
+                 texts: TokenTexts | None = None, echo: Echo | None = None, tools: ToolCallStream | None = None,
+                 reasoning: ReasoningSplitter | None = None):
+        self.model_name, self.chat = model_name, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = num_prompt_tokens, 0, 0
+        self.finish_reason: str | None = None
+        self.logprobs, self.texts, self.echo = logprobs, texts, echo
+        self.token_ids: list[int] = []  # the reply's tokens, and their logprobs entries when asked
+        self.entries: list[dict[int, float]] = []
+        self.prompt_entries: list[dict[int, float] | None] | None = None
+        self.text_sent = 0  # characters of a streamed completion's text sent so far (its tokens' text_offset)
+        self.tools = tools  # parses tool calls out of the text, when the request has tools
+        self.reasoning = reasoning  # splits a thinking model's reasoning from its answer
+        self.reasoning_tokens = 0
+        self.content: list[str] = []  # a chat reply's content, as `take` has split it
+
+    def take(self, out, final: bool = False) -> tuple[str, str, list[dict]]:
+        """A chat increment's text as (reasoning, content, tool-call deltas); `final`: after the last
+        increment, what was held back. The content is kept for `whole`."""
+        text = "" if final else out.new_text
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.finish() if final else self.reasoning.feed(text)
+            if reasoning and not text and out is not None:
+                self.reasoning_tokens += len(out.new_token_ids)
+        calls = []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            if final:
+                more, more_calls = self.tools.finish()
+                text, calls = text + more, calls + more_calls
+        self.content.append(text)
+        return reasoning, text, calls
+
+    @property
+    def choice_finish_reason(self) -> str | None:
+        """OpenAI's: "tool_calls" when a reply that ended by itself called tools."""
+        if self.tools is not None and self.tools.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
+
+    def count(self, out) -> None:
+        self.cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_entries = out.prompt_logprobs
+        if self.echo is not None and self.echo.only:  # the token generated is not part of the reply
+            self.finish_reason = "length" if out.finished and out.finish_reason != "abort" else self.finish_reason
+            return
+        self.completion_tokens += len(out.new_token_ids)
+        self.token_ids += out.new_token_ids
+        self.entries += out.logprobs or []
+        if out.finished and out.finish_reason in ("stop", "length"):
+            self.finish_reason = out.finish_reason
+
+    def choice_logprobs(self, token_ids: list[int], entries: list, text_offset: int = 0) -> dict | None:
+        """`choices[i].logprobs` for these tokens in the route's shape; None when not asked."""
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": chat_logprobs(token_ids, entries, self.logprobs, self.texts)}
+        return completion_logprobs(token_ids, entries, self.texts, text_offset)
+
+    def echoed_prompt(self) -> tuple[list[int], list]:
+        """The echoed prompt's tokens and entries (None for the first; all None if logprobs were not asked)."""
+        ids = self.echo.token_ids
+        return ids, self.prompt_entries or [None] * len(ids)
+
+    def usage(self) -> Usage:
+        usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                      total_tokens=self.prompt_tokens + self.completion_tokens,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+        if self.reasoning is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens)
+        return usage
+
+    def response(self, choices: list, usage: Usage | None = None, chunk: bool = False) -> CompletionResponse:
+        response = CompletionResponse(id=self.id, object=f"{self.object}.chunk" if chunk and self.chat else self.object,
+                                      created=self.created, model=self.model_name, choices=choices)
+        if usage is not None:
+            response.usage = usage
+        return response
+
+    def whole(self, text: str) -> dict:
+        ids, entries = self.token_ids, self.entries
+        if self.echo is not None:
+            prompt_ids, prompt_entries = self.echoed_prompt()
+            text = self.echo.text + ("" if self.echo.only else text)
+            ids, entries = prompt_ids + ids, prompt_entries + entries
+        logprobs = self.choice_logprobs(ids, entries)
+        if self.chat:
+            self.take(None, final=True)
+            content = "".join(self.content)
+            message = AssistantMessage(content=content or None if self.tools and self.tools.calls else content)
+            if self.reasoning is not None and self.reasoning.reasoning:
+                message.reasoning_content = self.reasoning.reasoning
+            if self.tools is not None and self.tools.calls:
+                message.tool_calls = self.tools.calls
+            choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=self.choice_finish_reason)
+        else:
+            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=self.finish_reason)
+        return self.response([choice], self.usage()).json_body()
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None, reasoning: str = "") -> dict:
+        if self.chat:
+            delta = Delta()
+            if role:
+                delta.role = "assistant"
+            if text is not None:
+                delta.content = text
+            if reasoning:
+                delta.reasoning_content = reasoning
+            if tool_calls:
+                delta.tool_calls = tool_calls
+            choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        else:
+            choice = CompletionChoice(text=text or "", logprobs=logprobs, finish_reason=finish_reason)
+        return self.response([choice], chunk=True).json_body()
+
+    async def sse(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events. A client that goes away closes this generator, which aborts the request."""
+
+        def event(obj: dict) -> str:
+            if include_usage:
+                obj.setdefault("usage", None)
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        if self.chat:
+            yield event(self.chunk("", role=True))
+        try:
+            async with aclosing(self._chunks(stream)) as chunks:  # closed with this generator: aborts the request
+                async for chunk in chunks:
+                    yield event(chunk)
+        except RequestFailed as e:  # headers are sent: the error goes in the stream, as OpenAI's does
+            yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield event(self.response([], self.usage(), chunk=True).json_body())
+        yield "data: [DONE]\n\n"
+
+    async def _chunks(self, stream: RequestStream) -> AsyncIterator[dict]:
+        """The stream's chunks after the first (the role), its finish reason's last."""
+        echoed = self.echo is None
+        async for out in stream:
+            self.count(out)
+            if not echoed:  # the prompt's logprobs come with the first output
+                echoed = True
+                yield self.chunk(self.echo.text, logprobs=self.choice_logprobs(*self.echoed_prompt()))
+                self.text_sent = len(self.echo.text)
+                if self.echo.only:
+                    continue
+            reasoning, text, calls = self.take(out) if self.chat else ("", out.new_text, [])
+            if reasoning:
+                yield self.chunk(None, reasoning=reasoning)
+            if calls:
+                yield self.chunk(None, tool_calls=calls)
+            # A token whose text is held back (a partial character, a possible stop string) still
+            # brings its logprobs.
+            if text or (self.logprobs is not None and out.logprobs):
+                logprobs = self.choice_logprobs(out.new_token_ids, out.logprobs or [], self.text_sent)
+                yield self.chunk(text, logprobs=logprobs)
+                self.text_sent += len(text)
+        if self.chat:
+            reasoning, text, calls = self.take(None, final=True)
+            if reasoning or text or calls:
+                yield self.chunk(text or None, tool_calls=calls, reasoning=reasoning)
+        yield self.chunk(None if self.chat else "", self.choice_finish_reason)
