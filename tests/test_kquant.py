@@ -165,7 +165,7 @@ def test_a_q6_k_file_replies_as_its_dequantized_model(tmp_path):
 def test_compiled_decode_steps_agree_with_eager_ones(tmp_path, monkeypatch):
     """A Q4_K_M-like file's decode steps compiled (the kernel and the table's lookup inside the graph) agree with the
     eager steps, and greedy output is the eager engine's."""
-    from engine import compiled_decode
+    from engine.runner import compiled_decode
     from tests.conftest import build_tokenizer
     from tests.test_gguf_engine import greedy, hf_model, make_llm, prompt_ids, write_model_gguf
 
