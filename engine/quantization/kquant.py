@@ -27,7 +27,7 @@ from torch import nn
 from engine.quantization import native
 from engine.quantization.kernels import QuantizedMatmul
 from engine.quantization.layout import QuantizedWeight
-from engine.tracing import tracing_decode_step
+from engine.runner.tracing import tracing_decode_step
 
 log = logging.getLogger("engine")
 
