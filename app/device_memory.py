@@ -25,7 +25,7 @@ def available_memory(device: str = "auto") -> tuple[str, int]:
         torch = _torch()
         if torch is not None and torch.cuda.is_available():
             index = torch.device(dev).index if dev.startswith("cuda:") else torch.cuda.current_device()
-            from engine.kv_cache import process_memory_info
+            from engine.runner.kv_cache import process_memory_info
 
             free, total = process_memory_info(torch.device("cuda", index))
             # What this process holds there is the model serving now, which goes before another loads

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from app.catalog import CatalogEntry, dtype_bytes
 from app.device_memory import GiB, MiB, available_memory
+from engine.quantization.methods import METHODS, bytes_per_weight
 
 __all__ = [
     "MemoryEstimate", "FitReport", "QuantOption", "QuantAdvice", "QUANTIZATIONS", "estimate_memory",
@@ -25,10 +26,8 @@ _HEADROOM = 0.90
 
 # What the load form offers: "none" keeps the weights at the chosen dtype; int8/int4 are the engine's weight-only
 # quantization at load (LLM(quantization=...)), most precise first.
-QUANTIZATIONS = ("none", "int8", "int4")
-_QUANT_LABELS = {"none": "full precision", "int8": "int8", "int4": "int4"}
-# Columns sharing one int4 scale and zero (the engine's default quantization_group_size).
-_INT4_GROUP = 32
+QUANTIZATIONS = ("none", *METHODS)
+_QUANT_LABELS = {"none": "full precision", **{m: m for m in METHODS}}
 # The context a recommendation aims for when none is asked: enough for a real conversation.
 _WANTED_CONTEXT = 4096
 
@@ -113,7 +112,7 @@ def weights_bytes(entry: CatalogEntry, dtype: str = "bfloat16", quantization: st
     rest = (entry.params - matrix) * elem  # norms and biases stay at the dtype
     if quant == "int8":
         return matrix + 2 * rows + rest   # a tied head shares the embedding's codes
-    per_weight = 0.5 + 4 / _INT4_GROUP
+    per_weight = bytes_per_weight("int4", elem)  # the engine's default group size
     # the head at int8, a byte a weight (a tied embedding shares it; an untied one is int4 like the layers)
     return int((matrix - head) * per_weight) + head + rest
 

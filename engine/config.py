@@ -1,10 +1,11 @@
 """Engine settings: one dataclass, validated with errors that say what to change."""
 from dataclasses import dataclass, field, fields
 
+from engine.quantization.methods import DEFAULT_GROUP_SIZE, METHODS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
-QUANTIZATIONS = ("int8", "int4")
 
 
 def setting(default, help: str, choices: tuple | None = None):
@@ -39,8 +40,9 @@ class EngineConfig:
                                                   "(default: on for one GPU with a kernel backend)")
     quantization: str | None = setting(None, "weight-only quantization at load: int8 (a scale per output "
                                              "channel) or int4 (a scale and offset per group of columns); "
-                                             "GGUF files keep their own types (default: none)", QUANTIZATIONS)
-    quantization_group_size: int = setting(32, "columns that share one scale and offset in int4 weights")
+                                             "GGUF files keep their own types (default: none)", METHODS)
+    quantization_group_size: int = setting(DEFAULT_GROUP_SIZE,
+                                           "columns that share one scale and offset in int4 weights")
     seed: int = setting(0, "seed of the random generator that requests without their own seed sample from")
 
     def __post_init__(self) -> None:
@@ -69,8 +71,8 @@ class EngineConfig:
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be a whole number >= 1 (the number of GPUs to split the model across), "
               f"got {self.tensor_parallel_size!r}")
-        check(self.quantization is None or self.quantization in QUANTIZATIONS,
-              f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        check(self.quantization is None or self.quantization in METHODS,
+              f"quantization must be one of {METHODS} or None, got {self.quantization!r}")
         check(isinstance(self.quantization_group_size, int) and self.quantization_group_size >= 1,
               f"quantization_group_size must be a whole number >= 1, got {self.quantization_group_size!r}")
         check(self.quantization is None or self.tensor_parallel_size == 1,

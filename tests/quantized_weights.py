@@ -35,6 +35,6 @@ def logprob_differences(got: list[dict], want: list[dict], min_common: int) -> l
 
 
 def only_dequant(qw, device, dtype):
-    """A `kernels.candidates` offering the float32 DequantMatmul alone: the engine then computes with exactly the
+    """A `chooser.candidates` offering the float32 DequantMatmul alone: the engine then computes with exactly the
     dequantized weights."""
     return {"DequantMatmul": lambda w: DequantMatmul(w, dtype)}

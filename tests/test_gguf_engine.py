@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
-from engine.quantization import chooser, kernels
+from engine.quantization import chooser
 from tests.conftest import build_tokenizer
 from tests.quantized_weights import logprob_differences, only_dequant
 
@@ -228,7 +228,7 @@ def gguf_pair(models, tokenizer_folder, tmp_path_factory):
 @pytest.fixture
 def forced_dequant(monkeypatch):
     monkeypatch.setattr(chooser, "_CHOICES", {})
-    monkeypatch.setattr(kernels, "candidates", only_dequant)
+    monkeypatch.setattr(chooser, "candidates", only_dequant)
 
 
 def make_llm(path, **settings) -> LLM:
@@ -393,7 +393,7 @@ def test_bundled_gguf_replies_as_its_dequantized_folder(bundled_model, monkeypat
     want = folder_llm.generate([ids], params, use_tqdm=False)[0]
     del folder_llm
     monkeypatch.setattr(chooser, "_CHOICES", {})
-    monkeypatch.setattr(kernels, "candidates", only_dequant)
+    monkeypatch.setattr(chooser, "candidates", only_dequant)
     gguf_llm = LLM(str(path), dtype="float32", device="cpu", num_kvcache_blocks=64)
     gguf_ids = gguf_llm.encode_chat(chat)
     assert gguf_ids == ids  # the file's tokenizer and chat template give the folder's tokens

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.quantization import chooser, kernels
+from engine.quantization import chooser
 from engine.quantization.chooser import choose_matmul, sampled_rows
 from engine.quantization.kernels import DequantMatmul
 from tests.quantized_weights import random_quantized_weight as make_weight
@@ -25,8 +25,8 @@ def small_proxies(monkeypatch):
 
 
 def recording(built: list[tuple[str, int]]):
-    """A `kernels.candidates` offering the real kernels, recording (name, rows) of every one built."""
-    real = kernels.candidates
+    """A `chooser.candidates` offering the real kernels, recording (name, rows) of every one built."""
+    real = chooser.candidates
 
     def candidates(qw, device, dtype):
         def recorded(name, build):
@@ -50,10 +50,10 @@ def test_sampled_rows_span_the_weight_from_first_to_last():
 
 def test_only_the_chosen_kernel_is_built_over_the_whole_weight(monkeypatch, small_proxies):
     built = []
-    monkeypatch.setattr(kernels, "candidates", recording(built))
+    monkeypatch.setattr(chooser, "candidates", recording(built))
     qw = make_weight(4, N, K, 32, with_offset=True)
     kernel = choose_matmul(qw, CPU, torch.float32)
-    names = set(kernels.candidates(qw, CPU, torch.float32))
+    names = set(chooser.candidates(qw, CPU, torch.float32))
     assert len(names) >= 2 and {name for name, _ in built} == names  # every candidate was measured...
     assert [(name, rows) for name, rows in built if rows > PROXY_ROWS] == [(type(kernel).__name__, N)]  # ...on rows
     x = torch.randn(3, K)
@@ -82,7 +82,7 @@ class _WrongOffTheProxy(nn.Module):
 def test_a_kernel_right_on_the_proxy_but_wrong_elsewhere_is_not_kept(monkeypatch, small_proxies, caplog):
     qw = make_weight(4, N, K, 32, with_offset=True)
     missed = next(r for r in range(N) if r not in set(sampled_rows(N, K).tolist()))
-    monkeypatch.setattr(kernels, "candidates", lambda qw, device, dtype: {
+    monkeypatch.setattr(chooser, "candidates", lambda qw, device, dtype: {
         "wrong": lambda w: _WrongOffTheProxy(w, missed), "DequantMatmul": lambda w: DequantMatmul(w, dtype)})
     monkeypatch.setattr(chooser, "_seconds_per_call",  # the broken kernel measures fastest
                         lambda kernel, x, calls=20: 0.5 if isinstance(kernel, _WrongOffTheProxy) else 1.0)

@@ -187,7 +187,7 @@ NO_COMPILER = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 from engine.quantization import kquant
-from engine.quantization.kernels import candidates
+from engine.quantization.chooser import candidates
 from tests.test_kquant import weight
 assert kquant.ops() is None and kquant.ops() is None
 qw, _ = weight("Q6_K", 8, 256)

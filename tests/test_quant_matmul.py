@@ -8,7 +8,7 @@ bound exactly those: the output's rounding to its dtype (a whole step: the inter
 truncates), and for the GEMM also the weights' rounding to the activations' dtype before tl.dot."""
 import os
 
-# Must be set before engine.layers.quant_matmul is imported, or its kernels would try to compile for a GPU.
+# Must be set before engine.quantization.triton_matmul is imported, or its kernels would try to compile for a GPU.
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
@@ -16,8 +16,9 @@ import pytest
 triton = pytest.importorskip("triton")
 import torch  # noqa: E402
 
-from engine.layers import quant_matmul as qm  # noqa: E402
-from engine.layers.quant_matmul import (  # noqa: E402
+from engine.quantization import triton_matmul as qm  # noqa: E402
+from engine.quantization.layout import QuantizedWeight, quantize_int4  # noqa: E402
+from engine.quantization.triton_matmul import (  # noqa: E402
     ROW_BUCKETS,
     Tile,
     choose_quant_tiles,
@@ -27,7 +28,6 @@ from engine.layers.quant_matmul import (  # noqa: E402
     tile_candidates,
     tile_for,
 )
-from engine.quantization.layout import QuantizedWeight, quantize_int4  # noqa: E402
 from tests.gpu_compile import TARGETS, compile_in_subprocess, record_launches  # noqa: E402
 from tests.quantized_weights import random_quantized_weight as make_weight  # noqa: E402
 
@@ -212,7 +212,7 @@ def test_choose_never_takes_a_tile_that_disagrees(monkeypatch):
 def test_the_engine_module_runs_the_chosen_tiles_for_any_row_count(monkeypatch):
     """TritonQuantMatmul, what a quantized layer holds on a GPU: float32 activations go in as bf16,
     each row count runs its bucket's tile, and the result matches the reference."""
-    from engine.quantization.kernels import TritonQuantMatmul
+    from engine.quantization.triton_matmul import TritonQuantMatmul
 
     monkeypatch.setattr(qm, "tile_candidates", small_candidates)
     real = qm.choose_quant_tiles

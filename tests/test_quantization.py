@@ -33,8 +33,8 @@ from engine.quantization.kernels import (
     SplitInt4Matmul,
 )
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
+from engine.quantization.methods import head_method
 from engine.quantization.modules import KernelTarget, QuantizedLinear
-from engine.quantization.passes import head_method
 from tests.quantized_weights import logprob_differences, only_dequant
 from tests.quantized_weights import random_quantized_weight as make_weight
 
@@ -232,7 +232,7 @@ def test_kernels_apply_only_where_their_layout_fits():
     assert not SplitInt4Matmul.applies(make_weight(8, 16, 96, 16, False), CPU)  # Q6_K's groups of 16
     assert not Int4PackMatmul.applies(make_weight(4, 16, 64, 32, True), torch.device("meta"))
     qw = make_weight(8, 16, 96, 16, False)
-    builders = list(kernels.candidates(qw, CPU, torch.float32).values())
+    builders = list(chooser.candidates(qw, CPU, torch.float32).values())
     assert isinstance(builders[-1](qw), DequantMatmul)  # the fallback, and otherwise only Pagoda's own kernel
     assert [type(build(qw)) for build in builders[:-1]] in ([], [GroupedInt8Matmul])
 
@@ -280,7 +280,7 @@ def test_quantized_linear_with_mixed_shards_and_bias(onednn, monkeypatch):
         torch.testing.assert_close(got, reference, atol=0.02 * reference.abs().max().item(), rtol=0)
 
     # with every quantized run forced onto the float32 kernel, it is float32-exact
-    monkeypatch.setattr(kernels, "candidates", only_dequant)
+    monkeypatch.setattr(chooser, "candidates", only_dequant)
     exact = QuantizedLinear(k, [s.shape[0] for s in shards], bias, None, 64, KernelTarget(CPU, torch.float32, False))
     for i, s in enumerate(shards):
         exact.load_quantizable(s, i)
@@ -349,7 +349,7 @@ def test_choose_matmul_never_picks_a_kernel_that_disagrees(kind, monkeypatch, fr
             return _Wrong(w, kind)
         return {"wrong": wrong, "DequantMatmul": lambda w: DequantMatmul(w, dtype)}
 
-    monkeypatch.setattr(kernels, "candidates", candidates)
+    monkeypatch.setattr(chooser, "candidates", candidates)
     torch.manual_seed(0)  # choose_matmul's probe row
     chosen = choose_matmul(qw, CPU, torch.float32)
     assert wrong_made, "the broken candidate was never tried"
@@ -360,8 +360,8 @@ def test_choose_matmul_never_picks_a_kernel_that_disagrees(kind, monkeypatch, fr
 
 def test_choose_matmul_falls_back_when_a_candidate_raises(monkeypatch, fresh_choices):
     qw = quantize_int4(torch.randn(48, 256) * 0.1, 64)
-    real = kernels.candidates
-    monkeypatch.setattr(kernels, "candidates",
+    real = chooser.candidates
+    monkeypatch.setattr(chooser, "candidates",
                         lambda qw, device, dtype: {"raises": _Raises, **real(qw, device, dtype)})
     chosen = choose_matmul(qw, CPU, torch.float32)
     assert type(chosen) in (Int4PackMatmul, DequantMatmul)
@@ -370,7 +370,7 @@ def test_choose_matmul_falls_back_when_a_candidate_raises(monkeypatch, fresh_cho
 
 def test_choose_matmul_without_any_working_kernel_names_the_weight(monkeypatch, fresh_choices):
     qw = quantize_int4(torch.randn(48, 256) * 0.1, 64)
-    monkeypatch.setattr(kernels, "candidates",
+    monkeypatch.setattr(chooser, "candidates",
                         lambda qw, device, dtype: {"raises": _Raises, "wrong": lambda w: _Wrong(w, "scale")})
     with pytest.raises(RuntimeError, match=r"no kernel multiplies a int4 weight of shape \(48, 256\)"):
         choose_matmul(qw, CPU, torch.float32)
@@ -506,7 +506,7 @@ def forced_dequant(monkeypatch):
     """Every quantized weight on the float32 DequantMatmul: the engine then computes with exactly the
     dequantized weights, so it must equal a float32 model holding them up to summation order."""
     monkeypatch.setattr(chooser, "_CHOICES", {})
-    monkeypatch.setattr(kernels, "candidates", only_dequant)
+    monkeypatch.setattr(chooser, "candidates", only_dequant)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from engine.loader import (
     resolve_gguf,
     resolve_model_path,
 )
+from engine.quantization.methods import refuse_requantizing
 from engine.runner.distributed import check_tensor_parallel
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.sample.structured_output import StructuredOutputs
@@ -84,9 +85,8 @@ class LLMEngine:
             # A GGUF file holds config, tokenizer and weights; the runner reads its tensors as they are.
             path = gguf = GGUFCheckpoint.open(gguf_path)
             if config.quantization is not None:
-                types = ", ".join(sorted(set(gguf.tensor_types().values())))
-                raise ValueError(f"{gguf_path.name} is already quantized ({types}); load it without "
-                                 f"quantization={config.quantization!r}")
+                refuse_requantizing(config.quantization, ", ".join(sorted(set(gguf.tensor_types().values()))),
+                                    gguf_path.name)
             if config.tensor_parallel_size > 1:
                 raise ValueError("GGUF files do not work with tensor_parallel_size > 1 yet; use one device")
             hf_config, self.tokenizer = gguf.hf_config(), gguf.tokenizer()

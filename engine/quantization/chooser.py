@@ -13,6 +13,7 @@ Now what loading holds beyond the finished kernels is the weight in the loader's
 """
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from torch import nn
 from engine.quantization import kernels
 from engine.quantization.blocks import BlockWeight
 from engine.quantization.kernels import QuantizedMatmul
+from engine.quantization.kquant import KQuantMatmul
 from engine.quantization.layout import QuantizedWeight
 
 log = logging.getLogger("engine")
@@ -82,10 +84,24 @@ def _disagreement(kernel: nn.Module, reference: torch.Tensor, x: torch.Tensor) -
     return (kernel(x).float() - reference).abs().max().item() / tolerance
 
 
+def candidates(qw: QuantizedWeight, device: torch.device,
+               dtype: torch.dtype) -> dict[str, Callable[[QuantizedWeight], nn.Module]]:
+    """The kernels that can multiply by `qw` here, by name, each a builder over a weight of `qw`'s layout
+    (the chooser builds them over a few of its rows first); the fallback last."""
+    kinds = [kernels.Int4PackMatmul, kernels.Int8PackMatmul, kernels.SplitInt4Matmul, kernels.HalvesSplitInt4Matmul,
+             kernels.GroupedInt8Matmul, KQuantMatmul]
+    if device.type == "cuda":
+        from engine.quantization.triton_matmul import TritonQuantMatmul  # Triton is imported only where a GPU runs
+
+        kinds.insert(0, TritonQuantMatmul)  # choose_matmul tries it first there
+    made = {cls.__name__: lambda w, cls=cls: cls(w, dtype) for cls in kinds if cls.applies(qw, device)}
+    return {**made, kernels.DequantMatmul.__name__: lambda w: kernels.DequantMatmul(w, dtype)}
+
+
 @torch.inference_mode()
 def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The fastest kernel for `qw` at one row that agrees with the dequantized reference."""
-    builders = kernels.candidates(qw, device, dtype)
+    builders = candidates(qw, device, dtype)
     if len(builders) == 1:
         return next(iter(builders.values()))(qw)
     if device.type == "cuda":

@@ -1,5 +1,5 @@
 """The ways to multiply by one weight: each a module that holds the weight in the layout its kernel
-reads, so `print(model)` shows what runs. `candidates` names those that apply to a weight; chooser.py
+reads, so `print(model)` shows what runs. chooser.py names those that apply to a weight (`candidates`),
 measures them and keeps the fastest that agrees with the dequantized reference.
 
 CPU candidates (measured on a 2-core AVX-512 machine, one row, bf16 activations; bench/RESULTS.md):
@@ -21,7 +21,7 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
   multiplies it, so no whole weight is ever expanded. The fallback, and the reference's speed.
 - DenseMatmul: a full-precision weight (a GGUF F16 tensor, say), oneDNN-packed on the CPU.
 
-On NVIDIA GPUs: TritonQuantMatmul, Pagoda's Triton dequant-GEMV and GEMM (or tinygemm where it
+On NVIDIA GPUs: TritonQuantMatmul (triton_matmul.py), Pagoda's Triton dequant-GEMV and GEMM (or tinygemm where it
 measures faster), any layout.
 """
 from collections.abc import Callable
@@ -459,50 +459,3 @@ class GroupedInt8Matmul(QuantizedMatmul):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x.float().contiguous(), self.codes, self.scale, self.offset, self.group_size).to(self.dtype)
-
-
-class TritonQuantMatmul(QuantizedMatmul):
-    """NVIDIA GPUs: Pagoda's Triton dequant-GEMV (decode) and dequant-GEMM (prefill) over the packed
-    codes (engine/layers/quant_matmul.py), with a tile per row count measured at load; or PyTorch's
-    tinygemm int4 kernel for every row count where that measured faster at one row."""
-
-    @staticmethod
-    def applies(qw: QuantizedWeight, device: torch.device) -> bool:
-        return device.type == "cuda"
-
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
-        from engine.layers import quant_matmul  # Triton is imported only where a GPU runs it
-
-        super().__init__(qw)
-        self.dtype = dtype
-        self.kernels = quant_matmul
-        # The kernels multiply fp16/bf16 activations; a float32 model's are rounded to bf16 for them.
-        self.kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        packed = quant_matmul.pack_for_triton(qw, self.kernel_dtype)
-        choice = quant_matmul.choose_quant_tiles(qw, packed, None, self.kernel_dtype)
-        self.tiles = choice.tiles
-        self.tinygemm = quant_matmul.tinygemm_pack(qw) if choice.tinygemm else None
-        self.weight = None if self.tinygemm is not None else packed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.kernel_dtype)
-        if self.tinygemm is not None:
-            y = self.kernels.tinygemm_matmul(x, self.tinygemm, None)
-        else:
-            y = self.kernels.run_tile(x, self.weight, None, self.kernels.tile_for(self.tiles, x.shape[0]))
-        return y.to(self.dtype)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + (", tinygemm" if self.tinygemm is not None else ", triton")
-
-
-def candidates(qw: QuantizedWeight, device: torch.device,
-               dtype: torch.dtype) -> dict[str, Callable[[QuantizedWeight], nn.Module]]:
-    """The kernels that can multiply by `qw` here, by name, each a builder over a weight of `qw`'s layout
-    (the chooser builds them over a few of its rows first); the fallback last."""
-    from engine.quantization.kquant import KQuantMatmul  # it builds on this module's classes
-
-    kinds = (Int4PackMatmul, Int8PackMatmul, SplitInt4Matmul, HalvesSplitInt4Matmul, GroupedInt8Matmul,
-             TritonQuantMatmul, KQuantMatmul)
-    made = {cls.__name__: lambda w, cls=cls: cls(w, dtype) for cls in kinds if cls.applies(qw, device)}
-    return {**made, DequantMatmul.__name__: lambda w: DequantMatmul(w, dtype)}

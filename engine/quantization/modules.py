@@ -16,8 +16,7 @@ from engine.quantization.blocks import BlockWeight
 from engine.quantization.chooser import choose_matmul
 from engine.quantization.kernels import DenseMatmul, QuantizedMatmul, pack_nibbles, unpack_nibbles
 from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8
-
-METHODS = ("int8", "int4")
+from engine.quantization.methods import refuse_requantizing
 
 
 @dataclass(frozen=True)
@@ -79,9 +78,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
                              f"{(rows, self.in_features)}")
         if isinstance(loaded, QuantizedWeight):
-            if self.method is not None:
-                raise ValueError(f"this checkpoint is already quantized ({loaded.source}); load it without "
-                                 f"quantization={self.method!r}")
+            refuse_requantizing(self.method, loaded.source)
             self.pending[index] = loaded.to(self.target.device)
         else:  # quantized where it will run: a GPU does it in a blink
             self.pending[index] = quantize_tensor(loaded.to(self.target.device), self.method, self.group_size)
@@ -160,9 +157,8 @@ class QuantizedEmbedding(nn.Module):
         if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
                              f"{(self.num_embeddings, self.embedding_dim)}")
-        if isinstance(loaded, QuantizedWeight) and self.method is not None:
-            raise ValueError(f"this checkpoint is already quantized ({loaded.source}); load it without "
-                             f"quantization={self.method!r}")
+        if isinstance(loaded, QuantizedWeight):
+            refuse_requantizing(self.method, loaded.source)
         w = loaded if isinstance(loaded, QuantizedWeight) else quantize_tensor(loaded.to(self.target.device),
                                                                                 self.method, self.group_size)
         if isinstance(w, QuantizedWeight):

@@ -13,21 +13,8 @@ from torch import nn
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.quantization.kernels import DenseMatmul, QuantizedMatmul
-from engine.quantization.modules import METHODS, KernelTarget, QuantizedEmbedding, QuantizedLinear
-
-DEFAULT_GROUP_SIZE = 32  # chosen by measurement: bench/RESULTS.md, "int4 group size"
-
-
-def check_method(method: str | None) -> None:
-    if method is not None and method not in METHODS:
-        raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
-
-
-def head_method(method: str | None) -> str | None:
-    """How the LM head is stored: int8 under int4 as well. Every logit comes from the head, and 4-bit
-    codes there cost SmolLM2 far more perplexity than 4-bit layers do (bench/RESULTS.md, "int4
-    head"); llama.cpp's Q4_K_M keeps its output at 6 bits for the same reason."""
-    return "int8" if method == "int4" else method
+from engine.quantization.methods import DEFAULT_GROUP_SIZE, check_method, head_method
+from engine.quantization.modules import KernelTarget, QuantizedEmbedding, QuantizedLinear
 
 
 def quantize(model: nn.Module, method: str | None, target: KernelTarget,

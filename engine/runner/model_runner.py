@@ -105,9 +105,8 @@ class ModelRunner:
             # 4-bit codes sit one per byte between reading and packing, one tensor at a time
             check_host_memory(self.gguf.path.stat().st_size, "the model's weights", "use a smaller model or file")
             return
-        # int8 codes take a byte; int4 half a byte plus a scale and offset per group
-        per_weight = {None: self.dtype.itemsize, "int8": 1, "int4": 0.5 + 8 / self.config.quantization_group_size}
-        bytes_per_weight = per_weight[self.config.quantization]
+        bytes_per_weight = quantization.bytes_per_weight(self.config.quantization, self.dtype.itemsize,
+                                                         self.config.quantization_group_size)
         weights = int(checkpoint_numel(safetensors_files(model_path)) * bytes_per_weight) // self.tp.size
         if (self.packed_weights or self.config.quantization) and getattr(self.hf_config, "tie_word_embeddings", False):
             # the packed (or quantized) head is a second copy of the embedding
@@ -290,12 +289,9 @@ class ModelRunner:
 
     @property
     def weight_format(self) -> str:
-        """How the weights are stored, for stats(): "none", "int8", "int4 (groups of 64)", "GGUF Q4_1, Q8_0"."""
-        if self.from_gguf:
-            return "GGUF " + quantization.weight_types(self.model)
-        if self.config.quantization == "int4":
-            return f"int4 (groups of {self.config.quantization_group_size}; LM head int8)"
-        return self.config.quantization or "none"
+        """How the weights are stored, for stats(): see quantization.describe."""
+        return quantization.describe(self.config.quantization, self.config.quantization_group_size,
+                                     quantization.weight_types(self.model) if self.from_gguf else None)
 
     def _triton_matmuls_apply(self) -> bool:
         """Half precision on CUDA with Triton: float32 keeps cuBLAS, whose sums the exact-match

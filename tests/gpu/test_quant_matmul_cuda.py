@@ -8,7 +8,8 @@ if not torch.cuda.is_available():
     # interpreted, and the CPU tests that import them later set TRITON_INTERPRET first.
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine.layers.quant_matmul import (  # noqa: E402
+from engine.quantization.layout import quantize_int4, quantize_int8  # noqa: E402
+from engine.quantization.triton_matmul import (  # noqa: E402
     choose_quant_tiles,
     pack_for_triton,
     quant_gemv,
@@ -20,7 +21,6 @@ from engine.layers.quant_matmul import (  # noqa: E402
     tinygemm_matmul,
     tinygemm_pack,
 )
-from engine.quantization.layout import quantize_int4, quantize_int8  # noqa: E402
 
 # Qwen3-8B: fused q/k/v (32 + 2 * 8 heads of 128), fused gate/up, and down.
 SHAPES = [(6144, 4096), (24576, 4096), (4096, 12288)]

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.gemv import MIN_SPEEDUP, cuda_timer, min_programs, try_tile
+from engine.quantization.kernels import QuantizedMatmul
 from engine.quantization.layout import QuantizedWeight
 
 log = logging.getLogger("engine")
@@ -463,3 +464,35 @@ def _measure(qw, w, bias, dtype, timer, buckets, key) -> QuantChoice:
         else:
             log.warning("tinygemm disagrees with the reference on %s; not used", qw.shape)
     return QuantChoice(tiles, use_tinygemm)
+
+
+class TritonQuantMatmul(QuantizedMatmul):
+    """NVIDIA GPUs: Pagoda's Triton dequant-GEMV (decode) and dequant-GEMM (prefill) over the packed
+    codes (this file's kernels), with a tile per row count measured at load; or PyTorch's
+    tinygemm int4 kernel for every row count where that measured faster at one row."""
+
+    @staticmethod
+    def applies(qw: QuantizedWeight, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        super().__init__(qw)
+        self.dtype = dtype
+        # The kernels multiply fp16/bf16 activations; a float32 model's are rounded to bf16 for them.
+        self.kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        packed = pack_for_triton(qw, self.kernel_dtype)
+        choice = choose_quant_tiles(qw, packed, None, self.kernel_dtype)
+        self.tiles = choice.tiles
+        self.tinygemm = tinygemm_pack(qw) if choice.tinygemm else None
+        self.weight = None if self.tinygemm is not None else packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.kernel_dtype)
+        if self.tinygemm is not None:
+            y = tinygemm_matmul(x, self.tinygemm, None)
+        else:
+            y = run_tile(x, self.weight, None, tile_for(self.tiles, x.shape[0]))
+        return y.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", tinygemm" if self.tinygemm is not None else ", triton")
