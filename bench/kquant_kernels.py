@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from engine.loader.gguf import _decode_stored
+from engine.loader.gguf_blocks import decode_stored
 from engine.quantization import kquant
 from engine.quantization.blocks import BlockWeight
 from engine.quantization.kernels import HalvesSplitInt4Matmul, Int4PackMatmul, SplitInt4Matmul
@@ -30,7 +30,7 @@ def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator) -> B
         blocks[:, at:at + 2] = halves.view(np.uint8).reshape(count, 2)
     bits, group = (8, 16) if type_name == "Q6_K" else ((4, 32) if type_name == "Q4_K" else (8, 32))
     return BlockWeight(torch.from_numpy(blocks.reshape(n, -1)), type_name, (n, k), bits, group,
-                       lambda b, cols: _decode_stored(type_name, b, cols))
+                       lambda b, cols: decode_stored(type_name, b, cols))
 
 
 def best_us(kernel, x: torch.Tensor, calls: int = 10) -> float:

@@ -1,5 +1,6 @@
-"""engine.loader.gguf: GGUF block types repacked into QuantizedWeight exactly, names and llama's q/k
-permutation, config and tokenizer from the metadata, model strings, and the errors a user can meet."""
+"""engine.loader's gguf, gguf_blocks and gguf_files: GGUF block types repacked into QuantizedWeight exactly,
+names and llama's q/k permutation, config and tokenizer from the metadata, model strings, and the errors a user
+can meet."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +14,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.loader import gguf as gguf_loader
-from engine.loader.gguf import GGUFCheckpoint, resolve_gguf
+from engine.loader import GGUFCheckpoint, resolve_gguf
+from engine.loader import gguf_blocks as gguf_loader
 from engine.quantization.layout import QuantizedWeight
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

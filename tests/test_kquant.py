@@ -50,7 +50,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
 
 def weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
     """A QuantizedWeight as the loader makes it (codes and the blocks), and gguf-py's dequantization of it."""
-    from engine.loader.gguf import decode
+    from engine.loader.gguf_blocks import decode
 
     stored = random_blocks(type_name, n, k, seed)
 

@@ -11,8 +11,7 @@ Every block type a Llama/Qwen file uses is codes times a per-group scale plus a 
 `dequantize()` equals llama.cpp's dequantization bit for bit. Tensors are read and decoded one at a
 time, a few MB of rows per step, so loading needs little beyond the tensor being decoded.
 
-`resolve_gguf(model)` says whether a model string names a GGUF: a `.gguf` path, a folder holding one,
-`owner/repo/file.gguf` on the hub, or `owner/repo:Q4_K_M` (a quant tag, as llama.cpp and Ollama write it).
+The block types are decoded in gguf_blocks.py; gguf_files.py finds the file a model string names.
 """
 from __future__ import annotations
 
@@ -20,31 +19,17 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine.loader.gguf_blocks import SUPPORTED_TYPES, FileBytes, decode
 from engine.quantization.blocks import BlockWeight
 from engine.quantization.layout import QuantizedWeight
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# GGUF type -> (bytes per block, values per block, code bits, values per scale)
-QUANT_TYPES = {
-    "Q4_0": (18, 32, 4, 32),
-    "Q4_1": (20, 32, 4, 32),
-    "Q5_0": (22, 32, 8, 32),
-    "Q5_1": (24, 32, 8, 32),
-    "Q8_0": (34, 32, 8, 32),
-    "Q4_K": (144, 256, 4, 32),
-    "Q5_K": (176, 256, 8, 32),
-    "Q6_K": (210, 256, 8, 16),
-}
-SUPPORTED_TYPES = (*FLOAT_TYPES, *QUANT_TYPES)
-
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -65,7 +50,6 @@ _CONFIG_TENSORS = {"rope_freqs.weight"}
 # (an instruct model's GGUF often names only one of its end-of-turn tokens).
 _END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>")
 _CONTROL_TOKEN = 3  # llama.cpp's token type for control tokens
-_SPLIT_FILE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -277,26 +261,11 @@ class GGUFCheckpoint:
         with open(self.path, "rb") as file:
             for entry in self._plan:
                 t = by_name[entry.gguf_name]
-                value = decode(_FileBytes(file, t.offset, t.n_bytes), entry.type_name, t.shape)
+                value = decode(FileBytes(file, t.offset, t.n_bytes), entry.type_name, t.shape)
                 if entry.heads is not None:
                     value = _unpermute_heads(value, entry.heads)
                 yield entry.hf_name, value
                 del value  # not held while the next tensor decodes
-
-
-class _FileBytes:
-    """One tensor's stored bytes in an open file, read a range at a time."""
-
-    def __init__(self, file: Any, offset: int, size: int) -> None:
-        self.file, self.offset, self.size = file, offset, size
-
-    def read(self, start: int, stop: int) -> torch.Tensor:
-        """Bytes [start, stop) of the tensor as a uint8 tensor."""
-        out = torch.empty(stop - start, dtype=torch.uint8)
-        self.file.seek(self.offset + start)
-        if self.file.readinto(out.numpy()) != stop - start:
-            raise RuntimeError(f"{self.file.name} ended inside a tensor; the file is incomplete: re-download it")
-        return out
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -341,242 +310,3 @@ def _llama3_rope(factors: np.ndarray, theta: float, file_name: str) -> dict:
         raise ValueError(f"{file_name} scales rope by per-frequency factors (rope_freqs) that are not Llama 3's "
                          "scaling; Pagoda cannot reproduce them. Use the model's safetensors repo instead.")
     return params
-
-
-# block decoders: uint8 blocks [n_blocks, bytes] -> codes [n_blocks, values], scales (and offsets) [n_blocks, groups]
-
-def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
-
-
-def _nibbles(qs: torch.Tensor, run: int = 32) -> torch.Tensor:
-    """The low nibbles of each `run` bytes, then their high nibbles, as ggml lays out 4-bit values (runs of 16
-    bytes in the 32-value blocks, of 32 in the K-quants' sub-blocks): [n, runs, 2, run]."""
-    qs = qs.reshape(qs.shape[0], -1, 1, run)
-    return torch.cat((qs & 0xF, qs >> 4), dim=2)
-
-
-def _bits(packed: torch.Tensor) -> torch.Tensor:
-    """Each byte's 8 bits, least significant first: [n, bytes] -> [n, 8, bytes]."""
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    return (packed.unsqueeze(1) >> shifts) & 1
-
-
-def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's eight 6-bit scales and mins, packed in 12 bytes."""
-    lo, mid, hi = packed.view(-1, 3, 4).unbind(1)
-    scales = torch.cat((lo & 63, (hi & 0xF) | ((lo >> 2) & 0x30)), dim=1)
-    mins = torch.cat((mid & 63, (hi >> 4) | ((mid >> 2) & 0x30)), dim=1)
-    return scales.float(), mins.float()
-
-
-def _q4_0(b):
-    d = _half(b, 0)
-    return _nibbles(b[:, 2:18], 16).reshape(len(b), 32), d, -8 * d
-
-
-def _q4_1(b):
-    return _nibbles(b[:, 4:20], 16).reshape(len(b), 32), _half(b, 0), _half(b, 2)
-
-
-def _q5(b, qh_at: int):
-    high = _bits(b[:, qh_at:qh_at + 4]).transpose(1, 2).reshape(len(b), 32)  # bit j of the 32-bit word: value j
-    return _nibbles(b[:, qh_at + 4:qh_at + 20], 16).reshape(len(b), 32) | (high << 4)
-
-
-def _q5_0(b):
-    return (_q5(b, 2).to(torch.int8) - 16), _half(b, 0), None
-
-
-def _q5_1(b):
-    return _q5(b, 4).to(torch.int8), _half(b, 0), _half(b, 2)
-
-
-def _q8_0(b):
-    return b[:, 2:34].contiguous().view(torch.int8), _half(b, 0), None
-
-
-def _q4_k(b):
-    scales, mins = _k_scales(b[:, 4:16])
-    return _nibbles(b[:, 16:144]).reshape(len(b), 256), _half(b, 0) * scales, -(_half(b, 2) * mins)
-
-
-def _q5_k(b):
-    scales, mins = _k_scales(b[:, 4:16])
-    high = _bits(b[:, 16:48])  # bit j of byte l: value l of sub-block j
-    codes = _nibbles(b[:, 48:176]).reshape(len(b), 8, 32) | (high << 4)
-    return codes.reshape(len(b), 256).to(torch.int8), _half(b, 0) * scales, -(_half(b, 2) * mins)
-
-
-def _q6_k(b):
-    n = len(b)
-    low = b[:, :128].reshape(n, 2, 1, 64)
-    low = torch.cat((low & 0xF, low >> 4), dim=2).reshape(n, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3
-    codes = (low | (high << 4)).reshape(n, 256).to(torch.int8) - 32
-    scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    return codes, _half(b, 208) * scales, None
-
-
-_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k,
-             "Q6_K": _q6_k}
-
-
-DECODE_SLAB_BYTES = 1 << 20  # stored bytes decoded per step: the decoders' temporaries stay a few times this
-KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # the types kquant.py reads as stored
-
-
-def decode(data: _FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
-    """One tensor's stored bytes in Pagoda's form: a float tensor of `shape` in its own dtype, or a
-    QuantizedWeight with `shape` [N, K] for a block type, decoded a slab of rows at a time. K-quants stay as
-    stored (a BlockWeight, decoded when asked for), for the kernel that reads them so (quantization/kquant.py)."""
-    if type_name in FLOAT_TYPES:
-        return data.read(0, data.size).view(FLOAT_TYPES[type_name]).view(shape)
-    if type_name not in _DECODERS:
-        raise ValueError(f"GGUF type {type_name} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
-    block_bytes, block_values, bits, group = QUANT_TYPES[type_name]
-    if len(shape) != 2:
-        raise ValueError(f"a {type_name} tensor of shape {shape} is not a matrix; Pagoda reads quantized matrices only")
-    rows, cols = shape
-    if cols % block_values:
-        raise ValueError(f"a {type_name} tensor's rows hold whole {block_values}-value blocks, but it has {cols} "
-                         "columns; the file is corrupt")
-    row_bytes = cols // block_values * block_bytes
-    if type_name in KEEP_BLOCKS:
-        stored = data.read(0, data.size).view(rows, row_bytes)
-        return BlockWeight(stored, type_name, (rows, cols), bits, group, partial(_decode_stored, type_name))
-    codes, scale, offset = _decode_rows(lambda start, stop: data.read(start * row_bytes, stop * row_bytes),
-                                        type_name, rows, cols)
-    return QuantizedWeight(bits, codes, scale, offset, group, type_name)
-
-
-def _decode_stored(type_name: str, stored: torch.Tensor, cols: int):
-    """BlockWeight's decoder: codes, scales and offsets of stored blocks [rows, row bytes]."""
-    return _decode_rows(lambda start, stop: stored[start:stop].reshape(-1), type_name, stored.shape[0], cols)
-
-
-def _decode_rows(read, type_name: str, rows: int, cols: int):
-    """(codes, scale, offset) of `rows` rows whose bytes `read(start_row, stop_row)` gives, a slab at a time."""
-    block_bytes, block_values, _, group = QUANT_TYPES[type_name]
-    row_bytes, groups = cols // block_values * block_bytes, cols // group
-    step = max(1, DECODE_SLAB_BYTES // row_bytes)
-    codes = scale = offset = None
-    for start in range(0, rows, step):
-        stop = min(start + step, rows)
-        blocks = read(start, stop).view(-1, block_bytes)
-        part_codes, part_scale, part_offset = _DECODERS[type_name](blocks)
-        if codes is None:
-            codes = torch.empty(rows, cols, dtype=part_codes.dtype)
-            scale = torch.empty(rows, groups)
-            offset = None if part_offset is None else torch.empty(rows, groups)
-        codes[start:stop] = part_codes.reshape(stop - start, cols)
-        scale[start:stop] = part_scale.reshape(stop - start, groups)
-        if offset is not None:
-            offset[start:stop] = part_offset.reshape(stop - start, groups)
-    return codes, scale, offset
-
-
-# finding a GGUF model
-
-def resolve_gguf(model: str) -> Path | None:
-    """The local GGUF file a model string names, downloading it from the hub if needed; None when the
-    model is not a GGUF (a Hugging Face folder or repo id, for the safetensors path).
-
-    - `path/to/model.gguf`
-    - a folder with exactly one `.gguf` and no config.json
-    - `owner/repo/file.gguf` (the file may sit in a folder of the repo: `owner/repo/Q4/file.gguf`)
-    - `owner/repo:Q4_K_M`: the repo's one GGUF with that quant tag in its name, as llama.cpp (`-hf`) and
-      Ollama (`hf.co/owner/repo:Q4_K_M`) spell it
-    - `owner/repo-GGUF` with no tag: the repo's GGUF if it holds just one
-    """
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return _gguf_in_folder(path)
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            return None
-        _refuse_split(path.name)
-        return path
-    local = model.startswith((".", "/", "~")) or "\\" in model or re.match(r"[A-Za-z]:[\\/]", model) is not None
-    if local:
-        if model.lower().endswith(".gguf"):
-            raise FileNotFoundError(f"GGUF file {model!r} does not exist; check the path")
-        return None
-    parts = model.split("/")
-    if len(parts) >= 3 and model.lower().endswith(".gguf"):
-        repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
-        _refuse_split(filename)
-        return _download(repo, filename)
-    if len(parts) == 2 and ":" in parts[1]:
-        repo, _, tag = model.rpartition(":")
-        return _download(repo, _pick_by_tag(repo, tag))
-    if len(parts) == 2 and parts[1].lower().endswith("-gguf"):
-        return _download(model, _pick_by_tag(model, None))
-    if model.lower().endswith(".gguf"):
-        raise FileNotFoundError(f"GGUF file {model!r} does not exist; give a local .gguf path or a hub file as "
-                                "'owner/repo/file.gguf'")
-    return None
-
-
-def _gguf_in_folder(folder: Path) -> Path | None:
-    if (folder / "config.json").is_file():
-        return None
-    found = sorted(folder.glob("*.gguf"))
-    if len(found) > 1:
-        raise ValueError(f"{folder} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); pass the one "
-                         "to load as the model path")
-    if found:
-        _refuse_split(found[0].name)
-        return found[0]
-    return None
-
-
-def _refuse_split(name: str) -> None:
-    if _SPLIT_FILE.search(name):
-        raise ValueError(f"{name} is one part of a split GGUF; Pagoda reads single files. Merge the parts with "
-                         "llama.cpp's `llama-gguf-split --merge`, or pick a smaller quantization that is one file.")
-
-
-def _pick_by_tag(repo: str, tag: str | None) -> str:
-    import huggingface_hub
-
-    try:
-        files = [f for f in huggingface_hub.HfApi().list_repo_files(repo) if f.lower().endswith(".gguf")]
-    except Exception as e:
-        raise RuntimeError(f"could not list the files of {repo!r} on the Hugging Face hub ({type(e).__name__}: {e}). "
-                           "Check the repo id and your connection.") from e
-    files = [f for f in files if "mmproj" not in f.lower()]  # vision projectors, not language models
-    if tag is not None:
-        pattern = re.compile(rf"(?:^|[-._/]){re.escape(tag)}(?:[-./]|$)", re.IGNORECASE)
-        matches = [f for f in files if pattern.search(f[:-len(".gguf")])]
-    else:
-        matches = files
-    if len(matches) == 1:
-        _refuse_split(matches[0])
-        return matches[0]
-    tags = sorted({_quant_tag(f) for f in files} - {None})
-    if not matches:
-        wanted = f"with quant tag {tag!r}" if tag else "at all"
-        raise FileNotFoundError(f"{repo!r} has no GGUF file {wanted}; available: {', '.join(tags) or 'none'}. Pass "
-                                f"'{repo}:<tag>' or '{repo}/<file>.gguf'.")
-    raise ValueError(f"{repo!r} has {len(matches)} GGUF files{f' matching {tag!r}' if tag else ''} "
-                     f"({', '.join(matches[:8])}{', ...' if len(matches) > 8 else ''}); pass one as "
-                     f"'{repo}/<file>.gguf'" + (f" or pick a quant tag: '{repo}:{tags[0]}' ({', '.join(tags)})"
-                                                if tags and not tag else ""))
-
-
-def _quant_tag(filename: str) -> str | None:
-    match = re.search(r"(?:^|[-._])((?:I?Q\d\w*?)|F16|BF16|F32)$", Path(filename).stem, re.IGNORECASE)
-    return match[1].upper() if match else None
-
-
-def _download(repo: str, filename: str) -> Path:
-    import huggingface_hub
-
-    try:
-        return Path(huggingface_hub.hf_hub_download(repo_id=repo, filename=filename))
-    except Exception as e:
-        raise RuntimeError(f"could not get {filename!r} from {repo!r} on the Hugging Face hub "
-                           f"({type(e).__name__}: {e}). Check the repo id, the file name and your connection, or pass "
-                           "a local .gguf file.") from e
