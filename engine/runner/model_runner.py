@@ -10,8 +10,6 @@ engine/runner/kv_cache.py; this file keeps what touches the device.
 import gc
 import logging
 import threading
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,16 +20,15 @@ from engine import quantization
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
 from engine.config import EngineConfig
 from engine.core.scheduler import ScheduledSeq
-from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
-from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
-from engine.layers.linear import OneDNNMatmul, PackableLinear, can_pack_for_cpu, pack_for_cpu
-from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
+from engine.layers.linear import OneDNNMatmul, can_pack_for_cpu, pack_for_cpu
+from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.loader import GGUFCheckpoint, checkpoint_numel, load_tensors, load_weights, safetensors_files
 from engine.models import model_class
 from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env
 from engine.runner.cuda_graph import DecodeGraphs
 from engine.runner.distributed import SINGLE, TPGroup
+from engine.runner.kernel_passes import choose_gemv, choose_normed, compiled_small_ops
 from engine.runner.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks, gpu_kv_budget
 from engine.runner.memory import check_host_memory
 from engine.runner.staging import StagingBuffer
@@ -44,7 +41,6 @@ __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old h
 
 log = logging.getLogger("engine")
 
-_COMPILED: dict = {}  # shared by every engine in the process, so each op compiles once
 # Prompt logprobs need the logits of every prompt row: taken this many floats at a time, so a long
 # chunk's [rows, vocab] logits never sit in memory whole (the KV cache was sized without them).
 _PROMPT_LOGITS_FLOATS = 1 << 25
@@ -146,11 +142,14 @@ class ModelRunner:
 
     def _run_kernel_passes(self) -> tuple[dict[int, int], int]:
         """Pack the weights for oneDNN on the CPU; on a GPU, measure where the Triton GEMV and the
-        norm fused into a projection beat the separate ops. Returns what `_choose_gemv` and
-        `_choose_normed` chose."""
+        norm fused into a projection beat the separate ops (engine/runner/kernel_passes.py). Returns,
+        per row bucket, how many layers took the GEMV, and how many projections took the fused norm."""
         if self.packed_weights:
             pack_for_cpu(self.model)
-        return self._choose_gemv(), self._choose_normed(self.config)
+        # the fused norm serves decode graphs (none under enforce_eager) over full-precision weights
+        fuse_norms = not self.config.enforce_eager and not self.quantized
+        return (choose_gemv(self.model, self.device, self.dtype),
+                choose_normed(self.model, self.device, self.dtype) if fuse_norms else 0)
 
     def _bind_attention_backend(self) -> tuple[list[Attention], AttentionBackend]:
         """The model's attention layers, each set to run the configured backend's kernels."""
@@ -210,7 +209,7 @@ class ModelRunner:
             return None
         graphs = DecodeGraphs(self.model, self.hf_config.hidden_size, self.dtype, self.device, self.config.max_num_seqs,
                               -(-self.max_model_len // self.block_size), self.max_model_len)
-        with self._compiled_small_ops():
+        with compiled_small_ops(self.model):
             graphs.capture()
         return graphs
 
@@ -292,72 +291,6 @@ class ModelRunner:
         """How the weights are stored, for stats(): see quantization.describe."""
         return quantization.describe(self.config.quantization, self.config.quantization_group_size,
                                      quantization.weight_types(self.model) if self.from_gguf else None)
-
-    def _triton_matmuls_apply(self) -> bool:
-        """Half precision on CUDA with Triton: float32 keeps cuBLAS, whose sums the exact-match
-        tests against transformers rely on."""
-        from engine.attention import triton_available
-
-        return self.device.type == "cuda" and self.dtype != torch.float32 and triton_available()
-
-    @torch.inference_mode()
-    def _choose_gemv(self) -> dict[int, int]:
-        """Measure the Triton few-row matmul against cuBLAS on each weight shape (half precision on
-        CUDA only), before the KV cache takes the memory the timing runs need. Returns, per row
-        bucket, how many layers took the kernel."""
-        if not self._triton_matmuls_apply():
-            return {}
-        from engine.layers.gemv import choose_gemv
-
-        linears = [m for m in self.model.modules() if isinstance(m, PackableLinear)]
-        start = time.perf_counter()
-        used = choose_gemv(linears)  # the first load on a machine also compiles the kernel's variants
-        log.info("Triton GEMV chosen over cuBLAS for %s of %d linear layers (measured in %.1f s)",
-                 ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears),
-                 time.perf_counter() - start)
-        return used
-
-    @torch.inference_mode()
-    def _choose_normed(self, config: EngineConfig) -> int:
-        """Where the GEMV kernel is in play, measure running each decoder norm inside the projection
-        after it, at one row, against the separate ops as the decode graphs run them (compiled).
-        Returns how many projections took the fused kernel."""
-        if not self._triton_matmuls_apply() or config.enforce_eager or self.quantized:
-            return 0
-        from engine.layers.normed_gemv import choose_normed
-
-        start, pairs = time.perf_counter(), self.model.norm_projections()
-        with self._compiled_small_ops():
-            used = choose_normed(pairs)
-        log.info("norm fused into the projection after it at one row: %d of %d projections (measured in %.1f s)",
-                 used, len(pairs), time.perf_counter() - start)
-        return used
-
-    @contextmanager
-    def _compiled_small_ops(self):
-        """Swap in torch.compile'd versions of the elementwise ops between the GEMMs, for graph capture.
-
-        Each op is one plain function compiled once with dynamic shapes and shared by every layer.
-        Inside a graph they cost nothing on the host; called eagerly, each compiled call spends
-        ~0.25 ms checking guards, more than it saves, so eager steps keep the plain functions."""
-        if not _COMPILED:
-            _COMPILED.update({fn: torch.compile(fn, dynamic=True)
-                              for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary, norm_and_rotate)})
-        swaps = []
-        for m in self.model.modules():
-            if isinstance(m, RMSNorm):
-                swaps += [(m, "norm_fn", rms_norm), (m, "add_norm_fn", add_rms_norm)]
-            elif isinstance(m, SiluAndMul):
-                swaps.append((m, "fn", silu_and_mul))
-            elif isinstance(m, RotaryEmbedding):
-                swaps += [(m, "fn", apply_rotary), (m, "norm_fn", norm_and_rotate)]
-        for module, name, fn in swaps:
-            setattr(module, name, _COMPILED[fn])
-        try:
-            yield
-        finally:
-            for module, name, _ in swaps:
-                delattr(module, name)  # back to the class's plain function
 
     def release(self) -> None:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
