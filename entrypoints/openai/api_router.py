@@ -48,7 +48,7 @@ def has_key(authorization: str, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
 
 
-def create_router(models: ModelSource, api_key: str | None = None,
+def create_router(models: ModelSource, api_key: str | None = None,  # noqa: C901 (pyproject.toml says why)
                   default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                   max_request_bytes: int = MAX_REQUEST_BYTES) -> APIRouter:
     """The /v1 routes. With an api_key, every one of them wants `Authorization: Bearer <key>`.
