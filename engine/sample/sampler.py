@@ -58,9 +58,12 @@ class Columns:
     """Host arrays of one dtype on their way to the device in one upload. `add` hands back a `Column`
     whose `tensor` is filled in by `send`."""
 
+    NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+
     def __init__(self, dtype: torch.dtype):
-        self.dtype, self.columns = dtype, []
-        self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        if dtype not in self.NUMPY_DTYPES:
+            raise ValueError(f"sampling columns are {', '.join(map(str, self.NUMPY_DTYPES))}, not {dtype}")
+        self.dtype, self.np_dtype, self.columns = dtype, self.NUMPY_DTYPES[dtype], []
 
     def add(self, values) -> "Column":
         column = Column(np.asarray(values, self.np_dtype))
