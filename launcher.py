@@ -9,6 +9,7 @@ Later starts find everything in place and go straight to the app.
     python launcher.py --test     install the test extras and run the test suite (extra arguments go to pytest)
     python launcher.py --lint     install the test extras and run the linter (ruff, configured in pyproject.toml)
 """
+
 import hashlib
 import os
 import platform
@@ -56,26 +57,38 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"[0-9]+", version)[:2])
 
 
-def unusable_gpu_message(gpu_present: bool, torch_version: str, torch_cuda: str | None, cuda_available: bool,
-                         driver_cuda: str | None, torch_warning: str = "") -> str | None:
+def unusable_gpu_message(
+    gpu_present: bool,
+    torch_version: str,
+    torch_cuda: str | None,
+    cuda_available: bool,
+    driver_cuda: str | None,
+    torch_warning: str = "",
+) -> str | None:
     """What to do when an NVIDIA GPU is present and the installed PyTorch cannot use it (Pagoda would run on the
     CPU, far slower); None when it can, or when there is no GPU."""
     if not gpu_present or cuda_available:
         return None
     head = "Pagoda found an NVIDIA GPU, but PyTorch cannot use it, so Pagoda runs on the CPU (much slower)."
     if torch_cuda is None:
-        return (f"{head} The installed PyTorch ({torch_version}) is a CPU-only build. To use the GPU, close "
-                f"Pagoda, delete the folder {VENV} and start Pagoda again: the launcher then installs PyTorch's "
-                "CUDA build.")
+        return (
+            f"{head} The installed PyTorch ({torch_version}) is a CPU-only build. To use the GPU, close "
+            f"Pagoda, delete the folder {VENV} and start Pagoda again: the launcher then installs PyTorch's "
+            "CUDA build."
+        )
     if driver_cuda is not None and _version_tuple(driver_cuda) < _version_tuple(torch_cuda):
-        return (f"{head} The installed PyTorch ({torch_version}) is built for CUDA {torch_cuda}, and the NVIDIA "
-                f"driver supports CUDA up to {driver_cuda} only. Update the NVIDIA driver (the NVIDIA App, or "
-                "https://www.nvidia.com/Download/index.aspx) and start Pagoda again.")
+        return (
+            f"{head} The installed PyTorch ({torch_version}) is built for CUDA {torch_cuda}, and the NVIDIA "
+            f"driver supports CUDA up to {driver_cuda} only. Update the NVIDIA driver (the NVIDIA App, or "
+            "https://www.nvidia.com/Download/index.aspx) and start Pagoda again."
+        )
     detail = f" PyTorch said: {torch_warning.strip()}" if torch_warning.strip() else ""
-    return (f"{head} The installed PyTorch ({torch_version}) is built for CUDA {torch_cuda}, and the driver "
-            f"supports CUDA {driver_cuda or '(unknown: nvidia-smi did not say)'}.{detail} Check that `nvidia-smi` "
-            "lists the GPU without errors; reinstalling or updating the NVIDIA driver, then restarting the "
-            "computer, usually fixes this.")
+    return (
+        f"{head} The installed PyTorch ({torch_version}) is built for CUDA {torch_cuda}, and the driver "
+        f"supports CUDA {driver_cuda or '(unknown: nvidia-smi did not say)'}.{detail} Check that `nvidia-smi` "
+        "lists the GPU without errors; reinstalling or updating the NVIDIA driver, then restarting the "
+        "computer, usually fixes this."
+    )
 
 
 def check_gpu_is_usable() -> None:
@@ -87,8 +100,14 @@ def check_gpu_is_usable() -> None:
     with warnings.catch_warnings(record=True) as caught:  # e.g. "The NVIDIA driver on your system is too old"
         warnings.simplefilter("always")
         available = torch.cuda.is_available()
-    message = unusable_gpu_message(True, torch.__version__, torch.version.cuda, available, driver_cuda_version(),
-                                   " ".join(str(w.message) for w in caught))
+    message = unusable_gpu_message(
+        True,
+        torch.__version__,
+        torch.version.cuda,
+        available,
+        driver_cuda_version(),
+        " ".join(str(w.message) for w in caught),
+    )
     if message:
         print(f"\n*** {message}\n", file=sys.stderr, flush=True)
 
@@ -117,8 +136,11 @@ def ensure_installed(extras: list[str]) -> None:
     if installed is not None and installed.issuperset(extras) and venv_python().exists():
         return
     extras = sorted(set(extras) | (installed or set()))
-    print(f"Pagoda: setting up {VENV} ({'NVIDIA GPU found' if gpu else 'no NVIDIA GPU: CPU build'}). "
-          "This takes a few minutes once.", flush=True)
+    print(
+        f"Pagoda: setting up {VENV} ({'NVIDIA GPU found' if gpu else 'no NVIDIA GPU: CPU build'}). "
+        "This takes a few minutes once.",
+        flush=True,
+    )
     if not venv_python().exists():
         venv.EnvBuilder(with_pip=True).create(VENV)
     py = str(venv_python())

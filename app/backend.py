@@ -6,6 +6,7 @@ The page and the chat flow talk to a Backend only: they never ask which kind it 
 backend turns a chat into token ids through the engine's one chat encoder (so chats and /v1 calls
 with the same system prompt share KV blocks); a remote server applies its own template.
 """
+
 from __future__ import annotations
 
 import time
@@ -88,8 +89,10 @@ class ContextOverflow(Exception):
 
     def __init__(self, needed: int, limit: int):
         self.needed, self.limit = needed, limit
-        super().__init__(f"This chat needs {needed:,} tokens (history plus room for the reply) but the model's context "
-                         f"holds {limit:,}. Drop the oldest messages, lower the reply length, or start a new chat.")
+        super().__init__(
+            f"This chat needs {needed:,} tokens (history plus room for the reply) but the model's context "
+            f"holds {limit:,}. Drop the oldest messages, lower the reply length, or start a new chat."
+        )
 
 
 def meter_text(used: int, limit: int | None) -> str:
@@ -114,15 +117,23 @@ def json_constraint(settings: ChatSettings) -> StructuredOutputsParams | None:
     try:
         return StructuredOutputsParams(json=schema) if schema else StructuredOutputsParams(json_object=True)
     except ValueError as e:
-        raise BadSettings(f"The chat's JSON schema cannot be used: {str(e).removeprefix('StructuredOutputsParams: ')}."
-                          " Fix it, or clear it for any JSON object.") from None
+        raise BadSettings(
+            f"The chat's JSON schema cannot be used: {str(e).removeprefix('StructuredOutputsParams: ')}."
+            " Fix it, or clear it for any JSON object."
+        ) from None
 
 
 def sampling_params(settings: ChatSettings) -> SamplingParams:
-    return SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                          min_p=settings.min_p, repetition_penalty=settings.repetition_penalty,
-                          max_tokens=settings.max_tokens, seed=settings.seed,
-                          structured_outputs=json_constraint(settings))
+    return SamplingParams(
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        min_p=settings.min_p,
+        repetition_penalty=settings.repetition_penalty,
+        max_tokens=settings.max_tokens,
+        seed=settings.seed,
+        structured_outputs=json_constraint(settings),
+    )
 
 
 def reply_room(max_tokens: int) -> int:
@@ -153,8 +164,14 @@ class LocalReplyStream:
                 if out.finished:
                     held_reasoning, held_text = self._reasoning.finish()
                     reasoning, text = reasoning + held_reasoning, text + held_text
-            yield ReplyDelta(text, len(out.new_token_ids), out.finished, out.finish_reason,
-                             cached_tokens=out.num_cached_tokens, reasoning=reasoning)
+            yield ReplyDelta(
+                text,
+                len(out.new_token_ids),
+                out.finished,
+                out.finish_reason,
+                cached_tokens=out.num_cached_tokens,
+                reasoning=reasoning,
+            )
 
     def cancel(self) -> None:
         self._stream.cancel()

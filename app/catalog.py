@@ -19,8 +19,14 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CatalogEntry", "DEFAULT_CATALOG", "SUPPORTED_ARCHITECTURES", "load_catalog", "entry_for_repo",
-    "entry_from_config", "count_params", "dtype_bytes",
+    "CatalogEntry",
+    "DEFAULT_CATALOG",
+    "SUPPORTED_ARCHITECTURES",
+    "load_catalog",
+    "entry_for_repo",
+    "entry_from_config",
+    "count_params",
+    "dtype_bytes",
 ]
 
 DEFAULT_CATALOG = Path(__file__).resolve().parent.parent / "assets" / "catalog.json"
@@ -29,13 +35,26 @@ DEFAULT_CATALOG = Path(__file__).resolve().parent.parent / "assets" / "catalog.j
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 _DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "bfloat16": 2, "bf16": 2,
-    "float16": 2, "fp16": 2, "half": 2,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
 }
 
-_REQUIRED = ("repo_id", "params", "checkpoint_dtype", "download_bytes", "num_hidden_layers", "num_key_value_heads",
-             "head_dim", "max_position_embeddings")
+_REQUIRED = (
+    "repo_id",
+    "params",
+    "checkpoint_dtype",
+    "download_bytes",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 @dataclass
@@ -43,27 +62,27 @@ class CatalogEntry:
     """One chat model. Sizes are approximate unless `size_is_approximate` is False (then they came from the hub)."""
 
     repo_id: str
-    params: int                      # unique parameters (tied embeddings counted once)
-    checkpoint_dtype: str            # dtype of the safetensors on the hub, e.g. "bfloat16"
-    download_bytes: int              # what a download of the engine's files takes on disk
+    params: int  # unique parameters (tied embeddings counted once)
+    checkpoint_dtype: str  # dtype of the safetensors on the hub, e.g. "bfloat16"
+    download_bytes: int  # what a download of the engine's files takes on disk
     num_hidden_layers: int
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
     name: str = ""
-    family: str = ""                 # "llama", "qwen2", "qwen3" ("" when unknown)
-    architecture: str = ""           # config.json architectures[0]
-    params_label: str = ""           # "0.6B", "135M"
+    family: str = ""  # "llama", "qwen2", "qwen3" ("" when unknown)
+    architecture: str = ""  # config.json architectures[0]
+    params_label: str = ""  # "0.6B", "135M"
     hidden_size: int | None = None
     intermediate_size: int | None = None
     vocab_size: int | None = None
     num_attention_heads: int | None = None
     tie_word_embeddings: bool = True
-    gated: bool = False              # the repo needs its license accepted and a logged-in token
+    gated: bool = False  # the repo needs its license accepted and a logged-in token
     license: str = ""
-    bundled: bool = False            # ships with Pagoda and works offline
-    gguf_file: str = ""              # the one GGUF file of the repo to fetch and serve ("": safetensors repo)
-    gguf_type: str = ""              # its quantization as named in the file name, e.g. "Q4_K_M"
+    bundled: bool = False  # ships with Pagoda and works offline
+    gguf_file: str = ""  # the one GGUF file of the repo to fetch and serve ("": safetensors repo)
+    gguf_type: str = ""  # its quantization as named in the file name, e.g. "Q4_K_M"
     description: str = ""
     size_is_approximate: bool = True
 
@@ -89,7 +108,6 @@ class CatalogEntry:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
 
 
 # ---- loading --------------------------------------------------------------------------------------------------
@@ -123,8 +141,14 @@ def load_catalog(path: str | os.PathLike | None = None) -> list[CatalogEntry]:
         if missing:
             raise ValueError(f"{where} lacks {', '.join(missing)}")
         entry = CatalogEntry(**{k: v for k, v in item.items() if k in known})  # unknown keys: newer catalog
-        for k in ("params", "download_bytes", "num_hidden_layers", "num_key_value_heads", "head_dim",
-                  "max_position_embeddings"):
+        for k in (
+            "params",
+            "download_bytes",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if not isinstance(getattr(entry, k), int) or getattr(entry, k) <= 0:
                 raise ValueError(f"{where}: {k} must be a positive integer, got {getattr(entry, k)!r}")
         entries.append(entry)
@@ -145,6 +169,7 @@ def entry_for_repo(repo_id: str) -> CatalogEntry | None:
 
 # ---- arithmetic -----------------------------------------------------------------------------------------------
 
+
 def dtype_bytes(dtype: str, entry: CatalogEntry | None = None) -> int:
     """Bytes per element of a dtype name ("bfloat16", "float16", "float32", "auto" = the checkpoint's dtype)."""
     name = str(dtype).lower().removeprefix("torch.")
@@ -156,9 +181,18 @@ def dtype_bytes(dtype: str, entry: CatalogEntry | None = None) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; use bfloat16, float16, float32 or auto") from None
 
 
-def count_params(*, hidden_size: int, intermediate_size: int, vocab_size: int, num_hidden_layers: int,
-                 num_attention_heads: int, num_key_value_heads: int, head_dim: int,
-                 tie_word_embeddings: bool = True, family: str = "llama") -> int:
+def count_params(
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    tie_word_embeddings: bool = True,
+    family: str = "llama",
+) -> int:
     """Parameters of a Llama-style decoder (Qwen2 adds q/k/v biases, Qwen3 q/k norms); tied head counted once."""
     h, kv_dim, q_dim = hidden_size, num_key_value_heads * head_dim, num_attention_heads * head_dim
     attn = h * q_dim + 2 * h * kv_dim + q_dim * h
@@ -181,8 +215,10 @@ def _params_label(params: int) -> str:
 
 # ---- arbitrary repos ------------------------------------------------------------------------------------------
 
-def entry_from_config(repo_id: str, config: dict[str, Any], size_bytes: int, *, gated: bool = False,
-                      license: str = "") -> CatalogEntry:
+
+def entry_from_config(
+    repo_id: str, config: dict[str, Any], size_bytes: int, *, gated: bool = False, license: str = ""
+) -> CatalogEntry:
     """A catalog entry for any hub repo, from its config.json and the byte size of the files a download takes.
 
     Parameters are counted from the config's dimensions when it has them (more exact than the file size, which may
@@ -217,8 +253,15 @@ def entry_from_config(repo_id: str, config: dict[str, Any], size_bytes: int, *, 
 
     size_bytes = int(size_bytes or 0)
     size_params = size_bytes // _DTYPE_BYTES[dtype] if size_bytes > 0 else 0
-    dims = dict(hidden_size=hidden, intermediate_size=cfg.get("intermediate_size"), vocab_size=cfg.get("vocab_size"),
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    dims = dict(
+        hidden_size=hidden,
+        intermediate_size=cfg.get("intermediate_size"),
+        vocab_size=cfg.get("vocab_size"),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )
     counted = count_params(**dims, tie_word_embeddings=tie, family=family) if all(dims.values()) else 0
     # A checkpoint may store a tied head twice (smaller count) or be a mixture of experts (much larger file):
     # trust the dimension count only when it is plausible against the file size.
@@ -231,26 +274,58 @@ def entry_from_config(repo_id: str, config: dict[str, Any], size_bytes: int, *, 
 
     notes = []
     if not family:
-        notes.append(f"Pagoda's engine cannot run {architecture or 'this architecture'} yet "
-                     f"(supported: Llama, Qwen2/2.5, Qwen3 dense).")
+        notes.append(
+            f"Pagoda's engine cannot run {architecture or 'this architecture'} yet "
+            f"(supported: Llama, Qwen2/2.5, Qwen3 dense)."
+        )
     if cfg.get("quantization_config"):
         notes.append("Quantized checkpoint: the estimate assumes unquantized weights.")
     return CatalogEntry(
-        repo_id=repo_id, params=int(params), checkpoint_dtype=dtype, download_bytes=size_bytes,
-        num_hidden_layers=int(layers), num_key_value_heads=int(kv_heads), head_dim=int(head_dim),
-        max_position_embeddings=int(ctx), family=family, architecture=architecture,
-        hidden_size=hidden, intermediate_size=cfg.get("intermediate_size"), vocab_size=cfg.get("vocab_size"),
-        num_attention_heads=heads, tie_word_embeddings=tie, gated=gated, license=license,
-        description=" ".join(notes), size_is_approximate=False,
+        repo_id=repo_id,
+        params=int(params),
+        checkpoint_dtype=dtype,
+        download_bytes=size_bytes,
+        num_hidden_layers=int(layers),
+        num_key_value_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(ctx),
+        family=family,
+        architecture=architecture,
+        hidden_size=hidden,
+        intermediate_size=cfg.get("intermediate_size"),
+        vocab_size=cfg.get("vocab_size"),
+        num_attention_heads=heads,
+        tie_word_embeddings=tie,
+        gated=gated,
+        license=license,
+        description=" ".join(notes),
+        size_is_approximate=False,
     )
 
 
 # The estimates and the free-memory measurement lived here before they got modules of their own; scripts that
 # import them from here (bench/gpu_laptop.py) still can. Looked up on first use: app.memory_estimate imports this.
-_MOVED = {"available_memory": "app.device_memory", "GiB": "app.device_memory", "MiB": "app.device_memory",
-          **{name: "app.memory_estimate" for name in (
-              "MemoryEstimate", "FitReport", "QuantOption", "QuantAdvice", "QUANTIZATIONS", "estimate_memory",
-              "weights_bytes", "fit_report", "quantization_advice", "format_gib", "quantization_label")}}
+_MOVED = {
+    "available_memory": "app.device_memory",
+    "GiB": "app.device_memory",
+    "MiB": "app.device_memory",
+    **{
+        name: "app.memory_estimate"
+        for name in (
+            "MemoryEstimate",
+            "FitReport",
+            "QuantOption",
+            "QuantAdvice",
+            "QUANTIZATIONS",
+            "estimate_memory",
+            "weights_bytes",
+            "fit_report",
+            "quantization_advice",
+            "format_gib",
+            "quantization_label",
+        )
+    },
+}
 
 
 def __getattr__(name: str) -> Any:

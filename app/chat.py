@@ -2,6 +2,7 @@
 
 Both backends (app/backend.py) answer with the same ReplyDelta increments, so nothing here asks
 which one serves."""
+
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -64,13 +65,19 @@ def _measures(meta: dict) -> str:
     stopped = " · stopped" if meta.get("finish_reason") == "abort" else ""
     if meta.get("finish_reason") == "length":  # the reply limit, or else the model's context, ended it
         limit = meta.get("max_tokens")
-        stopped = (f" · cut at Max reply tokens ({limit:,})" if limit and meta.get("output_tokens", 0) >= limit
-                   else " · cut: the context is full")
+        stopped = (
+            f" · cut at Max reply tokens ({limit:,})"
+            if limit and meta.get("output_tokens", 0) >= limit
+            else " · cut: the context is full"
+        )
     prompt = meta.get("prompt_tokens")
-    cache = (f" · {meta.get('cached_tokens', 0):,}/{count(prompt, 'prompt token')} from the prefix cache"
-             if prompt else "")  # a remote server that sends no usage leaves it unknown
-    return (f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {count(meta.get('output_tokens', 0), 'token')}"
-            f"{reasoning}{cache}{stopped}")
+    cache = (
+        f" · {meta.get('cached_tokens', 0):,}/{count(prompt, 'prompt token')} from the prefix cache" if prompt else ""
+    )  # a remote server that sends no usage leaves it unknown
+    return (
+        f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {count(meta.get('output_tokens', 0), 'token')}"
+        f"{reasoning}{cache}{stopped}"
+    )
 
 
 def count(n: int, thing: str) -> str:
@@ -92,9 +99,15 @@ def as_shown(text: str, stats: str) -> str:
     return with_stats_line(dollar_math(text), stats)
 
 
-def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens: int,
-                 interrupted: Callable[[], bool] = lambda: False, model: str = "",
-                 max_tokens: int | None = None) -> Iterator[Turn]:
+def stream_reply(
+    stream: ReplyStream,
+    store,
+    message_id: int,
+    num_prompt_tokens: int,
+    interrupted: Callable[[], bool] = lambda: False,
+    model: str = "",
+    max_tokens: int | None = None,
+) -> Iterator[Turn]:
     """Consume one reply's stream into message `message_id`, yielding the turn after every increment.
 
     The store gets the text at least every SAVE_EVERY_S and at the end. If the consumer stops
@@ -112,6 +125,7 @@ def stream_reply(stream: ReplyStream, store, message_id: int, num_prompt_tokens:
         if interrupted():
             meta.update(finished=False, finish_reason=None)
         store.update_message(message_id, turn.text, meta)
+
     try:
         for delta in stream:
             now = time.perf_counter()
@@ -149,8 +163,15 @@ class ReplyTask:
     It outlives the page event that started it, so switching to another chat lets it finish in
     the background; `cancel()` (Stop, or the browser going away) aborts it in the engine."""
 
-    def __init__(self, stream: ReplyStream, store, message_id: int, num_prompt_tokens: int, model: str = "",
-                 max_tokens: int | None = None):
+    def __init__(
+        self,
+        stream: ReplyStream,
+        store,
+        message_id: int,
+        num_prompt_tokens: int,
+        model: str = "",
+        max_tokens: int | None = None,
+    ):
         self.stream = stream
         self.turn = Turn(prompt_tokens=num_prompt_tokens, model=model, max_tokens=max_tokens)
         self.done = threading.Event()
@@ -159,15 +180,19 @@ class ReplyTask:
         # it (its last frame landed after an edit's and put the deleted rows back on screen)
         self.withdrawn = False
         self.interrupted = False  # Pagoda is shutting down under it (see interrupt)
-        self._thread = threading.Thread(target=self._run,
-                                        args=(store, message_id, num_prompt_tokens, model, max_tokens),
-                                        name=f"reply-{message_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(store, message_id, num_prompt_tokens, model, max_tokens),
+            name=f"reply-{message_id}",
+            daemon=True,
+        )
         self._thread.start()
 
     def _run(self, store, message_id: int, num_prompt_tokens: int, model: str, max_tokens: int | None) -> None:
         try:
-            for turn in stream_reply(self.stream, store, message_id, num_prompt_tokens, lambda: self.interrupted,
-                                     model, max_tokens):
+            for turn in stream_reply(
+                self.stream, store, message_id, num_prompt_tokens, lambda: self.interrupted, model, max_tokens
+            ):
                 self.turn = turn
         except Exception as e:  # the chat was deleted while it answered, or a remote server failed mid-reply
             self.stream.cancel()

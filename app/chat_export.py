@@ -1,4 +1,5 @@
 """A chat as a file: Markdown to read or share, JSON that ConversationStore.import_json reads back."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """A chat's settings: its sampling settings and its switches, one typed object that the page, the store and both
 backends share. The store keeps them as a JSON object; `from_dict` reads one back (a missing key: its default, as
 for a chat saved by an older Pagoda; an unknown key, a newer Pagoda's: dropped) and `to_dict` writes it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,15 @@ class ChatSettings:
 
     def __post_init__(self) -> None:
         # Sliders and JSON hand over floats for whole numbers, and "" or -1 for "no seed": typed once, here
-        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
-                           ("repetition_penalty", float), ("max_tokens", int), ("seed", int)):
+        for name, kind in (
+            ("temperature", float),
+            ("top_p", float),
+            ("top_k", int),
+            ("min_p", float),
+            ("repetition_penalty", float),
+            ("max_tokens", int),
+            ("seed", int),
+        ):
             value = getattr(self, name)
             if name == "seed" and value in (None, "", -1):
                 object.__setattr__(self, name, None)
@@ -32,8 +40,10 @@ class ChatSettings:
             try:
                 object.__setattr__(self, name, kind(value))
             except (TypeError, ValueError):
-                raise ValueError(f"The chat setting {name} must be a number, got {value!r}: set it again in "
-                                 "System prompt and sampling.") from None
+                raise ValueError(
+                    f"The chat setting {name} must be a number, got {value!r}: set it again in "
+                    "System prompt and sampling."
+                ) from None
         for name in ("think", "json_output"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         object.__setattr__(self, "json_schema", self.json_schema or "")

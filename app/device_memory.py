@@ -78,4 +78,3 @@ def _system_memory() -> tuple[int, int]:
         return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
     except (ValueError, OSError, AttributeError):
         return 0, 0
-

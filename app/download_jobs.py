@@ -58,14 +58,14 @@ class DownloadJob:
 
     id: str
     repo_id: str
-    gguf_file: str = ""             # the one GGUF file this job fetches ("": the repo's engine files)
-    status: str = "queued"          # queued, running, done, cancelled, error
+    gguf_file: str = ""  # the one GGUF file this job fetches ("": the repo's engine files)
+    status: str = "queued"  # queued, running, done, cancelled, error
     bytes_done: int = 0
-    bytes_total: int = 0            # 0 until the size is known
-    speed: float = 0.0              # bytes/s, smoothed
+    bytes_total: int = 0  # 0 until the size is known
+    speed: float = 0.0  # bytes/s, smoothed
     eta_s: float | None = None
-    error: str | None = None        # a sentence for the user when status == "error"
-    path: str | None = None         # when status == "done": the snapshot folder, or the GGUF file
+    error: str | None = None  # a sentence for the user when status == "error"
+    path: str | None = None  # when status == "done": the snapshot folder, or the GGUF file
     started_at: float = 0.0
     finished_at: float | None = None
     cancel_requested: bool = False
@@ -84,8 +84,8 @@ class DiskCheck:
     """What the UI shows before a download starts."""
 
     repo_id: str
-    size_bytes: int                 # files the download takes (engine patterns, or the one GGUF file)
-    needed_bytes: int               # minus what the cache already holds
+    size_bytes: int  # files the download takes (engine patterns, or the one GGUF file)
+    needed_bytes: int  # minus what the cache already holds
     free_bytes: int
     fits: bool
     message: str
@@ -94,7 +94,7 @@ class DiskCheck:
 @dataclass
 class _RepoFiles:
     size_bytes: int
-    files: list[tuple[str, int, str]]   # (path in repo, size, blob name in the cache)
+    files: list[tuple[str, int, str]]  # (path in repo, size, blob name in the cache)
     sha: str | None
 
 
@@ -109,8 +109,15 @@ class DownloadManager:
     `use_xet=True`, a cancel also aborts huggingface_hub's process-wide Xet session when no other job is running.
     Both settings, like the 1 MiB progress chunk, are huggingface_hub globals: they apply to the whole process."""
 
-    def __init__(self, models_dir: str | os.PathLike | None = None, *, endpoint: str | None = None,
-                 token: str | bool | None = None, max_workers: int = 8, use_xet: bool = False):
+    def __init__(
+        self,
+        models_dir: str | os.PathLike | None = None,
+        *,
+        endpoint: str | None = None,
+        token: str | bool | None = None,
+        max_workers: int = 8,
+        use_xet: bool = False,
+    ):
         self.cache_dir = Path(models_dir).expanduser() if models_dir is not None else None
         self.endpoint = endpoint.rstrip("/") if endpoint else None
         self.token = token
@@ -157,11 +164,14 @@ class DownloadManager:
             if not siblings:
                 others = sorted(s.rfilename for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf"))
                 listing = f" It holds {', '.join(others)}." if others else " It holds no GGUF file."
-                raise DownloadError(f"{repo_id} has no file {gguf_file}.{listing} Pick one of those, or check "
-                                    "the name on the repo's Hugging Face page.")
+                raise DownloadError(
+                    f"{repo_id} has no file {gguf_file}.{listing} Pick one of those, or check "
+                    "the name on the repo's Hugging Face page."
+                )
         else:
-            siblings = list(filter_repo_objects(info.siblings or [], allow_patterns=HUB_PATTERNS,
-                                                key=lambda s: s.rfilename))
+            siblings = list(
+                filter_repo_objects(info.siblings or [], allow_patterns=HUB_PATTERNS, key=lambda s: s.rfilename)
+            )
         files = []
         for s in siblings:
             lfs = getattr(s, "lfs", None)
@@ -195,8 +205,10 @@ class DownloadManager:
         if fits:
             message = f"{repo_id}: {_gib(size)} to download; {_gib(free)} free on disk."
         else:
-            message = (f"Not enough disk space for {repo_id}: it needs {_gib(needed)} but only {_gib(free)} is free "
-                       f"in {self.cache_path}. Free some space or delete a model you no longer use.")
+            message = (
+                f"Not enough disk space for {repo_id}: it needs {_gib(needed)} but only {_gib(free)} is free "
+                f"in {self.cache_path}. Free some space or delete a model you no longer use."
+            )
         return DiskCheck(repo_id, size, needed, free, fits, message)
 
     def inspect(self, repo_id: str) -> CatalogEntry:
@@ -346,16 +358,25 @@ class DownloadManager:
             # A GGUF job names its one file: a literal pattern (fnmatch would read [ ] in a name as a set).
             patterns = [_literal(job.gguf_file)] if job.gguf_file else HUB_PATTERNS
             path = snapshot_download(
-                job.repo_id, allow_patterns=patterns, cache_dir=self.cache_dir, endpoint=self.endpoint,
-                token=self.token, max_workers=self.max_workers, tqdm_class=progress_bar_class(state, self._byte_bars),
+                job.repo_id,
+                allow_patterns=patterns,
+                cache_dir=self.cache_dir,
+                endpoint=self.endpoint,
+                token=self.token,
+                max_workers=self.max_workers,
+                tqdm_class=progress_bar_class(state, self._byte_bars),
             )
-            complete = (Path(path, job.gguf_file).is_file() if job.gguf_file
-                        else snapshot_complete(Path(path), state.storage))
+            complete = (
+                Path(path, job.gguf_file).is_file() if job.gguf_file else snapshot_complete(Path(path), state.storage)
+            )
             if state.cancel.is_set() and not complete:
                 raise Cancelled()
             if not complete:
-                self._finish(state, "error", error=f"The download of {job.repo_id} ended without all of its files; "
-                                                   "start it again to resume.")
+                self._finish(
+                    state,
+                    "error",
+                    error=f"The download of {job.repo_id} ended without all of its files; start it again to resume.",
+                )
                 return
             self._finish(state, "done", path=str(Path(path, job.gguf_file) if job.gguf_file else path))
         except Cancelled:
@@ -430,6 +451,7 @@ class DownloadManager:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
+
 
 def _check_repo_id(repo_id: str) -> None:
     if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id.strip()):

@@ -42,8 +42,8 @@ class JobState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     thread: threading.Thread | None = None
     storage: Path | None = None
-    cached_bytes: int = 0              # bytes of this repo's files already in the cache at start
-    disk_baseline: int = 0             # bytes in the repo's blob folder at start (fallback progress)
+    cached_bytes: int = 0  # bytes of this repo's files already in the cache at start
+    disk_baseline: int = 0  # bytes in the repo's blob folder at start (fallback progress)
     bars: dict[int, list] = field(default_factory=dict)  # bar key -> [kind, bytes counted]
     sample_t: float = 0.0
     sample_bytes: int = 0
@@ -56,9 +56,9 @@ class JobState:
         if unit != "B" or not byte_bars:
             kind = "items"
         elif str(kwargs.get("desc") or "").startswith("Downloading bytes") or "{total" not in bar_format:
-            kind = "transfer"      # network bytes: after dedup/compression, no trustworthy total
+            kind = "transfer"  # network bytes: after dedup/compression, no trustworthy total
         else:
-            kind = "bytes"         # bytes written: add up to the file sizes
+            kind = "bytes"  # bytes written: add up to the file sizes
         with self.lock:
             bar._pagoda_key = len(self.bars)
             self.bars[bar._pagoda_key] = [kind, 0]
@@ -113,8 +113,8 @@ def progress_bar_class(state: JobState, byte_bars: bool = True) -> type:
         """Silent tqdm that reports into one job and stops the download when the job is cancelled."""
 
         def __init__(self, *args, **kwargs):
-            kwargs.pop("name", None)      # huggingface_hub passes it to its own tqdm subclass only
-            kwargs["disable"] = True      # never draw; a disabled tqdm still keeps n and total
+            kwargs.pop("name", None)  # huggingface_hub passes it to its own tqdm subclass only
+            kwargs["disable"] = True  # never draw; a disabled tqdm still keeps n and total
             super().__init__(*args, **kwargs)
             if state.cancel.is_set():
                 raise Cancelled()
@@ -124,7 +124,7 @@ def progress_bar_class(state: JobState, byte_bars: bool = True) -> type:
             if state.cancel.is_set():
                 raise Cancelled()
             n = n or 0
-            self.n += n                   # tqdm.update returns early when disabled
+            self.n += n  # tqdm.update returns early when disabled
             state.bar_progress(self, n)
             return None
 

@@ -24,17 +24,25 @@ from pathlib import Path
 
 from engine.loader import HUB_PATTERNS
 
-__all__ = ["LocalModel", "default_cache_path", "repo_folder", "local_models", "delete_repo", "snapshot_complete",
-           "gguf_files", "folder_bytes"]
+__all__ = [
+    "LocalModel",
+    "default_cache_path",
+    "repo_folder",
+    "local_models",
+    "delete_repo",
+    "snapshot_complete",
+    "gguf_files",
+    "folder_bytes",
+]
 
 
 @dataclass
 class LocalModel:
     repo_id: str
-    path: Path                      # the snapshot folder (what LLM(...) takes); the repo folder if no snapshot yet
-    size_bytes: int                 # on disk, all revisions and partial files of the repo
-    complete: bool = True           # False: an interrupted download (listed only with include_partial=True)
-    revision: str = ""              # commit hash of the snapshot
+    path: Path  # the snapshot folder (what LLM(...) takes); the repo folder if no snapshot yet
+    size_bytes: int  # on disk, all revisions and partial files of the repo
+    complete: bool = True  # False: an interrupted download (listed only with include_partial=True)
+    revision: str = ""  # commit hash of the snapshot
     architectures: tuple[str, ...] = ()
     gguf_files: tuple[str, ...] = ()  # GGUF files in the snapshot, relative to it (a GGUF repo's downloads)
 
@@ -82,12 +90,15 @@ def local_models(cache_path: Path, include_partial: bool = False, busy: Collecti
         complete = repo.repo_id not in busy and snapshot_complete(path, Path(repo.repo_path))
         if not complete and not include_partial:
             continue
-        models.append(LocalModel(repo.repo_id, path, int(repo.size_on_disk), complete, revision.commit_hash,
-                                 _architectures(path), ggufs))
+        models.append(
+            LocalModel(
+                repo.repo_id, path, int(repo.size_on_disk), complete, revision.commit_hash, _architectures(path), ggufs
+            )
+        )
     if include_partial:  # repos cut off before their first file finished have no snapshot to scan
         listed = {m.repo_id for m in models}
         for folder in sorted(cache_path.glob("models--*--*")):
-            repo_id = folder.name[len("models--"):].replace("--", "/", 1)
+            repo_id = folder.name[len("models--") :].replace("--", "/", 1)
             if repo_id not in listed and not (folder / "snapshots").is_dir() and (folder / "blobs").is_dir():
                 models.append(LocalModel(repo_id, folder, folder_bytes(folder), False))
     return sorted(models, key=lambda m: m.repo_id.lower())

@@ -32,22 +32,34 @@ def explain_error(exc: BaseException, repo_id: str, endpoint: str | None = None)
 
     login = "log in with `huggingface-cli login` (or `hf auth login`)"
     if find(hub_errors.GatedRepoError):
-        return (f"{repo_id} is a gated model: open {page}, accept its license, then {login} with a token of the "
-                "account that accepted it. Access is usually granted within minutes.")
+        return (
+            f"{repo_id} is a gated model: open {page}, accept its license, then {login} with a token of the "
+            "account that accepted it. Access is usually granted within minutes."
+        )
     if find(hub_errors.RepositoryNotFoundError):
-        return (f"The repo {repo_id} was not found on the Hugging Face hub. Check the spelling (for example "
-                f"Qwen/Qwen3-0.6B); if it is private, {login}.")
+        return (
+            f"The repo {repo_id} was not found on the Hugging Face hub. Check the spelling (for example "
+            f"Qwen/Qwen3-0.6B); if it is private, {login}."
+        )
     if find(hub_errors.RevisionNotFoundError):
         return f"The requested revision of {repo_id} does not exist on the Hugging Face hub."
     if find(hub_errors.DisabledRepoError):
         return f"The repo {repo_id} has been disabled on the Hugging Face hub."
-    status = next((getattr(getattr(e, "response", None), "status_code", None) for e in chain
-                   if isinstance(e, hub_errors.HfHubHTTPError) and getattr(e, "response", None) is not None), None)
+    status = next(
+        (
+            getattr(getattr(e, "response", None), "status_code", None)
+            for e in chain
+            if isinstance(e, hub_errors.HfHubHTTPError) and getattr(e, "response", None) is not None
+        ),
+        None,
+    )
     if status == 401:
         return f"The Hugging Face hub refused access to {repo_id} (401): {login}."
     if status == 403:
-        return (f"The Hugging Face hub refused access to {repo_id} (403). If it is gated, accept its license at "
-                f"{page}; make sure your token may read gated repos, then {login}.")
+        return (
+            f"The Hugging Face hub refused access to {repo_id} (403). If it is gated, accept its license at "
+            f"{page}; make sure your token may read gated repos, then {login}."
+        )
     if status == 404:
         return f"The repo {repo_id} or one of its files was not found on the Hugging Face hub (404)."
     if status == 429:
@@ -56,15 +68,19 @@ def explain_error(exc: BaseException, repo_id: str, endpoint: str | None = None)
         return f"The Hugging Face hub answered with a server error ({status}). Try again later."
     offline_types = tuple(t for t in (getattr(hub_errors, "OfflineModeIsEnabled", None),) if t)
     if (offline_types and find(*offline_types)) or constants.HF_HUB_OFFLINE:
-        return ("Downloads are switched off (HF_HUB_OFFLINE is set). Unset it to download models; "
-                "the bundled model works offline.")
+        return (
+            "Downloads are switched off (HF_HUB_OFFLINE is set). Unset it to download models; "
+            "the bundled model works offline."
+        )
     disk = next((e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC), None)
     if disk is not None:
         return "The disk ran out of space during the download. Free some space and start it again to resume."
     if _is_connection_error(chain, hub_errors):
         reason = _connection_reason(chain)
-        return (f"Could not reach the Hugging Face hub ({endpoint}: {reason}). Check your connection; "
-                "the bundled model works offline.")
+        return (
+            f"Could not reach the Hugging Face hub ({endpoint}: {reason}). Check your connection; "
+            "the bundled model works offline."
+        )
     if isinstance(exc, hub_errors.HfHubHTTPError):
         return f"The Hugging Face hub returned an error for {repo_id}: {_first_line(exc)}"
     return f"Downloading {repo_id} failed: {type(exc).__name__}: {_first_line(exc)}"
@@ -89,8 +105,16 @@ def _http_errors() -> tuple[type, ...]:
             mod = __import__(module)
         except ImportError:
             continue
-        for name in ("ConnectError", "ConnectTimeout", "TimeoutException", "NetworkError", "ConnectionError",
-                     "Timeout", "ProxyError", "RemoteProtocolError"):
+        for name in (
+            "ConnectError",
+            "ConnectTimeout",
+            "TimeoutException",
+            "NetworkError",
+            "ConnectionError",
+            "Timeout",
+            "ProxyError",
+            "RemoteProtocolError",
+        ):
             t = getattr(getattr(mod, "exceptions", mod), name, None) or getattr(mod, name, None)
             if isinstance(t, type):
                 types.append(t)
@@ -108,12 +132,18 @@ def _is_connection_error(chain: list[BaseException], hub_errors) -> bool:
 def _connection_reason(chain: list[BaseException]) -> str:
     """The most specific short reason in the chain, e.g. "connection refused" or "name resolution failed"."""
     text = " ".join(str(e) for e in chain).lower()
-    for needle, reason in (("refused", "connection refused"), ("name or service not known", "name resolution failed"),
-                           ("nodename nor servname", "name resolution failed"),
-                           ("temporary failure in name resolution", "name resolution failed"),
-                           ("getaddrinfo", "name resolution failed"), ("timed out", "timed out"),
-                           ("timeout", "timed out"), ("network is unreachable", "network unreachable"),
-                           ("ssl", "TLS/SSL error"), ("proxy", "proxy error")):
+    for needle, reason in (
+        ("refused", "connection refused"),
+        ("name or service not known", "name resolution failed"),
+        ("nodename nor servname", "name resolution failed"),
+        ("temporary failure in name resolution", "name resolution failed"),
+        ("getaddrinfo", "name resolution failed"),
+        ("timed out", "timed out"),
+        ("timeout", "timed out"),
+        ("network is unreachable", "network unreachable"),
+        ("ssl", "TLS/SSL error"),
+        ("proxy", "proxy error"),
+    ):
         if needle in text:
             return reason
     inner = chain[-1]

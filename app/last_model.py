@@ -3,6 +3,7 @@
 Only a model still on this computer is loaded at start (a downloaded repo, a folder or a .gguf file):
 nothing is downloaded then. A model deleted since, or one that no longer loads, gives the bundled one, and the
 status line says why; so does a model loaded again (the status names it as the one used last)."""
+
 import logging
 from pathlib import Path
 
@@ -31,8 +32,9 @@ class LastModel:
         return saved["model"], settings if isinstance(settings, dict) else {}
 
 
-def load_at_start(host: ModelHost, last: LastModel, cli_model: str | None, downloaded: dict[str, Path],
-                  max_num_seqs: int) -> None:
+def load_at_start(
+    host: ModelHost, last: LastModel, cli_model: str | None, downloaded: dict[str, Path], max_num_seqs: int
+) -> None:
     """Start the load Pagoda begins with: the command line's model when given, else the model used last when it
     is still here (`downloaded`: repo id -> its files, as the Models tab lists them), else the bundled one."""
     recalled = None if cli_model else last.recall()
@@ -44,16 +46,28 @@ def load_at_start(host: ModelHost, last: LastModel, cli_model: str | None, downl
         source, label = resolve_model(choice, downloaded)
     except RuntimeError:
         log.info("%s, the model used last, is no longer here: loading the bundled model", choice)
-        host.load_default(None, max_num_seqs=max_num_seqs,
-                          note=f"({choice}, the model used last, is no longer on this computer: download it again "
-                               "from the Models tab.)")
+        host.load_default(
+            None,
+            max_num_seqs=max_num_seqs,
+            note=f"({choice}, the model used last, is no longer on this computer: download it again "
+            "from the Models tab.)",
+        )
         return
+
     def instead(why: str) -> None:  # it no longer loads here (less memory free, say): Pagoda still starts serving
         log.warning("%s, the model used last, did not load: loading the bundled model", choice)
-        host.load_default(None, max_num_seqs=max_num_seqs,
-                          note=f"({choice}, the model used last, did not load: {why} The bundled model serves "
-                               "instead.)")
+        host.load_default(
+            None,
+            max_num_seqs=max_num_seqs,
+            note=f"({choice}, the model used last, did not load: {why} The bundled model serves instead.)",
+        )
 
     # The chat slots follow this start's --max-chats, not the last one's
-    host.load(source, label=label, remember_as=choice, note="(The model used last, loaded again at start.)",
-              on_failure=instead, **{**settings, "max_num_seqs": max_num_seqs})
+    host.load(
+        source,
+        label=label,
+        remember_as=choice,
+        note="(The model used last, loaded again at start.)",
+        on_failure=instead,
+        **{**settings, "max_num_seqs": max_num_seqs},
+    )

@@ -5,6 +5,7 @@ Gradio's chatbot renders LaTeX only between the delimiters it is given (ui.py's 
 one of them: the browser's KaTeX would take "$5 and $10" for math. Here `$…$` becomes `\\(…\\)` only where
 Pandoc's rule reads it as math: the opening `$` has a non-space on its right, the closing one a non-space on its
 left and no digit after it. So "$5 and $10" stays prose, "$x^2$" is math. Code is left as it is."""
+
 import re
 
 __all__ = ["FENCE", "open_fence", "close_open_fence", "dollar_math"]
@@ -66,7 +67,7 @@ def dollar_math(text: str) -> str:
 def _math_outside_code_spans(line: str) -> str:
     parts, start = [], 0
     for span in CODE_SPAN.finditer(line):
-        parts += [DOLLAR_MATH.sub(r"\\(\1\\)", line[start:span.start()]), span.group(0)]
+        parts += [DOLLAR_MATH.sub(r"\\(\1\\)", line[start : span.start()]), span.group(0)]
         start = span.end()
     parts.append(DOLLAR_MATH.sub(r"\\(\1\\)", line[start:]))
     return "".join(parts)

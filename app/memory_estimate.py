@@ -13,8 +13,17 @@ from app.device_memory import GiB, MiB, available_memory
 from engine.quantization.methods import METHODS, bytes_per_weight
 
 __all__ = [
-    "MemoryEstimate", "FitReport", "QuantOption", "QuantAdvice", "QUANTIZATIONS", "estimate_memory",
-    "weights_bytes", "fit_report", "quantization_advice", "format_gib", "quantization_label",
+    "MemoryEstimate",
+    "FitReport",
+    "QuantOption",
+    "QuantAdvice",
+    "QUANTIZATIONS",
+    "estimate_memory",
+    "weights_bytes",
+    "fit_report",
+    "quantization_advice",
+    "format_gib",
+    "quantization_label",
 ]
 
 # Runtime overhead beyond weights and KV: the Python/torch runtime or CUDA context, activations of one prefill
@@ -41,7 +50,7 @@ class MemoryEstimate:
     context_len: int = 0
     num_seqs: int = 1
     dtype: str = "bfloat16"
-    quantization: str = "none"       # "none", "int8", "int4" or "GGUF Q4_K_M"
+    quantization: str = "none"  # "none", "int8", "int4" or "GGUF Q4_K_M"
 
 
 @dataclass
@@ -50,29 +59,31 @@ class FitReport:
     message: str
     estimate: MemoryEstimate
     free_bytes: int
-    device: str = ""                  # the device description the free bytes belong to
-    tight: bool = False               # fits, but with less than 10% of the free memory to spare
+    device: str = ""  # the device description the free bytes belong to
+    tight: bool = False  # fits, but with less than 10% of the free memory to spare
     max_context_len: int | None = None  # the longest context that fits comfortably (None: not even a short one)
 
 
 @dataclass
 class QuantOption:
-    quantization: str                 # "none", "int8" or "int4" ("none" also for a GGUF entry: its own types)
+    quantization: str  # "none", "int8" or "int4" ("none" also for a GGUF entry: its own types)
     weights_bytes: int
-    max_context_len: int | None       # the longest context that fits comfortably (None: not even a short one)
+    max_context_len: int | None  # the longest context that fits comfortably (None: not even a short one)
 
 
 @dataclass
 class QuantAdvice:
     """Which quantization fits this machine, with how much context, and the one to pick."""
 
-    recommended: str | None           # a QUANTIZATIONS value; None when nothing fits
-    options: list[QuantOption]        # most precise first; a GGUF entry has just its own
+    recommended: str | None  # a QUANTIZATIONS value; None when nothing fits
+    options: list[QuantOption]  # most precise first; a GGUF entry has just its own
     message: str
     free_bytes: int
     device: str = ""
 
+
 # ---- arithmetic -----------------------------------------------------------------------------------------------
+
 
 def quantization_label(entry: CatalogEntry, quantization: str | None = None) -> str:
     """How the weights are stored, as the estimate and the header name it: "none", "int8", "int4" or
@@ -89,8 +100,9 @@ def _check_quantization(quantization: str | None) -> str:
     return name
 
 
-def weights_bytes(entry: CatalogEntry, dtype: str = "bfloat16", quantization: str | None = None,
-                  on_cpu: bool = False) -> int:
+def weights_bytes(
+    entry: CatalogEntry, dtype: str = "bfloat16", quantization: str | None = None, on_cpu: bool = False
+) -> int:
     """Bytes the weights take once loaded: at `dtype`, quantized at load (int8: a byte per weight and a bf16 scale
     per row; int4: half a byte plus a bf16 scale and zero per group of 32 columns, with the output head at int8
     as the engine keeps it, shared with a tied embedding), or, for a GGUF entry, the size of its file, whose
@@ -111,7 +123,7 @@ def weights_bytes(entry: CatalogEntry, dtype: str = "bfloat16", quantization: st
     matrix, rows = _matrix_params(entry)
     rest = (entry.params - matrix) * elem  # norms and biases stay at the dtype
     if quant == "int8":
-        return matrix + 2 * rows + rest   # a tied head shares the embedding's codes
+        return matrix + 2 * rows + rest  # a tied head shares the embedding's codes
     per_weight = bytes_per_weight("int4", elem)  # the engine's default group size
     # the head at int8, a byte a weight (a tied embedding shares it; an untied one is int4 like the layers)
     return int((matrix - head) * per_weight) + head + rest
@@ -128,13 +140,20 @@ def _matrix_params(entry: CatalogEntry) -> tuple[int, int]:
     per_layer = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * inter
     heads_and_embedding = vocab * h * (1 if entry.tie_word_embeddings else 2)
     matrix = entry.num_hidden_layers * per_layer + heads_and_embedding
-    rows = (entry.num_hidden_layers * (q_dim + 2 * kv_dim + h + 2 * inter + h)
-            + vocab * (1 if entry.tie_word_embeddings else 2))
+    rows = entry.num_hidden_layers * (q_dim + 2 * kv_dim + h + 2 * inter + h) + vocab * (
+        1 if entry.tie_word_embeddings else 2
+    )
     return min(matrix, entry.params), rows
 
 
-def estimate_memory(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", num_seqs: int = 1,
-                    on_cpu: bool = False, quantization: str | None = None) -> MemoryEstimate:
+def estimate_memory(
+    entry: CatalogEntry,
+    context_len: int,
+    dtype: str = "bfloat16",
+    num_seqs: int = 1,
+    on_cpu: bool = False,
+    quantization: str | None = None,
+) -> MemoryEstimate:
     """Memory to serve `num_seqs` sequences of `context_len` tokens: weights (see `weights_bytes`), the KV cache
     at `dtype`, and the runtime."""
     if int(context_len) <= 0:
@@ -145,8 +164,16 @@ def estimate_memory(entry: CatalogEntry, context_len: int, dtype: str = "bfloat1
     kv = entry.kv_bytes_per_token(dtype) * int(context_len) * int(num_seqs)
     overhead = _OVERHEAD_FIXED + int(_OVERHEAD_WEIGHT_FRACTION * weights)
     name = dtype.lower().removeprefix("torch.") if dtype != "auto" else entry.checkpoint_dtype
-    return MemoryEstimate(weights, kv, overhead, weights + kv + overhead, int(context_len), int(num_seqs), name,
-                          quantization_label(entry, quantization))
+    return MemoryEstimate(
+        weights,
+        kv,
+        overhead,
+        weights + kv + overhead,
+        int(context_len),
+        int(num_seqs),
+        name,
+        quantization_label(entry, quantization),
+    )
 
 
 def _max_context(entry: CatalogEntry, est: MemoryEstimate, free_bytes: int) -> int | None:
@@ -161,6 +188,7 @@ def _max_context(entry: CatalogEntry, est: MemoryEstimate, free_bytes: int) -> i
 
 # ---- the report -----------------------------------------------------------------------------------------------
 
+
 def _measure(device: str, free_bytes: int | None, device_name: str | None) -> tuple[int, str]:
     if free_bytes is None or device_name is None:
         measured_name, measured_free = available_memory(device)
@@ -169,25 +197,36 @@ def _measure(device: str, free_bytes: int | None, device_name: str | None) -> tu
     return int(free_bytes), device_name
 
 
-def fit_report(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", device: str = "auto", *,
-               num_seqs: int = 1, free_bytes: int | None = None, device_name: str | None = None,
-               quantization: str | None = None) -> FitReport:
+def fit_report(
+    entry: CatalogEntry,
+    context_len: int,
+    dtype: str = "bfloat16",
+    device: str = "auto",
+    *,
+    num_seqs: int = 1,
+    free_bytes: int | None = None,
+    device_name: str | None = None,
+    quantization: str | None = None,
+) -> FitReport:
     """Whether `entry` fits on `device` at this context length and quantization, as a sentence with the numbers
     behind it.
 
     `free_bytes`/`device_name` override the measurement (tests, or a UI that measured already)."""
     free_bytes, device_name = _measure(device, free_bytes, device_name)
-    est = estimate_memory(entry, context_len, dtype, num_seqs, on_cpu=device_name.startswith("CPU"),
-                          quantization=quantization)
+    est = estimate_memory(
+        entry, context_len, dtype, num_seqs, on_cpu=device_name.startswith("CPU"), quantization=quantization
+    )
     budget = free_bytes * _HEADROOM
     max_context = _max_context(entry, est, free_bytes)
 
     seqs = f" x {est.num_seqs} chats" if est.num_seqs > 1 else ""
     stored = est.dtype if est.quantization == "none" else f"{est.quantization} weights, {est.dtype}"
-    head = (f"{entry.name} needs about {format_gib(est.total_bytes)} GiB (weights {format_gib(est.weights_bytes)} + "
-            f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs} + "
-            f"{format_gib(est.overhead_bytes)} runtime, "
-            f"{stored}); {format_gib(free_bytes)} GiB free on {device_name}")
+    head = (
+        f"{entry.name} needs about {format_gib(est.total_bytes)} GiB (weights {format_gib(est.weights_bytes)} + "
+        f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs} + "
+        f"{format_gib(est.overhead_bytes)} runtime, "
+        f"{stored}); {format_gib(free_bytes)} GiB free on {device_name}"
+    )
     tight = False
     if est.total_bytes <= budget:
         fits, verdict = True, ": fits."
@@ -204,17 +243,30 @@ def fit_report(entry: CatalogEntry, context_len: int, dtype: str = "bfloat16", d
                 smaller.append("int4 quantization")
             if est.quantization == "none" and dtype_bytes(dtype, entry) > 2:
                 smaller.append("a 16-bit dtype")
-            verdict = (": does not fit, even with a short context. Pick " + ", ".join(smaller[:-1])
-                       + (" or " if len(smaller) > 1 else "") + smaller[-1] + ".")
+            verdict = (
+                ": does not fit, even with a short context. Pick "
+                + ", ".join(smaller[:-1])
+                + (" or " if len(smaller) > 1 else "")
+                + smaller[-1]
+                + "."
+            )
     message = head + verdict
     if est.context_len > entry.max_position_embeddings:
         message += f" Note: the model was trained for at most {entry.max_position_embeddings:,} tokens."
     return FitReport(fits, message, est, free_bytes, device_name, tight, max_context)
 
 
-def quantization_advice(entry: CatalogEntry, context_len: int = _WANTED_CONTEXT, dtype: str = "bfloat16",
-                        device: str = "auto", *, num_seqs: int = 1, free_bytes: int | None = None,
-                        device_name: str | None = None, quantized_dtype: str | None = None) -> QuantAdvice:
+def quantization_advice(
+    entry: CatalogEntry,
+    context_len: int = _WANTED_CONTEXT,
+    dtype: str = "bfloat16",
+    device: str = "auto",
+    *,
+    num_seqs: int = 1,
+    free_bytes: int | None = None,
+    device_name: str | None = None,
+    quantized_dtype: str | None = None,
+) -> QuantAdvice:
     """Which quantization fits `device`, with how much context each leaves, and the one to pick: the most
     precise that leaves room for `context_len` tokens (or the trained length, if shorter), else the one that
     leaves the most. A GGUF entry has only its own types; its advice is "none" (no quantization at load).
@@ -238,8 +290,13 @@ def quantization_advice(entry: CatalogEntry, context_len: int = _WANTED_CONTEXT,
         if ctx is None:
             message = f"{stored}, and does not fit in {free} even with a short context: pick a smaller model."
             return QuantAdvice(None, options, message, free_bytes, device_name)
-        return QuantAdvice("none", options, f"{stored}: it leaves room for {ctx:,} tokens of context in {free}.",
-                           free_bytes, device_name)
+        return QuantAdvice(
+            "none",
+            options,
+            f"{stored}: it leaves room for {ctx:,} tokens of context in {free}.",
+            free_bytes,
+            device_name,
+        )
 
     wanted = min(int(context_len), entry.max_position_embeddings)
     fitting = [o for o in options if o.max_context_len is not None]
@@ -250,18 +307,20 @@ def quantization_advice(entry: CatalogEntry, context_len: int = _WANTED_CONTEXT,
     if best is None:
         best = max(fitting, key=lambda o: o.max_context_len)
     short = f"; less than the {wanted:,} asked" if best.max_context_len < wanted else ""
-    parts = [f"{_QUANT_LABELS[best.quantization]} leaves room for {best.max_context_len:,} tokens of context "
-             f"(recommended{short})"]
+    parts = [
+        f"{_QUANT_LABELS[best.quantization]} leaves room for {best.max_context_len:,} tokens of context "
+        f"(recommended{short})"
+    ]
     for o in reversed(options):  # the others, smallest first
         if o is not best:
             fits = f"fits {o.max_context_len:,}" if o.max_context_len is not None else "does not fit"
             parts.append(f"{_QUANT_LABELS[o.quantization]} {fits}")
-    return QuantAdvice(best.quantization, options, f"Fits in {free}: " + "; ".join(parts) + ".", free_bytes,
-                       device_name)
+    return QuantAdvice(
+        best.quantization, options, f"Fits in {free}: " + "; ".join(parts) + ".", free_bytes, device_name
+    )
 
 
 def format_gib(n: int | float) -> str:
     """Bytes as GiB for a sentence: one decimal from 1 GiB up, two below."""
     g = n / GiB
     return f"{g:.1f}" if g >= 1 else f"{g:.2f}"
-

@@ -6,6 +6,7 @@ previous backend serving, and says why; except that a model on the GPU is unload
 loads there, since one GPU seldom holds two. Loading a model disconnects a server, and connecting to
 a server unloads the model.
 """
+
 import logging
 import threading
 import time
@@ -35,8 +36,11 @@ class LoadState:
 def looks_like_a_path(choice: str) -> bool:
     """A local path, not a hub repo id ("owner/name"): absolute, home- or dot-relative, or with a
     Windows drive or backslash."""
-    return (choice.startswith(("/", "~", ".", "\\")) or "\\" in choice
-            or (len(choice) > 2 and choice[1] == ":" and choice[2] in "/\\"))
+    return (
+        choice.startswith(("/", "~", ".", "\\"))
+        or "\\" in choice
+        or (len(choice) > 2 and choice[1] == ":" and choice[2] in "/\\")
+    )
 
 
 def resolve_model(choice: str | None, downloaded: dict[str, Path] | None = None) -> tuple[str, str]:
@@ -100,8 +104,10 @@ class ModelHost:
         compiles kernels, a minute or more of a line that would otherwise not change."""
         state, engine = self.state, self.engine
         if state.status == "ready" and engine is not None and engine.error is not None:
-            return (f"{self.label} stopped: the engine failed ({type(engine.error).__name__}: {engine.error}). "
-                    "Load the model again from the Models tab.")
+            return (
+                f"{self.label} stopped: the engine failed ({type(engine.error).__name__}: {engine.error}). "
+                "Load the model again from the Models tab."
+            )
         note = f" {state.note}" if state.note else ""
         if state.status == "loading" and state.started:
             return f"{state.message} {time.time() - state.started:.0f} s so far.{note}"
@@ -115,19 +121,28 @@ class ModelHost:
         source, label = resolve_model(model)
         self.load(source, label=label, note=note, **settings)
 
-    def load(self, model: str, label: str | None = None, wait: bool = False, remember_as: str | None = None,
-             note: str = "", on_failure: Callable[[str], None] | None = None, **settings) -> None:
+    def load(
+        self,
+        model: str,
+        label: str | None = None,
+        wait: bool = False,
+        remember_as: str | None = None,
+        note: str = "",
+        on_failure: Callable[[str], None] | None = None,
+        **settings,
+    ) -> None:
         """Load `model` with engine settings; the current backend keeps serving until it is ready. Once it is,
         `remember_as` (the user's choice: a repo id or a path) goes to `remember`; `note` follows the status;
         `on_failure(message)` is called, on the loading thread, when the load fails."""
         with self._lock:
             if self.state.status == "loading":
                 raise RuntimeError(f"{self.state.model} is still loading; wait for it to finish")
-            self.state = LoadState("loading", f"Loading {label or model}…", model, settings, time.time(),
-                                   label or model, note)
-        thread = threading.Thread(target=self._load, args=(model, label, settings, remember_as, on_failure),
-                                  name="pagoda-load",
-                                  daemon=True)
+            self.state = LoadState(
+                "loading", f"Loading {label or model}…", model, settings, time.time(), label or model, note
+            )
+        thread = threading.Thread(
+            target=self._load, args=(model, label, settings, remember_as, on_failure), name="pagoda-load", daemon=True
+        )
         thread.start()
         if wait:
             thread.join()
@@ -137,11 +152,20 @@ class ModelHost:
     def _must_unload_first(self, settings: dict) -> bool:
         """Whether the model serving now must go before another loads: one GPU seldom holds two (an
         8 GB laptop card rarely holds one and a half). On the CPU the old one serves until the new is ready."""
-        return (self.engine is not None and self.engine.device.startswith("cuda")
-                and settings.get("device", "auto") != "cpu")
+        return (
+            self.engine is not None
+            and self.engine.device.startswith("cuda")
+            and settings.get("device", "auto") != "cpu"
+        )
 
-    def _load(self, model: str, label: str | None, settings: dict, remember_as: str | None = None,
-              on_failure: Callable[[str], None] | None = None) -> None:
+    def _load(
+        self,
+        model: str,
+        label: str | None,
+        settings: dict,
+        remember_as: str | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         unloaded = ""
         if self._must_unload_first(settings):
             with self._lock:
@@ -154,10 +178,14 @@ class ModelHost:
             engine = EngineThread(LLM(model, **settings))
         except Exception as e:  # any failure: say it, keep the previous backend
             log.exception("loading %s failed", model)
-            after = (f" {unloaded} was unloaded to free the GPU; load it again from the Models tab." if unloaded
-                     else self._serving())
-            self.state = LoadState("error", f"Could not load {label or model}: {e}.{after}", model, settings,
-                                   note=self.state.note)
+            after = (
+                f" {unloaded} was unloaded to free the GPU; load it again from the Models tab."
+                if unloaded
+                else self._serving()
+            )
+            self.state = LoadState(
+                "error", f"Could not load {label or model}: {e}.{after}", model, settings, note=self.state.note
+            )
             if on_failure is not None:
                 on_failure(self.state.message)
             return
@@ -165,9 +193,14 @@ class ModelHost:
         s = engine.stats()
         took = time.time() - self.state.started
         weights = f", {s.quantization} weights" if s.quantization != "none" else ""
-        self.state = LoadState("ready", f"{self.label} is ready on {s.device} ({s.dtype}{weights}, context "
-                                        f"{s.max_model_len:,} tokens, {s.num_blocks:,} KV blocks) after {took:.0f} s.",
-                               model, settings, note=self.state.note)
+        self.state = LoadState(
+            "ready",
+            f"{self.label} is ready on {s.device} ({s.dtype}{weights}, context "
+            f"{s.max_model_len:,} tokens, {s.num_blocks:,} KV blocks) after {took:.0f} s.",
+            model,
+            settings,
+            note=self.state.note,
+        )
         if old is not None:
             old.close()
         if remember_as is not None and self.remember is not None:
@@ -185,15 +218,18 @@ class ModelHost:
         try:
             remote = connect(base_url, api_key, model)
         except RemoteError as e:
-            self.state = LoadState("error", f"Could not connect: {e}{self._serving()}", model,
-                                   {"base_url": base_url})
+            self.state = LoadState("error", f"Could not connect: {e}{self._serving()}", model, {"base_url": base_url})
             raise RemoteError(self.state.message, e.status) from None
         with self._lock:
             old, self.backend = self.backend, remote
             limit = f", context {remote.max_model_len:,} tokens" if remote.max_model_len else ""
-            self.state = LoadState("ready", f"Connected to {remote.client.url}: {remote.model} serves the chats"
-                                            f"{limit}. The server applies its own chat template.", remote.model,
-                                   {"base_url": remote.client.url})
+            self.state = LoadState(
+                "ready",
+                f"Connected to {remote.client.url}: {remote.model} serves the chats"
+                f"{limit}. The server applies its own chat template.",
+                remote.model,
+                {"base_url": remote.client.url},
+            )
         if old is not None:
             old.close()  # its replies still streaming end as stopped, not hanging
         return remote

@@ -14,6 +14,7 @@ repetition_penalty are not OpenAI fields: they are sent only when moved off thei
 them with an error the user sees. Stop closes the HTTP connection; OpenAI-compatible servers abort
 a request whose client went away.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,8 +102,13 @@ class RemoteClient:
         self.root, self.api = split_base_url(base_url)
         self.api_key = (api_key or "").strip() or None
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._http = httpx.Client(headers=headers, transport=transport, follow_redirects=True, trust_env=False,
-                                  timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+        self._http = httpx.Client(
+            headers=headers,
+            transport=transport,
+            follow_redirects=True,
+            trust_env=False,
+            timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+        )
         self._streams: weakref.WeakSet[ChatStream] = weakref.WeakSet()
 
     @property
@@ -127,11 +133,17 @@ class RemoteClient:
         if status == 403:
             return RemoteError(f"{self.api} refused the request (403, forbidden): {_error_message(response)}", status)
         if status == 404 and response.request.url.path.endswith("/models"):
-            return RemoteError(f"{self.api} has no /models: is it an OpenAI-compatible server, and is the URL its "
-                               "API root (often ending in /v1)?", status)
+            return RemoteError(
+                f"{self.api} has no /models: is it an OpenAI-compatible server, and is the URL its "
+                "API root (often ending in /v1)?",
+                status,
+            )
         message = _error_message(response)
-        return RemoteError(f"The server answered {status}: {message}", status,
-                           context_overflow=status in (400, 413, 422) and bool(_OVERFLOW.search(message)))
+        return RemoteError(
+            f"The server answered {status}: {message}",
+            status,
+            context_overflow=status in (400, 413, 422) and bool(_OVERFLOW.search(message)),
+        )
 
     def _get(self, url: str, timeout: float) -> httpx.Response:
         try:
@@ -148,25 +160,43 @@ class RemoteClient:
             raise self._status_error(response)
         try:
             data = response.json()["data"]
-            return [RemoteModel(str(m["id"]), m["max_model_len"] if isinstance(m.get("max_model_len"), int) else None)
-                    for m in data]
+            return [
+                RemoteModel(str(m["id"]), m["max_model_len"] if isinstance(m.get("max_model_len"), int) else None)
+                for m in data
+            ]
         except (ValueError, KeyError, TypeError):
-            raise RemoteError(f"{self.api}/models did not answer with an OpenAI model list: "
-                              "is the URL right?") from None
+            raise RemoteError(
+                f"{self.api}/models did not answer with an OpenAI model list: is the URL right?"
+            ) from None
 
-    def chat(self, model: str, messages: list[dict], temperature: float = 0.7, top_p: float = 1.0,
-             max_tokens: int | None = None, seed: int | None = None, **extra) -> ChatStream:
+    def chat(
+        self,
+        model: str,
+        messages: list[dict],
+        temperature: float = 0.7,
+        top_p: float = 1.0,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        **extra,
+    ) -> ChatStream:
         """Start a streamed chat completion. Refusals (bad key, too long a chat) raise RemoteError here,
         in the caller's thread; the reply then streams from the returned ChatStream."""
-        body = {"model": model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
-                "temperature": temperature, "top_p": top_p}
+        body = {
+            "model": model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": temperature,
+            "top_p": top_p,
+        }
         if max_tokens is not None:
             body["max_tokens"] = int(max_tokens)
         if seed is not None:
             body["seed"] = int(seed)
         body.update({k: v for k, v in extra.items() if v is not None})
-        request = self._http.build_request("POST", self.api + "/chat/completions", json=body,
-                                           headers={"Accept": "text/event-stream"})
+        request = self._http.build_request(
+            "POST", self.api + "/chat/completions", json=body, headers={"Accept": "text/event-stream"}
+        )
         try:
             response = self._http.send(request, stream=True)
         except httpx.HTTPError as e:
@@ -242,8 +272,9 @@ class ChatStream:
                 if chunk.get("error"):
                     err = chunk["error"]
                     message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-                    raise RemoteError(f"The server stopped the reply: {message}",
-                                      context_overflow=bool(_OVERFLOW.search(message)))
+                    raise RemoteError(
+                        f"The server stopped the reply: {message}", context_overflow=bool(_OVERFLOW.search(message))
+                    )
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
@@ -257,8 +288,11 @@ class ChatStream:
             raise
         except Exception as e:  # the socket shut by cancel(), or the server gone
             if not self._cancelled.is_set():
-                raise (self.client._transport_error(e) if isinstance(e, httpx.HTTPError)
-                       else RemoteError(f"The connection to {self.client.api} broke: {e}")) from None
+                raise (
+                    self.client._transport_error(e)
+                    if isinstance(e, httpx.HTTPError)
+                    else RemoteError(f"The connection to {self.client.api} broke: {e}")
+                ) from None
         finally:
             self.response.close()  # also when the consumer stops early: the server sees the hang-up and aborts
         if self._cancelled.is_set() and not done:
@@ -269,8 +303,15 @@ class ChatStream:
             raise RemoteError(f"{self.client.api} closed the stream before the reply was finished.")
         self.finished = True
         counts = parse_usage(usage)
-        yield ReplyDelta("", 0, True, reason or "stop", counts.get("cached_tokens"), counts.get("prompt_tokens"),
-                         counts.get("completion_tokens"))
+        yield ReplyDelta(
+            "",
+            0,
+            True,
+            reason or "stop",
+            counts.get("cached_tokens"),
+            counts.get("prompt_tokens"),
+            counts.get("completion_tokens"),
+        )
 
 
 def reasoning_text(delta: dict) -> str:
@@ -317,8 +358,12 @@ COUNTS = {
 }
 FRACTIONS = {
     "prefix_cache_hit_rate": ["vllm:gpu_prefix_cache_hit_rate", "sglang:cache_hit_rate"],
-    "kv_cache_usage": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
-                       "llamacpp:kv_cache_usage_ratio"],
+    "kv_cache_usage": [
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:token_usage",
+        "llamacpp:kv_cache_usage_ratio",
+    ],
 }
 
 
@@ -386,17 +431,29 @@ class RemoteBackend:
     def submit(self, messages: list[dict], settings: ChatSettings | dict) -> tuple[ChatStream, int]:
         settings = as_chat_settings(settings)  # a script's dict too
         top_k, min_p, penalty = settings.top_k, settings.min_p, settings.repetition_penalty
-        extra = {"top_k": top_k if top_k > 0 else None, "min_p": min_p if min_p > 0 else None,
-                 "repetition_penalty": penalty if penalty != 1.0 else None}
+        extra = {
+            "top_k": top_k if top_k > 0 else None,
+            "min_p": min_p if min_p > 0 else None,
+            "repetition_penalty": penalty if penalty != 1.0 else None,
+        }
         if not settings.think:  # vLLM's and SGLang's switch for Qwen3-style templates
             extra["chat_template_kwargs"] = {"enable_thinking": False}
         constraint = json_constraint(settings)
         if constraint is not None:
-            extra["response_format"] = ({"type": "json_object"} if constraint.json_object else
-                                        {"type": "json_schema", "json_schema": {"name": "reply",
-                                                                                "schema": constraint.json}})
-        stream = self.client.chat(self.model, messages, temperature=settings.temperature, top_p=settings.top_p,
-                                  max_tokens=settings.max_tokens, seed=settings.seed, **extra)
+            extra["response_format"] = (
+                {"type": "json_object"}
+                if constraint.json_object
+                else {"type": "json_schema", "json_schema": {"name": "reply", "schema": constraint.json}}
+            )
+        stream = self.client.chat(
+            self.model,
+            messages,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            max_tokens=settings.max_tokens,
+            seed=settings.seed,
+            **extra,
+        )
         return stream, 0  # the server counts the prompt with its own template; its usage says how many
 
     def prompt_tokens(self, messages: list[dict], settings: ChatSettings | dict) -> None:
@@ -431,8 +488,9 @@ class RemoteBackend:
         self.client.close()
 
 
-def connect(base_url: str, api_key: str | None = None, model: str | None = None,
-            transport: httpx.BaseTransport | None = None) -> RemoteBackend:
+def connect(
+    base_url: str, api_key: str | None = None, model: str | None = None, transport: httpx.BaseTransport | None = None
+) -> RemoteBackend:
     """Reach the server, list its models and pick `model` (default: the first). Raises RemoteError."""
     client = RemoteClient(base_url, api_key, transport=transport)
     try:

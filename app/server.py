@@ -1,4 +1,5 @@
 """Starting the app: load the model, build the page, serve it locally, on the LAN or behind a share link."""
+
 import argparse
 import logging
 import os
@@ -18,17 +19,27 @@ log = logging.getLogger("pagoda")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pagoda", description="Pagoda: a local chat app with its own inference engine.")
-    ap.add_argument("--model", help="a local Hugging Face model folder or hub repo id "
-                                    "(default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model", help="a local Hugging Face model folder or hub repo id (default: the bundled SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--port", type=int, default=7860)
-    ap.add_argument("--listen", action="store_true", help="serve on the LAN (0.0.0.0), not only on 127.0.0.1; "
-                                                          "always behind a password")
+    ap.add_argument(
+        "--listen",
+        action="store_true",
+        help="serve on the LAN (0.0.0.0), not only on 127.0.0.1; always behind a password",
+    )
     ap.add_argument("--share", action="store_true", help="make a public Gradio link, always behind a password")
-    ap.add_argument("--auth", help="user:password required to open the page and call its API (generated and "
-                                   "printed for --listen and --share if not given)")
-    ap.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
-                    help="key for the OpenAI-compatible API under /v1 (env PAGODA_API_KEY; generated and printed when "
-                    "--listen or --share makes it reachable from other machines)")
+    ap.add_argument(
+        "--auth",
+        help="user:password required to open the page and call its API (generated and "
+        "printed for --listen and --share if not given)",
+    )
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGODA_API_KEY"),
+        help="key for the OpenAI-compatible API under /v1 (env PAGODA_API_KEY; generated and printed when "
+        "--listen or --share makes it reachable from other machines)",
+    )
     ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     ap.add_argument("--max-chats", type=int, default=16, help="chats that can stream at once (engine sequence slots)")
     add_access_options(ap)
@@ -49,8 +60,7 @@ def resolve_auth(args: argparse.Namespace) -> tuple[str, str] | None:
     if args.share or args.listen:
         user, password = "pagoda", secrets.token_urlsafe(12)
         where = "Share link" if args.share else "LAN"
-        print(f"{where} login (generated; pass --auth user:pass to choose your own): {user} / {password}",
-              flush=True)
+        print(f"{where} login (generated; pass --auth user:pass to choose your own): {user} / {password}", flush=True)
         return user, password
     return None
 
@@ -77,8 +87,7 @@ def guarded(policy: AccessPolicy) -> dict:
     return {"lifespan": lifespan}
 
 
-def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | None,
-                     max_request_bytes: int) -> None:
+def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | None, max_request_bytes: int) -> None:
     """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
     from entrypoints.openai.api_router import create_router
     from entrypoints.openai.protocol import APIError
@@ -88,11 +97,20 @@ def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | 
     def served() -> ServedModel | None:
         backend, engine = host.backend, host.engine
         if backend is not None and engine is None:  # only the embedded engine answers /v1
-            raise APIError(503, f"Pagoda's chats are served by the remote server {backend.url} right now; "
-                                "send API requests to that server", type="server_error", code="model_not_loaded")
+            raise APIError(
+                503,
+                f"Pagoda's chats are served by the remote server {backend.url} right now; "
+                "send API requests to that server",
+                type="server_error",
+                code="model_not_loaded",
+            )
         if engine is None and host.state.status == "loading":
-            raise APIError(503, f"Loading {host.state.label}; try again when it is ready", type="server_error",
-                           code="model_not_loaded")
+            raise APIError(
+                503,
+                f"Loading {host.state.label}; try again when it is ready",
+                type="server_error",
+                code="model_not_loaded",
+            )
         return ServedModel(engine, host.label) if engine is not None else None
 
     # Gradio has already built its FastAPI app; routes added now are matched like its own.
@@ -130,23 +148,37 @@ def main(argv: list[str] | None = None) -> int:
     # No static-file workers (GRADIO_NUM_WORKERS) and no Node front (GRADIO_SSR_MODE): both would answer on
     # ports of their own, outside the guard.
     os.environ.pop("GRADIO_NUM_WORKERS", None)
-    demo.launch(server_name=bind, server_port=args.port, share=args.share, auth=auth, prevent_thread_lock=True,
-                show_error=True, app_kwargs=guarded(policy), ssr_mode=False, **launch_kwargs())
+    demo.launch(
+        server_name=bind,
+        server_port=args.port,
+        share=args.share,
+        auth=auth,
+        prevent_thread_lock=True,
+        show_error=True,
+        app_kwargs=guarded(policy),
+        ssr_mode=False,
+        **launch_kwargs(),
+    )
     if not isinstance(demo.server_app.middleware_stack, HTTPGuard):
         demo.close()
         host.unload()
         store.close()
-        raise SystemExit("Pagoda's Host and Origin checks did not install in front of Gradio's app (a Gradio "
-                         "version that builds its app differently?); not serving without them")
+        raise SystemExit(
+            "Pagoda's Host and Origin checks did not install in front of Gradio's app (a Gradio "
+            "version that builds its app differently?); not serving without them"
+        )
     if getattr(demo, "share_url", None):
         policy.allow_host(urlsplit(demo.share_url).hostname)
     serve_openai_api(demo, host, api_key, args.default_max_tokens or None, args.max_request_bytes)
     if not args.no_browser:  # opened here rather than by launch(), once the share link's host is allowed
         webbrowser.open(demo.share_url or demo.local_url)
     if args.share and not getattr(demo, "share_url", None):
-        print("Could not create the share link: Gradio's tunnel helper (frpc) is missing and could not be downloaded, "
-              "or the share server is unreachable. Pagoda keeps running locally at "
-              f"http://127.0.0.1:{args.port}.", flush=True)
+        print(
+            "Could not create the share link: Gradio's tunnel helper (frpc) is missing and could not be downloaded, "
+            "or the share server is unreachable. Pagoda keeps running locally at "
+            f"http://127.0.0.1:{args.port}.",
+            flush=True,
+        )
     wait_for_stop_signal(demo)
     # Ctrl-C or a SIGTERM: the replies streaming now are kept as interrupted, not marked "stopped" as if the user
     # had pressed Stop, and Pagoda exits within seconds. Gradio's own close is skipped: it waits up to 5 s for the

@@ -3,6 +3,7 @@
 Gradio runs events on worker threads, and PagodaUI.on_unload aborts replies from a timer thread, so
 both registries change their state only under a lock. A Session handed out by `Sessions.get` is a copy.
 """
+
 import dataclasses
 import threading
 from collections.abc import Iterator

@@ -15,6 +15,7 @@ own locking (with a busy timeout) serialises them.
 reply has already bumped it). Within one database ``updated`` is strictly increasing, so the
 chat touched last is always first in ``list()``.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -49,6 +50,7 @@ __all__ = [
 ROLES = ("system", "user", "assistant")
 NEW_CHAT_TITLE = "New chat"  # a chat's title until its first message (or a rename) gives it one
 DB_NAME = "pagoda.db"
+
 
 class NotFound(KeyError, ValueError):
     """An unknown conversation, message or preset. Both a KeyError and a ValueError."""
@@ -145,8 +147,8 @@ class ConversationStore:
                 self.journal_mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             except sqlite3.DatabaseError as e:
                 raise SchemaError(
-                    f"{self.path} is not a Pagoda database ({e}). Move it aside, or set PAGODA_HOME "
-                    f"to another folder.") from None
+                    f"{self.path} is not a Pagoda database ({e}). Move it aside, or set PAGODA_HOME to another folder."
+                ) from None
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
             conn.create_function("pagoda_contains", 2, _contains, deterministic=True)
@@ -196,8 +198,10 @@ class ConversationStore:
 
     def _require_conversation(self, conn: sqlite3.Connection, conversation_id: int) -> None:
         if conn.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)).fetchone() is None:
-            raise NotFound(f"No chat with id {conversation_id!r}: it may have been deleted. "
-                           f"Pick one from list(), or create() a new one.")
+            raise NotFound(
+                f"No chat with id {conversation_id!r}: it may have been deleted. "
+                f"Pick one from list(), or create() a new one."
+            )
 
     def _touch(self, conn: sqlite3.Connection, conversation_id: int) -> None:
         conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._stamp(conn), conversation_id))
@@ -215,18 +219,20 @@ class ConversationStore:
 
     # ---- conversations -------------------------------------------------------------------------
 
-    def create(self, title: str = NEW_CHAT_TITLE, system_prompt: str = "",
-               settings: dict | None = None) -> Conversation:
+    def create(
+        self, title: str = NEW_CHAT_TITLE, system_prompt: str = "", settings: dict | None = None
+    ) -> Conversation:
         """Start a new, empty chat."""
         title = _clean_title(title)
         if not isinstance(system_prompt, str):
-            raise ValueError("system_prompt must be a string (use \"\" for none).")
+            raise ValueError('system_prompt must be a string (use "" for none).')
         settings_json = _to_json(settings, "settings")
         with self._write() as conn:
             now = self._stamp(conn)
             cur = conn.execute(
                 "INSERT INTO conversations(title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?)",
-                (title, system_prompt, settings_json, now, now))
+                (title, system_prompt, settings_json, now, now),
+            )
             return Conversation(cur.lastrowid, title, system_prompt, json.loads(settings_json), now, now)
 
     def empty_chat(self, system_prompt: str = "") -> Conversation:
@@ -234,27 +240,35 @@ class ConversationStore:
         and untitled (no messages, still "New chat"), started afresh, else a new one. New chat added another
         empty "New chat" to the list at each press."""
         if not isinstance(system_prompt, str):
-            raise ValueError("system_prompt must be a string (use \"\" for none).")
+            raise ValueError('system_prompt must be a string (use "" for none).')
         with self._write() as conn:
             row = conn.execute(
                 """SELECT id FROM conversations c WHERE title = ?
                    AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id)
-                   ORDER BY updated DESC, id DESC LIMIT 1""", (NEW_CHAT_TITLE,)).fetchone()
+                   ORDER BY updated DESC, id DESC LIMIT 1""",
+                (NEW_CHAT_TITLE,),
+            ).fetchone()
             now = self._stamp(conn)
             if row is None:
-                cid = conn.execute("INSERT INTO conversations(title, system_prompt, settings, created, updated) "
-                                   "VALUES (?, ?, '{}', ?, ?)", (NEW_CHAT_TITLE, system_prompt, now, now)).lastrowid
+                cid = conn.execute(
+                    "INSERT INTO conversations(title, system_prompt, settings, created, updated) "
+                    "VALUES (?, ?, '{}', ?, ?)",
+                    (NEW_CHAT_TITLE, system_prompt, now, now),
+                ).lastrowid
             else:
                 cid = row[0]
-                conn.execute("UPDATE conversations SET system_prompt = ?, settings = '{}', updated = ? WHERE id = ?",
-                             (system_prompt, now, cid))
+                conn.execute(
+                    "UPDATE conversations SET system_prompt = ?, settings = '{}', updated = ? WHERE id = ?",
+                    (system_prompt, now, cid),
+                )
         return self.get(cid)
 
     def get(self, conversation_id: int) -> Conversation:
         """One chat; raises NotFound (a KeyError) if there is none with this id."""
         with self._read() as conn:
-            row = conn.execute(f"SELECT {self._CONV_COLS} FROM conversations WHERE id = ?",
-                               (conversation_id,)).fetchone()
+            row = conn.execute(
+                f"SELECT {self._CONV_COLS} FROM conversations WHERE id = ?", (conversation_id,)
+            ).fetchone()
             if row is None:
                 self._require_conversation(conn, conversation_id)
             return self._conversation(row)
@@ -265,14 +279,17 @@ class ConversationStore:
         with self._read() as conn:
             if not needle:
                 rows = conn.execute(
-                    f"SELECT {self._CONV_COLS} FROM conversations ORDER BY updated DESC, id DESC").fetchall()
+                    f"SELECT {self._CONV_COLS} FROM conversations ORDER BY updated DESC, id DESC"
+                ).fetchall()
             else:
                 rows = conn.execute(
                     f"""SELECT {self._CONV_COLS} FROM conversations c
                         WHERE pagoda_contains(c.title, :q)
                            OR EXISTS (SELECT 1 FROM messages m
                                       WHERE m.conversation_id = c.id AND pagoda_contains(m.content, :q))
-                        ORDER BY updated DESC, id DESC""", {"q": needle}).fetchall()
+                        ORDER BY updated DESC, id DESC""",
+                    {"q": needle},
+                ).fetchall()
         return [self._conversation(r) for r in rows]
 
     def rename(self, conversation_id: int, title: str) -> None:
@@ -280,8 +297,10 @@ class ConversationStore:
         title = _clean_title(title)
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
-            conn.execute("UPDATE conversations SET title = ?, updated = ? WHERE id = ?",
-                         (title, self._stamp(conn), conversation_id))
+            conn.execute(
+                "UPDATE conversations SET title = ?, updated = ? WHERE id = ?",
+                (title, self._stamp(conn), conversation_id),
+            )
 
     def delete(self, conversation_id: int) -> None:
         """Delete a chat and all its messages."""
@@ -292,7 +311,7 @@ class ConversationStore:
     def update(self, conversation_id: int, *, system_prompt: str | None = None, settings: dict | None = None) -> None:
         """Replace a chat's system prompt and/or settings (None leaves that field as it is)."""
         if system_prompt is not None and not isinstance(system_prompt, str):
-            raise ValueError("system_prompt must be a string (use \"\" for none).")
+            raise ValueError('system_prompt must be a string (use "" for none).')
         settings_json = None if settings is None else _to_json(settings, "settings")
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
@@ -301,7 +320,8 @@ class ConversationStore:
             conn.execute(
                 "UPDATE conversations SET system_prompt = coalesce(?, system_prompt), "
                 "settings = coalesce(?, settings), updated = ? WHERE id = ?",
-                (system_prompt, settings_json, self._stamp(conn), conversation_id))
+                (system_prompt, settings_json, self._stamp(conn), conversation_id),
+            )
 
     # ---- messages ------------------------------------------------------------------------------
 
@@ -317,7 +337,8 @@ class ConversationStore:
             now = self._stamp(conn)
             cur = conn.execute(
                 "INSERT INTO messages(conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
-                (conversation_id, role, content, meta_json, now))
+                (conversation_id, role, content, meta_json, now),
+            )
             conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
             return Message(cur.lastrowid, conversation_id, role, content, json.loads(meta_json), now)
 
@@ -327,17 +348,22 @@ class ConversationStore:
             raise ValueError(f"Message content must be a string, got {type(content).__name__}.")
         meta_json = None if meta is None else _to_json(meta, "meta")
         with self._write() as conn:
-            cur = conn.execute("UPDATE messages SET content = ?, meta = coalesce(?, meta) WHERE id = ?",
-                               (content, meta_json, message_id))
+            cur = conn.execute(
+                "UPDATE messages SET content = ?, meta = coalesce(?, meta) WHERE id = ?",
+                (content, meta_json, message_id),
+            )
             if cur.rowcount == 0:
-                raise NotFound(f"No message with id {message_id!r}: its chat may have been deleted. "
-                               f"Stop writing to it, or add_message() again.")
+                raise NotFound(
+                    f"No message with id {message_id!r}: its chat may have been deleted. "
+                    f"Stop writing to it, or add_message() again."
+                )
 
     def messages(self, conversation_id: int) -> builtins.list[Message]:
         """A chat's messages, oldest first."""
         with self._read() as conn:
-            rows = conn.execute(f"SELECT {self._MSG_COLS} FROM messages WHERE conversation_id = ? ORDER BY id",
-                                (conversation_id,)).fetchall()
+            rows = conn.execute(
+                f"SELECT {self._MSG_COLS} FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+            ).fetchall()
             if not rows:
                 self._require_conversation(conn, conversation_id)
         return [self._message(r) for r in rows]
@@ -348,8 +374,10 @@ class ConversationStore:
             self._require_conversation(conn, conversation_id)
             row = conn.execute("SELECT conversation_id FROM messages WHERE id = ?", (message_id,)).fetchone()
             if row is None or row[0] != conversation_id:
-                raise NotFound(f"Chat {conversation_id} has no message with id {message_id!r}. "
-                               f"Use an id from messages({conversation_id}).")
+                raise NotFound(
+                    f"Chat {conversation_id} has no message with id {message_id!r}. "
+                    f"Use an id from messages({conversation_id})."
+                )
             conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
             self._touch(conn, conversation_id)
 
@@ -358,11 +386,14 @@ class ConversationStore:
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
             for message_id in message_ids:
-                cur = conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id = ?",
-                                   (conversation_id, message_id))
+                cur = conn.execute(
+                    "DELETE FROM messages WHERE conversation_id = ? AND id = ?", (conversation_id, message_id)
+                )
                 if cur.rowcount != 1:
-                    raise NotFound(f"Chat {conversation_id} has no message with id {message_id!r}. "
-                                   f"Use an id from messages({conversation_id}).")
+                    raise NotFound(
+                        f"Chat {conversation_id} has no message with id {message_id!r}. "
+                        f"Use an id from messages({conversation_id})."
+                    )
             self._touch(conn, conversation_id)
 
     # ---- presets -------------------------------------------------------------------------------
@@ -380,9 +411,11 @@ class ConversationStore:
         if not isinstance(system_prompt, str):
             raise ValueError("A preset's system_prompt must be a string.")
         with self._write() as conn:
-            conn.execute("INSERT INTO presets(name, system_prompt) VALUES (?, ?) "
-                         "ON CONFLICT(name) DO UPDATE SET system_prompt = excluded.system_prompt",
-                         (name.strip(), system_prompt))
+            conn.execute(
+                "INSERT INTO presets(name, system_prompt) VALUES (?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET system_prompt = excluded.system_prompt",
+                (name.strip(), system_prompt),
+            )
 
     def delete_preset(self, name: str) -> None:
         """Remove a preset by name."""
@@ -405,11 +438,15 @@ class ConversationStore:
         try:
             text = json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"App setting {key!r} must be a JSON value (str, number, bool, None, list, dict): "
-                             f"{e}") from None
+            raise ValueError(
+                f"App setting {key!r} must be a JSON value (str, number, bool, None, list, dict): {e}"
+            ) from None
         with self._write() as conn:
-            conn.execute("INSERT INTO app_settings(key, value) VALUES (?, ?) "
-                         "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, text))
+            conn.execute(
+                "INSERT INTO app_settings(key, value) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (key, text),
+            )
 
     # ---- export / import -----------------------------------------------------------------------
 
@@ -432,31 +469,39 @@ class ConversationStore:
         except ValueError as e:
             raise ValueError(f"This is not JSON ({e}); import a file made by Pagoda's JSON export.") from None
         if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # app/chat_export.py writes it
-            raise ValueError(f"This JSON is not a Pagoda chat export (no \"format\": \"{EXPORT_FORMAT}\").")
+            raise ValueError(f'This JSON is not a Pagoda chat export (no "format": "{EXPORT_FORMAT}").')
         raw_msgs: Any = data.get("messages", [])
         if not isinstance(raw_msgs, builtins.list) or not all(isinstance(m, dict) for m in raw_msgs):
-            raise ValueError("\"messages\" must be a list of objects with role and content.")
+            raise ValueError('"messages" must be a list of objects with role and content.')
         title = _clean_title(data.get("title", ""))
         system_prompt = data.get("system_prompt", "")
         if not isinstance(system_prompt, str):
-            raise ValueError("\"system_prompt\" must be a string.")
+            raise ValueError('"system_prompt" must be a string.')
         settings_json = _to_json(data.get("settings", {}), "settings")
         rows = []
         for i, m in enumerate(raw_msgs):
             if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
                 raise ValueError(f"Message {i} needs a role in {ROLES} and string content.")
-            rows.append((m["role"], m["content"], _to_json(m.get("meta", {}), f"message {i} meta"),
-                         _timestamp(m.get("created"), f"message {i} created")))
+            rows.append(
+                (
+                    m["role"],
+                    m["content"],
+                    _to_json(m.get("meta", {}), f"message {i} meta"),
+                    _timestamp(m.get("created"), f"message {i} created"),
+                )
+            )
         created = _timestamp(data.get("created"), "created")
         with self._write() as conn:
             now = self._stamp(conn)
             cur = conn.execute(
                 "INSERT INTO conversations(title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?)",
-                (title, system_prompt, settings_json, created, now))
+                (title, system_prompt, settings_json, created, now),
+            )
             cid = cur.lastrowid
-            conn.executemany("INSERT INTO messages(conversation_id, role, content, meta, created) VALUES "
-                             "(?, ?, ?, ?, ?)",
-                             [(cid, *r) for r in rows])
+            conn.executemany(
+                "INSERT INTO messages(conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
+                [(cid, *r) for r in rows],
+            )
         return self.get(cid)
 
     # ---- lifetime ------------------------------------------------------------------------------

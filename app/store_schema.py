@@ -1,5 +1,6 @@
 """The SQLite schema of Pagoda's store, and its migrations: a database is brought up to this Pagoda's version as
 it opens, inside one transaction, and one written by a newer Pagoda (or not by Pagoda) is refused with what to do."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -10,11 +11,17 @@ __all__ = ["DEFAULT_PRESETS", "MIGRATIONS", "SCHEMA_VERSION", "SchemaError", "mi
 
 DEFAULT_PRESETS: tuple[tuple[str, str], ...] = (
     ("Helpful assistant", "You are a helpful assistant."),
-    ("Concise", "You are a helpful assistant. Answer briefly and directly: short sentences, no preamble, "
-                "no repetition of the question. Use a list only when it is clearer than prose."),
-    ("Coder", "You are an expert programmer. Give correct, idiomatic, runnable code in fenced code blocks "
-              "with the language named. Explain only what is not obvious from the code, and point out "
-              "edge cases and bugs you notice."),
+    (
+        "Concise",
+        "You are a helpful assistant. Answer briefly and directly: short sentences, no preamble, "
+        "no repetition of the question. Use a list only when it is clearer than prose.",
+    ),
+    (
+        "Coder",
+        "You are an expert programmer. Give correct, idiomatic, runnable code in fenced code blocks "
+        "with the language named. Explain only what is not obvious from the code, and point out "
+        "edge cases and bugs you notice.",
+    ),
 )
 
 
@@ -69,13 +76,15 @@ def migrate(conn: sqlite3.Connection, path: Path | str) -> None:
         raise SchemaError(
             f"{path} has schema version {version}, but this Pagoda only understands up to "
             f"version {SCHEMA_VERSION}: it was written by a newer Pagoda. Upgrade Pagoda, or set "
-            f"PAGODA_HOME to another folder to start a separate history.")
+            f"PAGODA_HOME to another folder to start a separate history."
+        )
     if version == 0:
         tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
         if tables:
             raise SchemaError(
                 f"{path} is an SQLite database but not a Pagoda one. Move it aside, or set "
-                f"PAGODA_HOME to another folder.")
+                f"PAGODA_HOME to another folder."
+            )
     for v in range(version, SCHEMA_VERSION):
         MIGRATIONS[v](conn)
         conn.execute(f"PRAGMA user_version = {v + 1}")

@@ -4,6 +4,7 @@ Everything a chat shows lives in the store; the page only renders it. Replies st
 one engine thread that all chats share, or from a remote OpenAI-compatible server (app/remote.py).
 PagodaUI answers the page's events; app/page/layout.py's `build` lays the page out from its parts in app/page/.
 """
+
 import logging
 import tempfile
 import threading
@@ -102,10 +103,17 @@ class PagodaUI:
         think, json_output, json_schema = self.chat_options(conversation_id)
         # A title typed while the chat opened (right after New chat) stays: it was overwritten with "New chat"
         title = gr.update() if typed else conv.title
-        return (self.history(conversation_id), conv.system_prompt, conv.id,
-                *slider_values(ChatSettings.from_dict(conv.settings)),
-                self.context_meter(conversation_id), title, gr.update(value=think, **self.think_switch()),
-                json_output, json_schema)
+        return (
+            self.history(conversation_id),
+            conv.system_prompt,
+            conv.id,
+            *slider_values(ChatSettings.from_dict(conv.settings)),
+            self.context_meter(conversation_id),
+            title,
+            gr.update(value=think, **self.think_switch()),
+            json_output,
+            json_schema,
+        )
 
     def asked_for_chat(self, conversation_id, request: gr.Request = None) -> None:
         """New chat pressed, a chat picked in the list, or a Rename (None): the Title field follows the chat
@@ -138,8 +146,9 @@ class PagodaUI:
         if conversation_id is None:
             return
         conv = self.store.get(conversation_id)
-        settings = ChatSettings.from_dict(conv.settings).replace(think=think, json_output=json_output,
-                                                                 json_schema=json_schema)
+        settings = ChatSettings.from_dict(conv.settings).replace(
+            think=think, json_output=json_output, json_schema=json_schema
+        )
         self.store.update(conversation_id, settings={**conv.settings, **settings.to_dict()})
 
     def save_system_prompt(self, conversation_id: int | None, system_prompt: str, request: gr.Request = None):
@@ -176,8 +185,19 @@ class PagodaUI:
         return gr.update(choices=choices, value=choices[0][1] if choices else None)
 
     # ---- replies --------------------------------------------------------------------------------
-    def respond(self, conversation_id, user_text: str, system_prompt: str, temperature: float, top_p: float, top_k: int,
-                min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
+    def respond(
+        self,
+        conversation_id,
+        user_text: str,
+        system_prompt: str,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        min_p: float,
+        repetition_penalty: float,
+        max_tokens: int,
+        request: gr.Request,
+    ):
         """Add the user's message (when given), start the assistant's reply and follow it."""
         sliders = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
         if conversation_id is None:
@@ -185,8 +205,9 @@ class PagodaUI:
         conversation_id, system_prompt = int(conversation_id), system_prompt or ""
         backend = self.host.backend
         if backend is None:
-            raise user_error(self.host.state.message if self.host.state.status != "idle"
-                           else "Load a model in the Models tab first.")
+            raise user_error(
+                self.host.state.message if self.host.state.status != "idle" else "Load a model in the Models tab first."
+            )
         running = self.replies.get(conversation_id)
         if running is not None and not running.done.is_set():
             raise user_error("This chat is still answering: press Stop first, or open another chat.")
@@ -209,26 +230,38 @@ class PagodaUI:
                 e = f"{e} Drop the oldest messages, lower the reply length, or start a new chat."
             # The message is kept out of the chat until it can be answered: it stays in the box, for Drop the
             # oldest turn (which sends it) or an edit. Saved, it overflowed every later try too.
-            yield (self.history(conversation_id), pending or gr.update(), gr.update(visible=True, value=f"**{e}**"),
-                   gr.update(visible=overflow), gr.update())
+            yield (
+                self.history(conversation_id),
+                pending or gr.update(),
+                gr.update(visible=True, value=f"**{e}**"),
+                gr.update(visible=overflow),
+                gr.update(),
+            )
             return
         if pending:
             self.store.add_message(conversation_id, "user", pending)
             self._title_from_first_message(conversation_id, pending)
         reply = self.store.add_message(conversation_id, "assistant", "")
-        task = ReplyTask(stream, self.store, reply.id, num_prompt_tokens, model=backend.model,
-                         max_tokens=settings.max_tokens)
+        task = ReplyTask(
+            stream, self.store, reply.id, num_prompt_tokens, model=backend.model, max_tokens=settings.max_tokens
+        )
         self.replies.start(conversation_id, task, label=f"#{conversation_id} {self.store.get(conversation_id).title}")
-        log.info("chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens,
-                 stream.request_id)
+        log.info(
+            "chat %d: answering (%d prompt tokens, request %s)", conversation_id, num_prompt_tokens, stream.request_id
+        )
         if request is not None:
             with self.sessions.edit(request.session_hash) as session:
                 session.chats.add(conversation_id)
         if not self.shows(request, conversation_id):
             yield UNCHANGED
             return
-        yield (self.history(conversation_id), "", gr.update(visible=False), gr.update(visible=False),  # clears the box
-               self.live_meter(task.turn))
+        yield (
+            self.history(conversation_id),
+            "",
+            gr.update(visible=False),
+            gr.update(visible=False),  # clears the box
+            self.live_meter(task.turn),
+        )
         yield from self.follow(conversation_id, request)
 
     @staticmethod
@@ -239,17 +272,18 @@ class PagodaUI:
         can count (its refusal may be about the reply length asked for)."""
         if not message:
             return None
-        tokens = backend.prompt_tokens(chat_messages(system_prompt, [{"role": "user", "content": message}]),
-                                       settings)
+        tokens = backend.prompt_tokens(chat_messages(system_prompt, [{"role": "user", "content": message}]), settings)
         limit = backend.max_model_len
         if tokens is None or limit is None:
             return None
         room = reply_room(settings.max_tokens)
         if tokens + room <= limit:
             return None
-        return (f"This message alone is too long: with the system prompt it is {tokens:,} tokens, and the model's "
-                f"context holds {limit:,}, of which {room} are kept for the reply. Shorten the message (or the system "
-                "prompt).")
+        return (
+            f"This message alone is too long: with the system prompt it is {tokens:,} tokens, and the model's "
+            f"context holds {limit:,}, of which {room} are kept for the reply. Shorten the message (or the system "
+            "prompt)."
+        )
 
     def follow(self, conversation_id, request: gr.Request = None):
         """Show the chat's reply as it streams (the reply itself runs on, whatever this page does)."""
@@ -277,8 +311,13 @@ class PagodaUI:
             if not (content or turn.reasoning or finished):
                 content = prefill_line(task.stream)
             thought = [thought_row(turn.reasoning, turn.thought_s, turn.thinking)] if turn.reasoning else []
-            yield (history + [*thought, {"role": "assistant", "content": content}], gr.update(), hidden, hidden,
-                   self.live_meter(turn))
+            yield (
+                history + [*thought, {"role": "assistant", "content": content}],
+                gr.update(),
+                hidden,
+                hidden,
+                self.live_meter(turn),
+            )
             if finished:
                 self.replies.finish(int(conversation_id), task)
                 return
@@ -347,8 +386,18 @@ class PagodaUI:
             words = " ".join(text.split())
             self.store.rename(conversation_id, words[:40] + ("…" if len(words) > 40 else ""))
 
-    def regenerate(self, conversation_id, system_prompt: str, temperature: float, top_p: float, top_k: int,
-                   min_p: float, repetition_penalty: float, max_tokens: int, request: gr.Request):
+    def regenerate(
+        self,
+        conversation_id,
+        system_prompt: str,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        min_p: float,
+        repetition_penalty: float,
+        max_tokens: int,
+        request: gr.Request,
+    ):
         """Replace the last reply with a new one (or answer the last message, when its reply never came)."""
         self._stop_reply(conversation_id)
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
@@ -356,8 +405,18 @@ class PagodaUI:
             raise user_error("There is no reply to regenerate yet.")
         if msgs[-1].role == "assistant":
             self.store.delete_messages_from(conversation_id, msgs[-1].id)
-        yield from self.respond(conversation_id, "", system_prompt, temperature, top_p, top_k, min_p,
-                                repetition_penalty, max_tokens, request)
+        yield from self.respond(
+            conversation_id,
+            "",
+            system_prompt,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            repetition_penalty,
+            max_tokens,
+            request,
+        )
 
     def _stop_reply(self, conversation_id) -> None:
         """Stop the chat's running reply, if any, and wait until it has stored its last words. Editing and
@@ -382,22 +441,49 @@ class PagodaUI:
         self.store.delete_messages_from(conversation_id, last_user.id)
         return self.history(conversation_id), last_user.content
 
-    def drop_oldest_and_answer(self, conversation_id, user_text: str, system_prompt: str, temperature: float,
-                               top_p: float, top_k: int, min_p: float, repetition_penalty: float, max_tokens: int,
-                               request: gr.Request):
+    def drop_oldest_and_answer(
+        self,
+        conversation_id,
+        user_text: str,
+        system_prompt: str,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        min_p: float,
+        repetition_penalty: float,
+        max_tokens: int,
+        request: gr.Request,
+    ):
         """The overflow's offer, carried out: delete the oldest user message and its replies (the user's
         explicit choice), then send the message that did not fit (or answer the chat's last one)."""
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
         if not msgs:
-            message = ("**This message alone is longer than the model's context holds, with room for the reply: "
-                       "shorten it, or lower the reply length.**")
-            yield (self.history(conversation_id), gr.update(), gr.update(visible=True, value=message),
-                   gr.update(visible=False), gr.update())
+            message = (
+                "**This message alone is longer than the model's context holds, with room for the reply: "
+                "shorten it, or lower the reply length.**"
+            )
+            yield (
+                self.history(conversation_id),
+                gr.update(),
+                gr.update(visible=True, value=message),
+                gr.update(visible=False),
+                gr.update(),
+            )
             return
         next_user = next((i for i, m in enumerate(msgs[1:], 1) if m.role == "user"), len(msgs))
         self.store.delete_messages(conversation_id, [m.id for m in msgs[:next_user]])
-        yield from self.respond(conversation_id, user_text, system_prompt, temperature, top_p, top_k, min_p,
-                                repetition_penalty, max_tokens, request)
+        yield from self.respond(
+            conversation_id,
+            user_text,
+            system_prompt,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            repetition_penalty,
+            max_tokens,
+            request,
+        )
 
     def export(self, conversation_id, kind: str) -> str:
         """The chat as it is stored now, as a Markdown ("md") or JSON file named after its title."""
@@ -441,14 +527,20 @@ class PagodaUI:
             session.panels_sent = (html, header, titles)
             # Only for the chat the page shows now: a tick that read the chat open before a switch would put that
             # chat's title in the field (and a Rename then gave it to this chat)
-            new_title = (open_title is not None and open_title[0] == session.viewing
-                         and open_title != session.title_sent
-                         and session.title_typed_for != session.viewing)
+            new_title = (
+                open_title is not None
+                and open_title[0] == session.viewing
+                and open_title != session.title_sent
+                and session.title_typed_for != session.viewing
+            )
             if new_title:
                 session.title_sent = open_title
-        return (gr.update() if html == sent_html else html, gr.update() if header == sent_header else header,
-                gr.update() if titles == sent_titles else gr.update(choices=titles),
-                open_title[1] if new_title else gr.update())
+        return (
+            gr.update() if html == sent_html else html,
+            gr.update() if header == sent_header else header,
+            gr.update() if titles == sent_titles else gr.update(choices=titles),
+            open_title[1] if new_title else gr.update(),
+        )
 
     def title_of(self, conversation_id: int | None) -> tuple[int, str] | None:
         """(The chat, its title) as stored now; None for no chat, or one deleted."""

@@ -18,6 +18,7 @@ A cache can have 10,000+ blocks redrawn twice a second, so block classes are sho
 Colours come from a hash of the conversation label, so a chat keeps its colour from poll to poll;
 labels that collide in one render are moved to the next free colour, in a fixed order.
 """
+
 from __future__ import annotations
 
 import functools
@@ -126,27 +127,35 @@ def _grid_size_class(n: int) -> str:
 
 
 # ---- the grid ------------------------------------------------------------------------------------
-def render_kv_cache(blocks: list[KVBlock], stats: EngineStats, owners: dict[str, str] | None = None,
-                    tokens_per_s: float | None = None) -> str:
+def render_kv_cache(
+    blocks: list[KVBlock], stats: EngineStats, owners: dict[str, str] | None = None, tokens_per_s: float | None = None
+) -> str:
     """HTML for the KV cache panel: counters, a legend, and a grid with one element per block.
 
     blocks: `LLMEngine.kv_blocks()`; stats: `LLMEngine.stats()`; owners: engine request id ->
     conversation label (user text: escaped here); tokens_per_s: shown when given.
     """
     holders = _Holders.of(blocks, owners or {})
-    body = (f'<div class="grid {_grid_size_class(len(blocks))}">{_grid(blocks, stats.block_size, holders)}</div>'
-            if blocks else '<p class="none">No KV cache yet: load a model to see its blocks.</p>')
-    head = _ascii(f'<div class="pgd-kv"><div class="header"><div class="stats">{_chips(stats, tokens_per_s)}</div>'
-                  f'{_usage_bar(stats)}<div class="legend">{_legend(holders)}</div>'
-                  f'<div class="legend kinds">{BLOCK_KINDS}</div></div>')
+    body = (
+        f'<div class="grid {_grid_size_class(len(blocks))}">{_grid(blocks, stats.block_size, holders)}</div>'
+        if blocks
+        else '<p class="none">No KV cache yet: load a model to see its blocks.</p>'
+    )
+    head = _ascii(
+        f'<div class="pgd-kv"><div class="header"><div class="stats">{_chips(stats, tokens_per_s)}</div>'
+        f'{_usage_bar(stats)}<div class="legend">{_legend(holders)}</div>'
+        f'<div class="legend kinds">{BLOCK_KINDS}</div></div>'
+    )
     return f"{head}{body}</div>"
 
 
 # What each kind of block looks like, under the conversations' colours
-BLOCK_KINDS = ('<span class="legend-entry"><i class="used own-none fill3"></i>in use (fill = tokens written)</span>'
-               '<span class="legend-entry"><i class="shared own-none">2</i>shared (ref count)</span>'
-               '<span class="legend-entry"><i class="cached"></i>free, cached</span>'
-               '<span class="legend-entry"><i></i>empty</span>')
+BLOCK_KINDS = (
+    '<span class="legend-entry"><i class="used own-none fill3"></i>in use (fill = tokens written)</span>'
+    '<span class="legend-entry"><i class="shared own-none">2</i>shared (ref count)</span>'
+    '<span class="legend-entry"><i class="cached"></i>free, cached</span>'
+    '<span class="legend-entry"><i></i>empty</span>'
+)
 
 
 @dataclass
@@ -186,8 +195,11 @@ class _Holders:
             if len(ents) > MAX_LABELS_IN_TITLE:
                 names.append(f"+{len(ents) - MAX_LABELS_IN_TITLE} more")
             label_word = "owner" if len(ents) == 1 else "owners"
-            group_info[key] = (f" own{first}", f" own{first} also{second}" if second else f" own{first}",
-                               f"&#10;{label_word}: {', '.join(names)}")
+            group_info[key] = (
+                f" own{first}",
+                f" own{first} also{second}" if second else f" own{first}",
+                f"&#10;{label_word}: {', '.join(names)}",
+            )
         return cls(entry_blocks, colour, display, group_info)
 
 
@@ -207,8 +219,10 @@ def _grid(blocks: list[KVBlock], bs: int, holders: _Holders) -> str:
             return '<i title="Block ', f' · empty&#10;ref count {rc} · {m}"></i>'
         one, two, who = holders.groups[ow] if ow else _NO_OWNER
         if rc > 1:
-            return (f'<i class="shared{two}" title="Block ',
-                    f' · shared by {rc}&#10;ref count {rc} · {m}{who}">{rc if rc < 100 else "99+"}</i>')
+            return (
+                f'<i class="shared{two}" title="Block ',
+                f' · shared by {rc}&#10;ref count {rc} · {m}{who}">{rc if rc < 100 else "99+"}</i>',
+            )
         f = ""
         if filled < bs:  # partly written: fill level in eighths, rounded up so one token shows
             f = f" fill{min(FILL_LEVELS - 1, max(0, -(-filled * FILL_LEVELS // bs)))}"
@@ -233,12 +247,19 @@ def _chips(stats: EngineStats, tokens_per_s: float | None) -> str:
     hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
     chips = [
         _chip(f"{used:,}", "used", "blocks held by running requests", "used"),
-        _chip(f"{cached_free:,}", "cached", "free blocks that still hold a prefix; reused on a hit, evicted last",
-              "cached"),
+        _chip(
+            f"{cached_free:,}",
+            "cached",
+            "free blocks that still hold a prefix; reused on a hit, evicted last",
+            "cached",
+        ),
         _chip(f"{free - cached_free:,}", "empty", "free blocks holding nothing", "empty"),
         _chip(f"{stats.num_blocks:,}", f"blocks × {stats.block_size} tokens", f"{free:,} free in all"),
-        _chip(format_hit_rate(hits, queries), "prefix hits",
-              f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}"),
+        _chip(
+            format_hit_rate(hits, queries),
+            "prefix hits",
+            f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}",
+        ),
         _chip(f"{stats.num_preemptions:,}", "preemptions"),
         _chip(f"{stats.num_running} / {stats.num_waiting}", "running / waiting"),
     ]
@@ -251,9 +272,11 @@ def _usage_bar(stats: EngineStats) -> str:
     """The share of blocks in use and cached, as one bar."""
     used, cached_free = stats.used_blocks, stats.cached_blocks
     empty, total = stats.free_blocks - cached_free, max(stats.num_blocks, 1)
-    return (f'<div class="bar" title="used {used:,} · cached {cached_free:,} · empty {empty:,}">'
-            f'<span class="used" style="width:{min(100.0, 100 * used / total):.2f}%"></span>'
-            f'<span class="cached" style="width:{min(100.0, 100 * cached_free / total):.2f}%"></span></div>')
+    return (
+        f'<div class="bar" title="used {used:,} · cached {cached_free:,} · empty {empty:,}">'
+        f'<span class="used" style="width:{min(100.0, 100 * used / total):.2f}%"></span>'
+        f'<span class="cached" style="width:{min(100.0, 100 * cached_free / total):.2f}%"></span></div>'
+    )
 
 
 def _legend(holders: _Holders) -> str:
@@ -262,8 +285,10 @@ def _legend(holders: _Holders) -> str:
     ranked = sorted(holders.blocks.items(), key=lambda kv: (-kv[1], kv[0]))
     for e, count in sorted(ranked[:MAX_LEGEND_ENTRIES], key=lambda kv: (kv[0][0], kv[0][1].casefold(), kv[0][1])):
         name = holders.display[e]
-        legend.append(f'<span class="legend-entry" title="{name} · {count:,} blocks">'
-                      f'<i class="used own{holders.colour[e]}"></i><span class="legend-name">{name}</span></span>')
+        legend.append(
+            f'<span class="legend-entry" title="{name} · {count:,} blocks">'
+            f'<i class="used own{holders.colour[e]}"></i><span class="legend-name">{name}</span></span>'
+        )
     if len(ranked) > MAX_LEGEND_ENTRIES:
         legend.append(f'<span class="legend-entry more">+{len(ranked) - MAX_LEGEND_ENTRIES} more</span>')
     return "".join(legend)
@@ -311,29 +336,43 @@ def render_remote_notice(metrics: dict | None, source: str = "") -> str:
     table); None or {} when the server has none. source: "model at url", shown in the notice."""
     rows = _flatten(metrics) if isinstance(metrics, dict) else []
     where = f" ({_ascii(escape(source))})" if source else ""
-    parts = [f'<div class="pgd-kv remote"><p class="note"><b>Remote server</b>{where}. Block-level KV cache data is '
-             "not available from a remote OpenAI-compatible server, so there is no block grid here."]
+    parts = [
+        f'<div class="pgd-kv remote"><p class="note"><b>Remote server</b>{where}. Block-level KV cache data is '
+        "not available from a remote OpenAI-compatible server, so there is no block grid here."
+    ]
     if not rows:
-        parts.append(" This server exposes no metrics (Pagoda reads vLLM's, SGLang's and llama.cpp's from /metrics)."
-                     "</p></div>")
+        parts.append(
+            " This server exposes no metrics (Pagoda reads vLLM's, SGLang's and llama.cpp's from /metrics).</p></div>"
+        )
         return "".join(parts)
     parts.append(" What its metrics say:</p>")
     chips = []
     hits, queries = _find(rows, "prefix_cache_hits"), _find(rows, "prefix_cache_queries")
     rate = _find(rows, "prefix_cache_hit_rate", "cache_hit_rate")
     if hits is not None and queries is not None:
-        chips.append(_chip(format_hit_rate(hits, queries), "prefix hits",
-                           f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}"))
+        chips.append(
+            _chip(
+                format_hit_rate(hits, queries),
+                "prefix hits",
+                f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}",
+            )
+        )
     elif rate is not None:
         chips.append(_chip(_percent(rate), "prefix hits", "the server's prefix cache hit rate"))
     running, waiting = _find(rows, "num_requests_running"), _find(rows, "num_requests_waiting")
     if running is not None or waiting is not None:
-        chips.append(_chip(f"{_fmt_num(running) if running is not None else '—'} / "
-                           f"{_fmt_num(waiting) if waiting is not None else '—'}", "running / waiting"))
+        chips.append(
+            _chip(
+                f"{_fmt_num(running) if running is not None else '—'} / "
+                f"{_fmt_num(waiting) if waiting is not None else '—'}",
+                "running / waiting",
+            )
+        )
     usage = _find(rows, "kv_cache_usage")
     if usage is not None:
-        chips.append(_chip(_percent(usage), "KV cache in use",
-                           "the share of the server's KV cache that holds requests"))
+        chips.append(
+            _chip(_percent(usage), "KV cache in use", "the share of the server's KV cache that holds requests")
+        )
     if chips:
         parts.append(f'<div class="stats">{"".join(chips)}</div>')
     parts.append('<table class="metrics">')

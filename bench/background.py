@@ -9,6 +9,7 @@ a chat (priority 0), and reports the chat's decode tokens/s against the same cha
 the same run. The `same priority` row puts the background requests at the chat's priority, which is
 what every request got before priorities. Default model: the bundled SmolLM2 (its Q4_1 GGUF).
 """
+
 import argparse
 import threading
 import time
@@ -36,8 +37,13 @@ def run(engine: EngineThread, args, chat: list[int], background_priority: int | 
     if background_priority is not None:
         for i in range(args.background):
             prompt = [(1000 + 7 * i + j) % 40000 + 100 for j in range(args.context)]
-            streams.append(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=args.background_tokens,
-                                                                 ignore_eos=True), priority=background_priority))
+            streams.append(
+                engine.submit(
+                    prompt,
+                    SamplingParams(temperature=0, max_tokens=args.background_tokens, ignore_eos=True),
+                    priority=background_priority,
+                )
+            )
         time.sleep(args.head_start)  # they are prefilling when the chat arrives
     rate = chat_rate(engine, chat, args.chat_tokens)
     for stream in streams:
@@ -54,8 +60,11 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--head-start", type=float, default=2.0, help="seconds the background requests run first")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--skip-same-priority", action="store_true",
-                    help="leave out the same-priority row (at 8k-token contexts it takes many minutes on a CPU)")
+    ap.add_argument(
+        "--skip-same-priority",
+        action="store_true",
+        help="leave out the same-priority row (at 8k-token contexts it takes many minutes on a CPU)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,8 +73,12 @@ def main() -> None:
 
         args.model = str(bundled_gguf_path())
     # Built in a thread of its own (EngineThread.load): one built here would halve the engine's speed.
-    engine = EngineThread.load(args.model, max_model_len=args.context + args.background_tokens + 16,
-                               enable_prefix_caching=False, max_num_seqs=args.background + 1)
+    engine = EngineThread.load(
+        args.model,
+        max_model_len=args.context + args.background_tokens + 16,
+        enable_prefix_caching=False,
+        max_num_seqs=args.background + 1,
+    )
     chat = list(range(2000, 2040))
     try:
         # The compiled decode steps are chosen in the engine's own thread once they have compiled: step
@@ -82,8 +95,10 @@ def main() -> None:
             rows.append((label, run(engine, args, chat, priority)))
     finally:
         engine.shutdown()
-    print(f"chat decode beside {args.background} requests of {args.context} prompt tokens "
-          f"({torch.get_num_threads()} threads, {threading.active_count()} Python threads)")
+    print(
+        f"chat decode beside {args.background} requests of {args.context} prompt tokens "
+        f"({torch.get_num_threads()} threads, {threading.active_count()} Python threads)"
+    )
     for label, rate in rows:
         print(f"  {label:28s} {rate:7.1f} tok/s  {rate / alone:5.2f}x alone")
 

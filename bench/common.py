@@ -1,4 +1,5 @@
 """Helpers shared by the benchmark scripts: random-weight checkpoints and timing."""
+
 import time
 from pathlib import Path
 
@@ -10,10 +11,21 @@ def qwen3_06b_config(num_layers: int | None = None):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=num_layers or 28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False,
-        bos_token_id=151643, eos_token_id=151645, architectures=["Qwen3ForCausalLM"],
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=num_layers or 28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        architectures=["Qwen3ForCausalLM"],
     )
 
 

@@ -8,6 +8,7 @@ triton's do_bench timed one launch at a time, gaps included, and misled the choi
 cuBLAS through F.linear, cuBLAS's GEMV through torch.mv, and the Triton kernel over tiles and
 warp counts. Prints GB/s of weights read.
 """
+
 import itertools
 
 import torch
@@ -36,18 +37,36 @@ def main() -> None:
 
             def run(bn=bn, bk=bk, warps=warps):
                 w = next(turns)
-                _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, out, 1, n, k, x.stride(0), k, out.stride(0),
-                                                    HAS_BIAS=False, EVEN_K=k % bk == 0, BLOCK_M=1, BLOCK_N=bn,
-                                                    BLOCK_K=bk,
-                                                    num_warps=warps)
+                _gemv_kernel[(triton.cdiv(n, bn),)](
+                    x,
+                    w,
+                    w,
+                    out,
+                    1,
+                    n,
+                    k,
+                    x.stride(0),
+                    k,
+                    out.stride(0),
+                    HAS_BIAS=False,
+                    EVEN_K=k % bk == 0,
+                    BLOCK_M=1,
+                    BLOCK_N=bn,
+                    BLOCK_K=bk,
+                    num_warps=warps,
+                )
+
             try:
                 us[f"gemv {bn}x{bk} w{warps}"] = 1000 * cuda_timer(run)
             except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run
                 print(f"  {n}x{k} gemv {bn}x{bk} w{warps}: {type(e).__name__}")
         best = sorted(us.items(), key=lambda kv: kv[1])
         line = ", ".join(f"{name} {t:.1f}us ({nbytes / t / 1e3:.0f} GB/s)" for name, t in best[:6])
-        print(f"{n}x{k} ({nbytes / 2**20:.1f} MiB): F.linear {us['F.linear']:.1f}us, torch.mv {us['torch.mv']:.1f}us; "
-              f"best: {line}", flush=True)
+        print(
+            f"{n}x{k} ({nbytes / 2**20:.1f} MiB): F.linear {us['F.linear']:.1f}us, torch.mv {us['torch.mv']:.1f}us; "
+            f"best: {line}",
+            flush=True,
+        )
         del weights
 
 

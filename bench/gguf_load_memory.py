@@ -11,6 +11,7 @@ memory (getrusage's ru_maxrss, the "Maximum resident set size" of /usr/bin/time 
 file, and reads the peak again. Reported: the load's own peak, (peak - baseline), over (file size + the KV cache
 budget), and the load's wall and CPU time. Generated files are random-weight (tests/shaped_gguf.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,21 @@ print(json.dumps({"baseline_bytes": baseline, "peak_bytes": peak, "load_s": wall
 """
 
 
-def measure_load(path: Path, kv_bytes: int = KV_BYTES, repo: Path = REPO, threads: int | None = None,
-                 timeout: float = 1800) -> dict:
+def measure_load(
+    path: Path, kv_bytes: int = KV_BYTES, repo: Path = REPO, threads: int | None = None, timeout: float = 1800
+) -> dict:
     """Load `path` in a fresh process running `repo`'s engine; the figures the module docstring describes."""
     env = {**os.environ, "PAGODA_CPU_COMPILE": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(kv_bytes)], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), str(kv_bytes)],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"loading {path} failed:\n{done.stderr[-3000:]}")
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -79,8 +87,10 @@ def main() -> None:
         f = measure_load(path, args.kv_bytes, args.repo, args.threads)
     mb = lambda b: f"{b / 1e6:.0f} MB"
     print(f"{path.name}: {mb(f['file_bytes'])} on disk, KV cache {mb(args.kv_bytes)}")
-    print(f"  baseline (imports) {mb(f['baseline_bytes'])}, peak {mb(f['peak_bytes'])}: the load adds "
-          f"{mb(f['peak_bytes'] - f['baseline_bytes'])} = {f['ratio']:.2f}x (file + KV)")
+    print(
+        f"  baseline (imports) {mb(f['baseline_bytes'])}, peak {mb(f['peak_bytes'])}: the load adds "
+        f"{mb(f['peak_bytes'] - f['baseline_bytes'])} = {f['ratio']:.2f}x (file + KV)"
+    )
     print(f"  the loaded model holds {mb(f['held_bytes'])} of weights; the KV cache takes {mb(f['kv_bytes'])}")
     print(f"  load {f['load_s']:.1f} s wall, {f['cpu_s']:.1f} s CPU; kernels: {f['matmul']}")
 

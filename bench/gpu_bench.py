@@ -5,6 +5,7 @@
 Uses a random-weight model with Qwen3-0.6B's exact config in bf16 (no download). Prints one
 table last. `--smoke` runs every code path on CPU with a 2-layer model, for checking the script.
 """
+
 import argparse
 import gc
 import json
@@ -48,8 +49,9 @@ def release_memory() -> None:
 
 def decode_breakdown(llm, prompt_len: int, out_dir: Path | None) -> None:
     """Where a batch-1 decode step's time goes: graph replay on the GPU vs the whole step."""
-    rid = llm.add_request([rand_token() for _ in range(prompt_len)],
-                          SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    rid = llm.add_request(
+        [rand_token() for _ in range(prompt_len)], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    )
     for _ in range(10):
         llm.step()
     sync(llm.device.type)
@@ -95,16 +97,20 @@ def write_profile(llm, run, path: Path, rows: int = 25) -> str:
 
 def profile_prefill(llm, prompt: list[int], path: Path) -> None:
     """Profile one cold prefill: where an eager forward's host time and kernel time go."""
-    write_profile(llm, lambda: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1),
-                                            use_tqdm=False), path, 30)
+    write_profile(
+        llm, lambda: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False), path, 30
+    )
 
 
 def profile_full_batch(llm, num_seqs: int, prompt_len: int, path: Path) -> None:
     """Profile ten decode steps of `num_seqs` running requests (the throughput run's full batch):
     which kernels a large step's time goes to (attention, GEMMs, small ops, sampling)."""
-    ids = [llm.add_request([rand_token() for _ in range(prompt_len)],
-                           SamplingParams(temperature=0.6, max_tokens=400, ignore_eos=True))
-           for _ in range(num_seqs)]
+    ids = [
+        llm.add_request(
+            [rand_token() for _ in range(prompt_len)], SamplingParams(temperature=0.6, max_tokens=400, ignore_eos=True)
+        )
+        for _ in range(num_seqs)
+    ]
     try:
         while llm.stats().num_waiting or any(s.num_uncomputed_tokens > 1 for s in llm.scheduler.running):
             llm.step()
@@ -132,12 +138,14 @@ def gemv_rows() -> None:
         row(f"matmul {n}x{k}, cuBLAS/GEMV us", "", ", ".join(cells) + " (rows: us)")
     from engine.layers import normed_gemv
 
-    for (n, k, _dtype, _bias, silu_mul), (unfused_ms, fused_ms) in sorted(normed_gemv.TIMINGS.items(),
-                                                                          key=lambda kv: kv[0][:2]):
+    for (n, k, _dtype, _bias, silu_mul), (unfused_ms, fused_ms) in sorted(
+        normed_gemv.TIMINGS.items(), key=lambda kv: kv[0][:2]
+    ):
         fused = f"{fused_ms * 1000:.1f}" if fused_ms is not None else "-"
         ops = "add+norm, matmul" + (", silu*up" if silu_mul else "")
-        row(f"norm+matmul {n}x{k}, separate/fused us", f"{unfused_ms * 1000:.1f}/{fused}",
-            f"1 row: {ops} in one kernel")
+        row(
+            f"norm+matmul {n}x{k}, separate/fused us", f"{unfused_ms * 1000:.1f}/{fused}", f"1 row: {ops} in one kernel"
+        )
 
 
 def copy_bandwidth(device: str) -> float:
@@ -187,8 +195,10 @@ class StepClock:
 
     def summary(self, total: float) -> str:
         steps = sorted(self.steps)
-        return (f"{len(steps)} steps: median {1000 * steps[len(steps) // 2]:.2f} ms, max {1000 * steps[-1]:.1f} ms, "
-                f"in steps {sum(steps):.2f} of {total:.2f} s, {self.collections} full GCs")
+        return (
+            f"{len(steps)} steps: median {1000 * steps[len(steps) // 2]:.2f} ms, max {1000 * steps[-1]:.1f} ms, "
+            f"in steps {sum(steps):.2f} of {total:.2f} s, {self.collections} full GCs"
+        )
 
 
 def decode_tps(llm, prompt_len: int, new_tokens: int, batch: int) -> tuple[float, str]:
@@ -265,9 +275,12 @@ def main() -> int:
         cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size = 2048, 128, 256
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 2, 32
     VOCAB[0] = min(100000, cfg.vocab_size)
-    folder = save_random_model(cfg, Path(tempfile.gettempdir()) / ("pagoda-smoke-qwen3"
-                                                                   if args.smoke else "pagoda-qwen3-0.6b"),
-                               torch.bfloat16, device)
+    folder = save_random_model(
+        cfg,
+        Path(tempfile.gettempdir()) / ("pagoda-smoke-qwen3" if args.smoke else "pagoda-qwen3-0.6b"),
+        torch.bfloat16,
+        device,
+    )
     if device == "cuda":
         row("GPU", torch.cuda.get_device_name(), f"torch {torch.__version__}, transformers {transformers.__version__}")
     bandwidth = copy_bandwidth(device)
@@ -286,9 +299,12 @@ def main() -> int:
     with section("engine load"):
         llm = LLM(str(folder), **settings)
         stats = llm.stats()
-        row("attention backend", stats.attention_backend,
+        row(
+            "attention backend",
+            stats.attention_backend,
             f"KV blocks {stats.num_blocks}, matmul {stats.matmul}, sampler {stats.sampler}, "
-            f"async scheduling {stats.async_scheduling}")
+            f"async scheduling {stats.async_scheduling}",
+        )
         default_async = llm.async_scheduling
         gemv_rows()
 
@@ -301,8 +317,11 @@ def main() -> int:
             # A step reads the weights and the KV once. A copy moves 2 bytes (one read, one written) per
             # byte copied, and the copy bandwidth above counts both, so it is the rate of bytes read here.
             roofline = bandwidth / (weight_bytes + kv_bytes)
-            row("batch-1 decode, CUDA graphs", f"{tps1:.0f} tok/s",
-                f"{100 * tps1 / roofline:.0f}% of roofline ({roofline:.0f} tok/s)")
+            row(
+                "batch-1 decode, CUDA graphs",
+                f"{tps1:.0f} tok/s",
+                f"{100 * tps1 / roofline:.0f}% of roofline ({roofline:.0f} tok/s)",
+            )
             row("batch-1 decode, its steps", "", steps1)
         with section("batch-1 decode, synchronous scheduling"):
             set_async_scheduling(llm, False)
@@ -331,8 +350,11 @@ def main() -> int:
             sync(device)
             warm = time.perf_counter() - t0
             row("TTFT 2,000-token prompt, cold", f"{cold * 1000:.1f} ms")
-            row("TTFT with 1,900 tokens cached", f"{warm * 1000:.1f} ms",
-                f"{cold / warm:.1f}x faster, {out[0]['num_cached_tokens']} tokens from cache")
+            row(
+                "TTFT with 1,900 tokens cached",
+                f"{warm * 1000:.1f} ms",
+                f"{cold / warm:.1f}x faster, {out[0]['num_cached_tokens']} tokens from cache",
+            )
             if args.json:  # where an eager prefill's time goes (host ops vs kernels), for the next round
                 profile_prefill(llm, [rand_token() for _ in range(len(base))], args.json.parent / "profile_prefill.txt")
 
@@ -340,8 +362,9 @@ def main() -> int:
         n_req = args.num_requests if not small else 8
         lo, hi = (100, 1024) if not small else (10, 64)
         prompts = [[rand_token() for _ in range(random.randint(lo, hi))] for _ in range(n_req)]
-        params = [SamplingParams(temperature=0.6, max_tokens=random.randint(lo, hi), ignore_eos=True)
-                  for _ in range(n_req)]
+        params = [
+            SamplingParams(temperature=0.6, max_tokens=random.randint(lo, hi), ignore_eos=True) for _ in range(n_req)
+        ]
         total_out = sum(p.max_tokens for p in params)
 
         def throughput() -> float:
@@ -356,14 +379,20 @@ def main() -> int:
             # temperature (seconds on first use), and eager prefills whose block tables are a multiple
             # of 16 wide (Triton compiles a variant for such ints): 64 prompts of 16 blocks.
             warm_rows = 64 if not small else 4
-            llm.generate([[rand_token() for _ in range(250)] for _ in range(warm_rows)],
-                         SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                [[rand_token() for _ in range(250)] for _ in range(warm_rows)],
+                SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True),
+                use_tqdm=False,
+            )
             with StepClock(llm) as clock:
                 elapsed = throughput()
             got["throughput"] = total_out / elapsed
-            row(f"throughput, {n_req} req, {lo}-{hi} in/out", f"{total_out / elapsed:.0f} tok/s",
+            row(
+                f"throughput, {n_req} req, {lo}-{hi} in/out",
+                f"{total_out / elapsed:.0f} tok/s",
                 f"{total_out} output tokens in {elapsed:.1f} s, {llm.stats().num_preemptions} preemptions, "
-                f"sampler {llm.stats().sampler}; {clock.summary(elapsed)}")
+                f"sampler {llm.stats().sampler}; {clock.summary(elapsed)}",
+            )
         with section("throughput, synchronous scheduling"):
             set_async_scheduling(llm, False)
             sync_elapsed = throughput()
@@ -383,21 +412,34 @@ def main() -> int:
             e64, _ = decode_tps(eager, prompt_len, eager_new, batch64)
         finally:
             del eager
-        row("batch-1 decode, eager", f"{e1:.0f} tok/s",
-            f"graphs are {got['tps1'] / e1:.2f}x faster" if "tps1" in got else "")
-        row(f"batch-{batch64} decode, graphs / eager", f"{got.get('tps64', float('nan')):.0f} / {e64:.0f} tok/s",
-            f"graphs are {got['tps64'] / e64:.2f}x faster" if "tps64" in got else "")
+        row(
+            "batch-1 decode, eager",
+            f"{e1:.0f} tok/s",
+            f"graphs are {got['tps1'] / e1:.2f}x faster" if "tps1" in got else "",
+        )
+        row(
+            f"batch-{batch64} decode, graphs / eager",
+            f"{got.get('tps64', float('nan')):.0f} / {e64:.0f} tok/s",
+            f"graphs are {got['tps64'] / e64:.2f}x faster" if "tps64" in got else "",
+        )
 
     with section("transformers"):  # on the same GPU
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
         hf1 = hf_decode_tps(hf, prompt_len, 64 if not small else 8, 1, device)
-        row("transformers batch-1 decode", f"{hf1:.0f} tok/s",
-            f"engine is {got['tps1'] / hf1:.1f}x faster" if "tps1" in got else "")
+        row(
+            "transformers batch-1 decode",
+            f"{hf1:.0f} tok/s",
+            f"engine is {got['tps1'] / hf1:.1f}x faster" if "tps1" in got else "",
+        )
         hf_batch = 32 if not small else 4
         hf_tp = hf_decode_tps(hf, 512 if not small else 32, 64 if not small else 8, hf_batch, device)
-        row(f"transformers batch-{hf_batch} decode", f"{hf_tp:.0f} tok/s",
+        row(
+            f"transformers batch-{hf_batch} decode",
+            f"{hf_tp:.0f} tok/s",
             f"static batch; engine throughput above is {got['throughput'] / hf_tp:.1f}x"
-            if "throughput" in got else "static batch")
+            if "throughput" in got
+            else "static batch",
+        )
         del hf
 
     print("\n| benchmark | value | note |\n|---|---:|---|")

@@ -12,6 +12,7 @@ capped at a laptop's memory with `torch.cuda.set_per_process_memory_fraction`. F
 
 `--smoke` runs a tiny shape on the CPU, to check the script itself.
 """
+
 import argparse
 import sys
 import tempfile
@@ -39,11 +40,20 @@ def entry_config(entry: CatalogEntry, num_layers: int | None = None):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=entry.vocab_size, hidden_size=entry.hidden_size, intermediate_size=entry.intermediate_size,
-        num_hidden_layers=num_layers or entry.num_hidden_layers, num_attention_heads=entry.num_attention_heads,
-        num_key_value_heads=entry.num_key_value_heads, head_dim=entry.head_dim,
-        max_position_embeddings=entry.max_position_embeddings, tie_word_embeddings=entry.tie_word_embeddings,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, bos_token_id=151643, eos_token_id=151645,
+        vocab_size=entry.vocab_size,
+        hidden_size=entry.hidden_size,
+        intermediate_size=entry.intermediate_size,
+        num_hidden_layers=num_layers or entry.num_hidden_layers,
+        num_attention_heads=entry.num_attention_heads,
+        num_key_value_heads=entry.num_key_value_heads,
+        head_dim=entry.head_dim,
+        max_position_embeddings=entry.max_position_embeddings,
+        tie_word_embeddings=entry.tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        attention_bias=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
         architectures=[entry.architecture],
     )
 
@@ -62,28 +72,45 @@ def check_model(entry: CatalogEntry, folder: Path, device: str, max_chats: int, 
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
-        llm = LLM(str(folder), quantization=quantization, device=device, max_num_seqs=max_chats,
-                  **({} if device == "cuda" else {"num_kvcache_blocks": 64}))
+        llm = LLM(
+            str(folder),
+            quantization=quantization,
+            device=device,
+            max_num_seqs=max_chats,
+            **({} if device == "cuda" else {"num_kvcache_blocks": 64}),
+        )
     except (RuntimeError, torch.OutOfMemoryError) as e:
         row(f"{name}: loads", "MISSED", f"{type(e).__name__}: {str(e).splitlines()[0]}")
         return
     try:
         stats = llm.stats()
         kv_tokens = stats.num_blocks * stats.block_size
-        row(f"{name}: loads ({advice.recommended})", f"{time.perf_counter() - start:.0f} s",
-            f"decode: {stats.decode}; {stats.matmul}")
-        row(f"{name}: KV cache", f"{kv_tokens:,} tokens",
-            f"the catalog estimated {predicted:,} tokens of context; max_model_len {stats.max_model_len:,}")
+        row(
+            f"{name}: loads ({advice.recommended})",
+            f"{time.perf_counter() - start:.0f} s",
+            f"decode: {stats.decode}; {stats.matmul}",
+        )
+        row(
+            f"{name}: KV cache",
+            f"{kv_tokens:,} tokens",
+            f"the catalog estimated {predicted:,} tokens of context; max_model_len {stats.max_model_len:,}",
+        )
         prompts = [[1000 + 37 * i + j for j in range(200)] for i in range(max_chats)]
         out = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=64, ignore_eos=True), use_tqdm=False)
-        row(f"{name}: {max_chats} chats at once", f"{sum(len(r['token_ids']) for r in out)} tokens",
-            f"{llm.stats().num_preemptions} preemptions")
+        row(
+            f"{name}: {max_chats} chats at once",
+            f"{sum(len(r['token_ids']) for r in out)} tokens",
+            f"{llm.stats().num_preemptions} preemptions",
+        )
         VOCAB[0] = min(VOCAB[0], entry.vocab_size if device == "cuda" else 2048)  # decode_tps's random prompt ids
         tps, _ = decode_tps(llm, 128, 64, 1)
         peak = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else 0.0
         within = budget_gib is None or peak <= budget_gib
-        row(f"{name}: batch-1 decode", f"{tps:.0f} tok/s",
-            f"peak reserved {peak:.2f} GiB" + ("" if within else f" (MISSED: over the {budget_gib:g} GiB cap)"))
+        row(
+            f"{name}: batch-1 decode",
+            f"{tps:.0f} tok/s",
+            f"peak reserved {peak:.2f} GiB" + ("" if within else f" (MISSED: over the {budget_gib:g} GiB cap)"),
+        )
     except (RuntimeError, torch.OutOfMemoryError) as e:
         row(f"{name}: serves", "MISSED", f"{type(e).__name__}: {str(e).splitlines()[0]}")
     finally:

@@ -11,6 +11,7 @@
 
 `--smoke` runs tiny shapes on the CPU, to check the script itself.
 """
+
 import argparse
 import sys
 import tempfile
@@ -74,10 +75,16 @@ def serve_8b_in_budget(folder: Path, budget_gib: float, device: str, new_tokens:
         stats = llm.stats()
         kv_tokens = stats.num_blocks * stats.block_size
         peak = torch.cuda.max_memory_allocated() / 2**30
-        row("Qwen3-8B shape int4, load within the budget", f"{load:.0f} s",
-            f"{budget_gib:g} GiB budget; peak allocated {peak:.2f} GiB; {stats.matmul}")
-        row("Qwen3-8B shape int4, KV cache", f"{kv_tokens} tokens", "goal >= 8,192" + (
-            "" if kv_tokens >= 8192 else " (MISSED)"))
+        row(
+            "Qwen3-8B shape int4, load within the budget",
+            f"{load:.0f} s",
+            f"{budget_gib:g} GiB budget; peak allocated {peak:.2f} GiB; {stats.matmul}",
+        )
+        row(
+            "Qwen3-8B shape int4, KV cache",
+            f"{kv_tokens} tokens",
+            "goal >= 8,192" + ("" if kv_tokens >= 8192 else " (MISSED)"),
+        )
         tps, steps = decode_tps(llm, 128, new_tokens, 1)
         row("Qwen3-8B shape int4, batch-1 decode", f"{tps:.0f} tok/s", steps)
         del llm
@@ -100,8 +107,11 @@ def greedy_matches_reference(folder: Path, reference: Path, device: str, tokens:
     del plain
     release_memory()
     same = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(g)) for g, w in zip(got, want)]
-    row("Qwen3-0.6B shape int4 vs dequantized reference, greedy", "same" if got == want else "DIFFERS",
-        f"tokens equal before the first difference, per prompt: {same} of {tokens}; {kernels}")
+    row(
+        "Qwen3-0.6B shape int4 vs dequantized reference, greedy",
+        "same" if got == want else "DIFFERS",
+        f"tokens equal before the first difference, per prompt: {same} of {tokens}; {kernels}",
+    )
 
 
 def main() -> int:
@@ -117,10 +127,10 @@ def main() -> int:
     if args.smoke:
         small.vocab_size, small.hidden_size, small.intermediate_size = 2048, 128, 256
         small.num_attention_heads, small.num_key_value_heads, small.head_dim = 4, 2, 32
-    folder = save_random_model(small, root / f"pagoda-q-{'smoke' if args.smoke else 'qwen3-0.6b'}", torch.bfloat16,
-                               device)
-    reference = dequantized_reference(folder, root / f"{folder.name}-int4-dequantized", 64) if not args.smoke \
-        else None
+    folder = save_random_model(
+        small, root / f"pagoda-q-{'smoke' if args.smoke else 'qwen3-0.6b'}", torch.bfloat16, device
+    )
+    reference = dequantized_reference(folder, root / f"{folder.name}-int4-dequantized", 64) if not args.smoke else None
     if reference is not None:
         greedy_matches_reference(folder, reference, device, 32)
     if not args.skip_8b and not args.smoke:
@@ -130,8 +140,11 @@ def main() -> int:
         tps, _ = decode_tps(bf16, 128, 128, 1)
         del bf16
         release_memory()
-        row("Qwen3-8B shape bf16, batch-1 decode", f"{tps:.0f} tok/s",
-            f"int4 is {int4 / tps:.2f}x (goal >= 2.5x)" if int4 else "")
+        row(
+            "Qwen3-8B shape bf16, batch-1 decode",
+            f"{tps:.0f} tok/s",
+            f"int4 is {int4 / tps:.2f}x (goal >= 2.5x)" if int4 else "",
+        )
     if args.smoke:
         llm = LLM(str(folder), quantization="int4", device=device, num_kvcache_blocks=64)
         row("smoke: int4 on the CPU", llm.stats().matmul)

@@ -8,6 +8,7 @@ zero logits, so what is timed is the Python around it, at a batch of running req
 the fastest and the median of `repeats` rounds of 40 steps (the fastest is the least disturbed
 by other processes), and the garbage collector's pauses.
 """
+
 import argparse
 import gc
 import random
@@ -32,9 +33,15 @@ def main() -> None:
     folder = Path(tempfile.gettempdir()) / "pagoda-bench-tiny-qwen3"
     if not (folder / "config.json").is_file():
         build_model(folder, "qwen3")
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_num_seqs=args.batch, num_kvcache_blocks=40000,
-              max_model_len=4096,
-              async_scheduling=args.async_scheduling)
+    llm = LLM(
+        str(folder),
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=args.batch,
+        num_kvcache_blocks=40000,
+        max_model_len=4096,
+        async_scheduling=args.async_scheduling,
+    )
     runner = llm.model_runner
     runner.execute = lambda step: torch.zeros(len(step.logits_index), runner.vocab_size)
     mode = "async" if args.async_scheduling else "sync"
@@ -62,9 +69,11 @@ def main() -> None:
             llm.step()
         rounds.append((time.perf_counter() - t) / 40 * 1000)
     rounds.sort()
-    print(f"decode step host work at batch {args.batch} ({mode}): fastest {rounds[0]:.2f} ms, median "
-          f"{rounds[len(rounds) // 2]:.2f} ms ({1000 * rounds[0] / args.batch:.1f} us a request); "
-          f"{len(pauses)} GC pauses, longest {1000 * max(pauses, default=0):.1f} ms")
+    print(
+        f"decode step host work at batch {args.batch} ({mode}): fastest {rounds[0]:.2f} ms, median "
+        f"{rounds[len(rounds) // 2]:.2f} ms ({1000 * rounds[0] / args.batch:.1f} us a request); "
+        f"{len(pauses)} GC pauses, longest {1000 * max(pauses, default=0):.1f} ms"
+    )
 
 
 if __name__ == "__main__":

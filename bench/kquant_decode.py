@@ -9,6 +9,7 @@ AVX2-only build (PAGODA_KQUANT_ISA=avx2); the kernel chooser picks per weight as
 measures every engine in turn, so a machine that slows down midway moves all alike; each keeps its best round.
 Decode is one request of --decode tokens after a 32-token prompt; prefill one of --prefill tokens.
 """
+
 import argparse
 import os
 from pathlib import Path
@@ -19,9 +20,11 @@ from bench.quantized import cpu_flags, decode_rate, prefill_rate
 from engine import LLM
 from engine.quantization import chooser
 
-VARIANTS = {"pytorch": {"PAGODA_KQUANT_KERNELS": "0"},
-            "native": {"PAGODA_KQUANT_KERNELS": "1", "PAGODA_KQUANT_ISA": "native"},
-            "avx2": {"PAGODA_KQUANT_KERNELS": "1", "PAGODA_KQUANT_ISA": "avx2"}}
+VARIANTS = {
+    "pytorch": {"PAGODA_KQUANT_KERNELS": "0"},
+    "native": {"PAGODA_KQUANT_KERNELS": "1", "PAGODA_KQUANT_ISA": "native"},
+    "avx2": {"PAGODA_KQUANT_KERNELS": "1", "PAGODA_KQUANT_ISA": "avx2"},
+}
 
 
 def load(file: str, variant: str, eager: bool) -> LLM:
@@ -47,8 +50,11 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="eager decode steps (default: compiled ones)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU flags: {cpu_flags()}; threads {args.threads}; torch {torch.__version__}; "
-          f"{'eager' if args.eager else 'compiled'} decode", flush=True)
+    print(
+        f"CPU flags: {cpu_flags()}; threads {args.threads}; torch {torch.__version__}; "
+        f"{'eager' if args.eager else 'compiled'} decode",
+        flush=True,
+    )
     engines = {}
     for file in args.files.split(","):
         for variant in args.variants.split(","):
@@ -59,14 +65,18 @@ def main() -> None:
         for key, llm in engines.items():
             tg, pp = decode_rate(llm, args.decode), prefill_rate(llm, args.prefill)
             best[key] = [max(best[key][0], tg), max(best[key][1], pp)]
-            print(f"round {round_ + 1} {Path(key[0]).name} {key[1]}: decode {tg:.1f} tok/s, prefill {pp:.0f} tok/s",
-                  flush=True)
+            print(
+                f"round {round_ + 1} {Path(key[0]).name} {key[1]}: decode {tg:.1f} tok/s, prefill {pp:.0f} tok/s",
+                flush=True,
+            )
     print("\n| file | variant | decode tok/s | vs pytorch | prefill tok/s | vs pytorch |\n|---|---|---|---|---|---|")
     for (file, variant), (tg, pp) in best.items():
         base = best.get((file, "pytorch"))
         ratio = (lambda a, b: f"{a / b:.2f}x") if base else (lambda a, b: "")
-        print(f"| {Path(file).name} | {variant} | {tg:.1f} | {ratio(tg, base[0]) if base else ''} | {pp:.0f} | "
-              f"{ratio(pp, base[1]) if base else ''} |")
+        print(
+            f"| {Path(file).name} | {variant} | {tg:.1f} | {ratio(tg, base[0]) if base else ''} | {pp:.0f} | "
+            f"{ratio(pp, base[1]) if base else ''} |"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ per weight shape and rows of x, in alternating rounds (issue 38).
 with int8 and float32 activations and the AVX2-only build. Random blocks; one weight at a time, so these are
 cache speeds where it fits the L3. GB/s counts the file's bytes of the weight.
 """
+
 import argparse
 import time
 
@@ -27,10 +28,16 @@ def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator) -> B
     blocks = rng.integers(0, 256, size=(count, kquant.BLOCK_BYTES[type_name]), dtype=np.uint8)
     for at in (208,) if type_name == "Q6_K" else (0, 2):
         halves = (rng.uniform(1e-3, 1e-2, count) * rng.choice([-1, 1], count)).astype(np.float16)
-        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(count, 2)
+        blocks[:, at : at + 2] = halves.view(np.uint8).reshape(count, 2)
     bits, group = (8, 16) if type_name == "Q6_K" else ((4, 32) if type_name == "Q4_K" else (8, 32))
-    return BlockWeight(torch.from_numpy(blocks.reshape(n, -1)), type_name, (n, k), bits, group,
-                       lambda b, cols: decode_stored(type_name, b, cols))
+    return BlockWeight(
+        torch.from_numpy(blocks.reshape(n, -1)),
+        type_name,
+        (n, k),
+        bits,
+        group,
+        lambda b, cols: decode_stored(type_name, b, cols),
+    )
 
 
 def best_us(kernel, x: torch.Tensor, calls: int = 10) -> float:
@@ -52,10 +59,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for type_name, n, k in SHAPES:
         qw = random_weight(type_name, n, k, rng)
-        kernels = {"old": OLD[type_name](qw, torch.float32),
-                   "native/int8": kquant.KQuantMatmul(qw, torch.float32, isa="native", act="int8"),
-                   "native/f32": kquant.KQuantMatmul(qw, torch.float32, isa="native", act="f32"),
-                   "avx2/int8": kquant.KQuantMatmul(qw, torch.float32, isa="avx2", act="int8")}
+        kernels = {
+            "old": OLD[type_name](qw, torch.float32),
+            "native/int8": kquant.KQuantMatmul(qw, torch.float32, isa="native", act="int8"),
+            "native/f32": kquant.KQuantMatmul(qw, torch.float32, isa="native", act="f32"),
+            "avx2/int8": kquant.KQuantMatmul(qw, torch.float32, isa="avx2", act="int8"),
+        }
         for m in (1, 4, 16):
             x = torch.randn(m, k)
             best: dict[str, float] = {}
@@ -63,8 +72,11 @@ def main() -> None:
                 for name, kernel in kernels.items():
                     best[name] = min(best.get(name, float("inf")), best_us(kernel, x))
             file_bytes = n * k // 256 * kquant.BLOCK_BYTES[type_name]
-            print(f"{type_name} {n}x{k} rows {m}: " + ", ".join(
-                f"{name} {us:.0f} us ({file_bytes / us / 1e3:.1f} GB/s)" for name, us in best.items()), flush=True)
+            print(
+                f"{type_name} {n}x{k} rows {m}: "
+                + ", ".join(f"{name} {us:.0f} us ({file_bytes / us / 1e3:.1f} GB/s)" for name, us in best.items()),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -7,19 +7,25 @@ a short user message. "Cold" runs each chat on an engine with an empty cache; "c
 chat (a different user message) after another chat with the same system prompt. The median of
 --repeats runs of each, on the bundled SmolLM2-135M-Instruct in float32 unless told otherwise.
 """
+
 import argparse
 import statistics
 import time
 
 from engine import LLM, SamplingParams
 
-WORDS = ("the cache keeps keys and values of every token so a shared system prompt is computed once and "
-         "reused by each new chat that starts with the same words ").split()
+WORDS = (
+    "the cache keeps keys and values of every token so a shared system prompt is computed once and "
+    "reused by each new chat that starts with the same words "
+).split()
 
 
 def chat_ids(llm: LLM, system: str, user: str) -> list[int]:
-    text = llm.tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
-                                             add_generation_prompt=True, tokenize=False)
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     return llm.tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -20,6 +20,7 @@ the engine cannot load is reported and skipped.
   tokens that matter most.
 - Weight bytes: what the engine holds for the weights (`LLM.parameter_bytes()`, all ranks).
 """
+
 import argparse
 import math
 from dataclasses import dataclass
@@ -117,8 +118,7 @@ def main() -> None:
     prompts = windows(tokenizer.encode(args.text_file.read_text()), args.window, args.max_tokens)
     if not prompts:
         raise SystemExit(f"{args.text_file} has fewer than 2 tokens; give a longer text")
-    print(f"{model}: {sum(len(p) - 1 for p in prompts)} scored tokens in {len(prompts)} windows of up to "
-          f"{args.window}")
+    print(f"{model}: {sum(len(p) - 1 for p in prompts)} scored tokens in {len(prompts)} windows of up to {args.window}")
 
     rows, reference = [], None
     for variant in variants:
@@ -132,8 +132,9 @@ def main() -> None:
         rows.append((scores, kl / len(scores.entries)))
 
     have_bytes = any(s.weight_bytes is not None for s, _ in rows)
-    header = f"{'variant':<10} {'perplexity':>11} {'Δppl %':>8} {'mean KL*':>10}" + \
-        (f" {'weight bytes':>14}" if have_bytes else "")
+    header = f"{'variant':<10} {'perplexity':>11} {'Δppl %':>8} {'mean KL*':>10}" + (
+        f" {'weight bytes':>14}" if have_bytes else ""
+    )
     print(header)
     print("-" * len(header))
     for scores, kl in rows:
@@ -142,8 +143,10 @@ def main() -> None:
         if have_bytes:
             line += f" {scores.weight_bytes:>14,}" if scores.weight_bytes is not None else f" {'-':>14}"
         print(line)
-    print(f"* KL(reference || variant) over each position's top {MAX_LOGPROBS} tokens plus one bucket for the rest: "
-          "a lower bound of the exact KL (see the docstring)")
+    print(
+        f"* KL(reference || variant) over each position's top {MAX_LOGPROBS} tokens plus one bucket for the rest: "
+        "a lower bound of the exact KL (see the docstring)"
+    )
 
 
 if __name__ == "__main__":

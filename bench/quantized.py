@@ -11,6 +11,7 @@ measured in the same run, so machines and loads compare. Decode is one request o
 token. All variants stay loaded (prefix caching off, so repeats recompute) and are measured in
 --rounds rounds; each keeps its best. State the CPU's flags next to the figures (printed).
 """
+
 import argparse
 import time
 from pathlib import Path
@@ -101,13 +102,16 @@ def main() -> None:
     weight_bytes = {v: sum(llm.parameter_bytes()) for v, llm in engines.items()}
     for variant, llm in engines.items():
         size = weight_bytes[variant]
-        print(f"{variant:14s} {size / 2**20:7.1f} MiB ({size / weight_bytes[base]:.2f}x)"
-              f"  decode {decode[variant]:6.1f} tok/s ({decode[variant] / decode[base]:.2f}x)"
-              f"  prefill {prefill[variant]:7.1f} tok/s ({prefill[variant] / prefill[base]:.2f}x)"
-              f"  load {loads[variant]:.1f} s (decode ready {ready[variant]:.1f} s)"
-              f"  [{llm.stats().quantization}: {llm.stats().matmul}; decode {llm.stats().decode}]")
+        print(
+            f"{variant:14s} {size / 2**20:7.1f} MiB ({size / weight_bytes[base]:.2f}x)"
+            f"  decode {decode[variant]:6.1f} tok/s ({decode[variant] / decode[base]:.2f}x)"
+            f"  prefill {prefill[variant]:7.1f} tok/s ({prefill[variant] / prefill[base]:.2f}x)"
+            f"  load {loads[variant]:.1f} s (decode ready {ready[variant]:.1f} s)"
+            f"  [{llm.stats().quantization}: {llm.stats().matmul}; decode {llm.stats().decode}]"
+        )
     for llm in engines.values():
         llm.close()
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ cache pays. It reports what vLLM's benchmark_serving and SGLang's bench_serving 
 output-token throughput, and the prefix-cache hit rate (from usage.cached_tokens and, when the
 server exposes them, vLLM's /metrics counters). Works against vLLM, SGLang or llama.cpp too.
 """
+
 import argparse
 import asyncio
 import json
@@ -24,10 +25,28 @@ from pathlib import Path
 
 import httpx
 
-SYSTEM_WORDS = ("You are a patient assistant for a team of engineers. You answer precisely, you cite the part of "
-                "the question you answer, and you say plainly when you do not know. ").split()
-TOPICS = ["lighthouses", "paged attention", "sourdough", "bicycles", "tides", "compilers", "volcanoes", "chess",
-          "beekeeping", "railways", "glaciers", "typography", "owls", "satellites", "tea", "bridges"]
+SYSTEM_WORDS = (
+    "You are a patient assistant for a team of engineers. You answer precisely, you cite the part of "
+    "the question you answer, and you say plainly when you do not know. "
+).split()
+TOPICS = [
+    "lighthouses",
+    "paged attention",
+    "sourdough",
+    "bicycles",
+    "tides",
+    "compilers",
+    "volcanoes",
+    "chess",
+    "beekeeping",
+    "railways",
+    "glaciers",
+    "typography",
+    "owls",
+    "satellites",
+    "tea",
+    "bridges",
+]
 
 
 @dataclass
@@ -42,10 +61,17 @@ class Result:
     cached_tokens: int = 0
 
 
-async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model: str, system: str, user: str,
-                      max_tokens: int) -> Result:
-    body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    client: httpx.AsyncClient, url: str, headers: dict, model: str, system: str, user: str, max_tokens: int
+) -> Result:
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result, start = Result(), time.perf_counter()
     last = None
     try:
@@ -61,7 +87,7 @@ async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model:
                     usage = chunk["usage"]
                     result.output_tokens = usage["completion_tokens"]
                     result.prompt_tokens = usage["prompt_tokens"]
-                    result.cached_tokens = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
                     now = time.perf_counter()
                     if last is None:
@@ -186,8 +212,11 @@ def main() -> None:
         ("Output token throughput (tok/s)", f"{output / duration:.1f}"),
         ("Total token throughput (tok/s)", f"{(prompt + output) / duration:.1f}"),
     ]
-    for label, values in (("TTFT", [r.ttft_s for r in done]), ("TPOT", tpot),
-                          ("ITL", [x for r in done for x in r.itl_s])):
+    for label, values in (
+        ("TTFT", [r.ttft_s for r in done]),
+        ("TPOT", tpot),
+        ("ITL", [x for r in done for x in r.itl_s]),
+    ):
         mean, p50, p99 = percentiles(values)
         rows.append((f"{label} mean / p50 / p99 (ms)", f"{mean * 1e3:.1f} / {p50 * 1e3:.1f} / {p99 * 1e3:.1f}"))
     rows.append(("Prefix cache hit rate (usage)", f"{cached / prompt:.1%} of prompt tokens" if prompt else "n/a"))

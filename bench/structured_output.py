@@ -12,6 +12,7 @@ under 10% added per step at batch 32. `--compare-xgrammar` also times xgrammar's
 Qwen3-0.6B's shape (151,936-token logits) with the tests' tiny tokenizer, for a device without the bundled
 model: its masks are cheap to fill, so it measures what masking costs the device, not the grammar.
 """
+
 import argparse
 import json
 import time
@@ -25,9 +26,12 @@ from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.loader.bundled import bundled_gguf_path
 from engine.sample.structured_output import fill_bitmask
 
-SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
-                                           "story": {"type": "string", "minLength": 600}},
-          "required": ["title", "story"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 40}, "story": {"type": "string", "minLength": 600}},
+    "required": ["title", "story"],
+    "additionalProperties": False,
+}
 
 
 def mean_decode_step(llm: LLM, prompt: list[int], batch: int, tokens: int, constrained: bool) -> float:
@@ -35,8 +39,9 @@ def mean_decode_step(llm: LLM, prompt: list[int], batch: int, tokens: int, const
     one by one (llm.step()), so on a GPU this includes the wait for each step."""
     constraint = StructuredOutputsParams(json=SCHEMA) if constrained else None
     for _ in range(batch):
-        llm.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=tokens, ignore_eos=True,
-                                               structured_outputs=constraint))
+        llm.add_request(
+            prompt, SamplingParams(temperature=0.8, max_tokens=tokens, ignore_eos=True, structured_outputs=constraint)
+        )
     while llm.scheduler.waiting or any(s.num_output_tokens == 0 for s in llm.scheduler.running):
         llm.step()
     steps, start = 0, time.perf_counter()
@@ -91,8 +96,7 @@ def main() -> None:
         model = str(save_random_model(qwen3_06b_config(), args.random_qwen3, torch.bfloat16, device))
         llm = LLM(model, max_model_len=1024, enable_prefix_caching=False)
     else:
-        llm = LLM(str(bundled_gguf_path()), num_kvcache_blocks=1024, max_model_len=1024,
-                  enable_prefix_caching=False)
+        llm = LLM(str(bundled_gguf_path()), num_kvcache_blocks=1024, max_model_len=1024, enable_prefix_caching=False)
     llm.model_runner.wait_for_compiled_decode()
     prompt = llm.encode_chat([{"role": "user", "content": "Write a short story as JSON with a title."}])
     prefix = llm.tokenizer.encode('{"title": "The Fox", "story": "Once upon a time, a', add_special_tokens=False)

@@ -8,6 +8,7 @@ batches (padded prompts, every row decoding to the batch's longest request); onl
 tokens are counted for it. A batch-1 decode comparison follows. Defaults: the bundled
 SmolLM2-135M-Instruct in float32 on the CPU.
 """
+
 import argparse
 import random
 import time
@@ -26,8 +27,9 @@ def hf_static_batches(model, prompts, outputs, batch_size, pad_id) -> float:
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         n = max(lens)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=pad_id)
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id
+        )
     return time.perf_counter() - start
 
 
@@ -46,8 +48,9 @@ def main() -> None:
     ap.add_argument("--input", type=int, nargs=2, default=(32, 384), metavar=("MIN", "MAX"))
     ap.add_argument("--output", type=int, nargs=2, default=(16, 160), metavar=("MIN", "MAX"))
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--hf-batch-size", type=int, default=None,
-                    help="static batch size for transformers (default: all requests)")
+    ap.add_argument(
+        "--hf-batch-size", type=int, default=None, help="static batch size for transformers (default: all requests)"
+    )
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -67,8 +70,11 @@ def main() -> None:
     outputs = [rng.randint(*args.output) for _ in range(args.num_requests)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     total = sum(outputs)
-    print(f"{args.num_requests} requests, {sum(map(len, prompts))} prompt tokens, {total} output tokens, "
-          f"{args.dtype}, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"{args.num_requests} requests, {sum(map(len, prompts))} prompt tokens, {total} output tokens, "
+        f"{args.dtype}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
 
     warmup = [[rng.randrange(vocab) for _ in range(64)] for _ in range(2)]  # random: shares no prefix with the run
     llm.generate(warmup, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -84,8 +90,10 @@ def main() -> None:
         hf_s = hf_static_batches(hf, prompts, outputs, args.hf_batch_size or args.num_requests, pad_id)
 
     print(f"engine:       {total / engine_s:8.1f} output tok/s ({engine_s:.1f} s)")
-    print(f"transformers: {total / hf_s:8.1f} output tok/s ({hf_s:.1f} s, static batches of "
-          f"{args.hf_batch_size or args.num_requests})")
+    print(
+        f"transformers: {total / hf_s:8.1f} output tok/s ({hf_s:.1f} s, static batches of "
+        f"{args.hf_batch_size or args.num_requests})"
+    )
     print(f"throughput ratio engine / transformers: {hf_s / engine_s:.2f}x")
 
     prompt = prompts[0][:128]
@@ -98,8 +106,9 @@ def main() -> None:
     def hf_run(n):
         t = time.perf_counter()
         with torch.inference_mode():
-            hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                        pad_token_id=pad_id)
+            hf.generate(
+                torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id
+            )
         return time.perf_counter() - t
 
     ours, theirs = decode_rate(engine_run, args.decode_tokens), decode_rate(hf_run, args.decode_tokens)

@@ -8,6 +8,7 @@ and then Pagoda's same-sized decode and prefill on every file, alternating, so a
 up midway (shared VMs do, by 20%) moves both sides of a ratio alike. Each keeps its best round. Pagoda's decode is
 one request of --decode tokens after a 32-token prompt, as tg128 is 128 tokens after an empty one.
 """
+
 import argparse
 import json
 import subprocess
@@ -21,8 +22,12 @@ from engine import LLM
 
 def llama_bench(binary: str, file: str, threads: int, prefill: int, decode: int) -> tuple[float, float]:
     """(tg tokens/s, pp tokens/s) of one llama-bench repetition."""
-    out = subprocess.run([binary, "-m", file, "-t", str(threads), "-p", str(prefill), "-n", str(decode), "-r", "1",
-                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [binary, "-m", file, "-t", str(threads), "-p", str(prefill), "-n", str(decode), "-r", "1", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     results = json.loads(out)
     tg = next(r["avg_ts"] for r in results if r["n_gen"] > 0)
     pp = next(r["avg_ts"] for r in results if r["n_prompt"] > 0)
@@ -52,19 +57,28 @@ def main() -> None:
     best = {(file, side): [0.0, 0.0] for file in files for side in ("llama.cpp", "pagoda")}
     for round_ in range(args.rounds):
         for file, llm in engines.items():
-            measured = {"llama.cpp": llama_bench(args.llama_bench, file, args.threads, args.prefill, args.decode),
-                        "pagoda": (decode_rate(llm, args.decode), prefill_rate(llm, args.prefill))}
+            measured = {
+                "llama.cpp": llama_bench(args.llama_bench, file, args.threads, args.prefill, args.decode),
+                "pagoda": (decode_rate(llm, args.decode), prefill_rate(llm, args.prefill)),
+            }
             for side, (tg, pp) in measured.items():
                 kept = best[file, side]
                 kept[0], kept[1] = max(kept[0], tg), max(kept[1], pp)
-            print(f"round {round_ + 1} {Path(file).name}: " + ", ".join(
-                f"{side} tg {tg:.1f} pp {pp:.0f}" for side, (tg, pp) in measured.items()), flush=True)
-    print(f"\n| file | llama.cpp tg{args.decode} | Pagoda decode | ratio | llama.cpp pp{args.prefill} | "
-          "Pagoda prefill | ratio | Pagoda's kernels |\n|---|---:|---:|---:|---:|---:|---:|---|")
+            print(
+                f"round {round_ + 1} {Path(file).name}: "
+                + ", ".join(f"{side} tg {tg:.1f} pp {pp:.0f}" for side, (tg, pp) in measured.items()),
+                flush=True,
+            )
+    print(
+        f"\n| file | llama.cpp tg{args.decode} | Pagoda decode | ratio | llama.cpp pp{args.prefill} | "
+        "Pagoda prefill | ratio | Pagoda's kernels |\n|---|---:|---:|---:|---:|---:|---:|---|"
+    )
     for file, llm in engines.items():
         (ltg, lpp), (ptg, ppp) = best[file, "llama.cpp"], best[file, "pagoda"]
-        print(f"| {Path(file).name} | {ltg:.1f} | {ptg:.1f} | {ptg / ltg:.2f}x | {lpp:.0f} | {ppp:.0f} | "
-              f"{ppp / lpp:.2f}x | {llm.stats().matmul} |")
+        print(
+            f"| {Path(file).name} | {ltg:.1f} | {ptg:.1f} | {ptg / ltg:.2f}x | {lpp:.0f} | {ppp:.0f} | "
+            f"{ppp / lpp:.2f}x | {llm.stats().matmul} |"
+        )
     for llm in engines.values():
         llm.close()
 

@@ -2,18 +2,36 @@
 
 The public names load on first use (PEP 562), so `engine.config` imports with the standard library
 alone: the launcher checks its command line with it before PyTorch is installed."""
+
 import importlib
 from typing import TYPE_CHECKING
 
 _HOMES = {
-    "EngineFailed": "engine.front.engine_thread", "EngineThread": "engine.front.engine_thread",
-    "RequestFailed": "engine.front.engine_thread", "RequestStream": "engine.front.engine_thread",
-    "LLM": "engine.front.llm_engine", "LLMEngine": "engine.front.llm_engine",
-    "EngineStats": "engine.front.outputs", "KVBlock": "engine.front.outputs", "RequestOutput": "engine.front.outputs",
-    "SamplingParams": "engine.front.sampling_params", "StructuredOutputsParams": "engine.front.sampling_params",
+    "EngineFailed": "engine.front.engine_thread",
+    "EngineThread": "engine.front.engine_thread",
+    "RequestFailed": "engine.front.engine_thread",
+    "RequestStream": "engine.front.engine_thread",
+    "LLM": "engine.front.llm_engine",
+    "LLMEngine": "engine.front.llm_engine",
+    "EngineStats": "engine.front.outputs",
+    "KVBlock": "engine.front.outputs",
+    "RequestOutput": "engine.front.outputs",
+    "SamplingParams": "engine.front.sampling_params",
+    "StructuredOutputsParams": "engine.front.sampling_params",
 }
-__all__ = ["LLM", "LLMEngine", "EngineFailed", "EngineThread", "EngineStats", "KVBlock", "RequestFailed",
-           "RequestOutput", "RequestStream", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineFailed",
+    "EngineThread",
+    "EngineStats",
+    "KVBlock",
+    "RequestFailed",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 if TYPE_CHECKING:
     from engine.front.engine_thread import EngineFailed, EngineThread, RequestFailed, RequestStream

@@ -1,4 +1,5 @@
 """Engine settings: one dataclass, validated with errors that say what to change."""
+
 from dataclasses import dataclass, field, fields
 
 from engine.quantization.methods import DEFAULT_GROUP_SIZE, METHODS
@@ -17,13 +18,18 @@ def setting(default, help: str, choices: tuple | None = None):
 class EngineConfig:
     model: str
     device: str = setting("auto", "where the model runs (auto: CUDA when there is a GPU)", DEVICES)
-    dtype: str = setting("auto", "weights and activations (auto: bf16/fp16 on a GPU, bf16 on a CPU that is "
-                                 "fast at it, else float32)", DTYPES)
-    max_model_len: int | None = setting(None, "longest prompt plus reply (default: the model's context, "
-                                              "capped by the KV cache)")
+    dtype: str = setting(
+        "auto",
+        "weights and activations (auto: bf16/fp16 on a GPU, bf16 on a CPU that is fast at it, else float32)",
+        DTYPES,
+    )
+    max_model_len: int | None = setting(
+        None, "longest prompt plus reply (default: the model's context, capped by the KV cache)"
+    )
     max_num_seqs: int = setting(256, "requests that run in one batch")
-    max_num_batched_tokens: int | None = setting(None, "tokens one step may process (default: 2048 on a CPU, "
-                                                       "16384 on a GPU)")
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens one step may process (default: 2048 on a CPU, 16384 on a GPU)"
+    )
     kvcache_block_size: int = setting(16, "tokens per KV block: the unit prefixes are shared in")
     num_kvcache_blocks: int | None = setting(None, "KV blocks (default: sized from memory)")
     kv_cache_memory_bytes: int | None = setting(None, "KV cache budget on a CPU, in bytes (default 1 GiB)")
@@ -31,18 +37,28 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, "share the KV blocks of identical prompt prefixes")
     enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile (slower; for debugging)")
     tensor_parallel_size: int = setting(1, "split the model across this many GPUs (on a CPU: processes, for tests)")
-    attention_backend: str = setting("auto", "attention kernels (auto: flash-attn where installed and the block "
-                                             "size allows, Triton on a GPU, torch elsewhere)", ATTENTION_BACKENDS)
+    attention_backend: str = setting(
+        "auto",
+        "attention kernels (auto: flash-attn where installed and the block "
+        "size allows, Triton on a GPU, torch elsewhere)",
+        ATTENTION_BACKENDS,
+    )
     # Plan and launch each step while the device still runs the one before. Default: on CUDA with
     # one GPU and a kernel backend (on a CPU, or with the torch backend, which reads lengths on the
     # host every layer, nothing overlaps, so it would only add a step of lag).
-    async_scheduling: bool | None = setting(None, "plan each step while the GPU runs the one before "
-                                                  "(default: on for one GPU with a kernel backend)")
-    quantization: str | None = setting(None, "weight-only quantization at load: int8 (a scale per output "
-                                             "channel) or int4 (a scale and offset per group of columns); "
-                                             "GGUF files keep their own types (default: none)", METHODS)
-    quantization_group_size: int = setting(DEFAULT_GROUP_SIZE,
-                                           "columns that share one scale and offset in int4 weights")
+    async_scheduling: bool | None = setting(
+        None, "plan each step while the GPU runs the one before (default: on for one GPU with a kernel backend)"
+    )
+    quantization: str | None = setting(
+        None,
+        "weight-only quantization at load: int8 (a scale per output "
+        "channel) or int4 (a scale and offset per group of columns); "
+        "GGUF files keep their own types (default: none)",
+        METHODS,
+    )
+    quantization_group_size: int = setting(
+        DEFAULT_GROUP_SIZE, "columns that share one scale and offset in int4 weights"
+    )
     seed: int = setting(0, "seed of the random generator that requests without their own seed sample from")
 
     def __post_init__(self) -> None:
@@ -52,33 +68,57 @@ class EngineConfig:
 
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        check(self.attention_backend in ATTENTION_BACKENDS,
-              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        check(self.max_model_len is None or self.max_model_len >= 2,
-              f"max_model_len must be >= 2, got {self.max_model_len}")
+        check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be >= 2, got {self.max_model_len}",
+        )
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        check(1 <= self.kvcache_block_size <= 1024,
-              f"kvcache_block_size must be in 1..1024, got {self.kvcache_block_size}")
-        check(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
-              f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        check(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        check(
+            1 <= self.kvcache_block_size <= 1024,
+            f"kvcache_block_size must be in 1..1024, got {self.kvcache_block_size}",
+        )
+        check(
+            self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
+            f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}",
+        )
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
-        check(0 < self.gpu_memory_utilization <= 1,
-              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
-              f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
-        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-              f"tensor_parallel_size must be a whole number >= 1 (the number of GPUs to split the model across), "
-              f"got {self.tensor_parallel_size!r}")
-        check(self.quantization is None or self.quantization in METHODS,
-              f"quantization must be one of {METHODS} or None, got {self.quantization!r}")
-        check(isinstance(self.quantization_group_size, int) and self.quantization_group_size >= 1,
-              f"quantization_group_size must be a whole number >= 1, got {self.quantization_group_size!r}")
-        check(self.quantization is None or self.tensor_parallel_size == 1,
-              "quantization does not work with tensor_parallel_size > 1 yet; use one of them")
-        check(not (self.async_scheduling and self.tensor_parallel_size > 1),
-              "async_scheduling does not work with tensor_parallel_size > 1; turn one of them off")
+        check(
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        check(
+            self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+            f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}",
+        )
+        check(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be a whole number >= 1 (the number of GPUs to split the model across), "
+            f"got {self.tensor_parallel_size!r}",
+        )
+        check(
+            self.quantization is None or self.quantization in METHODS,
+            f"quantization must be one of {METHODS} or None, got {self.quantization!r}",
+        )
+        check(
+            isinstance(self.quantization_group_size, int) and self.quantization_group_size >= 1,
+            f"quantization_group_size must be a whole number >= 1, got {self.quantization_group_size!r}",
+        )
+        check(
+            self.quantization is None or self.tensor_parallel_size == 1,
+            "quantization does not work with tensor_parallel_size > 1 yet; use one of them",
+        )
+        check(
+            not (self.async_scheduling and self.tensor_parallel_size > 1),
+            "async_scheduling does not work with tensor_parallel_size > 1; turn one of them off",
+        )
 
     @classmethod
     def from_kwargs(cls, model: str, **settings) -> "EngineConfig":

@@ -1,4 +1,5 @@
 """`python -m engine.serve`, kept working beside the `pagoda-serve` command: both run entrypoints/cli.py."""
+
 import sys
 
 from entrypoints.cli import main

@@ -10,6 +10,7 @@ or from another site's page are refused (entrypoints/http_guard.py). The engine'
 are flags made from EngineConfig's fields (`--max-num-seqs`, `--kvcache-block-size`, ...), so a
 new setting is a flag without being listed here.
 """
+
 import argparse
 import logging
 import os
@@ -60,11 +61,21 @@ def add_engine_settings(ap: argparse.ArgumentParser, defaults: dict | None = Non
 
 def add_api_options(ap: argparse.ArgumentParser) -> None:
     """The API's limits, shared by the headless server and the app; `check_api_options` checks them."""
-    ap.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
-                    help="tokens an API request without max_tokens may generate, at most (default "
-                         f"{DEFAULT_MAX_TOKENS}; 0: the rest of the context)")
-    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
-                    help=f"larger API request bodies are refused with a 413 (default {MAX_REQUEST_BYTES:,})")
+    ap.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="N",
+        help="tokens an API request without max_tokens may generate, at most (default "
+        f"{DEFAULT_MAX_TOKENS}; 0: the rest of the context)",
+    )
+    ap.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        metavar="N",
+        help=f"larger API request bodies are refused with a 413 (default {MAX_REQUEST_BYTES:,})",
+    )
 
 
 def check_api_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -75,21 +86,30 @@ def check_api_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m engine.serve",
-                                 description="Pagoda's engine behind an OpenAI-compatible API.")
-    ap.add_argument("--model", help="a local Hugging Face model folder or hub repo id "
-                                    "(default: the bundled SmolLM2-135M-Instruct)")
+    ap = argparse.ArgumentParser(
+        prog="python -m engine.serve", description="Pagoda's engine behind an OpenAI-compatible API."
+    )
+    ap.add_argument(
+        "--model", help="a local Hugging Face model folder or hub repo id (default: the bundled SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--served-model-name", help="the model id clients send (default: the folder or repo name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
-                    help="key every /v1 request must send as a Bearer token (env PAGODA_API_KEY); "
-                         "required, and generated if absent, when --host is not local")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGODA_API_KEY"),
+        help="key every /v1 request must send as a Bearer token (env PAGODA_API_KEY); "
+        "required, and generated if absent, when --host is not local",
+    )
     add_access_options(ap)
     add_api_options(ap)
-    ap.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
-                    help="on Ctrl+C or SIGTERM, how long running requests may finish before they are aborted "
-                         "(default 5)")
+    ap.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on Ctrl+C or SIGTERM, how long running requests may finish before they are aborted (default 5)",
+    )
     ap.add_argument("--debug", action="store_true", help="show the traceback when the model cannot be loaded")
     names = add_engine_settings(ap, SERVE_DEFAULTS)
     args = ap.parse_args(argv)
@@ -103,8 +123,11 @@ def resolve_api_key(api_key: str | None, exposed: bool) -> str | None:
     if api_key or not exposed:
         return api_key or None
     api_key = "pagoda-" + secrets.token_urlsafe(24)
-    print("The API is reachable from other machines, so every /v1 request needs this key "
-          f"(pass --api-key to choose your own):\n  {api_key}", flush=True)
+    print(
+        "The API is reachable from other machines, so every /v1 request needs this key "
+        f"(pass --api-key to choose your own):\n  {api_key}",
+        flush=True,
+    )
     return api_key
 
 
@@ -129,8 +152,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(2048)  # connections wait in the kernel's queue until uvicorn accepts them
     except OSError as e:
         sock.close()
-        raise SystemExit(f"Cannot listen on {host}:{port} ({e.strerror}). Is another server running there? "
-                         "Pass another --port.") from None
+        raise SystemExit(
+            f"Cannot listen on {host}:{port} ({e.strerror}). Is another server running there? Pass another --port."
+        ) from None
     return sock
 
 

@@ -1,7 +1,8 @@
 """A terminal chat with the engine, on the bundled model unless told otherwise.
 
-    python -m entrypoints.demo [model]
+python -m entrypoints.demo [model]
 """
+
 import logging
 import sys
 

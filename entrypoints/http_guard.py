@@ -13,6 +13,7 @@ A server on 127.0.0.1 is still reachable from every web page its user opens. Two
 And, for /v1, a POST must say `Content-Type: application/json` (else 415): the browser content types
 that skip the preflight (text/plain, forms) are never parsed as an API call.
 """
+
 import argparse
 import ipaddress
 import json
@@ -23,9 +24,16 @@ from urllib.parse import urlsplit
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
-CORS_RESPONSE_HEADERS = frozenset({b"access-control-allow-origin", b"access-control-allow-credentials",
-                                   b"access-control-allow-methods", b"access-control-allow-headers",
-                                   b"access-control-expose-headers", b"access-control-max-age"})
+CORS_RESPONSE_HEADERS = frozenset(
+    {
+        b"access-control-allow-origin",
+        b"access-control-allow-credentials",
+        b"access-control-allow-methods",
+        b"access-control-allow-headers",
+        b"access-control-expose-headers",
+        b"access-control-max-age",
+    }
+)
 
 
 def host_name(value: str) -> str:
@@ -44,15 +52,20 @@ def parse_hosts(value: str) -> list[str]:
     hosts = []
     for item in (part.strip() for part in value.split(",")):
         if not item:
-            raise argparse.ArgumentTypeError(f"empty host name in {value!r}; separate names with commas, "
-                                             "for example --allowed-hosts gpu-box,gpu-box.lan")
+            raise argparse.ArgumentTypeError(
+                f"empty host name in {value!r}; separate names with commas, "
+                "for example --allowed-hosts gpu-box,gpu-box.lan"
+            )
         if "/" in item or "@" in item:
-            raise argparse.ArgumentTypeError(f"{item!r} is not a host name; give the name alone, without scheme or "
-                                             "path, for example --allowed-hosts gpu-box.lan")
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not a host name; give the name alone, without scheme or "
+                "path, for example --allowed-hosts gpu-box.lan"
+            )
         name = host_name(item)
         if item.count(":") == 1 or (item.startswith("[") and "]:" in item):
-            raise argparse.ArgumentTypeError(f"{item!r} has a port; give the host name alone ({name}): any port of "
-                                             "an allowed host is allowed")
+            raise argparse.ArgumentTypeError(
+                f"{item!r} has a port; give the host name alone ({name}): any port of an allowed host is allowed"
+            )
         hosts.append(name)
     return hosts
 
@@ -66,11 +79,19 @@ def parse_origins(value: str) -> list[str]:
             parts.port  # noqa: B018 - raises ValueError on a malformed port
         except ValueError:
             parts = urlsplit("")
-        if item == "*" or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
-                or parts.query or parts.fragment:
-            raise argparse.ArgumentTypeError(f"{item!r} is not an origin; give scheme://host[:port] as the browser "
-                                             "shows it, for example --cors-origins https://notes.example.com "
-                                             "(no wildcard: name each site)")
+        if (
+            item == "*"
+            or parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or parts.path not in ("", "/")
+            or parts.query
+            or parts.fragment
+        ):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not an origin; give scheme://host[:port] as the browser "
+                "shows it, for example --cors-origins https://notes.example.com "
+                "(no wildcard: name each site)"
+            )
         origins.append(normal_origin(item))
     return origins
 
@@ -92,15 +113,27 @@ def normal_origin(origin: str) -> str:
 
 def add_access_options(ap: argparse.ArgumentParser) -> None:
     """--allowed-hosts and --cors-origins, the same on the app and on engine.serve."""
-    ap.add_argument("--allowed-hosts", type=parse_hosts, action="extend", default=[], metavar="NAMES",
-                    help="more host names this server answers to, comma-separated (a name other machines use for "
-                         "it, a reverse proxy's). Always served: localhost, 127.0.0.1, [::1] and the bound address "
-                         "(all of this machine's names and addresses when listening on every interface). "
-                         "Requests for any other Host get a 403, which stops DNS-rebinding pages. "
-                         "`*` turns the check off")
-    ap.add_argument("--cors-origins", type=parse_origins, action="extend", default=[], metavar="ORIGINS",
-                    help="web pages on other sites that may call this server from the browser, comma-separated "
-                         "origins (https://notes.example.com). Default: none; requests from other sites get a 403")
+    ap.add_argument(
+        "--allowed-hosts",
+        type=parse_hosts,
+        action="extend",
+        default=[],
+        metavar="NAMES",
+        help="more host names this server answers to, comma-separated (a name other machines use for "
+        "it, a reverse proxy's). Always served: localhost, 127.0.0.1, [::1] and the bound address "
+        "(all of this machine's names and addresses when listening on every interface). "
+        "Requests for any other Host get a 403, which stops DNS-rebinding pages. "
+        "`*` turns the check off",
+    )
+    ap.add_argument(
+        "--cors-origins",
+        type=parse_origins,
+        action="extend",
+        default=[],
+        metavar="ORIGINS",
+        help="web pages on other sites that may call this server from the browser, comma-separated "
+        "origins (https://notes.example.com). Default: none; requests from other sites get a 403",
+    )
 
 
 def machine_names() -> set[str]:
@@ -191,17 +224,25 @@ class HTTPGuard:
             if scope["type"] == "websocket":  # closing before the accept refuses the handshake with a 403
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", content_type.encode()),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         origin = headers.get("origin")
         cors = origin is not None and normal_origin(origin) in self.policy.cors_origins
         if cors and scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
-            allow = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-                     (b"access-control-allow-methods", b"GET, POST, OPTIONS"), (b"access-control-max-age", b"600"),
-                     (b"content-length", b"0")]
+            allow = [
+                (b"access-control-allow-origin", origin.encode("latin-1")),
+                (b"vary", b"Origin"),
+                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                (b"access-control-max-age", b"600"),
+                (b"content-length", b"0"),
+            ]
             if "access-control-request-headers" in headers:
                 allow.append((b"access-control-allow-headers", headers["access-control-request-headers"].encode()))
             await send({"type": "http.response.start", "status": 204, "headers": allow})
@@ -227,22 +268,31 @@ class HTTPGuard:
         host = headers.get("host", "")
         if not self.policy.host_allowed(host):
             name = host_name(host)
-            message = (f"Host {name!r} is not allowed; start with --allowed-hosts {name} to allow it" if name else
-                       "the request has no Host header; send one naming this server (e.g. Host: localhost)")
+            message = (
+                f"Host {name!r} is not allowed; start with --allowed-hosts {name} to allow it"
+                if name
+                else "the request has no Host header; send one naming this server (e.g. Host: localhost)"
+            )
             return error(403, api, message, "host_not_allowed")
         origin = headers.get("origin")
         if origin is not None and not self.policy.origin_allowed(origin):
             if normal_origin(origin):
-                message = (f"Requests from the web page at {origin} are not allowed; start with --cors-origins "
-                           f"{origin} to allow that site")
+                message = (
+                    f"Requests from the web page at {origin} are not allowed; start with --cors-origins "
+                    f"{origin} to allow that site"
+                )
             else:  # `null`: a sandboxed frame or a local file, which no setting can name
                 message = f"Requests from pages without an origin of their own ({origin!r}) are not allowed"
             return error(403, api, message, "origin_not_allowed")
         if api and scope["type"] == "http" and scope["method"] == "POST":
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":
-                return error(415, api, f"/v1 takes JSON bodies: send `Content-Type: application/json` "
-                                       f"(got {kind or 'none'!r})", "unsupported_media_type")
+                return error(
+                    415,
+                    api,
+                    f"/v1 takes JSON bodies: send `Content-Type: application/json` (got {kind or 'none'!r})",
+                    "unsupported_media_type",
+                )
         return None
 
 

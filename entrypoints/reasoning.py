@@ -5,6 +5,7 @@ distill's template ends the prompt inside `<think>`, so its reply starts as reas
 reasoning ends at `</think>`, and the whitespace after it belongs to neither part. A reply that never
 closes its reasoning (cut off by max_tokens) is all reasoning, as vLLM's R1 parser has it.
 """
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 

@@ -1,4 +1,5 @@
 """Random attention batches for comparing a backend with the torch reference."""
+
 import torch
 
 from engine.attention.metadata import AttentionMetadata

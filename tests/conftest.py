@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random-weight checkpoints of each supported family, built on the fly."""
+
 import os
 from pathlib import Path
 
@@ -29,21 +30,39 @@ def build_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["The quick brown fox jumps over the lazy dog.", "Hello world, this is a test of the tiny tokenizer.",
-              "def main():\n    return 42", "你好，世界。今天天气很好。",
-              "Paged attention stores keys and values in blocks."] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Hello world, this is a test of the tiny tokenizer.",
+        "def main():\n    return 42",
+        "你好，世界。今天天气很好。",
+        "Paged attention stores keys and values in blocks.",
+    ] * 20
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None,
-                                   pad_token="<|endoftext|>")
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     fast.save_pretrained(folder)
 
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=None, pad_token_id=0)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=2,
+    bos_token_id=None,
+    pad_token_id=0,
+)
 
 
 def build_model(folder: Path, family: str) -> Path:
@@ -51,17 +70,24 @@ def build_model(folder: Path, family: str) -> Path:
 
     torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[family])
     if family == "llama":
-        rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 128}
-        config = transformers.LlamaConfig(**COMMON, tie_word_embeddings=True, rope_theta=500000.0,
-                                          rope_scaling=rope_scaling)
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+        config = transformers.LlamaConfig(
+            **COMMON, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=rope_scaling
+        )
         model, dtype, shard = transformers.LlamaForCausalLM(config), torch.float32, "60KB"
     elif family == "qwen2":
         config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=False)
         model, dtype, shard = transformers.Qwen2ForCausalLM(config), torch.float32, None
     else:
-        config = transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=32,
-                                          tie_word_embeddings=True)
+        config = transformers.Qwen3Config(
+            **{**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=32, tie_word_embeddings=True
+        )
         model, dtype, shard = transformers.Qwen3ForCausalLM(config), torch.bfloat16, None
     # Random weights at init scale give near-uniform logits; widen them so greedy picks are decisive.
     with torch.no_grad():

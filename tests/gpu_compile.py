@@ -8,6 +8,7 @@ as `python -m tests.gpu_compile SPECS.json` in a process without TRITON_INTERPRE
 kernels are real JIT functions), compiles each and prints what the cubin uses, as JSON. It
 compiles with the Triton installed here, which may be newer than a GPU machine's.
 """
+
 import json
 import os
 import subprocess
@@ -22,8 +23,16 @@ TARGET = ("cuda", 90, 32)  # Hopper (H100, H200): the device machine's GPU, and 
 # Other targets a spec may name in its "target": laptop and desktop RTX 30 (Ampere) and RTX 40 (Ada) GPUs.
 TARGETS = {"sm_86": ("cuda", 86, 32), "sm_89": ("cuda", 89, 32), "sm_90": TARGET}
 
-_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-          torch.int64: "*i64", torch.uint8: "*u8", torch.int8: "*i8", torch.bool: "*i1"}
+_TYPES = {
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.uint8: "*u8",
+    torch.int8: "*i8",
+    torch.bool: "*i1",
+}
 
 
 def _arg_type(value) -> str:
@@ -32,7 +41,7 @@ def _arg_type(value) -> str:
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"no Triton type for a launch argument of type {type(value).__name__}")
@@ -61,9 +70,17 @@ def record_launches(specs: list[dict]):
         constexprs = {n: GPU_VALUES.get(n, v) for n, v in values.items() if "constexpr" in str(annotations.get(n))}
         signature = {n: "constexpr" if n in constexprs else _arg_type(v) for n, v in values.items()}
         divisible = [n for n, v in values.items() if n not in constexprs and _divisible_by_16(v)]
-        specs.append({"module": self.fn.__module__, "kernel": self.fn.__name__, "signature": signature,
-                      "constexprs": constexprs, "divisible_by_16": divisible,
-                      "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3)})
+        specs.append(
+            {
+                "module": self.fn.__module__,
+                "kernel": self.fn.__name__,
+                "signature": signature,
+                "constexprs": constexprs,
+                "divisible_by_16": divisible,
+                "num_warps": kwargs.get("num_warps", 4),
+                "num_stages": kwargs.get("num_stages", 3),
+            }
+        )
         return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -83,8 +100,14 @@ def compile_in_subprocess(specs: list[dict], tmp_path) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, said out loud (it warns otherwise)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "tests.gpu_compile", str(path)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gpu_compile", str(path)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the compile process failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -120,8 +143,9 @@ def _compile_all(specs: list[dict]) -> list[dict]:
         try:
             attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["divisible_by_16"]}
             source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
-            compiled = triton.compile(source, target=target,
-                                      options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+            compiled = triton.compile(
+                source, target=target, options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
+            )
             result.update(_resource_usage(compiled.asm["cubin"]))
         except Exception as e:  # reported, so that the test names every kernel that fails
             result["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"

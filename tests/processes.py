@@ -1,4 +1,5 @@
 """Helpers for tests that drive real processes: a free port, polling, and `python -m engine.serve`."""
+
 import os
 import socket
 import subprocess
@@ -39,9 +40,13 @@ class ServeProcess:
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--model", str(model), "--port",
-                                      str(self.port),
-                                      *args], env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.serve", "--model", str(model), "--port", str(self.port), *args],
+            env=env,
+            cwd=REPO,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_ready(self, timeout: float = 120.0) -> "ServeProcess":
         def ready() -> bool:

@@ -1,13 +1,15 @@
 """Helpers shared by the quantization tests: random quantized weights, the float32 kernel alone, and comparing
 logprob rows."""
+
 import torch
 
 from engine.quantization.kernels import DequantMatmul
 from engine.quantization.layout import QuantizedWeight
 
 
-def random_quantized_weight(bits: int, n: int, k: int, group: int | str, with_offset: bool,
-                            seed: int = 0) -> QuantizedWeight:
+def random_quantized_weight(
+    bits: int, n: int, k: int, group: int | str, with_offset: bool, seed: int = 0
+) -> QuantizedWeight:
     """Codes over the whole range, scales across two decades, offsets of either sign (like GGUF's).
     `group` is a group size, or "channel" for one scale per row."""
     gen = torch.Generator().manual_seed(seed)

@@ -6,6 +6,7 @@ also the output) and attn_v and ffn_down in the "more bits" layers (Q6_K); or Q4
 `llama-quantize --pure` writes Q4_K. Block bytes are random with small finite fp16 scales: the loader and the
 kernels do the same work on them as on trained weights.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ def _random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generato
     blocks = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
     for at in _FP16_FIELDS[type_name]:
         halves = (rng.uniform(1e-4, 1e-3, n) * rng.choice([-1, 1], n)).astype(np.float16)
-        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(n, 2)
+        blocks[:, at : at + 2] = halves.view(np.uint8).reshape(n, 2)
     return blocks.reshape(rows, -1)
 
 
@@ -56,17 +57,19 @@ def _tensor_plan(s: Shape, pure: bool) -> list[tuple[str, tuple[int, ...], str]]
     plan = [("token_embd.weight", (s.vocab, s.hidden), "Q4_K" if pure else "Q6_K")]
     for i in range(s.layers):
         v_down = "Q6_K" if _more_bits(i, s.layers) and not pure else "Q4_K"
-        plan += [(f"blk.{i}.attn_norm.weight", (s.hidden,), "F32"),
-                 (f"blk.{i}.attn_q.weight", (s.heads * s.head_dim, s.hidden), "Q4_K"),
-                 (f"blk.{i}.attn_k.weight", (s.kv_heads * s.head_dim, s.hidden), "Q4_K"),
-                 (f"blk.{i}.attn_v.weight", (s.kv_heads * s.head_dim, s.hidden), v_down),
-                 (f"blk.{i}.attn_q_norm.weight", (s.head_dim,), "F32"),
-                 (f"blk.{i}.attn_k_norm.weight", (s.head_dim,), "F32"),
-                 (f"blk.{i}.attn_output.weight", (s.hidden, s.heads * s.head_dim), "Q4_K"),
-                 (f"blk.{i}.ffn_norm.weight", (s.hidden,), "F32"),
-                 (f"blk.{i}.ffn_gate.weight", (s.intermediate, s.hidden), "Q4_K"),
-                 (f"blk.{i}.ffn_up.weight", (s.intermediate, s.hidden), "Q4_K"),
-                 (f"blk.{i}.ffn_down.weight", (s.hidden, s.intermediate), v_down)]
+        plan += [
+            (f"blk.{i}.attn_norm.weight", (s.hidden,), "F32"),
+            (f"blk.{i}.attn_q.weight", (s.heads * s.head_dim, s.hidden), "Q4_K"),
+            (f"blk.{i}.attn_k.weight", (s.kv_heads * s.head_dim, s.hidden), "Q4_K"),
+            (f"blk.{i}.attn_v.weight", (s.kv_heads * s.head_dim, s.hidden), v_down),
+            (f"blk.{i}.attn_q_norm.weight", (s.head_dim,), "F32"),
+            (f"blk.{i}.attn_k_norm.weight", (s.head_dim,), "F32"),
+            (f"blk.{i}.attn_output.weight", (s.hidden, s.heads * s.head_dim), "Q4_K"),
+            (f"blk.{i}.ffn_norm.weight", (s.hidden,), "F32"),
+            (f"blk.{i}.ffn_gate.weight", (s.intermediate, s.hidden), "Q4_K"),
+            (f"blk.{i}.ffn_up.weight", (s.intermediate, s.hidden), "Q4_K"),
+            (f"blk.{i}.ffn_down.weight", (s.hidden, s.intermediate), v_down),
+        ]
     return [*plan, ("output_norm.weight", (s.hidden,), "F32")]
 
 

@@ -5,6 +5,7 @@ bookkeeping is the same (pending tokens, inputs taken from the previous step's s
 stops, blocks registered at launch unless their last token is pending), so here it is forced on
 and must give exactly the outputs of the synchronous engine, with every feature that meets it.
 """
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -38,8 +39,10 @@ def assert_clean(llm):
 
 def test_greedy_batch_with_eos_and_mixed_lengths(tiny_qwen2, random_prompt):
     prompts = [random_prompt(n, seed) for seed, n in enumerate([5, 17, 33, 48, 9, 64])]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=(i % 2 == 0)) for i,
-              m in enumerate([1, 2, 7, 30, 45, 12])]
+    params = [
+        SamplingParams(temperature=0, max_tokens=m, ignore_eos=(i % 2 == 0))
+        for i, m in enumerate([1, 2, 7, 30, 45, 12])
+    ]
     (sync, asyn), llm = run_both(tiny_qwen2, prompts, params)
     assert asyn == sync
     assert [len(ids) for _, ids, _ in sync][::2] == [1, 7, 45]  # ignore_eos rows run to max_tokens
@@ -50,8 +53,9 @@ def test_stop_strings_stop_tokens_and_sampling_options(tiny_qwen2, random_prompt
     """A stop found one step late must not leak the extra step's token into the output."""
     probe = LLM(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=64)
     prompt = random_prompt(20, 7)
-    free_run = probe.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                              use_tqdm=False)[0]
+    free_run = probe.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     stop_token = free_run["token_ids"][10]
     stop_text = free_run["text"][len(free_run["text"]) // 2 :][:3]
     params = [
@@ -218,11 +222,18 @@ def test_random_online_traffic_keeps_the_cache_consistent(tiny_qwen2, async_sche
     import random
 
     rng = random.Random(100 + trial)
-    alone = LLM(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=200, kvcache_block_size=4,
-                enable_prefix_caching=False)
-    llm = LLM(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=rng.choice([18, 22, 30]), kvcache_block_size=4,
-              max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=rng.choice([2, 4, 8]),
-              async_scheduling=async_scheduling)
+    alone = LLM(
+        str(tiny_qwen2), dtype="float32", num_kvcache_blocks=200, kvcache_block_size=4, enable_prefix_caching=False
+    )
+    llm = LLM(
+        str(tiny_qwen2),
+        dtype="float32",
+        num_kvcache_blocks=rng.choice([18, 22, 30]),
+        kvcache_block_size=4,
+        max_num_batched_tokens=rng.choice([8, 16, 64]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+        async_scheduling=async_scheduling,
+    )
     base = [rng.randrange(3, 320) for _ in range(rng.randint(4, 20))]
     conversations, live, done = [], {}, {}
 

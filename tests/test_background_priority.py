@@ -1,6 +1,7 @@
 """Open WebUI's background tasks (titles, tags, follow-ups) get a lower priority than chats when they send none,
 so that they wait while the user's visible chat runs (bench/RESULTS.md: 0.98x of the chat's speed alone beside
 three 8k-token tasks, against 0.03x at the same priority)."""
+
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -30,19 +31,24 @@ def served(tiny_llama):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("content, extra, expected", [
-    (TITLE_TASK, {}, BACKGROUND_PRIORITY),
-    (TITLE_TASK, {"priority": 0}, 0),  # a client's own priority wins
-    ("Hello there", {}, 0),
-    (TITLE_TASK, {"stream": True}, 0),
-])
+@pytest.mark.parametrize(
+    "content, extra, expected",
+    [
+        (TITLE_TASK, {}, BACKGROUND_PRIORITY),
+        (TITLE_TASK, {"priority": 0}, 0),  # a client's own priority wins
+        ("Hello there", {}, 0),
+        (TITLE_TASK, {"stream": True}, 0),
+    ],
+)
 def test_the_engine_gets_the_tasks_priority(served, monkeypatch, content, extra, expected):
     seen = []
     submit = served.submit
-    monkeypatch.setattr(served, "submit", lambda ids, params, priority=0: (seen.append(priority),
-                                                                           submit(ids, params, priority))[1])
+    monkeypatch.setattr(
+        served, "submit", lambda ids, params, priority=0: (seen.append(priority), submit(ids, params, priority))[1]
+    )
     app = FastAPI()
     app.include_router(create_router(lambda: ServedModel(served, "tiny")))
-    r = TestClient(app).post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra})
+    r = TestClient(app).post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+    )
     assert r.status_code == 200 and seen == [expected]

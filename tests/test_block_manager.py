@@ -6,6 +6,7 @@ keeps a shadow copy of what each KV slot holds: the token prefix it was computed
 the bookkeeping invariants, that catches the bug that matters most: a sequence attending over
 KV that was computed for different tokens.
 """
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -40,8 +41,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     # ---- helpers ----------------------------------------------------------------------------------
     def _snapshot(self):
         bm = self.bm
-        return ([(b.ref_count, b.hash) for b in bm.blocks], list(bm.empty_block_ids), list(bm.cached_free_block_ids),
-                dict(bm.hash_to_block_id))
+        return (
+            [(b.ref_count, b.hash) for b in bm.blocks],
+            list(bm.empty_block_ids),
+            list(bm.cached_free_block_ids),
+            dict(bm.hash_to_block_id),
+        )
 
     def _try_admit(self, seq: Sequence, chunk: int) -> None:
         bm = self.bm
@@ -70,8 +75,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del self.pending[seq.seq_id]
 
     # ---- rules -------------------------------------------------------------------------------------
-    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), min_size=1, max_size=7),
-          chunk=st.integers(1, 24))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        tail=st.lists(st.integers(0, 3), min_size=1, max_size=7),
+        chunk=st.integers(1, 24),
+    )
     def add(self, prefix, tail, chunk):
         self._try_admit(Sequence(prefix + tail, SamplingParams()), chunk)
 
@@ -228,8 +236,9 @@ def test_the_real_hash_chains_the_parent_so_a_block_is_cached_after_each_of_its_
     assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == after_blocks
 
 
-_settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = _settings
 TestBlockManagerWithoutCachingStateful = BlockManagerWithoutCachingMachine.TestCase
@@ -364,8 +373,7 @@ def test_blocks_after_a_recomputed_copy_are_found_and_a_stale_holder_of_their_ha
     compute_more(bm, b, [9, 10, 11, 12])  # b's answer fills a block
     answer_block = b.block_table[2]
     assert bm.blocks[answer_block].parent == (a.block_table[1], bm.blocks[a.block_table[1]].serial)
-    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams())) == [
-        *a.block_table, answer_block]
+    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams())) == [*a.block_table, answer_block]
 
     # a ends, and its last block (which b's answer block names as parent) is evicted while b runs on.
     bm.free(a)

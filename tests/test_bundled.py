@@ -22,7 +22,6 @@ pytestmark = pytest.mark.timeout(900)
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-
 @pytest.fixture(scope="module")
 def built(bundled_build) -> tuple[pathlib.Path, list[str], float]:
     return bundled_build
@@ -32,8 +31,13 @@ def test_build_writes_a_complete_hf_folder(built: tuple[pathlib.Path, list[str],
     path, messages, _ = built
     assert path.name == MODEL_NAME
     assert path.parent.name == "models"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (path / name).is_file(), name
     assert not list(path.parent.glob(f".{MODEL_NAME}.tmp-*")), "temporary build folder left behind"
 
@@ -79,7 +83,7 @@ def test_model_chats_in_english(built: tuple[pathlib.Path, list[str], float]) ->
     assert tokenizer.decode(inputs["input_ids"][0]).endswith("<|im_start|>assistant\n")
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    new_tokens = output[0, inputs["input_ids"].shape[1]:]
+    new_tokens = output[0, inputs["input_ids"].shape[1] :]
     answer = tokenizer.decode(new_tokens, skip_special_tokens=True)
     assert "Paris" in answer, answer
     assert answer.isascii(), answer
@@ -91,8 +95,12 @@ def test_tokenizer_round_trips_and_splits_digits(built: tuple[pathlib.Path, list
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(built[0])
-    for text in ("你好，世界！今天天气很好。", "Hello 👋🏽 world 🚀🇯🇵 👨\u200d👩\u200d👧\u200d👦", "café naïve",
-                 "  leading\n\ttabs"):
+    for text in (
+        "你好，世界！今天天气很好。",
+        "Hello 👋🏽 world 🚀🇯🇵 👨\u200d👩\u200d👧\u200d👦",
+        "café naïve",
+        "  leading\n\ttabs",
+    ):
         assert tokenizer.decode(tokenizer.encode(text)) == text
     # SmolLM2 isolates every digit before byte-level BPE, so runs of spaces stay whole.
     assert tokenizer.tokenize("    10 items") == ["ĠĠĠĠ", "1", "0", "Ġitems"]
@@ -137,8 +145,9 @@ def test_second_call_is_instant(built: tuple[pathlib.Path, list[str], float], mo
     assert pathlib.Path(printed.strip()) == path
 
 
-def test_waiter_reuses_a_folder_finished_while_it_waited(tmp_path: pathlib.Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_waiter_reuses_a_folder_finished_while_it_waited(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fcntl = pytest.importorskip("fcntl")
     monkeypatch.setenv("PAGODA_HOME", str(tmp_path))
     models = tmp_path / "models"

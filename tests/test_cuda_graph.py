@@ -2,6 +2,7 @@
 
 `_capture` is replaced by an eager replay of the same static buffers, so everything around the
 graph (which graph serves which batch, copying inputs in, padding rows) runs here for real."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """Incremental detokenisation with a byte-level BPE that splits multi-byte characters across tokens."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -58,9 +59,15 @@ def test_increments_add_up_to_the_full_decode_and_never_split_a_character(tokeni
 
 
 @settings(max_examples=60, deadline=None)
-@given(pieces=st.lists(st.sampled_from(["the", " fox", " ", "\n", "你", "好", "，", "世界", "😀", "🎉", "é", "Ω", "42",
-                                        "👨‍👩‍👧", "。"]),
-                       min_size=1, max_size=12))
+@given(
+    pieces=st.lists(
+        st.sampled_from(
+            ["the", " fox", " ", "\n", "你", "好", "，", "世界", "😀", "🎉", "é", "Ω", "42", "👨‍👩‍👧", "。"]
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
 def test_any_mixture_of_scripts_streams_cleanly(tokenizer, pieces):
     text = "".join(pieces)
     ids = tokenizer.encode(text)
@@ -95,8 +102,10 @@ def test_a_character_completed_after_a_long_invalid_run_is_not_emitted_broken(to
 
 def test_engine_streams_the_same_text_as_decoding_its_tokens(tiny_models, make_llm, random_prompt):
     llm = make_llm(tiny_models["qwen3"])
-    ids = [llm.add_request(random_prompt(5 + i, 1000 + i), SamplingParams(temperature=1.0, max_tokens=40, seed=i))
-           for i in range(4)]
+    ids = [
+        llm.add_request(random_prompt(5 + i, 1000 + i), SamplingParams(temperature=1.0, max_tokens=40, seed=i))
+        for i in range(4)
+    ]
     texts = {rid: [] for rid in ids}
     final = {}
     while llm.has_unfinished_requests():

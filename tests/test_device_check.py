@@ -1,6 +1,7 @@
 """The device check's two halves, run here on the CPU as the device will run them: without the app's
 dependencies (gradio, platformdirs) and without network. A GPU run is rare and short; a mistake
 the CPU can find must not spend it."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,22 @@ sys.meta_path.insert(0, NotInstalled())
 
 
 def run_without_app(code: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-           "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", WITHOUT_APP + code, *args], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=timeout)
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "PATH": "/usr/bin:/bin",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_APP + code, *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def test_the_blocker_hides_the_app():
@@ -31,14 +44,22 @@ def test_the_blocker_hides_the_app():
 
 
 def test_gpu_bench_smoke_runs_every_section(tmp_path):
-    result = run_without_app("runpy.run_module('bench.gpu_bench', run_name='__main__')", "--smoke",
-                             "--json", str(tmp_path / "bench.json"))
+    result = run_without_app(
+        "runpy.run_module('bench.gpu_bench', run_name='__main__')", "--smoke", "--json", str(tmp_path / "bench.json")
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = result.stdout[result.stdout.index("| benchmark | value | note |"):]
+    table = result.stdout[result.stdout.index("| benchmark | value | note |") :]
     assert "FAILED" not in table
-    for name in ("batch-1 decode, CUDA graphs", "batch-1 decode, its steps", "batch-1 decode, synchronous scheduling",
-                 "batch-1 decode step, whole", "TTFT with 1,900 tokens cached", "throughput, synchronous scheduling",
-                 "batch-1 decode, eager", "transformers batch-1 decode"):
+    for name in (
+        "batch-1 decode, CUDA graphs",
+        "batch-1 decode, its steps",
+        "batch-1 decode, synchronous scheduling",
+        "batch-1 decode step, whole",
+        "TTFT with 1,900 tokens cached",
+        "throughput, synchronous scheduling",
+        "batch-1 decode, eager",
+        "transformers batch-1 decode",
+    ):
         assert f"| {name} |" in table, name
     for written in ("bench.json", "profile.txt", "profile_prefill.txt", "profile_decode_full.txt"):
         assert (tmp_path / written).is_file(), written
@@ -54,12 +75,23 @@ def test_gpu_laptop_smoke_runs_with_the_catalog_but_no_gradio():
     # The laptop check asks the app's catalog (plain Python) what fits, as the Models tab does; the device has no
     # gradio or platformdirs, so only those are hidden here.
     code = WITHOUT_APP.replace('"app", ', "") + "runpy.run_module('bench.gpu_laptop', run_name='__main__')"
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error",
-           "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", code, "--smoke", "--models", "Qwen/Qwen3-1.7B"], cwd=ROOT,
-                            env=env, text=True, capture_output=True, timeout=600)
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "PATH": "/usr/bin:/bin",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--smoke", "--models", "Qwen/Qwen3-1.7B"],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = result.stdout[result.stdout.index("| laptop GPU check"):]
+    table = result.stdout[result.stdout.index("| laptop GPU check") :]
     for name in ("the catalog's advice", "KV cache", "2 chats at once", "batch-1 decode"):
         assert f"| Qwen3 1.7B: {name} |" in table, name
 
@@ -82,13 +114,22 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     """The shell script itself (here its GPU tests all skip, and the benchmarks are skipped as on a rerun)."""
     import os
 
-    env = {**os.environ, "SKIP_BENCH": "1", "SKIP_QUANT": "1", "SKIP_LAPTOP": "1", "SKIP_STRUCTURED": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
-    result = subprocess.run(["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True,
-                            capture_output=True, timeout=300)
+    env = {
+        **os.environ,
+        "SKIP_BENCH": "1",
+        "SKIP_QUANT": "1",
+        "SKIP_LAPTOP": "1",
+        "SKIP_STRUCTURED": "1",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+    }
+    result = subprocess.run(
+        ["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True, capture_output=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert ("device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped, laptop exit skipped, "
-            "structured exit skipped" in result.stdout)
+    assert (
+        "device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped, laptop exit skipped, "
+        "structured exit skipped" in result.stdout
+    )
     assert "skipped" in (tmp_path / "tests.log").read_text()
 
 
@@ -97,11 +138,17 @@ def test_device_check_keeps_to_its_time_budget_and_says_how_to_rerun(tmp_path):
     the switches for a rerun that does only those, and exits 3 (not 0: the check is incomplete)."""
     import os
 
-    env = {**os.environ, "SKIP_TESTS": "1", "SKIP_BENCH": "1", "DEVICE_BUDGET": "59",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    env = {
+        **os.environ,
+        "SKIP_TESTS": "1",
+        "SKIP_BENCH": "1",
+        "DEVICE_BUDGET": "59",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+    }
     env.pop("SKIP_QUANT", None), env.pop("SKIP_LAPTOP", None), env.pop("SKIP_STRUCTURED", None)
-    result = subprocess.run(["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True,
-                            capture_output=True, timeout=120)
+    result = subprocess.run(
+        ["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True, capture_output=True, timeout=120
+    )
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     assert "quantized exit not run (time), laptop exit not run (time)" in result.stdout
     assert "out of time for SKIP_QUANT SKIP_LAPTOP" in result.stdout

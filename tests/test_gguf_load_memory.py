@@ -15,6 +15,7 @@ and KV cache; 1.16x for a 473 MB file of the same mix, where the fixed code page
 be built, the load must stay within the issue's 1.15x of file and KV cache plus the allowance; elsewhere within
 2.5x.
 """
+
 import pytest
 
 from bench.gguf_load_memory import measure_load
@@ -37,8 +38,10 @@ def small_q4_k_m(tmp_path_factory):
 def test_loading_a_gguf_takes_little_more_than_the_model_keeps(small_q4_k_m):
     f = measure_load(small_q4_k_m, KV_BYTES, threads=1)
     added, kept = f["peak_bytes"] - f["baseline_bytes"], f["held_bytes"] + KV_BYTES
-    report = (f"the load added {added / 1e6:.0f} MB over its imports; the model keeps {f['held_bytes'] / 1e6:.0f} MB "
-              f"of weights and a {KV_BYTES / 1e6:.0f} MB KV cache; the file is {f['file_bytes'] / 1e6:.0f} MB")
+    report = (
+        f"the load added {added / 1e6:.0f} MB over its imports; the model keeps {f['held_bytes'] / 1e6:.0f} MB "
+        f"of weights and a {KV_BYTES / 1e6:.0f} MB KV cache; the file is {f['file_bytes'] / 1e6:.0f} MB"
+    )
     assert added <= 1.15 * kept + ALLOWANCE, report
     if kquant.ops() is not None:  # the weights are held at the file's size
         assert f["held_bytes"] <= 1.15 * f["file_bytes"], report  # Q4_K in Int4PackMatmul, where faster: 1.11x

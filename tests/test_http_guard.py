@@ -1,5 +1,6 @@
 """Local exposure (entrypoints/http_guard.py): foreign Host headers, other sites' pages and non-JSON /v1 POSTs
 are refused, against a real `python -m engine.serve`; the policy's parsing and naming rules on their own."""
+
 import argparse
 import socket
 
@@ -18,9 +19,22 @@ CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     """Listening on every interface, as `--host 0.0.0.0` is documented, with one more name and one CORS site."""
-    srv = ServeProcess(tiny_llama, tmp_path_factory.mktemp("guard") / "server.log", "--host", "0.0.0.0",
-                       "--api-key", KEY, "--allowed-hosts", ALLOWED, "--cors-origins", TOOL, "--served-model-name",
-                       "llama", "--max-model-len", "256").wait_ready()
+    srv = ServeProcess(
+        tiny_llama,
+        tmp_path_factory.mktemp("guard") / "server.log",
+        "--host",
+        "0.0.0.0",
+        "--api-key",
+        KEY,
+        "--allowed-hosts",
+        ALLOWED,
+        "--cors-origins",
+        TOOL,
+        "--served-model-name",
+        "llama",
+        "--max-model-len",
+        "256",
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -32,14 +46,29 @@ def call(server, method: str, path: str, host: str | None = None, **kwargs) -> h
     return httpx.request(method, f"{server.base}{path}", headers=headers, timeout=30, **kwargs)
 
 
-ROUTES = [("GET", "/v1/models", {}), ("POST", "/v1/chat/completions", {"json": CHAT}),
-          ("POST", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 2}}), ("GET", "/metrics", {}),
-          ("GET", "/docs", {}), ("GET", "/no-such-page", {})]
+ROUTES = [
+    ("GET", "/v1/models", {}),
+    ("POST", "/v1/chat/completions", {"json": CHAT}),
+    ("POST", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 2}}),
+    ("GET", "/metrics", {}),
+    ("GET", "/docs", {}),
+    ("GET", "/no-such-page", {}),
+]
 
 
 # Names that end with an allowed one (evil-localhost, x-pagoda-box.test) are other names: only equal ones are served.
-FOREIGN_HOSTS = ["attacker.example", "attacker.example:8000", "localhost.attacker.example", "127.0.0.1.nip.io",
-                 "evil-localhost", "evil-localhost:8000", f"x-{ALLOWED}", f"x{ALLOWED}:8000", "[2001:db8::1]:8000", ""]
+FOREIGN_HOSTS = [
+    "attacker.example",
+    "attacker.example:8000",
+    "localhost.attacker.example",
+    "127.0.0.1.nip.io",
+    "evil-localhost",
+    "evil-localhost:8000",
+    f"x-{ALLOWED}",
+    f"x{ALLOWED}:8000",
+    "[2001:db8::1]:8000",
+    "",
+]
 
 
 @pytest.mark.parametrize("host", FOREIGN_HOSTS)
@@ -57,15 +86,24 @@ def test_a_foreign_host_gets_a_403_on_every_route(server, host, method, path, kw
     assert server.metric("vllm:generation_tokens_total") == generated  # refused before any route ran
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "LOCALHOST.", "[::1]", "127.0.0.2", ALLOWED,
-                                  socket.gethostname()])
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "localhost", "LOCALHOST.", "[::1]", "127.0.0.2", ALLOWED, socket.gethostname()]
+)
 def test_this_machines_names_and_the_allowed_ones_are_served(server, host):
     r = call(server, "GET", "/v1/models", f"{host}:{server.port}")
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "llama"
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x", None])
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        None,
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_a_post_that_is_not_json_gets_a_415_and_generates_nothing(server, content_type, path):
     """text/plain, forms and multipart are what a page may send cross-site without a preflight."""
@@ -83,26 +121,49 @@ def test_a_post_that_is_not_json_gets_a_415_and_generates_nothing(server, conten
     assert ok.status_code == 200  # the same body as JSON is served
 
 
-@pytest.mark.parametrize("origin", ["https://attacker.example", "http://localhost.attacker.example", "null",
-                                    "https://notes.example.evil.example", "http://notes.example",
-                                    "http://evil-localhost:3000", f"https://x-{ALLOWED}"])
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "https://attacker.example",
+        "http://localhost.attacker.example",
+        "null",
+        "https://notes.example.evil.example",
+        "http://notes.example",
+        "http://evil-localhost:3000",
+        f"https://x-{ALLOWED}",
+    ],
+)
 def test_another_sites_page_is_refused_and_gets_no_cors_headers(server, origin):
     generated = server.metric("vllm:generation_tokens_total")
     for method, path, kwargs in ROUTES[:4]:
         r = call(server, method, path, headers={"Origin": origin}, **kwargs)
         assert r.status_code == 403 and ("--cors-origins" in r.text or origin == "null")
         assert "access-control-allow-origin" not in r.headers
-    preflight = call(server, "OPTIONS", "/v1/chat/completions", headers={
-        "Origin": origin, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type"})
+    preflight = call(
+        server,
+        "OPTIONS",
+        "/v1/chat/completions",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert preflight.status_code == 403 and "access-control-allow-origin" not in preflight.headers
     assert server.metric("vllm:generation_tokens_total") == generated
 
 
 def test_a_site_given_cors_origins_gets_cors_and_the_machines_own_pages_need_none(server):
-    preflight = call(server, "OPTIONS", "/v1/chat/completions", headers={
-        "Origin": TOOL, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type"})
+    preflight = call(
+        server,
+        "OPTIONS",
+        "/v1/chat/completions",
+        headers={
+            "Origin": TOOL,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert preflight.status_code in (200, 204)
     assert preflight.headers["access-control-allow-origin"] == TOOL
     assert "content-type" in preflight.headers["access-control-allow-headers"]
@@ -117,8 +178,14 @@ def test_a_site_given_cors_origins_gets_cors_and_the_machines_own_pages_need_non
 @pytest.fixture(scope="module")
 def default_server(tiny_llama, tmp_path_factory):
     """Started with no access options at all: localhost, no --allowed-hosts, no --cors-origins."""
-    srv = ServeProcess(tiny_llama, tmp_path_factory.mktemp("guard_default") / "server.log", "--served-model-name",
-                       "llama", "--max-model-len", "256").wait_ready()
+    srv = ServeProcess(
+        tiny_llama,
+        tmp_path_factory.mktemp("guard_default") / "server.log",
+        "--served-model-name",
+        "llama",
+        "--max-model-len",
+        "256",
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -133,8 +200,15 @@ def test_without_cors_origins_no_page_gets_cors_headers(default_server, origin):
         assert r.status_code == (200 if local else 403), (path, r.status_code)
         assert "access-control-allow-origin" not in r.headers, path
         assert "access-control-allow-credentials" not in r.headers, path
-    preflight = httpx.options(f"{default_server.base}/v1/chat/completions", timeout=30, headers={
-        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    preflight = httpx.options(
+        f"{default_server.base}/v1/chat/completions",
+        timeout=30,
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
     assert "access-control-allow-origin" not in preflight.headers
     assert "access-control-allow-headers" not in preflight.headers
 
@@ -145,8 +219,17 @@ def test_the_key_rule_is_unchanged_behind_the_guard(server):
 
 
 # ---- the policy's rules ---------------------------------------------------------------------------
-@pytest.mark.parametrize("header, name", [("LocalHost:7860", "localhost"), ("[::1]:7860", "::1"), ("[::1]", "::1"),
-                                          ("box.lan.", "box.lan"), ("10.0.0.5:80", "10.0.0.5"), ("::1", "::1")])
+@pytest.mark.parametrize(
+    "header, name",
+    [
+        ("LocalHost:7860", "localhost"),
+        ("[::1]:7860", "::1"),
+        ("[::1]", "::1"),
+        ("box.lan.", "box.lan"),
+        ("10.0.0.5:80", "10.0.0.5"),
+        ("::1", "::1"),
+    ],
+)
 def test_host_name_takes_the_host_part(header, name):
     assert host_name(header) == name
 
@@ -158,8 +241,14 @@ def test_a_local_bind_serves_loopback_names_only_and_a_wildcard_bind_the_machine
     assert not local.host_allowed("attacker.example")
     lan = AccessPolicy.for_bind("0.0.0.0", ["gpu-box.lan"])
     assert lan.host_allowed(socket.gethostname()) and lan.host_allowed("GPU-BOX.lan:7860")
-    for foreign in ["attacker.example", "evil-localhost", "x-gpu-box.lan", "xgpu-box.lan:7860", "gpu-box.lan.evil",
-                    f"evil-{socket.gethostname()}"]:
+    for foreign in [
+        "attacker.example",
+        "evil-localhost",
+        "x-gpu-box.lan",
+        "xgpu-box.lan:7860",
+        "gpu-box.lan.evil",
+        f"evil-{socket.gethostname()}",
+    ]:
         assert not lan.host_allowed(foreign), foreign
         assert not lan.origin_allowed(f"http://{foreign}"), foreign
     assert AccessPolicy.for_bind("192.0.2.7").host_allowed("192.0.2.7:8000")  # the bound address
@@ -174,15 +263,19 @@ def test_bad_allowed_hosts_say_what_to_give(value):
         parse_hosts(value)
 
 
-@pytest.mark.parametrize("value", ["*", "notes.example", "ftp://notes.example", "https://notes.example/app",
-                                   "https://a.example:port"])
+@pytest.mark.parametrize(
+    "value", ["*", "notes.example", "ftp://notes.example", "https://notes.example/app", "https://a.example:port"]
+)
 def test_bad_cors_origins_say_what_to_give(value):
     with pytest.raises(argparse.ArgumentTypeError, match="scheme://host"):
         parse_origins(value)
 
 
 def test_origins_compare_with_default_ports_left_out():
-    assert parse_origins("https://Notes.example:443,http://[::1]:8080") == ["https://notes.example", "http://[::1]:8080"]
+    assert parse_origins("https://Notes.example:443,http://[::1]:8080") == [
+        "https://notes.example",
+        "http://[::1]:8080",
+    ]
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/docs", "/redoc", "/openapi.json"])

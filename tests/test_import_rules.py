@@ -1,5 +1,6 @@
 """The import rules CI enforces (pyproject.toml, ruff's banned-api): engine/ is a library that imports no web
 framework, no UI and nothing of app/, however the import is written; the rest of the tree may."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -8,15 +9,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = [sys.executable, "-m", "ruff"]
-FORBIDDEN = ["import fastapi", "from starlette.responses import JSONResponse", "import uvicorn",
-             "import gradio as gr", "from app.store import ChatStore", "from app import ui"]
+FORBIDDEN = [
+    "import fastapi",
+    "from starlette.responses import JSONResponse",
+    "import uvicorn",
+    "import gradio as gr",
+    "from app.store import ChatStore",
+    "from app import ui",
+]
 
 
 def ruff(source: str, filename: str) -> subprocess.CompletedProcess:
     """ruff check on `source` as if it were the file `filename` of this project, with the project's settings."""
-    return subprocess.run([*RUFF, "check", "--no-cache", "--select", "TID251", "--stdin-filename",
-                           str(ROOT / filename), "-"],
-                          input=source, capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [*RUFF, "check", "--no-cache", "--select", "TID251", "--stdin-filename", str(ROOT / filename), "-"],
+        input=source,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize("line", FORBIDDEN)
@@ -34,6 +45,7 @@ def test_the_rest_of_the_tree_may(filename):
 
 
 def test_engine_as_it_is_passes():
-    result = subprocess.run([*RUFF, "check", "--no-cache", "--select", "TID251", "engine"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [*RUFF, "check", "--no-cache", "--select", "TID251", "engine"], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout + result.stderr

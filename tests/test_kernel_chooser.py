@@ -1,6 +1,7 @@
 """engine/quantization/chooser.py: each weight's kernel is measured on a proxy of sampled rows, built over the whole
 weight only once it is chosen, checked there over every row, and measured once per shape and layout (issue 38:
 building every candidate over the whole weight made loading a GGUF file take several times its size)."""
+
 import logging
 
 import pytest
@@ -33,7 +34,9 @@ def recording(built: list[tuple[str, int]]):
             def build_and_record(w):
                 built.append((name, w.shape[0]))
                 return build(w)
+
             return build_and_record
+
         return {name: recorded(name, build) for name, build in real(qw, device, dtype).items()}
 
     return candidates
@@ -57,8 +60,9 @@ def test_only_the_chosen_kernel_is_built_over_the_whole_weight(monkeypatch, smal
     assert len(names) >= 2 and {name for name, _ in built} == names  # every candidate was measured...
     assert [(name, rows) for name, rows in built if rows > PROXY_ROWS] == [(type(kernel).__name__, N)]  # ...on rows
     x = torch.randn(3, K)
-    torch.testing.assert_close(kernel(x), x @ qw.dequantize().T, atol=0.02 * (x @ qw.dequantize().T).abs().max(),
-                               rtol=0)
+    torch.testing.assert_close(
+        kernel(x), x @ qw.dequantize().T, atol=0.02 * (x @ qw.dequantize().T).abs().max(), rtol=0
+    )
 
     built.clear()  # another layer of this shape and layout: the choice stands, nothing is measured again
     again = choose_matmul(make_weight(4, N, K, 32, with_offset=True, seed=1), CPU, torch.float32)
@@ -82,10 +86,19 @@ class _WrongOffTheProxy(nn.Module):
 def test_a_kernel_right_on_the_proxy_but_wrong_elsewhere_is_not_kept(monkeypatch, small_proxies, caplog):
     qw = make_weight(4, N, K, 32, with_offset=True)
     missed = next(r for r in range(N) if r not in set(sampled_rows(N, K).tolist()))
-    monkeypatch.setattr(chooser, "candidates", lambda qw, device, dtype: {
-        "wrong": lambda w: _WrongOffTheProxy(w, missed), "DequantMatmul": lambda w: DequantMatmul(w, dtype)})
-    monkeypatch.setattr(chooser, "_seconds_per_call",  # the broken kernel measures fastest
-                        lambda kernel, x, calls=20: 0.5 if isinstance(kernel, _WrongOffTheProxy) else 1.0)
+    monkeypatch.setattr(
+        chooser,
+        "candidates",
+        lambda qw, device, dtype: {
+            "wrong": lambda w: _WrongOffTheProxy(w, missed),
+            "DequantMatmul": lambda w: DequantMatmul(w, dtype),
+        },
+    )
+    monkeypatch.setattr(
+        chooser,
+        "_seconds_per_call",  # the broken kernel measures fastest
+        lambda kernel, x, calls=20: 0.5 if isinstance(kernel, _WrongOffTheProxy) else 1.0,
+    )
     with caplog.at_level(logging.WARNING, logger="engine"):
         kernel = choose_matmul(qw, CPU, torch.float32)
     assert isinstance(kernel, DequantMatmul)

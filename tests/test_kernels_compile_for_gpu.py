@@ -5,6 +5,7 @@ of on the GPU.
 
 The launches are recorded under the interpreter (tests/gpu_compile.py); the shapes are the 0.6B
 model's where they select a variant (K of 1,024 and 3,072; head_dim 128, 16 heads over 8 KV heads)."""
+
 import os
 
 # Must be set before the kernels are imported: the launches below run in the interpreter.
@@ -40,9 +41,16 @@ def launch_everything() -> None:
     for silu_mul in (False, True):
         for tile in normed_tile_candidates(silu_mul):
             normed_gemv(bf16(1, 1024), bf16(1, 1024), bf16(1024), 1e-6, bf16(16, 1024), None, *tile, silu_mul=silu_mul)
-        normed_gemv(bf16(1, 1300), None, bf16(1300), 1e-6, bf16(16, 1300), bf16(16),
-                    *normed_tile_candidates(silu_mul)[0],
-                    silu_mul=silu_mul)  # the first layer (no residual), a partial chunk, a bias
+        normed_gemv(
+            bf16(1, 1300),
+            None,
+            bf16(1300),
+            1e-6,
+            bf16(16, 1300),
+            bf16(16),
+            *normed_tile_candidates(silu_mul)[0],
+            silu_mul=silu_mul,
+        )  # the first layer (no residual), a partial chunk, a bias
     shape = dict(num_kv_heads=8, group=2, head_dim=128, dtype=torch.bfloat16)
     query, k_cache, v_cache, meta = make_batch([1, 1], [40, 17], **shape)
     triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, num_splits=1)  # decode
@@ -59,14 +67,22 @@ def test_every_kernel_variant_compiles_for_sm86_sm89_and_sm90_without_spilling(t
     with record_launches(specs):
         launch_everything()
     kernels = {s["kernel"] for s in specs}
-    assert {"_gemv_kernel", "_normed_gemv_kernel", "_paged_attention_kernel", "_merge_splits_kernel",
-            "_store_kvcache_kernel"} <= kernels
+    assert {
+        "_gemv_kernel",
+        "_normed_gemv_kernel",
+        "_paged_attention_kernel",
+        "_merge_splits_kernel",
+        "_store_kvcache_kernel",
+    } <= kernels
     results = compile_in_subprocess([s | {"target": t} for t in TARGETS.values() for s in specs], tmp_path)
     assert {r["target"] for r in results} == {arch for _, arch, _ in TARGETS.values()}
     failed = [f"{r['kernel']} {r['target']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]
     assert not failed, "\n".join(failed)
-    spilled = [f"{r['kernel']} {r['target']} {r['constexprs']}: {r['local_bytes']} bytes" for r in results
-               if r.get("local_bytes")]
+    spilled = [
+        f"{r['kernel']} {r['target']} {r['constexprs']}: {r['local_bytes']} bytes"
+        for r in results
+        if r.get("local_bytes")
+    ]
     assert not spilled, "register spills to local memory:\n" + "\n".join(spilled)
     assert all("registers" in r for r in results), "cuobjdump reported no resource usage"
     # The fused norm kernel's tiles were chosen to stay near the plain GEMV's register use.

@@ -9,6 +9,7 @@ from the GGUF blocks, which the model then holds at the file's size.
 - a Q6_K file's greedy output equals its dequantized float32 model's, and its Q6_K weights are held at file size
 - without a compiler the kernel is not offered, the log says so once, and PyTorch's kernels serve
 """
+
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
     blocks = rng.integers(0, 256, size=(n, kquant.BLOCK_BYTES[type_name]), dtype=np.uint8)
     for at in {"Q6_K": (208,), "Q8_0": (0,)}.get(type_name, (0, 2)):
         halves = (rng.uniform(1e-3, 1e-2, n) * rng.choice([-1, 1], n)).astype(np.float16)
-        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(n, 2)
+        blocks[:, at : at + 2] = halves.view(np.uint8).reshape(n, 2)
     return blocks.reshape(rows, -1)
 
 
@@ -77,7 +78,7 @@ def test_kernel_equals_the_dequantized_product(type_name, n, k, m):
     qw, w = weight(type_name, n, k, seed=n + k)
     assert qw.blocks is not None and torch.equal(qw.dequantize(), w)  # the loader keeps the blocks it decoded
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    exact = (x.double() @ w.double().T)
+    exact = x.double() @ w.double().T
     scale = exact.abs().max().item()
     kernel = kquant.KQuantMatmul(qw, torch.float32, act="int8")
     y = kernel.ops.kquant_mm(x, kernel.blocks, kernel.kind, 0)
@@ -129,8 +130,7 @@ def test_compiled_graphs_call_it():
     """Decode steps are compiled graphs: the kernel and a tied table's row lookup run inside one."""
     qw, w = weight("Q6_K", 9, 512, seed=7)
     kernel = kquant.KQuantMatmul(qw, torch.float32)
-    step = torch.compile(lambda ids, x: kernel(x) + kernel.looked_up_rows(ids)[:, :9], fullgraph=True,
-                         backend="eager")
+    step = torch.compile(lambda ids, x: kernel(x) + kernel.looked_up_rows(ids)[:, :9], fullgraph=True, backend="eager")
     ids, x = torch.tensor([1, 4]), torch.randn(2, 512)
     assert torch.allclose(step(ids, x), kernel(x) + w[ids][:, :9])
 
@@ -152,8 +152,9 @@ def test_a_q6_k_file_replies_as_its_dequantized_model(tmp_path):
 
     build_tokenizer(tmp_path / "tok")
     model = hf_model("qwen3")
-    path = write_model_gguf(tmp_path / "model.gguf", "qwen3", model, {"linear": "Q6_K", "embed": "Q6_K"},
-                            tmp_path / "tok")
+    path = write_model_gguf(
+        tmp_path / "model.gguf", "qwen3", model, {"linear": "Q6_K", "embed": "Q6_K"}, tmp_path / "tok"
+    )
     reference = make_llm(dequantized_folder(path, model, tmp_path / "tok", tmp_path / "reference"))
     llm = make_llm(path)
     assert "KQuantMatmul" in llm.stats().matmul, llm.stats().matmul
@@ -198,8 +199,12 @@ print("OK")
 
 
 def test_without_a_compiler_pytorch_kernels_serve_and_the_log_says_so_once(tmp_path):
-    env = {**os.environ, "CXX": str(tmp_path / "no-compiler"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
-           "PYTHONPATH": os.getcwd()}
+    env = {
+        **os.environ,
+        "CXX": str(tmp_path / "no-compiler"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "PYTHONPATH": os.getcwd(),
+    }
     done = subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if "K-quant CPU kernel could not be built" in line]

@@ -3,6 +3,7 @@
 The launcher checks its options (and answers --help) before it installs anything, so that part must import no
 third-party package; a regression once made `python launcher.py` fail with "No module named 'torch'" on every
 fresh machine while `--test` kept CI green."""
+
 import os
 import signal
 import subprocess
@@ -31,16 +32,22 @@ def bare_python(tmp_path_factory) -> Path:
 
 
 def test_help_answers_from_a_bare_python_before_installing(bare_python, tmp_path):
-    out = subprocess.run([bare_python, str(REPO / "launcher.py"), "--help"], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=60)
+    out = subprocess.run(
+        [bare_python, str(REPO / "launcher.py"), "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "usage: pagoda" in out.stdout and "--share" in out.stdout and "--max-chats" in out.stdout
     assert "setting up" not in out.stdout  # answered before any install
 
 
 def test_a_bad_option_is_refused_from_a_bare_python(bare_python, tmp_path):
-    out = subprocess.run([bare_python, str(REPO / "launcher.py"), "--port", "seven"], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=60)
+    out = subprocess.run(
+        [bare_python, str(REPO / "launcher.py"), "--port", "seven"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 2 and "invalid int value: 'seven'" in out.stderr
 
 
@@ -55,9 +62,14 @@ def test_the_app_starts_from_a_bare_python(bare_python, tmp_path):
     for name in ("VIRTUAL_ENV", "PYTHONPATH"):  # what a user's plain shell has
         env.pop(name, None)
     log = tmp_path / "app.log"
-    proc = subprocess.Popen([bare_python, str(REPO / "launcher.py"), "--no-browser", "--port", str(port)],
-                            cwd=tmp_path, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [bare_python, str(REPO / "launcher.py"), "--no-browser", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def serving() -> bool:
         if proc.poll() is not None:

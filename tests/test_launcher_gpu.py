@@ -1,5 +1,6 @@
 """The launcher's check for an NVIDIA GPU that the installed PyTorch cannot use: instead of running on the CPU
 without a word, it says why and what to do. nvidia-smi is faked by a script on PATH."""
+
 import os
 import stat
 import sys
@@ -20,6 +21,7 @@ SMI_HEADER = """+---------------------------------------------------------------
 @pytest.fixture
 def fake_smi(tmp_path, monkeypatch):
     """A fake `nvidia-smi` first on PATH: `-L` lists one GPU, a plain call prints `header`."""
+
     def install(header: str = SMI_HEADER, lists_gpu: bool = True) -> None:
         script = tmp_path / "nvidia-smi"
         listing = 'echo "GPU 0: NVIDIA GeForce RTX 4060 Laptop GPU (UUID: GPU-1)"; exit 0' if lists_gpu else "exit 9"

@@ -1,4 +1,5 @@
 """The small fused ops against transformers' own, bit for bit in float32, and the CPU's packed matmuls."""
+
 import pytest
 import torch
 from torch import nn
@@ -46,8 +47,9 @@ def test_rotary_equals_transformers_bit_for_bit():
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     emb = torch.cat([torch.outer(positions.float(), inv_freq)] * 2, dim=-1)
     # transformers' layout: q [batch, heads, tokens, head_dim], cos [batch, tokens, head_dim]
-    want_q, want_k = modeling_llama.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                         emb.cos()[None], emb.sin()[None])
+    want_q, want_k = modeling_llama.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None]
+    )
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
@@ -71,8 +73,12 @@ def test_qk_norm_then_rotary_equals_transformers_bit_for_bit(dtype, k_eps):
     hf_k.weight.data.copy_(k_norm.weight)
     inv_freq = 1.0 / (1000000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     emb = torch.cat([torch.outer(positions.float(), inv_freq)] * 2, dim=-1)
-    want_q, want_k = modeling_llama.apply_rotary_pos_emb(hf_q(q).transpose(0, 1)[None], hf_k(k).transpose(0, 1)[None],
-                                                         emb.cos()[None].to(dtype), emb.sin()[None].to(dtype))
+    want_q, want_k = modeling_llama.apply_rotary_pos_emb(
+        hf_q(q).transpose(0, 1)[None],
+        hf_k(k).transpose(0, 1)[None],
+        emb.cos()[None].to(dtype),
+        emb.sin()[None].to(dtype),
+    )
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
@@ -122,8 +128,12 @@ def test_packed_matmuls_ask_onednn_for_few_row_counts_and_keep_every_row(monkeyp
     new step size. Rows go to it rounded up to 72 sizes up to 2,048, at most 1/8 more; results are unchanged."""
     asked = []
     pointwise = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(linear_mod.torch.ops.mkldnn, "_linear_pointwise",
-                        lambda x, *rest: (asked.append(x.shape[0]), pointwise(x, *rest))[1], raising=False)
+    monkeypatch.setattr(
+        linear_mod.torch.ops.mkldnn,
+        "_linear_pointwise",
+        lambda x, *rest: (asked.append(x.shape[0]), pointwise(x, *rest))[1],
+        raising=False,
+    )
     weight = torch.randn(24, 40)
     kernel = linear_mod.OneDNNMatmul(weight)
     for rows in (1, 7, 16, 17, 100, 300, 2047):

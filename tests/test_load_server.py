@@ -5,6 +5,7 @@ Bounded for CI (2 cores): a tiny random-weight Llama, short replies, loopback on
 and on each test. The tests share one server and run in file order, the last one checking the server after
 the others' load; each also holds on its own (`-k`).
 """
+
 import asyncio
 import json
 import re
@@ -35,9 +36,20 @@ def server(tiny_llama, tmp_path_factory):
     # A KV cache sized to the load rather than the CPU default (1 GiB): 64 running requests of about 50
     # tokens take 4 blocks each of 16 tokens, and the disconnecting ones up to 26; 2048 blocks leave room
     # without the cache dwarfing the memory being measured.
-    srv = ServeProcess(tiny_llama, tmp_path_factory.mktemp("load") / "server.log", "--served-model-name", MODEL,
-                       "--dtype", "float32", "--max-num-seqs", "64", "--max-model-len", "512",
-                       "--num-kvcache-blocks", "2048").wait_ready()
+    srv = ServeProcess(
+        tiny_llama,
+        tmp_path_factory.mktemp("load") / "server.log",
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "64",
+        "--max-model-len",
+        "512",
+        "--num-kvcache-blocks",
+        "2048",
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -67,8 +79,15 @@ def body(kind: str, i: int, max_tokens: int, stream: bool) -> dict:
     return {**payload, "prompt": text}
 
 
-async def run_stream(client: httpx.AsyncClient, kind: str, i: int, max_tokens: int, cut_after: int | None = None,
-                     opened: asyncio.Event | None = None, all_open: asyncio.Event | None = None) -> Result:
+async def run_stream(
+    client: httpx.AsyncClient,
+    kind: str,
+    i: int,
+    max_tokens: int,
+    cut_after: int | None = None,
+    opened: asyncio.Event | None = None,
+    all_open: asyncio.Event | None = None,
+) -> Result:
     """One streamed request, its server-sent events checked one by one. `cut_after`: hang up after that many
     events. `opened`/`all_open`: say when the response has started, then wait for every other stream to have
     started too, so the streams are open at the same time and not merely sent together."""
@@ -93,7 +112,7 @@ async def run_stream(client: httpx.AsyncClient, kind: str, i: int, max_tokens: i
             if not line.startswith("data: "):
                 result.problems.append(f"not an SSE data line: {line[:200]!r}")
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 result.done = True
                 continue
@@ -119,8 +138,9 @@ async def run_stream(client: httpx.AsyncClient, kind: str, i: int, max_tokens: i
 
 async def run_whole(client: httpx.AsyncClient, kind: str, i: int, max_tokens: int) -> Result:
     result = Result(kind, stream=False)
-    response = await client.post("/chat/completions" if kind == "chat" else "/completions",
-                                 json=body(kind, i, max_tokens, False))
+    response = await client.post(
+        "/chat/completions" if kind == "chat" else "/completions", json=body(kind, i, max_tokens, False)
+    )
     result.status = response.status_code
     if response.status_code != 200:
         result.problems.append(f"status {response.status_code}: {response.text[:300]!r}")
@@ -136,8 +156,11 @@ async def run_whole(client: httpx.AsyncClient, kind: str, i: int, max_tokens: in
 def client_for(server: ServeProcess) -> httpx.AsyncClient:
     # httpx allows 100 connections by default and queues the rest on the client: the burst would never reach
     # the server all at once.
-    return httpx.AsyncClient(base_url=server.url, timeout=REQUEST_TIMEOUT,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    return httpx.AsyncClient(
+        base_url=server.url,
+        timeout=REQUEST_TIMEOUT,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
 
 
 def check_complete(results: list[Result], max_tokens: int) -> None:
@@ -167,8 +190,11 @@ def assert_no_5xx(server: ServeProcess) -> None:
 
 
 def idle(server: ServeProcess) -> bool:
-    return (server.metric("vllm:num_requests_running") == 0 and server.metric("vllm:num_requests_waiting") == 0
-            and server.metric("vllm:kv_cache_usage_perc") == 0)
+    return (
+        server.metric("vllm:num_requests_running") == 0
+        and server.metric("vllm:num_requests_waiting") == 0
+        and server.metric("vllm:kv_cache_usage_perc") == 0
+    )
 
 
 def rss(pid: int) -> int:
@@ -212,9 +238,14 @@ def concurrent_streams(server: ServeProcess) -> list[Result]:
                 all_open.set()
 
             waiter = asyncio.create_task(when_all_open())
-            results = await asyncio.gather(*(run_stream(client, "chat" if i % 4 else "completion", i, STREAM_TOKENS,
-                                                        opened=opened[i], all_open=all_open)
-                                             for i in range(STREAMS)))
+            results = await asyncio.gather(
+                *(
+                    run_stream(
+                        client, "chat" if i % 4 else "completion", i, STREAM_TOKENS, opened=opened[i], all_open=all_open
+                    )
+                    for i in range(STREAMS)
+                )
+            )
             await waiter
             return results
 
@@ -228,9 +259,12 @@ def burst(server: ServeProcess) -> list[Result]:
     async def go():
         async with client_for(server) as client:
             kinds = [("chat", True), ("chat", False), ("completion", True), ("completion", False)]
-            return await asyncio.gather(*(
-                run_stream(client, kind, i, BURST_TOKENS) if stream else run_whole(client, kind, i, BURST_TOKENS)
-                for i, (kind, stream) in ((i, kinds[i % 4]) for i in range(BURST))))
+            return await asyncio.gather(
+                *(
+                    run_stream(client, kind, i, BURST_TOKENS) if stream else run_whole(client, kind, i, BURST_TOKENS)
+                    for i, (kind, stream) in ((i, kinds[i % 4]) for i in range(BURST))
+                )
+            )
 
     return asyncio.run(asyncio.wait_for(go(), PHASE_TIMEOUT))
 
@@ -240,10 +274,14 @@ def with_disconnects(server: ServeProcess) -> list[Result]:
 
     async def go():
         async with client_for(server) as client:
-            return await asyncio.gather(*(
-                run_stream(client, "chat" if i % 8 else "completion", i, CUT_TOKENS, cut_after=4) if i % 4 == 0
-                else run_stream(client, "chat" if i % 4 != 1 else "completion", i, STREAM_TOKENS)
-                for i in range(STREAMS)))
+            return await asyncio.gather(
+                *(
+                    run_stream(client, "chat" if i % 8 else "completion", i, CUT_TOKENS, cut_after=4)
+                    if i % 4 == 0
+                    else run_stream(client, "chat" if i % 4 != 1 else "completion", i, STREAM_TOKENS)
+                    for i in range(STREAMS)
+                )
+            )
 
     return asyncio.run(asyncio.wait_for(go(), PHASE_TIMEOUT))
 
@@ -306,8 +344,7 @@ def test_rss_levels_off_over_repeated_bursts(server):
         check_complete(burst(server), BURST_TOKENS)
         assert wait_until(lambda: idle(server), timeout=30)
         rss.append(psutil.Process(server.proc.pid).memory_info().rss)
-    print(f"{REPEATS} bursts: {time.monotonic() - started:.1f} s; RSS after each (MiB): "
-          f"{[r >> 20 for r in rss]}")
+    print(f"{REPEATS} bursts: {time.monotonic() - started:.1f} s; RSS after each (MiB): {[r >> 20 for r in rss]}")
     grown = rss[-1] - rss[-LAST - 1]
     # Before the fix the last five bursts added 50-125 MiB; a levelled-off server moves by a few.
     assert grown <= 0.05 * rss[-LAST - 1], f"RSS still grows: {grown >> 20} MiB over the last {LAST} bursts"
@@ -323,8 +360,10 @@ def test_clients_that_hang_up_mid_stream_free_their_requests_and_kv_blocks(serve
     # Once their clients are gone, nothing runs, nothing waits and every KV block is free again.
     started = time.monotonic()
     assert wait_until(lambda: idle(server), timeout=30), (
-        server.metric("vllm:num_requests_running"), server.metric("vllm:num_requests_waiting"),
-        server.metric("vllm:kv_cache_usage_perc"))
+        server.metric("vllm:num_requests_running"),
+        server.metric("vllm:num_requests_waiting"),
+        server.metric("vllm:kv_cache_usage_perc"),
+    )
     print(f"idle {time.monotonic() - started:.1f} s after the last client")
     # The cut requests were aborted, not left to run to their 400 tokens unseen (which would make this all 6,400).
     # 100-650 here: a client slowed by a busy machine reads its 4 events while the server is tokens ahead.

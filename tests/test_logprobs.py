@@ -4,6 +4,7 @@ Each check replays the request's prompt and output through transformers in one t
 forward (float32), so every reported value, and every top-k set, is compared with the reference
 distribution at that position: the raw one, whatever temperature or top-k sampled the token.
 """
+
 import pytest
 import torch
 
@@ -53,14 +54,20 @@ def check_result(model, prompt: list[int], result: dict, params: SamplingParams)
 def test_a_mixed_batch_matches_transformers(settings, tiny_llama, make_llm, hf_model, random_prompt):
     llm = make_llm(tiny_llama, **settings)
     cases = [
-        (random_prompt(20, 1), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
-                                              prompt_logprobs=2)),
+        (
+            random_prompt(20, 1),
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+        ),
         (random_prompt(9, 2), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),  # asks for nothing
         # Sampled with temperature and top-k: the reported logprobs are still the raw distribution's.
-        (random_prompt(33, 3), SamplingParams(temperature=1.5, top_k=4, seed=7, max_tokens=8, ignore_eos=True,
-                                              logprobs=5)),
-        (random_prompt(14, 4), SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True,
-                                              logprobs=0, prompt_logprobs=0)),
+        (
+            random_prompt(33, 3),
+            SamplingParams(temperature=1.5, top_k=4, seed=7, max_tokens=8, ignore_eos=True, logprobs=5),
+        ),
+        (
+            random_prompt(14, 4),
+            SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, logprobs=0, prompt_logprobs=0),
+        ),
         (random_prompt(2, 5), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=20)),
     ]
     results = llm.generate([p for p, _ in cases], [s for _, s in cases], use_tqdm=False)
@@ -85,8 +92,7 @@ def test_the_sampled_token_logprob_is_raw_not_tempered(tiny_llama, make_llm, hf_
     assert (got - tempered[:, 0]).abs().max() > 10 * TOL
 
 
-def test_prompt_logprobs_skip_the_prefix_cache_but_register_their_blocks(tiny_llama, make_llm, hf_model,
-                                                                         random_prompt):
+def test_prompt_logprobs_skip_the_prefix_cache_but_register_their_blocks(tiny_llama, make_llm, hf_model, random_prompt):
     llm = make_llm(tiny_llama)
     prompt = random_prompt(40, 11)
     plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -97,8 +103,9 @@ def test_prompt_logprobs_skip_the_prefix_cache_but_register_their_blocks(tiny_ll
     assert second["num_cached_tokens"] == 0  # a hit was there (32 tokens) but would have hidden 32 positions
     check_result(hf_model(tiny_llama), prompt, second, wanting)
     # Asking for logprobs of the generated tokens only does not need the prompt's logits: it hits.
-    third = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2),
-                         use_tqdm=False)[0]
+    third = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2), use_tqdm=False
+    )[0]
     assert third["num_cached_tokens"] == 32
     check_result(hf_model(tiny_llama), prompt, third, SamplingParams(logprobs=2))
     assert first["token_ids"] == second["token_ids"] == third["token_ids"]
@@ -142,8 +149,10 @@ def test_out_of_range_k_is_refused(name, bad):
 
 def test_tensor_parallel_logprobs_equal_one_rank(tiny_llama, random_prompt):
     prompts = [random_prompt(25, 21), random_prompt(6, 22)]
-    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=3),
-              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=3),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    ]
     settings = dict(dtype="float32", num_kvcache_blocks=32, max_num_batched_tokens=16)
     one = LLM(str(tiny_llama), **settings).generate(prompts, params, use_tqdm=False)
     tp = LLM(str(tiny_llama), tensor_parallel_size=2, **settings)
@@ -157,8 +166,9 @@ def test_tensor_parallel_logprobs_equal_one_rank(tiny_llama, random_prompt):
             assert (a is None) == (b is None)
             if a is not None:
                 assert list(a) == list(b)
-                torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())),
-                                           atol=TOL, rtol=0)
+                torch.testing.assert_close(
+                    torch.tensor(list(a.values())), torch.tensor(list(b.values())), atol=TOL, rtol=0
+                )
 
 
 def test_quality_kl_over_the_top_tokens_is_a_lower_bound_and_exact_with_the_whole_vocabulary():

@@ -1,5 +1,6 @@
 """The fused add + RMSNorm + GEMV (+ SiLU-and-mul) kernel against the unfused layers, on CPU via
 Triton's interpreter; the choice between them with a scripted timer; and a decoder run with it."""
+
 import os
 
 # Must be set before the kernels are imported, or they would try to compile for a GPU.
@@ -51,8 +52,9 @@ def test_matches_the_unfused_layers_on_every_tile(n, k, with_bias, with_residual
     with torch.no_grad():
         expected, expected_residual = layer.normed_unfused(x, residual, norm, act)
         for tile in normed_tile_candidates(silu_mul):
-            got, got_residual = normed_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, *tile,
-                                            silu_mul=silu_mul)
+            got, got_residual = normed_gemv(
+                x, residual, norm.weight, norm.eps, layer.weight, layer.bias, *tile, silu_mul=silu_mul
+            )
             assert got.shape == expected.shape == (1, n // 2 if silu_mul else n) and got.dtype == torch.float16
             assert close(got, expected), (tile, (got.float() - expected.float()).abs().max())
             # The residual stream is carried exactly: it is the model's memory across layers.
@@ -169,8 +171,9 @@ def test_a_decoder_with_every_norm_fused_gives_the_same_tokens_and_close_logits(
     model = llm.model_runner.model
     logits_by_row = []
     real_logits = model.compute_logits
-    monkeypatch.setattr(model, "compute_logits", lambda hidden: logits_by_row.append(real_logits(hidden))
-                        or logits_by_row[-1])
+    monkeypatch.setattr(
+        model, "compute_logits", lambda hidden: logits_by_row.append(real_logits(hidden)) or logits_by_row[-1]
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = [5, 17, 33, 100, 7, 9]
     unfused = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
@@ -204,5 +207,7 @@ def test_choose_skips_a_tile_this_gpu_cannot_run_and_says_so(monkeypatch, caplog
     with torch.no_grad(), caplog.at_level("WARNING", logger="engine"):
         assert choose_normed([(layer, norm, None)], ScriptedTimer(unfused_ms=1.0, fused_ms=0.5)) == 1
     assert layer.normed_kernel is not None and layer.normed_kernel.tile[0] != 2
-    assert ("fused norm+GEMV tile 2x1024 failed on (48, 256) and is not used: out of resources: shared memory"
-            in caplog.text)
+    assert (
+        "fused norm+GEMV tile 2x1024 failed on (48, 256) and is not used: out of resources: shared memory"
+        in caplog.text
+    )

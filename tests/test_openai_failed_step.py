@@ -1,5 +1,6 @@
 """A step that raises fails only its requests: through /v1 they get OpenAI's error shape (a 500 whole, an error
 event in a stream), and the server goes on answering."""
+
 import json
 
 import pytest

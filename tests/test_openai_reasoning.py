@@ -1,6 +1,7 @@
 """Reasoning through /v1 on a tiny random-weight Qwen3 with Qwen3's real chat template (and an R1 distill's):
 constrained decoding makes the model write the `<think>...</think>answer` shape a trained one would, and the
 server must return the two parts apart, as vLLM does (`reasoning_content`), whole and streamed."""
+
 import re
 import shutil
 
@@ -37,8 +38,9 @@ def qwen3(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def r1(tiny_models, tmp_path_factory):
-    folder = with_template(tiny_models["qwen2"], tmp_path_factory.mktemp("r1") / "model",
-                           "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+    folder = with_template(
+        tiny_models["qwen2"], tmp_path_factory.mktemp("r1") / "model", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+    )
     srv = ServeProcess(folder, folder.parent / "server.log", "--served-model-name", "r1", "--dtype", "float32")
     yield srv.wait_ready(300)
     srv.stop()
@@ -46,9 +48,14 @@ def r1(tiny_models, tmp_path_factory):
 
 def ask(server, regex, stream=False, **extra):
     client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
-    return client.chat.completions.create(model=client.models.list().data[0].id, messages=ASK, temperature=0,
-                                          max_tokens=60, stream=stream,
-                                          extra_body={"structured_outputs": {"regex": regex}, **extra})
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=ASK,
+        temperature=0,
+        max_tokens=60,
+        stream=stream,
+        extra_body={"structured_outputs": {"regex": regex}, **extra},
+    )
 
 
 def streamed(chunks) -> tuple[str, str, str]:
@@ -94,6 +101,9 @@ def test_an_r1_distill_starts_its_reply_inside_the_reasoning(r1):
 
 
 def test_a_model_that_does_not_think_has_no_reasoning_field(r1, qwen3):
-    r = httpx.post(f"{qwen3.url}/chat/completions", timeout=60, json={
-        "messages": ASK, "max_tokens": 5, "temperature": 0, "structured_outputs": {"regex": "[a-z]{3}"}})
+    r = httpx.post(
+        f"{qwen3.url}/chat/completions",
+        timeout=60,
+        json={"messages": ASK, "max_tokens": 5, "temperature": 0, "structured_outputs": {"regex": "[a-z]{3}"}},
+    )
     assert "reasoning_content" not in r.json()["choices"][0]["message"]  # Qwen3 answered without a block

@@ -1,4 +1,5 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real server process."""
+
 import json
 import threading
 
@@ -16,18 +17,32 @@ pytestmark = pytest.mark.timeout(900)
 KEY = "sk-pagoda-test"
 DEFAULT_MAX_TOKENS = 20  # the server's cap for requests that send no max_tokens
 MODEL = "smollm2"
-SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
-          "sentence, you say so when you do not know, and you never make up facts about the user.")
+SYSTEM = (
+    "You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
+    "sentence, you say so when you do not know, and you never make up facts about the user."
+)
 
 
 @pytest.fixture(scope="module")
 def server(bundled_model, tmp_path_factory):
-    srv = ServeProcess(bundled_model, tmp_path_factory.mktemp("serve") / "server.log", "--served-model-name", MODEL,
-                       "--api-key", KEY, "--max-num-seqs", "16", "--max-model-len", "2048",
-                       "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
-                       # float32: its sums come out the same whether a prompt's system prompt was cached by an
-                       # earlier test or not, so replies and logprobs can be compared with the reference's exactly
-                       "--dtype", "float32").wait_ready()
+    srv = ServeProcess(
+        bundled_model,
+        tmp_path_factory.mktemp("serve") / "server.log",
+        "--served-model-name",
+        MODEL,
+        "--api-key",
+        KEY,
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        "2048",
+        "--default-max-tokens",
+        str(DEFAULT_MAX_TOKENS),
+        # float32: its sums come out the same whether a prompt's system prompt was cached by an
+        # earlier test or not, so replies and logprobs can be compared with the reference's exactly
+        "--dtype",
+        "float32",
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -61,8 +76,9 @@ def test_a_greedy_chat_reply_is_the_engines_own_greedy_reply(client, bundled_mod
     messages = chat("What is the capital of France?")
     reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     tok = AutoTokenizer.from_pretrained(bundled_model)
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     expected = reference_llm.generate([ids], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     choice = reply.choices[0]
     assert choice.message.role == "assistant"
@@ -76,9 +92,16 @@ def test_a_greedy_chat_reply_is_the_engines_own_greedy_reply(client, bundled_mod
 def test_streaming_gives_the_same_text_with_usage_last(client):
     messages = chat("Name three colours.")
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32,
-                                                 stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=32,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # it really streamed
     assert text == whole.choices[0].message.content
@@ -92,8 +115,9 @@ def test_streaming_gives_the_same_text_with_usage_last(client):
 def test_usage_reports_the_cached_system_prompt(client):
     system = "This opening sentence makes the system prompt unique to this test, so nothing cached it before. " + SYSTEM
     first = client.chat.completions.create(model=MODEL, messages=chat("Hello!", system), temperature=0, max_tokens=4)
-    second = client.chat.completions.create(model=MODEL, messages=chat("What is two plus two?", system),
-                                            temperature=0, max_tokens=4)
+    second = client.chat.completions.create(
+        model=MODEL, messages=chat("What is two plus two?", system), temperature=0, max_tokens=4
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 32 and cached % 16 == 0  # the system prompt's full blocks
@@ -103,8 +127,9 @@ def test_usage_reports_the_cached_system_prompt(client):
 def test_stop_strings_end_the_reply_and_are_not_returned(client):
     free = client.completions.create(model=MODEL, prompt="One, two, three, four, five,", temperature=0, max_tokens=16)
     stop = free.choices[0].text.strip()[:2]  # something greedy decoding is about to write
-    reply = client.completions.create(model=MODEL, prompt="One, two, three, four, five,", temperature=0, max_tokens=16,
-                                      stop=[stop])
+    reply = client.completions.create(
+        model=MODEL, prompt="One, two, three, four, five,", temperature=0, max_tokens=16, stop=[stop]
+    )
     assert stop not in reply.choices[0].text
     assert free.choices[0].text.startswith(reply.choices[0].text)
     assert reply.choices[0].finish_reason == "stop"
@@ -121,9 +146,14 @@ def test_sixteen_concurrent_streams_complete_in_one_batch(client, server):
     results = {}
 
     def one(i):
-        stream = client.chat.completions.create(model=MODEL, messages=chat(f"Count from {i} to {i + 20}."),
-                                                temperature=0, max_tokens=48, stream=True,
-                                                stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=chat(f"Count from {i} to {i + 20}."),
+            temperature=0,
+            max_tokens=48,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         results[i] = (chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1])
 
@@ -141,9 +171,18 @@ def test_sixteen_concurrent_streams_complete_in_one_batch(client, server):
 def test_a_client_that_disconnects_mid_stream_aborts_its_request(client, server):
     baseline = server.metric("vllm:kv_cache_usage_perc")
     generated = server.metric("vllm:generation_tokens_total")
-    with httpx.stream("POST", f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL, "messages": chat("Write a very long story about a dragon."),
-                            "max_tokens": 1500, "stream": True}, timeout=60) as response:
+    with httpx.stream(
+        "POST",
+        f"{server.base}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={
+            "model": MODEL,
+            "messages": chat("Write a very long story about a dragon."),
+            "max_tokens": 1500,
+            "stream": True,
+        },
+        timeout=60,
+    ) as response:
         lines = response.iter_lines()
         received = [line for line, _ in zip(lines, range(6))]
         assert all(line.startswith("data: ") or line == "" for line in received)
@@ -154,23 +193,33 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(client, server)
     assert server.metric("vllm:generation_tokens_total") - generated < 200  # far from the 1,500 it asked for
 
 
-@pytest.mark.parametrize("body, status, code", [
-    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context_length_exceeded"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400,
-     "context_length_exceeded"),
-    ({"model": MODEL}, 400, None),
-    ({"model": MODEL, "messages": []}, 400, None),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400,
-     None),
-])
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context_length_exceeded"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000},
+            400,
+            "context_length_exceeded",
+        ),
+        ({"model": MODEL}, 400, None),
+        ({"model": MODEL, "messages": []}, 400, None),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, None),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            400,
+            None,
+        ),
+    ],
+)
 def test_bad_requests_get_openai_style_errors(server, body, status, code):
-    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json=body, timeout=30)
+    r = httpx.post(
+        f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=30
+    )
     assert r.status_code == status
     error = r.json()["error"]
     assert error["message"] and error["type"]
@@ -178,8 +227,12 @@ def test_bad_requests_get_openai_style_errors(server, body, status, code):
 
 
 def test_a_malformed_body_is_a_400_not_a_crash(server):
-    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}",
-                   "Content-Type": "application/json"}, content=b"{not json", timeout=30)
+    r = httpx.post(
+        f"{server.base}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        content=b"{not json",
+        timeout=30,
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
@@ -191,12 +244,14 @@ def test_the_client_sees_errors_as_its_own_exceptions(client):
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}])
-@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
-                                          ("POST", "/v1/completions")])
+@pytest.mark.parametrize(
+    "method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")]
+)
 def test_every_v1_route_wants_the_key(server, headers, method, path):
     body = {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    r = httpx.request(method, f"{server.base}{path}", headers=headers,
-                      json=body if method == "POST" else None, timeout=30)
+    r = httpx.request(
+        method, f"{server.base}{path}", headers=headers, json=body if method == "POST" else None, timeout=30
+    )
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
 
@@ -218,8 +273,14 @@ def test_an_exposed_server_always_has_a_key(capsys):
 
 def test_metrics_use_vllm_names(server):
     text = httpx.get(f"{server.base}/metrics", timeout=10).text
-    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running",
-                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total"):
+    for name in (
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+    ):
         assert f'{name}{{model_name="{MODEL}"}}' in text
 
 
@@ -228,18 +289,21 @@ def chat_ids(bundled_model, messages: list[dict]) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(bundled_model)
-    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                      add_special_tokens=False)
+    return tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
 
 
 def test_chat_logprobs_are_the_engines_with_the_top_tokens(client, bundled_model, reference_llm):
     from engine import SamplingParams
 
     messages = chat("Name a fruit.")
-    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
-                                           logprobs=True, top_logprobs=3)
-    expected = reference_llm.generate([chat_ids(bundled_model, messages)],
-                                      SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)[0]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    expected = reference_llm.generate(
+        [chat_ids(bundled_model, messages)], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False
+    )[0]
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens == len(expected["token_ids"])
     assert "".join(entry.token for entry in content) == reply.choices[0].message.content
@@ -255,13 +319,15 @@ def test_chat_logprobs_are_the_engines_with_the_top_tokens(client, bundled_model
 
 
 def test_streamed_chat_logprobs_come_with_their_chunks(client):
-    kwargs = dict(model=MODEL, messages=chat("Name three colours."), temperature=0, max_tokens=16, logprobs=True,
-                  top_logprobs=2)
+    kwargs = dict(
+        model=MODEL, messages=chat("Name three colours."), temperature=0, max_tokens=16, logprobs=True, top_logprobs=2
+    )
     whole = client.chat.completions.create(**kwargs)
     chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
     streamed = [entry for c in chunks if c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == \
-        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole.choices[0].logprobs.content
+    ]
     with_text = [c for c in chunks if c.choices[0].delta.content]
     assert len(with_text) > 3 and all(c.choices[0].logprobs is not None for c in with_text)
 
@@ -273,8 +339,9 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, reference_llm):
     reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
     choice = reply.choices[0]
     ids = reference_llm.tokenizer.encode(prompt)
-    expected = reference_llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                                      use_tqdm=False)[0]["prompt_logprobs"]
+    expected = reference_llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0][
+        "prompt_logprobs"
+    ]
     lp = choice.logprobs
     assert choice.text == prompt and reply.usage.completion_tokens == 0 and choice.finish_reason == "length"
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
@@ -288,9 +355,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, reference_llm):
 
 def test_echo_of_token_ids_with_one_new_token_as_lm_eval_sends_it(server, reference_llm):
     ids = reference_llm.tokenizer.encode("One, two, three, four")
-    r = httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                   json={"model": MODEL, "prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1,
-                         "temperature": 0})
+    r = httpx.post(
+        f"{server.base}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+        json={"model": MODEL, "prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     lp = choice["logprobs"]
@@ -302,8 +372,12 @@ def test_echo_of_token_ids_with_one_new_token_as_lm_eval_sends_it(server, refere
 
 @pytest.mark.parametrize("body", [{"logprobs": 21}, {"logprobs": -1}, {"max_tokens": 0}])
 def test_bad_logprobs_requests_are_refused(server, body):
-    r = httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
-                   json={"model": MODEL, "prompt": "hi", **body})
+    r = httpx.post(
+        f"{server.base}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+        json={"model": MODEL, "prompt": "hi", **body},
+    )
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
@@ -316,12 +390,19 @@ def test_penalties_and_logit_bias_give_the_engines_own_reply(client, bundled_mod
     plain = reference_llm.generate([ids], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     banned = plain["token_ids"][0]  # the greedy reply's first token, which the bias takes away
     settings = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={banned: -100.0})
-    expected = reference_llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, **settings),
-                                      use_tqdm=False)[0]
+    expected = reference_llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, **settings), use_tqdm=False)[
+        0
+    ]
     assert expected["token_ids"][0] != banned and expected["text"] != plain["text"]
-    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
-                                           frequency_penalty=1.5, presence_penalty=0.5,
-                                           logit_bias={str(banned): -100})
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=24,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        logit_bias={str(banned): -100},
+    )
     assert reply.choices[0].message.content == expected["text"]
 
 
@@ -334,29 +415,35 @@ def test_vllms_ignore_eos_and_stop_token_ids_reach_the_engine(client, bundled_mo
     ids = chat_ids(bundled_model, messages)
     plain = reference_llm.generate([ids], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
     assert plain["finish_reason"] == "stop" and len(plain["token_ids"]) < 64  # the model ends it by itself
-    reply = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=64,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model=MODEL, prompt=ids, temperature=0, max_tokens=64, extra_body={"ignore_eos": True}
+    )
     assert reply.usage.completion_tokens == 64 and reply.choices[0].finish_reason == "length"
     stop_at = plain["token_ids"][2]
-    reply = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=64,
-                                      extra_body={"stop_token_ids": [stop_at]})
+    reply = client.completions.create(
+        model=MODEL, prompt=ids, temperature=0, max_tokens=64, extra_body={"stop_token_ids": [stop_at]}
+    )
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens <= 3
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("logit_bias", {"hello": 5}, "token ids"),
-    ("logit_bias", {"99999999": 5}, "outside the vocabulary"),
-    ("logit_bias", {"1": 101}, "from -100 to 100"),
-    ("presence_penalty", 2.5, "less than or equal to 2"),
-    ("frequency_penalty", -3, "greater than or equal to -2"),
-    ("reasoning_effort", "low", "reasoning_effort is for models that think"),
-    ("reasoning_effort", "extreme", "reasoning_effort: Input should be"),
-    ("priority", "high", "valid integer"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("logit_bias", {"hello": 5}, "token ids"),
+        ("logit_bias", {"99999999": 5}, "outside the vocabulary"),
+        ("logit_bias", {"1": 101}, "from -100 to 100"),
+        ("presence_penalty", 2.5, "less than or equal to 2"),
+        ("frequency_penalty", -3, "greater than or equal to -2"),
+        ("reasoning_effort", "low", "reasoning_effort is for models that think"),
+        ("reasoning_effort", "extreme", "reasoning_effort: Input should be"),
+        ("priority", "high", "valid integer"),
+    ],
+)
 def test_bad_sampling_fields_are_refused_by_name(server, field, value, words):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
-    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
-                   timeout=30)
+    r = httpx.post(
+        f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=30
+    )
     assert r.status_code == 400
     assert words in r.json()["error"]["message"]
     assert field in r.json()["error"]["message"] or r.json()["error"]["param"] == field
@@ -368,16 +455,18 @@ def test_a_request_without_max_tokens_gets_the_servers_default(client, bundled_m
     # Every end-of-turn token banned, so only the cap ends the reply.
     tok = AutoTokenizer.from_pretrained(bundled_model)
     stops = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")} | {tok.eos_token_id}
-    reply = client.chat.completions.create(model=MODEL, messages=chat("Tell me a long story."), temperature=0,
-                                           logit_bias={str(t): -100 for t in stops})
+    reply = client.chat.completions.create(
+        model=MODEL, messages=chat("Tell me a long story."), temperature=0, logit_bias={str(t): -100 for t in stops}
+    )
     assert reply.usage.completion_tokens == DEFAULT_MAX_TOKENS and reply.choices[0].finish_reason == "length"
 
 
 def test_each_request_gets_a_log_line_with_its_tokens(client, server):
     messages = chat("Name a colour.")
     client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=3)
-    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=3, stream=True,
-                                           stream_options={"include_usage": True})
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=3, stream=True, stream_options={"include_usage": True}
+    )
     usage = [chunk.usage for chunk in reply][-1]
     httpx.post(f"{server.base}/v1/chat/completions", json={"model": MODEL}, timeout=30)  # no key: refused
 
@@ -385,8 +474,10 @@ def test_each_request_gets_a_log_line_with_its_tokens(client, server):
         return text in server.log.read_text()
 
     u = usage
-    streamed = (f"POST /v1/chat/completions 200 · prompt {u.prompt_tokens} tokens "
-                f"({u.prompt_tokens_details.cached_tokens} cached) · completion {u.completion_tokens} tokens · ")
+    streamed = (
+        f"POST /v1/chat/completions 200 · prompt {u.prompt_tokens} tokens "
+        f"({u.prompt_tokens_details.cached_tokens} cached) · completion {u.completion_tokens} tokens · "
+    )
     assert wait_until(lambda: logged(streamed), timeout=10), server.log.read_text()[-2000:]
     assert u.prompt_tokens_details.cached_tokens > 0  # the second time, its prompt came from the cache
     assert wait_until(lambda: logged("POST /v1/chat/completions 401 · "), timeout=10)
@@ -414,24 +505,40 @@ def test_the_default_max_tokens_fits_the_context_and_0_means_all_of_it(capsys):
 def post_chat(server, content: bytes | None = None, **fields) -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
-    return httpx.post(f"{server.base}/v1/chat/completions", headers=headers,
-                      content=content if content is not None else json.dumps(body), timeout=60)
+    return httpx.post(
+        f"{server.base}/v1/chat/completions",
+        headers=headers,
+        content=content if content is not None else json.dumps(body),
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("field, value", [("max_tokens", "2"), ("max_tokens", True), ("stream", "yes"),
-                                          ("temperature", "0.5"), ("seed", 2**64), ("max_tokens", 2.5)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", "2"),
+        ("max_tokens", True),
+        ("stream", "yes"),
+        ("temperature", "0.5"),
+        ("seed", 2**64),
+        ("max_tokens", 2.5),
+    ],
+)
 def test_fields_are_typed_strictly_and_named(server, field, value):
     r = post_chat(server, **{field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("content, words", [
-    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid JSON"),
-    (b"[" * 1000 + b"]" * 1000, "not valid JSON"),
-    (b'{"model": "smollm2", "max_tokens": ' + b"9" * 5000 + b', "messages": []}', "not valid JSON"),
-    (b'["a list"]', "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid JSON"),
+        (b"[" * 1000 + b"]" * 1000, "not valid JSON"),
+        (b'{"model": "smollm2", "max_tokens": ' + b"9" * 5000 + b', "messages": []}', "not valid JSON"),
+        (b'["a list"]', "must be a JSON object"),
+    ],
+)
 def test_bodies_that_once_gave_500s_are_400s(server, content, words):
     r = post_chat(server, content)
     assert r.status_code == 400, r.text

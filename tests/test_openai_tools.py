@@ -1,6 +1,7 @@
 """Tools and structured output through /v1, on the bundled SmolLM2 served from its GGUF, driven by the official
 `openai` client and by LangChain. The model is far too small to follow a schema or call a tool unaided, so
 every valid reply here is constrained decoding's doing."""
+
 import json
 
 import httpx
@@ -16,28 +17,63 @@ from tests.processes import ServeProcess  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = "smollm2"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-                                                    "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
-                   "required": ["a", "b"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
-    "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3}},
-    "required": ["name", "age", "pets"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServeProcess(bundled_gguf_path(), tmp_path_factory.mktemp("tools") / "server.log", "--served-model-name",
-                       MODEL, "--max-num-seqs", "8", "--max-model-len", "2048", "--default-max-tokens", "200")
+    srv = ServeProcess(
+        bundled_gguf_path(),
+        tmp_path_factory.mktemp("tools") / "server.log",
+        "--served-model-name",
+        MODEL,
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "2048",
+        "--default-max-tokens",
+        "200",
+    )
     yield srv.wait_ready(300)
     srv.stop()
 
@@ -58,8 +94,14 @@ def check_calls(calls, names=None):
 def test_json_schema_replies_validate_at_temperature_0_8(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for seed in range(6):
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Invent a person."}],
-                                           response_format=fmt, temperature=0.8, seed=seed, max_tokens=120)
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Invent a person."}],
+            response_format=fmt,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=120,
+        )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
 
@@ -69,15 +111,25 @@ def test_the_clients_parse_helper_gets_its_pydantic_model(client):
         name: str = Field(max_length=30)
         population: int = Field(ge=0, le=40_000_000)
 
-    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Name a big city."}],
-                                      response_format=City, temperature=0.8, max_tokens=60)
+    r = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a big city."}],
+        response_format=City,
+        temperature=0.8,
+        max_tokens=60,
+    )
     assert isinstance(r.choices[0].message.parsed, City)
 
 
 def test_json_object_gives_an_object(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Reply in JSON."}],
-                                       response_format={"type": "json_object"}, temperature=0, max_tokens=60,
-                                       extra_body={"structured_outputs": None})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Reply in JSON."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=60,
+        extra_body={"structured_outputs": None},
+    )
     text = r.choices[0].message.content
     assert text.startswith("{")
     if r.choices[0].finish_reason == "stop":
@@ -87,8 +139,15 @@ def test_json_object_gives_an_object(client):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_required_and_named_tool_calls_have_valid_arguments(client, choice):
     for seed in range(3):
-        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
-                                           temperature=0.8, seed=seed, max_tokens=300)  # room for 8 calls
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER, ADD],
+            tool_choice=choice,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=300,
+        )  # room for 8 calls
         message = r.choices[0].message
         assert r.choices[0].finish_reason == "tool_calls" and not message.content
         check_calls(message.tool_calls, ["add"] if isinstance(choice, dict) else None)
@@ -96,15 +155,31 @@ def test_required_and_named_tool_calls_have_valid_arguments(client, choice):
 
 def test_parallel_tool_calls_false_gives_one_call(client):
     for seed in range(3):
-        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], tool_choice="required",
-                                           parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=120)
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER, ADD],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+        )
         assert len(r.choices[0].message.tool_calls) == 1
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_tool_call_deltas_rebuild_the_calls(client, choice):
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
-                                            temperature=0.5, seed=1, max_tokens=300, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, ADD],
+        tool_choice=choice,
+        temperature=0.5,
+        seed=1,
+        max_tokens=300,
+        stream=True,
+    )
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -122,40 +197,59 @@ def test_streamed_tool_call_deltas_rebuild_the_calls(client, choice):
 
 
 def test_a_tool_result_goes_back_in_and_the_model_answers(client):
-    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], temperature=0,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                           max_tokens=60)
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, ADD],
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+    )
     call = first.choices[0].message.tool_calls[0]
-    messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": "Sunny and 24 degrees."}]
-    second = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=[WEATHER, ADD],
-                                                              temperature=0, max_tokens=40)
+    messages = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny and 24 degrees."},
+    ]
+    second = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, tools=[WEATHER, ADD], temperature=0, max_tokens=40
+    )
     assert second.parse().choices[0].message.content
     # tool_choice auto on a template without tools: served without them (tests/test_openwebui_requests.py)
     assert "no tool support" in second.headers["x-pagoda-tools-dropped"]
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
-     "objekt"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "must be a JSON schema"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type must be"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "send_email"}}},
-     "'send_email', which is not in"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "none"}}]},
-     "must be a JSON schema of an object"),
-    ({"tool_choice": "required"}, "no tools"),
-    ({"structured_outputs": {"grammar": 'start: "a" missing_rule'}}, "missing_rule"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
-    ({"guided_regex": "(unclosed"}, "unclosed group"),
-    ({"functions": [{"name": "f"}]}, "send `tools` instead"),
-    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "send one of them"),
-    ({"tools": [ADD], "tool_choice": "required", "response_format": {"type": "json_object"}}, "send one of them"),
-    ({"chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "objekt",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "must be a JSON schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type must be"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "send_email"}}},
+            "'send_email', which is not in",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "none"}}]},
+            "must be a JSON schema of an object",
+        ),
+        ({"tool_choice": "required"}, "no tools"),
+        ({"structured_outputs": {"grammar": 'start: "a" missing_rule'}}, "missing_rule"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+        ({"guided_regex": "(unclosed"}, "unclosed group"),
+        ({"functions": [{"name": "f"}]}, "send `tools` instead"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "send one of them"),
+        ({"tools": [ADD], "tool_choice": "required", "response_format": {"type": "json_object"}}, "send one of them"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
+    ],
+)
 def test_bad_constraints_and_tools_get_a_400_that_names_the_problem(server, body, message):
-    r = httpx.post(f"{server.url}/chat/completions", timeout=60,
-                   json={"model": MODEL, "messages": ASK, "max_tokens": 5, **body})
+    r = httpx.post(
+        f"{server.url}/chat/completions", timeout=60, json={"model": MODEL, "messages": ASK, "max_tokens": 5, **body}
+    )
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
 
@@ -170,8 +264,9 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     langchain_openai = pytest.importorskip("langchain_openai")
     from langchain_core.tools import tool
 
-    llm = langchain_openai.ChatOpenAI(base_url=server.url, api_key="none", model=MODEL, temperature=0.7,
-                                      max_tokens=120, max_retries=0, timeout=300)
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url, api_key="none", model=MODEL, temperature=0.7, max_tokens=120, max_retries=0, timeout=300
+    )
 
     @tool
     def add(a: int, b: int) -> int:
@@ -185,8 +280,9 @@ def test_langchain_bind_tools_and_with_structured_output(server):
 
     for choice in ("add", "any"):
         reply = llm.bind_tools([add, get_weather], tool_choice=choice).invoke("What is 2 + 3?")
-        assert reply.tool_calls and reply.tool_calls[0]["name"] in ({"add"} if choice == "add" else {"add",
-                                                                                                     "get_weather"})
+        assert reply.tool_calls and reply.tool_calls[0]["name"] in (
+            {"add"} if choice == "add" else {"add", "get_weather"}
+        )
         call = reply.tool_calls[0]
         (add if call["name"] == "add" else get_weather).invoke(call["args"])  # LangChain validates the arguments
 

@@ -1,6 +1,7 @@
 """Open WebUI's request shapes: every chat carries its 36 built-in tools (about 26,000 characters) with no
 tool_choice, and its title, tag and follow-up tasks come without max_tokens. Replayed against a tiny Qwen3 on
 Qwen3's real chat template (which has a place for tools) and the bundled SmolLM2 (which has none)."""
+
 import json
 
 import httpx
@@ -15,8 +16,20 @@ from tests.processes import ServeProcess  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 CONTEXT = 65536
 HEADER = "x-pagoda-tools-dropped"
-AREAS = ["timestamp", "memory", "note", "knowledge", "calendar", "channel", "chat", "web", "image", "file", "code",
-         "folder"]
+AREAS = [
+    "timestamp",
+    "memory",
+    "note",
+    "knowledge",
+    "calendar",
+    "channel",
+    "chat",
+    "web",
+    "image",
+    "file",
+    "code",
+    "folder",
+]
 VERBS = ["get", "search", "update"]
 
 
@@ -26,16 +39,33 @@ def openwebui_tools(copies: int = 1) -> list[dict]:
     for copy in range(copies):
         for area in AREAS:
             for verb in VERBS:
-                description = (f"{verb.title()} the user's {area} entries. Use this when the user asks about their "
-                               f"{area}s, refers to an earlier {area}, or wants one changed. ") * 2
-                tools.append({"type": "function", "function": {
-                    "name": f"{verb}_{area}{'_' + str(copy) if copy else ''}", "description": description,
-                    "parameters": {"type": "object", "properties": {
-                        "query": {"type": "string", "description": f"What to look for among the {area}s."},
-                        "count": {"type": "integer", "description": "How many to return, at most.", "default": 5},
-                        "order": {"type": "string", "enum": ["newest", "oldest", "relevance"]},
-                        "id": {"type": "string", "description": f"The {area}'s id, for an update."}},
-                                   "required": ["query"]}}})
+                description = (
+                    f"{verb.title()} the user's {area} entries. Use this when the user asks about their "
+                    f"{area}s, refers to an earlier {area}, or wants one changed. "
+                ) * 2
+                tools.append(
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": f"{verb}_{area}{'_' + str(copy) if copy else ''}",
+                            "description": description,
+                            "parameters": {
+                                "type": "object",
+                                "properties": {
+                                    "query": {"type": "string", "description": f"What to look for among the {area}s."},
+                                    "count": {
+                                        "type": "integer",
+                                        "description": "How many to return, at most.",
+                                        "default": 5,
+                                    },
+                                    "order": {"type": "string", "enum": ["newest", "oldest", "relevance"]},
+                                    "id": {"type": "string", "description": f"The {area}'s id, for an update."},
+                                },
+                                "required": ["query"],
+                            },
+                        },
+                    }
+                )
     return tools
 
 
@@ -53,24 +83,43 @@ def qwen3(tmp_path_factory):
     from tests.conftest import COMMON, build_tokenizer
 
     folder = tmp_path_factory.mktemp("owui") / "qwen3"
-    config = transformers.Qwen3Config(**{**COMMON, "max_position_embeddings": CONTEXT, "num_key_value_heads": 1},
-                                      head_dim=32, tie_word_embeddings=True)
+    config = transformers.Qwen3Config(
+        **{**COMMON, "max_position_embeddings": CONTEXT, "num_key_value_heads": 1},
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(3)
     transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
     build_tokenizer(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = real_chat_template("Qwen-Qwen3-0.6B.jinja")
     tokenizer.save_pretrained(folder)
-    srv = ServeProcess(folder, folder.parent / "server.log", "--served-model-name", "qwen3", "--dtype", "float32",
-                       "--num-kvcache-blocks", "4096", "--max-num-seqs", "4")
+    srv = ServeProcess(
+        folder,
+        folder.parent / "server.log",
+        "--served-model-name",
+        "qwen3",
+        "--dtype",
+        "float32",
+        "--num-kvcache-blocks",
+        "4096",
+        "--max-num-seqs",
+        "4",
+    )
     yield srv.wait_ready(300)
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    srv = ServeProcess(bundled_gguf_path(), tmp_path_factory.mktemp("owui-smol") / "server.log",
-                       "--served-model-name", "smollm2", "--default-max-tokens", "16")
+    srv = ServeProcess(
+        bundled_gguf_path(),
+        tmp_path_factory.mktemp("owui-smol") / "server.log",
+        "--served-model-name",
+        "smollm2",
+        "--default-max-tokens",
+        "16",
+    )
     yield srv.wait_ready(300)
     srv.stop()
 
@@ -81,8 +130,13 @@ def post(server, **body) -> httpx.Response:
 
 def chat_request(user: str, **extra) -> dict:
     """Open WebUI's chat: streamed, with usage, and its tools with no tool_choice."""
-    return {"messages": [{"role": "user", "content": user}], "stream": False, "tools": openwebui_tools(),
-            "max_tokens": 8, **extra}
+    return {
+        "messages": [{"role": "user", "content": user}],
+        "stream": False,
+        "tools": openwebui_tools(),
+        "max_tokens": 8,
+        **extra,
+    }
 
 
 def test_qwen3_takes_the_tools_and_a_second_chat_reads_their_preamble_from_the_cache(qwen3):
@@ -107,8 +161,15 @@ def test_auto_parses_the_tool_calls_qwen3_writes(qwen3):
     and tool_choice auto must parse it out of the text, whole and streamed."""
     client = openai.OpenAI(base_url=qwen3.url, api_key="none", max_retries=0, timeout=300)
     form = r'Checking\.\n<tool_call>\n\{"name": "get_note", "arguments": \{"query": "[a-z]{3,8}"\}\}\n</tool_call>'
-    ask = dict(model="qwen3", messages=[{"role": "user", "content": "Find my note."}], tools=openwebui_tools(),
-               tool_choice="auto", temperature=0, max_tokens=200, extra_body={"structured_outputs": {"regex": form}})
+    ask = dict(
+        model="qwen3",
+        messages=[{"role": "user", "content": "Find my note."}],
+        tools=openwebui_tools(),
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=200,
+        extra_body={"structured_outputs": {"regex": form}},
+    )
     whole = client.chat.completions.create(**ask)
     assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content == "Checking."
     call = whole.choices[0].message.tool_calls[0]
@@ -123,13 +184,23 @@ def test_smollm2_has_no_tool_template_so_open_webuis_chats_are_served_without_th
     r = post(smollm2, **{**chat_request("Hi there"), "stream": True})
     assert r.status_code == 200 and "no tool support" in r.headers[HEADER]
     assert '"content"' in r.text and r.text.rstrip().endswith("data: [DONE]")
-    task = post(smollm2, messages=[{"role": "user", "content": "### Task:\nGenerate 1-3 broad tags for this chat."}],
-                tools=openwebui_tools())  # a background task: no max_tokens, not streamed
+    task = post(
+        smollm2,
+        messages=[{"role": "user", "content": "### Task:\nGenerate 1-3 broad tags for this chat."}],
+        tools=openwebui_tools(),
+    )  # a background task: no max_tokens, not streamed
     assert task.status_code == 200 and task.json()["usage"]["completion_tokens"] <= 16
     # required and named still call (tests/test_openai_tools.py checks their arguments on bounded schemas; these
     # have free strings, which a 135M model may write until max_tokens)
-    r = post(smollm2, **{**chat_request("Find my note."), "tool_choice": {"type": "function", "function": {
-        "name": "get_note"}}, "max_tokens": 40, "stream": True})
+    r = post(
+        smollm2,
+        **{
+            **chat_request("Find my note."),
+            "tool_choice": {"type": "function", "function": {"name": "get_note"}},
+            "max_tokens": 40,
+            "stream": True,
+        },
+    )
     assert r.status_code == 200 and HEADER not in r.headers and '"name": "get_note"' in r.text
 
 
@@ -148,8 +219,12 @@ def test_a_non_streaming_request_whose_client_times_out_stops_generating(qwen3):
 
     from tests.processes import wait_until
 
-    body = {"messages": [{"role": "user", "content": "Write forever."}], "max_tokens": 60000, "temperature": 0,
-            "structured_outputs": {"regex": "[a-z ]+"}}  # no end of reply before max_tokens
+    body = {
+        "messages": [{"role": "user", "content": "Write forever."}],
+        "max_tokens": 60000,
+        "temperature": 0,
+        "structured_outputs": {"regex": "[a-z ]+"},
+    }  # no end of reply before max_tokens
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{qwen3.url}/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
     assert wait_until(lambda: qwen3.metric("vllm:num_requests_running") == 0, timeout=20, interval=0.2)

@@ -4,6 +4,7 @@ The engine's logits are captured by wrapping the model runner's `launch` (which 
 this step) and the model's `compute_logits` (their logits), so the comparison covers the real
 paged path: prefill, decode, mixed prefill/decode batches and chunked prefill.
 """
+
 import pytest
 import torch
 
@@ -50,16 +51,24 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """transformers' greedy `generate`, never stopping early (`eos_token_id=[]` turns eos off)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0, **kwargs)
-    new = out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=[],
+            pad_token_id=0,
+            **kwargs,
+        )
+    new = out[0, len(prompt) :].tolist()
     assert len(new) == max_new_tokens
     return new
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_transformers_at_prefill_and_every_decode_step(family, tiny_models, make_llm, hf_model,
-                                                                    random_prompt, monkeypatch):
+def test_logits_match_transformers_at_prefill_and_every_decode_step(
+    family, tiny_models, make_llm, hf_model, random_prompt, monkeypatch
+):
     path = tiny_models[family]
     llm = make_llm(path, num_kvcache_blocks=32)
     recorder = LogitRecorder(llm, monkeypatch)
@@ -77,8 +86,9 @@ def test_logits_match_transformers_at_prefill_and_every_decode_step(family, tiny
             if out.finished:
                 outputs[out.request_id] = out.token_ids
         num_steps += 1
-    assert any(len(ids) == 3 for ids, _ in recorder.records), \
+    assert any(len(ids) == 3 for ids, _ in recorder.records), (
         "expected a batch mixing c's prefill with a and b's decodes"
+    )
 
     model = hf_model(path)
     captured = recorder.per_request()

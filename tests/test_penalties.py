@@ -1,5 +1,6 @@
 """OpenAI's presence and frequency penalties and logit_bias: checked against a direct computation on
 the logits, in the sampler and through the engine (where the output so far is the engine's to count)."""
+
 import pytest
 import torch
 
@@ -7,8 +8,9 @@ from engine import SamplingParams
 from engine.sample.sampler import Sampler, SamplingBatch
 
 
-def direct(logits: torch.Tensor, output: list[int], presence: float, frequency: float,
-           bias: dict[int, float]) -> torch.Tensor:
+def direct(
+    logits: torch.Tensor, output: list[int], presence: float, frequency: float, bias: dict[int, float]
+) -> torch.Tensor:
     """The definition, one token at a time: bias, then minus frequency per occurrence in the output,
     minus presence once for a token that occurs there at all."""
     out = logits.clone().float()
@@ -32,10 +34,20 @@ def test_the_sampler_applies_penalties_and_biases_per_row():
             counts[row, token] += 1
         for token, value in b.items():
             bias[row, token] = value
-    batch = SamplingBatch(temperatures=None, top_k=None, top_p=None, min_p=None, repetition_penalties=None,
-                          seen_tokens=None, generators=[None] * rows, all_greedy=True, logit_bias=bias,
-                          presence_penalties=torch.tensor([p for p, _, _ in params]),
-                          frequency_penalties=torch.tensor([f for _, f, _ in params]), output_counts=counts)
+    batch = SamplingBatch(
+        temperatures=None,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        repetition_penalties=None,
+        seen_tokens=None,
+        generators=[None] * rows,
+        all_greedy=True,
+        logit_bias=bias,
+        presence_penalties=torch.tensor([p for p, _, _ in params]),
+        frequency_penalties=torch.tensor([f for _, f, _ in params]),
+        output_counts=counts,
+    )
     picked = Sampler()(logits, batch)
     expected = torch.stack([direct(logits[r], outputs[r], *params[r]) for r in range(rows)]).argmax(-1)
     assert picked.tolist() == expected.tolist()
@@ -43,8 +55,9 @@ def test_the_sampler_applies_penalties_and_biases_per_row():
     assert picked.tolist() != logits.argmax(-1).tolist()
 
 
-def reference_greedy(model, prompt: list[int], steps: int, presence: float, frequency: float,
-                     bias: dict[int, float]) -> list[int]:
+def reference_greedy(
+    model, prompt: list[int], steps: int, presence: float, frequency: float, bias: dict[int, float]
+) -> list[int]:
     """Greedy decoding with transformers' forward and the direct penalties: the engine's reference."""
     ids, output = list(prompt), []
     with torch.no_grad():
@@ -56,13 +69,17 @@ def reference_greedy(model, prompt: list[int], steps: int, presence: float, freq
     return output
 
 
-@pytest.mark.parametrize("presence, frequency, bias", [
-    (0.0, 1.5, {}),
-    (1.2, 0.0, {}),
-    (0.7, 0.9, {100: 3.0, 200: -100.0}),
-])
-def test_greedy_generation_with_penalties_is_the_direct_computation(tiny_qwen2, make_llm, hf_model, random_prompt,
-                                                                     presence, frequency, bias):
+@pytest.mark.parametrize(
+    "presence, frequency, bias",
+    [
+        (0.0, 1.5, {}),
+        (1.2, 0.0, {}),
+        (0.7, 0.9, {100: 3.0, 200: -100.0}),
+    ],
+)
+def test_greedy_generation_with_penalties_is_the_direct_computation(
+    tiny_qwen2, make_llm, hf_model, random_prompt, presence, frequency, bias
+):
     llm = make_llm(tiny_qwen2)
     params = dict(temperature=0, max_tokens=24, ignore_eos=True)
     start = random_prompt(12, 41)
@@ -70,22 +87,29 @@ def test_greedy_generation_with_penalties_is_the_direct_computation(tiny_qwen2, 
     # next: penalising the prompt (which these penalties must not) would change the reply.
     prompt = start + llm.generate([start], SamplingParams(**params), use_tqdm=False)[0]["token_ids"][:12]
     plain = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]["token_ids"]
-    got = llm.generate([prompt], SamplingParams(**params, presence_penalty=presence, frequency_penalty=frequency,
-                                                logit_bias=bias), use_tqdm=False)[0]["token_ids"]
+    got = llm.generate(
+        [prompt],
+        SamplingParams(**params, presence_penalty=presence, frequency_penalty=frequency, logit_bias=bias),
+        use_tqdm=False,
+    )[0]["token_ids"]
     assert got == reference_greedy(hf_model(tiny_qwen2), prompt, 24, presence, frequency, bias)
     assert got != plain
 
 
-def test_penalised_and_plain_rows_batch_together_and_async_steps_count_the_pending_token(tiny_qwen2, make_llm,
-                                                                                          random_prompt):
+def test_penalised_and_plain_rows_batch_together_and_async_steps_count_the_pending_token(
+    tiny_qwen2, make_llm, random_prompt
+):
     """Under asynchronous scheduling a row's last sampled token is still on the device when the next step
     is planned; it must be counted. Batched with unpenalised rows, each row gets its own parameters."""
     prompts = [random_prompt(n, 60 + n) for n in (9, 14, 20)]
-    penalised = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=1.0,
-                               presence_penalty=0.5)
+    penalised = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5
+    )
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    alone = [make_llm(tiny_qwen2).generate([p], s, use_tqdm=False)[0]["token_ids"]
-             for p, s in zip(prompts, (penalised, plain, penalised))]
+    alone = [
+        make_llm(tiny_qwen2).generate([p], s, use_tqdm=False)[0]["token_ids"]
+        for p, s in zip(prompts, (penalised, plain, penalised))
+    ]
     for async_scheduling in (False, True):
         llm = make_llm(tiny_qwen2, async_scheduling=async_scheduling)
         outs = llm.generate(prompts, [penalised, plain, penalised], use_tqdm=False)
@@ -95,24 +119,33 @@ def test_penalised_and_plain_rows_batch_together_and_async_steps_count_the_pendi
 def test_a_logit_bias_of_100_forces_a_token_and_minus_100_bans_one(tiny_qwen2, make_llm, random_prompt):
     prompt = random_prompt(8, 7)
     llm = make_llm(tiny_qwen2)
-    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                         use_tqdm=False)[0]["token_ids"]
-    forced = llm.generate([prompt], SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True,
-                                                   logit_bias={123: 100}), use_tqdm=False)[0]["token_ids"]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0][
+        "token_ids"
+    ]
+    forced = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, logit_bias={123: 100}),
+        use_tqdm=False,
+    )[0]["token_ids"]
     assert forced == [123] * 6
-    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                   logit_bias={t: -100 for t in set(plain)}),
-                          use_tqdm=False)[0]["token_ids"]
+    banned = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={t: -100 for t in set(plain)}),
+        use_tqdm=False,
+    )[0]["token_ids"]
     assert not set(banned) & set(plain)
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(presence_penalty=2.5), "presence_penalty must be a number from -2 to 2"),
-    (dict(frequency_penalty=-3), "frequency_penalty must be a number from -2 to 2"),
-    (dict(frequency_penalty="1"), "frequency_penalty must be a number"),
-    (dict(logit_bias={"5": 1.0}), "logit_bias keys must be token ids"),
-    (dict(logit_bias={5: 101}), "logit_bias values must be numbers from -100 to 100, got 101 for token 5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty must be a number from -2 to 2"),
+        (dict(frequency_penalty=-3), "frequency_penalty must be a number from -2 to 2"),
+        (dict(frequency_penalty="1"), "frequency_penalty must be a number"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias keys must be token ids"),
+        (dict(logit_bias={5: 101}), "logit_bias values must be numbers from -100 to 100, got 101 for token 5"),
+    ],
+)
 def test_out_of_range_penalties_and_biases_are_refused(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         SamplingParams(**kwargs)

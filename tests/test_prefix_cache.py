@@ -4,6 +4,7 @@ The cases are the ones where nano-vllm's prefix cache went wrong: a fully cached
 prompt that is an exact multiple of the block size, preemption of a request whose blocks are
 shared, and chunked prefill that continues over cached blocks.
 """
+
 import dataclasses
 
 import pytest
@@ -11,8 +12,18 @@ import pytest
 from engine import KVBlock, SamplingParams
 
 BS = 16
-DESIGN_STATS_KEYS = {"num_blocks", "free_blocks", "cached_blocks", "used_blocks", "block_size", "prefix_cache_queries",
-                     "prefix_cache_hits", "num_running", "num_waiting", "num_preemptions"}
+DESIGN_STATS_KEYS = {
+    "num_blocks",
+    "free_blocks",
+    "cached_blocks",
+    "used_blocks",
+    "block_size",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_running",
+    "num_waiting",
+    "num_preemptions",
+}
 
 
 def greedy(max_tokens=12):
@@ -74,8 +85,9 @@ def test_fully_cached_prompt_recomputes_its_last_block(length, tiny_qwen2, make_
 
 def test_identical_prompts_in_one_batch_and_queued(tiny_qwen2, make_llm, random_prompt):
     prompt = random_prompt(48, 7)
-    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(),
-                                                                           use_tqdm=False)[0]["token_ids"]
+    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(), use_tqdm=False)[0][
+        "token_ids"
+    ]
 
     # Admitted in the same step: nothing is registered yet, so no hits, and both compute the same blocks.
     together = make_llm(tiny_qwen2)
@@ -129,8 +141,9 @@ def test_chunked_prefill_continues_over_cached_blocks(tiny_qwen2, make_llm, syst
 
 def test_second_copy_admitted_mid_chunked_prefill_hits_the_blocks_already_written(tiny_qwen2, make_llm, random_prompt):
     prompt = random_prompt(40, 400)
-    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(),
-                                                                           use_tqdm=False)[0]["token_ids"]
+    reference = make_llm(tiny_qwen2, enable_prefix_caching=False).generate([prompt], greedy(), use_tqdm=False)[0][
+        "token_ids"
+    ]
     llm = make_llm(tiny_qwen2, max_num_batched_tokens=7)
     # Chunks of 7: the first copy's last chunk (35..40) leaves 2 tokens of budget, which admits the
     # second copy on the two blocks registered after earlier chunks.
@@ -169,8 +182,9 @@ def test_kv_blocks_and_stats_while_two_requests_share_blocks(tiny_qwen2, make_ll
         assert by_id[block_id].filled == BS
         assert sorted(by_id[block_id].owners) == sorted([r1, r2])
     # r1: 44 tokens computed, 3 blocks; its third block holds 12 tokens and only r1 uses it.
-    assert by_id[seq1.block_table[2]] == KVBlock(seq1.block_table[2], ref_count=1, cached=False, filled=12,
-                                                 owners=(r1,))
+    assert by_id[seq1.block_table[2]] == KVBlock(
+        seq1.block_table[2], ref_count=1, cached=False, filled=12, owners=(r1,)
+    )
     # r2: 60 tokens computed: 4 blocks, the third is full and now registered, the fourth holds 12.
     assert by_id[seq2.block_table[2]].cached is True and by_id[seq2.block_table[2]].owners == (r2,)
     assert by_id[seq2.block_table[3]].filled == 12
@@ -193,7 +207,8 @@ def test_kv_blocks_and_stats_while_two_requests_share_blocks(tiny_qwen2, make_ll
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_abort_mid_chunked_prefill_frees_its_blocks_and_a_retry_reuses_the_ones_it_wrote(
-        async_scheduling, tiny_qwen2, make_llm, system, random_prompt):
+    async_scheduling, tiny_qwen2, make_llm, system, random_prompt
+):
     """A user who presses Stop while a long prompt is still being prefilled: its blocks go back to the
     pool, the full ones it wrote stay registered, and sending the same prompt again starts from them and
     gives the tokens an uncached engine gives."""
@@ -224,7 +239,8 @@ def test_abort_mid_chunked_prefill_frees_its_blocks_and_a_retry_reuses_the_ones_
 @pytest.mark.parametrize("answered", ["one_after_the_other", "in_one_batch"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_follow_ups_on_every_answer_to_a_whole_block_prompt_hit_alike(
-        answered, async_scheduling, tiny_qwen2, make_llm, random_prompt):
+    answered, async_scheduling, tiny_qwen2, make_llm, random_prompt
+):
     """Regenerate on a prompt of exactly 2 blocks, then follow-ups on each answer (issue 28 item 3).
 
     The second answer's prompt blocks are duplicates of the first's: recomputed because the last
@@ -242,9 +258,13 @@ def test_follow_ups_on_every_answer_to_a_whole_block_prompt_hit_alike(
     assert answers[0] != answers[1]
 
     more = random_prompt(17, 601)  # 32 + 40 + 17 = 89 tokens
-    cached = {i: [llm.generate([prompt + answer + more], greedy(max_tokens=1), use_tqdm=False)[0]["num_cached_tokens"]
-                  for _ in range(3)]
-              for i, answer in enumerate(answers)}
+    cached = {
+        i: [
+            llm.generate([prompt + answer + more], greedy(max_tokens=1), use_tqdm=False)[0]["num_cached_tokens"]
+            for _ in range(3)
+        ]
+        for i, answer in enumerate(answers)
+    }
     # First follow-up: the prompt's 2 blocks and the answer's 2 full blocks whose KV was written (the
     # last sampled token never went through the model). Then all (89 - 1) // 16 = 5 blocks.
     assert cached == {0: [64, 80, 80], 1: [64, 80, 80]}

@@ -6,6 +6,7 @@ The reference dequantizes with the scales and offsets as the kernels hold them (
 scale dtype), so the only differences left are the kernels' own roundings, and the tolerances
 bound exactly those: the output's rounding to its dtype (a whole step: the interpreter
 truncates), and for the GEMM also the weights' rounding to the activations' dtype before tl.dot."""
+
 import os
 
 # Must be set before engine.quantization.triton_matmul is imported, or its kernels would try to compile for a GPU.
@@ -35,12 +36,16 @@ STEP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}  # one step of the sig
 GROUPS = [16, 32, 64, 128, "channel"]
 
 
-
-
 def as_held(qw: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:
     """qw with its scales and offsets rounded as pack_for_triton rounds them."""
-    return QuantizedWeight(qw.bits, qw.q, qw.scale.to(dtype).float(),
-                           None if qw.offset is None else qw.offset.to(dtype).float(), qw.group_size, qw.source)
+    return QuantizedWeight(
+        qw.bits,
+        qw.q,
+        qw.scale.to(dtype).float(),
+        None if qw.offset is None else qw.offset.to(dtype).float(),
+        qw.group_size,
+        qw.source,
+    )
 
 
 def check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, weight_rounded: bool):
@@ -204,8 +209,14 @@ def test_choose_never_takes_a_tile_that_disagrees(monkeypatch):
     real = qm.run_tile
     monkeypatch.setattr(qm, "run_tile", lambda x, w, b, tile: real(x, w, b, tile) + (tile.block_n == 4))
     qw = make_weight(8, 16, 64, "channel", False)
-    choice = choose_quant_tiles(qw, pack_for_triton(qw, torch.float16), None, torch.float16,
-                                ScriptedTimer(lambda t: 1.0 / t.block_n), buckets=(1,))
+    choice = choose_quant_tiles(
+        qw,
+        pack_for_triton(qw, torch.float16),
+        None,
+        torch.float16,
+        ScriptedTimer(lambda t: 1.0 / t.block_n),
+        buckets=(1,),
+    )
     assert choice.tiles == {1: Tile("gemv", 1, 2, 64)}
 
 
@@ -216,8 +227,13 @@ def test_the_engine_module_runs_the_chosen_tiles_for_any_row_count(monkeypatch):
 
     monkeypatch.setattr(qm, "tile_candidates", small_candidates)
     real = qm.choose_quant_tiles
-    monkeypatch.setattr(qm, "choose_quant_tiles", lambda qw, w, bias, dtype: real(
-        qw, w, bias, dtype, ScriptedTimer(lambda t: 1.0 / t.block_n), buckets=(1, 4, 16)))
+    monkeypatch.setattr(
+        qm,
+        "choose_quant_tiles",
+        lambda qw, w, bias, dtype: real(
+            qw, w, bias, dtype, ScriptedTimer(lambda t: 1.0 / t.block_n), buckets=(1, 4, 16)
+        ),
+    )
     qw = make_weight(4, 24, 64, 32, True)
     kernel = TritonQuantMatmul(qw, torch.float32)
     assert kernel.tinygemm is None and set(kernel.tiles) == {1, 4, 16}
@@ -225,8 +241,13 @@ def test_the_engine_module_runs_the_chosen_tiles_for_any_row_count(monkeypatch):
         x = randn(rows, 64, dtype=torch.float32, seed=rows)
         got = kernel(x)
         assert got.dtype == torch.float32
-        check(got.to(torch.bfloat16), x.to(torch.bfloat16), as_held(qw, torch.bfloat16).dequantize(), None,
-              weight_rounded=rows > 8)
+        check(
+            got.to(torch.bfloat16),
+            x.to(torch.bfloat16),
+            as_held(qw, torch.bfloat16).dequantize(),
+            None,
+            weight_rounded=rows > 8,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,10 +264,12 @@ def launch_every_variant() -> None:
     main = pack_for_triton(make_weight(4, 16, 1024, 32, True), torch.bfloat16)
     for tile in sorted({t for b in ROW_BUCKETS for t in tile_candidates(b, main)}):
         qm.run_tile(randn(min(tile.block_m, 8) if tile.kernel == "gemv" else 20, 1024), main, None, tile)
-    for bits, k, group, offset, bias, dtype in [(8, 1024, "channel", False, False, torch.bfloat16),
-                                                (4, 1000, 128, True, True, torch.float16),
-                                                (4, 1024, 16, False, False, torch.bfloat16),
-                                                (8, 1000, 64, True, True, torch.float16)]:
+    for bits, k, group, offset, bias, dtype in [
+        (8, 1024, "channel", False, False, torch.bfloat16),
+        (4, 1000, 128, True, True, torch.float16),
+        (4, 1024, 16, False, False, torch.bfloat16),
+        (8, 1000, 64, True, True, torch.float16),
+    ]:
         w = pack_for_triton(make_weight(bits, 16, k, group, offset), dtype)
         b = randn(16, dtype=dtype) if bias else None
         quant_gemv(randn(1, k, dtype=dtype), w, b, 4, 256)
@@ -263,8 +286,11 @@ def test_every_variant_compiles_for_sm86_sm89_sm90_without_spilling(tmp_path):
     assert {r["target"] for r in results} == {86, 89, 90}
     failed = [f"sm_{r['target']} {r['kernel']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]
     assert not failed, "\n".join(failed)
-    spilled = [f"sm_{r['target']} {r['kernel']} {r['constexprs']}: {r['local_bytes']} bytes"
-               for r in results if r.get("local_bytes")]
+    spilled = [
+        f"sm_{r['target']} {r['kernel']} {r['constexprs']}: {r['local_bytes']} bytes"
+        for r in results
+        if r.get("local_bytes")
+    ]
     assert not spilled, "register spills to local memory:\n" + "\n".join(spilled)
     for r in sorted(results, key=lambda r: -r["registers"]):
         print(f"{r['registers']:>4} registers  sm_{r['target']} {r['kernel']} {r['constexprs']}")

@@ -11,6 +11,7 @@ sum, about 3x the worst seen over many seeds (1.4 * 2^-9); a wrong nibble order,
 by the sum's order. (One code off by one step is below any bf16 tolerance: DequantMatmul's float32
 bound, 2e-6, is the exact check of the layout.)
 """
+
 import json
 import os
 import shutil
@@ -41,8 +42,6 @@ from tests.quantized_weights import random_quantized_weight as make_weight
 CPU = torch.device("cpu")
 BF16_BOUND = 2.0**-7  # see the module docstring
 ROWS = (1, 3, 17)  # decode, a small batch, a prefill chunk (int4pack pads M internally)
-
-
 
 
 def group_magnitude(qw: QuantizedWeight) -> torch.Tensor:
@@ -114,9 +113,11 @@ def _int4pack_of(kernel) -> Int4PackMatmul:
 def test_packing_a_slab_of_rows_at_a_time_gives_the_bytes_of_packing_whole(cls, n, monkeypatch):
     """The int4 kernels pack their codes (SplitInt4Matmul and HalvesSplitInt4Matmul make their terms too) a slab
     of rows at a time, so that no int32 copy of a whole weight is ever made: the bytes are those of one step."""
-    qw = {Int4PackMatmul: lambda: make_weight(4, n, 96, 32, True),
-          SplitInt4Matmul: lambda: make_weight(8, n, 96, 32, True),
-          HalvesSplitInt4Matmul: lambda: _q6_k_like(n, 96)}[cls]()
+    qw = {
+        Int4PackMatmul: lambda: make_weight(4, n, 96, 32, True),
+        SplitInt4Matmul: lambda: make_weight(8, n, 96, 32, True),
+        HalvesSplitInt4Matmul: lambda: _q6_k_like(n, 96),
+    }[cls]()
     whole = _int4pack_of(cls(qw, torch.float32))  # this small weight packs in one step by default
     monkeypatch.setattr(kernels, "PACK_SLAB_VALUES", 1)  # 64 rows a step
     sliced = cls(qw, torch.float32)
@@ -126,14 +127,18 @@ def test_packing_a_slab_of_rows_at_a_time_gives_the_bytes_of_packing_whole(cls, 
     check_kernel(sliced, qw, 3, BF16_BOUND)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: (Int4PackMatmul, make_weight(4, 64, 80, 32, True)),
-    lambda: (SplitInt4Matmul, make_weight(8, 64, 80, 32, True)),
-    lambda: (HalvesSplitInt4Matmul, _q6_k_like(64, 80)),
-    lambda: (Int8PackMatmul, make_weight(8, 64, 80, 80, False)),
-    lambda: (DequantMatmul, make_weight(4, 40, 80, 32, True)),
-    lambda: (DequantMatmul, _q6_k_like(40, 80)),
-], ids=["int4pack", "split", "halves-split", "int8pack", "dequant-4bit", "dequant-8bit"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (Int4PackMatmul, make_weight(4, 64, 80, 32, True)),
+        lambda: (SplitInt4Matmul, make_weight(8, 64, 80, 32, True)),
+        lambda: (HalvesSplitInt4Matmul, _q6_k_like(64, 80)),
+        lambda: (Int8PackMatmul, make_weight(8, 64, 80, 80, False)),
+        lambda: (DequantMatmul, make_weight(4, 40, 80, 32, True)),
+        lambda: (DequantMatmul, _q6_k_like(40, 80)),
+    ],
+    ids=["int4pack", "split", "halves-split", "int8pack", "dequant-4bit", "dequant-8bit"],
+)
 def test_kernels_give_back_rows_of_their_weight(make):
     """A tied embedding reads its rows from the head's kernel instead of holding the table again: the rows must be
     the weight's, up to the bf16 rounding of scales and zeros where the kernel rounds them (exact in DequantMatmul)."""
@@ -166,8 +171,10 @@ def native_kernels():
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("bits,n,k,group", [(8, 40, 80, 32), (8, 21, 48, 16), (8, 7, 24, 16), (4, 13, 80, 32),
-                                            (4, 40, 90, 16), (8, 33, 256, 32)])
+@pytest.mark.parametrize(
+    "bits,n,k,group",
+    [(8, 40, 80, 32), (8, 21, 48, 16), (8, 7, 24, 16), (4, 13, 80, 32), (4, 40, 90, 16), (8, 33, 256, 32)],
+)
 @pytest.mark.parametrize("with_offset", [True, False], ids=["offset", "symmetric"])
 def test_grouped_int8_matmul(rows, bits, n, k, group, with_offset, native_kernels):
     """Pagoda's own kernel: codes of either width in groups of 16 or 32, K not filling the last 32 columns, with
@@ -182,9 +189,11 @@ def test_grouped_int8_matmul(rows, bits, n, k, group, with_offset, native_kernel
 
 def test_prefill_rows_through_the_dequantized_weight_match():
     """From `dense_from_rows` rows a kernel multiplies its weight rebuilt in bf16 from its own packing."""
-    for qw, cls in [(make_weight(4, 64, 128, 32, True), Int4PackMatmul),
-                    (make_weight(8, 64, 128, 32, True), SplitInt4Matmul),
-                    (make_weight(8, 64, 128, 128, False), Int8PackMatmul)]:
+    for qw, cls in [
+        (make_weight(4, 64, 128, 32, True), Int4PackMatmul),
+        (make_weight(8, 64, 128, 32, True), SplitInt4Matmul),
+        (make_weight(8, 64, 128, 128, False), Int8PackMatmul),
+    ]:
         kernel = cls(qw, torch.float32)
         rebuilt = kernel.dequantized_bf16()
         assert rebuilt is not None, cls  # PyTorch's int4 packing of 64-row blocks is the one measured
@@ -211,8 +220,10 @@ def test_int8pack_is_not_used_where_k_is_not_a_multiple_of_16(k):
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("bits,n,k,group", [(4, 40, 80, 32), (4, 13, 80, 64), (8, 40, 80, 32), (8, 21, 48, 16),
-                                            (8, 13, 80, 80), (4, 7, 90, 256)])
+@pytest.mark.parametrize(
+    "bits,n,k,group",
+    [(4, 40, 80, 32), (4, 13, 80, 64), (8, 40, 80, 32), (8, 21, 48, 16), (8, 13, 80, 80), (4, 7, 90, 256)],
+)
 @pytest.mark.parametrize("with_offset", [True, False], ids=["offset", "symmetric"])
 def test_dequant_matmul_is_float32_exact(rows, bits, n, k, group, with_offset, monkeypatch):
     qw = make_weight(bits, n, k, group, with_offset)
@@ -238,6 +249,7 @@ def test_kernels_apply_only_where_their_layout_fits():
 
 
 # ---- QuantizedLinear: shards of mixed layouts --------------------------------------------------------------------
+
 
 def _mixed_shards(k: int) -> list:
     gen = torch.Generator().manual_seed(5)
@@ -300,13 +312,15 @@ def test_quantized_linear_quantizes_full_precision_shards_and_refuses_quantized_
     assert linear.pending == {} and [(p.bits, p.source, p.out_features) for p in linear.parts] == [(4, "int4", 48)]
     linear = QuantizedLinear(k, [32, 16], None, "int4", 32, KernelTarget(CPU, torch.float32, False))
     with pytest.raises(ValueError, match=r"already quantized \(Q8_0\).*quantization='int4'"):
-        linear.load_quantizable(QuantizedWeight(8, torch.zeros(32, k, dtype=torch.int8), torch.ones(32, 2), None, 32,
-                                                "Q8_0"), 0)
+        linear.load_quantizable(
+            QuantizedWeight(8, torch.zeros(32, k, dtype=torch.int8), torch.ones(32, 2), None, 32, "Q8_0"), 0
+        )
     with pytest.raises(ValueError, match=r"gives shape \(16, 64\), the model expects \(32, 64\)"):
         linear.load_quantizable(v, 0)
 
 
 # ---- choose_matmul --------------------------------------------------------------------------------------------------
+
 
 class _Wrong(torch.nn.Module):
     """A fast kernel with a bug: `kind` "scale" is 5% off everywhere (a scale rounded wrong);
@@ -347,6 +361,7 @@ def test_choose_matmul_never_picks_a_kernel_that_disagrees(kind, monkeypatch, fr
         def wrong(w):
             wrong_made.append(1)
             return _Wrong(w, kind)
+
         return {"wrong": wrong, "DequantMatmul": lambda w: DequantMatmul(w, dtype)}
 
     monkeypatch.setattr(chooser, "candidates", candidates)
@@ -361,8 +376,7 @@ def test_choose_matmul_never_picks_a_kernel_that_disagrees(kind, monkeypatch, fr
 def test_choose_matmul_falls_back_when_a_candidate_raises(monkeypatch, fresh_choices):
     qw = quantize_int4(torch.randn(48, 256) * 0.1, 64)
     real = chooser.candidates
-    monkeypatch.setattr(chooser, "candidates",
-                        lambda qw, device, dtype: {"raises": _Raises, **real(qw, device, dtype)})
+    monkeypatch.setattr(chooser, "candidates", lambda qw, device, dtype: {"raises": _Raises, **real(qw, device, dtype)})
     chosen = choose_matmul(qw, CPU, torch.float32)
     assert type(chosen) in (Int4PackMatmul, DequantMatmul)
     check_kernel(chosen, qw, 3, BF16_BOUND)
@@ -370,19 +384,25 @@ def test_choose_matmul_falls_back_when_a_candidate_raises(monkeypatch, fresh_cho
 
 def test_choose_matmul_without_any_working_kernel_names_the_weight(monkeypatch, fresh_choices):
     qw = quantize_int4(torch.randn(48, 256) * 0.1, 64)
-    monkeypatch.setattr(chooser, "candidates",
-                        lambda qw, device, dtype: {"raises": _Raises, "wrong": lambda w: _Wrong(w, "scale")})
+    monkeypatch.setattr(
+        chooser, "candidates", lambda qw, device, dtype: {"raises": _Raises, "wrong": lambda w: _Wrong(w, "scale")}
+    )
     with pytest.raises(RuntimeError, match=r"no kernel multiplies a int4 weight of shape \(48, 256\)"):
         choose_matmul(qw, CPU, torch.float32)
 
 
 def test_choose_matmul_picks_a_kernel_that_agrees_on_real_layouts(fresh_choices):
-    for qw in (make_weight(4, 40, 80, 32, True), make_weight(8, 40, 80, 32, False), make_weight(8, 40, 80, 80, False),
-               make_weight(8, 40, 96, 16, False)):
+    for qw in (
+        make_weight(4, 40, 80, 32, True),
+        make_weight(8, 40, 80, 32, False),
+        make_weight(8, 40, 80, 80, False),
+        make_weight(8, 40, 96, 16, False),
+    ):
         check_kernel(choose_matmul(qw, CPU, torch.float32), qw, 17, BF16_BOUND)
 
 
 # ---- the quantizers and the layout ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n,k,group", [(64, 80, 32), (64, 80, 64), (32, 256, 128), (16, 40, 64)])
 def test_quantize_int4_error_is_at_most_half_a_step(n, k, group):
@@ -548,11 +568,17 @@ METHODS = [("int4", 32), ("int8", 64)]
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("method,group_size", METHODS, ids=[m for m, _ in METHODS])
-def test_quantized_engine_equals_float32_model_of_dequantized_weights(family, method, group_size, tiny_models,
-                                                                       references, forced_dequant, random_prompt):
+def test_quantized_engine_equals_float32_model_of_dequantized_weights(
+    family, method, group_size, tiny_models, references, forced_dequant, random_prompt
+):
     _, reference = references(family, method, group_size)
-    llm = LLM(str(tiny_models[family]), dtype="float32", num_kvcache_blocks=64, quantization=method,
-              quantization_group_size=group_size)
+    llm = LLM(
+        str(tiny_models[family]),
+        dtype="float32",
+        num_kvcache_blocks=64,
+        quantization=method,
+        quantization_group_size=group_size,
+    )
     assert "DequantMatmul" in llm.stats().matmul and "DequantMatmul" in str(llm.model_runner.model)
     prompts = [random_prompt(21, 7), random_prompt(5, 8)]
     got, want = run(llm, prompts), run(reference, prompts)
@@ -564,24 +590,29 @@ def test_quantized_engine_equals_float32_model_of_dequantized_weights(family, me
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("method,group_size", METHODS, ids=[m for m, _ in METHODS])
-def test_quantized_engine_with_chosen_kernels_agrees_within_bf16(family, method, group_size, tiny_models, references,
-                                                                  random_prompt):
+def test_quantized_engine_with_chosen_kernels_agrees_within_bf16(
+    family, method, group_size, tiny_models, references, random_prompt
+):
     """The kernels chosen by measurement run bf16 activations: the same positions (teacher-forced on the
     reference's greedy reply, so a near-tie flipping a token cannot shift them) give logprobs within a
     bf16 tolerance. Measured: up to 0.09 apart, 0.019 on average, over logprobs spanning 0..-12. The
     original (unquantized) weights differ from the reference by 0.26 / 0.05 (int8) and 2.5 / 0.5
     (int4): the mean bound would catch even a kernel computing the unquantized weights."""
     _, reference = references(family, method, group_size)
-    llm = LLM(str(tiny_models[family]), dtype="float32", num_kvcache_blocks=64, quantization=method,
-              quantization_group_size=group_size)
+    llm = LLM(
+        str(tiny_models[family]),
+        dtype="float32",
+        num_kvcache_blocks=64,
+        quantization=method,
+        quantization_group_size=group_size,
+    )
     # int4's groups of 32 may go to Pagoda's own kernel (8-bit rounded rows) where it measures faster here
     kernels_run = {"int4": ("Int4PackMatmul", "GroupedInt8Matmul"), "int8": ("Int8PackMatmul",)}[method]
     assert any(k in llm.stats().matmul and k in str(llm.model_runner.model) for k in kernels_run)
     prompt = random_prompt(21, 7)
     sequence = prompt + run(reference, [prompt])[0]["token_ids"]
     got, want = run(llm, [sequence], max_tokens=1), run(reference, [sequence], max_tokens=1)
-    compare_rows(logprob_rows(got[0])[:-1], logprob_rows(want[0])[:-1], atol=0.2, min_common=15,
-                 mean_atol=0.035)
+    compare_rows(logprob_rows(got[0])[:-1], logprob_rows(want[0])[:-1], atol=0.2, min_common=15, mean_atol=0.035)
 
 
 @pytest.mark.parametrize("method,ratio", [("int8", 0.30), ("int4", 0.22)])
@@ -594,8 +625,9 @@ def test_tied_model_bytes(method, ratio, tiny_llama, monkeypatch):
     These are the packed kernels' layouts: a loaded CI machine once timed the dequantizing fallback
     faster at these tiny shapes (0.32x and 0.24x), so the timer ranks it last here."""
     monkeypatch.setattr(chooser, "_CHOICES", {})
-    monkeypatch.setattr(chooser, "_seconds_per_call",
-                        lambda kernel, x, calls=20: 1.0 if isinstance(kernel, DequantMatmul) else 0.5)
+    monkeypatch.setattr(
+        chooser, "_seconds_per_call", lambda kernel, x, calls=20: 1.0 if isinstance(kernel, DequantMatmul) else 0.5
+    )
     fp32_bytes = 4 * sum(t.numel() for f in tiny_llama.glob("*.safetensors") for t in load_file(f).values())
     llm = LLM(str(tiny_llama), dtype="float32", num_kvcache_blocks=64, quantization=method)
     held = llm.parameter_bytes()[0]
@@ -612,10 +644,10 @@ def test_print_model_and_stats_name_the_kernels(tiny_qwen2, monkeypatch):
     # Kernels are chosen by timing, and a loaded machine once timed the slab fallback faster at these tiny
     # shapes: a timer that ranks it last (and no choices left from earlier tests) makes the names certain.
     monkeypatch.setattr(chooser, "_CHOICES", {})
-    monkeypatch.setattr(chooser, "_seconds_per_call",
-                        lambda kernel, x, calls=20: 1.0 if isinstance(kernel, DequantMatmul) else 0.5)
-    llm = LLM(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=64, quantization="int4",
-              quantization_group_size=32)
+    monkeypatch.setattr(
+        chooser, "_seconds_per_call", lambda kernel, x, calls=20: 1.0 if isinstance(kernel, DequantMatmul) else 0.5
+    )
+    llm = LLM(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=64, quantization="int4", quantization_group_size=32)
     text, matmul = str(llm.model_runner.model), llm.stats().matmul
     assert "Int4PackMatmul(" in text and "int4: 4-bit, groups of 32" in text and "QuantizedEmbedding(" in text
     # qkv, o, gate_up, down per layer (2 layers) at int4, and the head at int8: named with their counts
@@ -624,6 +656,7 @@ def test_print_model_and_stats_name_the_kernels(tiny_qwen2, monkeypatch):
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------
+
 
 def test_unknown_quantization_names_the_choices(tiny_llama):
     with pytest.raises(ValueError, match=r"quantization must be one of \('int8', 'int4'\).*'fp4'"):

@@ -1,4 +1,5 @@
 """The reasoning split: a thinking model's <think> text apart from its answer, whole and streamed in pieces."""
+
 import pytest
 
 from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
@@ -13,15 +14,18 @@ def split(text: str, piece: int, in_reasoning: bool = False) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("piece", [1, 2, 5, 1000])
-@pytest.mark.parametrize("text, in_reasoning, expected", [
-    ("<think>\nThe user wants 2+2.\n</think>\n\nIt is 4.", False, ("The user wants 2+2.\n", "It is 4.")),
-    ("It is 4, with no <think> at the start.", False, ("", "It is 4, with no <think> at the start.")),
-    ("The prompt opened it.\n</think>\n\nAnswer.", True, ("The prompt opened it.\n", "Answer.")),
-    ("<think>\nCut off by max_tok", False, ("Cut off by max_tok", "")),
-    ("<thin", False, ("", "<thin")),
-    ("  <think>a < b </thinking> still</think>done", False, ("a < b </thinking> still", "done")),
-    ("", True, ("", "")),
-])
+@pytest.mark.parametrize(
+    "text, in_reasoning, expected",
+    [
+        ("<think>\nThe user wants 2+2.\n</think>\n\nIt is 4.", False, ("The user wants 2+2.\n", "It is 4.")),
+        ("It is 4, with no <think> at the start.", False, ("", "It is 4, with no <think> at the start.")),
+        ("The prompt opened it.\n</think>\n\nAnswer.", True, ("The prompt opened it.\n", "Answer.")),
+        ("<think>\nCut off by max_tok", False, ("Cut off by max_tok", "")),
+        ("<thin", False, ("", "<thin")),
+        ("  <think>a < b </thinking> still</think>done", False, ("a < b </thinking> still", "done")),
+        ("", True, ("", "")),
+    ],
+)
 def test_reasoning_is_split_from_the_answer(text, in_reasoning, expected, piece):
     assert split(text, piece, in_reasoning) == expected
 

@@ -1,4 +1,5 @@
 """Sampling: the Sampler on crafted logits, per-request seeds, penalties, and stop conditions."""
+
 import json
 import shutil
 
@@ -18,10 +19,16 @@ def make_batch(rows, temperature=1.0, top_k=None, top_p=None, min_p=None, penalt
         return None if value is None else torch.full((rows,), value, dtype=dtype)
 
     temps = torch.full((rows,), float(temperature))
-    return SamplingBatch(temperatures=temps, top_k=col(top_k, torch.int64), top_p=col(top_p, torch.float32),
-                         min_p=col(min_p, torch.float32), repetition_penalties=col(penalty, torch.float32),
-                         seen_tokens=seen,
-                         generators=generators or [None] * rows, all_greedy=bool((temps == 0).all()))
+    return SamplingBatch(
+        temperatures=temps,
+        top_k=col(top_k, torch.int64),
+        top_p=col(top_p, torch.float32),
+        min_p=col(min_p, torch.float32),
+        repetition_penalties=col(penalty, torch.float32),
+        seen_tokens=seen,
+        generators=generators or [None] * rows,
+        all_greedy=bool((temps == 0).all()),
+    )
 
 
 @pytest.fixture
@@ -53,11 +60,22 @@ def allowed_and_probs(logits, temperature=1.0, top_k=None, top_p=None, min_p=Non
     return keep, p
 
 
-@pytest.mark.parametrize("case", [
-    dict(top_k=1), dict(top_k=5), dict(top_k=5, temperature=0.5), dict(top_p=0.5), dict(top_p=0.9, temperature=2.0),
-    dict(min_p=0.2), dict(min_p=0.05, temperature=0.7), dict(top_k=8, top_p=0.6), dict(top_k=10, top_p=0.8, min_p=0.1),
-    dict(), dict(temperature=3.0),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(top_k=1),
+        dict(top_k=5),
+        dict(top_k=5, temperature=0.5),
+        dict(top_p=0.5),
+        dict(top_p=0.9, temperature=2.0),
+        dict(min_p=0.2),
+        dict(min_p=0.05, temperature=0.7),
+        dict(top_k=8, top_p=0.6),
+        dict(top_k=10, top_p=0.8, min_p=0.1),
+        dict(),
+        dict(temperature=3.0),
+    ],
+)
 def test_samples_stay_in_the_allowed_set_with_the_right_frequencies(case, logits):
     torch.manual_seed(1)
     keep, expected = allowed_and_probs(logits, **case)
@@ -108,8 +126,9 @@ COMPILED_CASES = {
 def compiled_case_batch(rows, vocab, top_k=None, top_p=None, min_p=None, penalty=None, greedy=False, greedy_rows=False):
     g = torch.Generator().manual_seed(5)
     seen = torch.rand(rows, vocab, generator=g) < 0.05 if penalty else None
-    batch = make_batch(rows, temperature=0.0 if greedy else 0.8, top_k=top_k, top_p=top_p, min_p=min_p,
-                       penalty=penalty, seen=seen)
+    batch = make_batch(
+        rows, temperature=0.0 if greedy else 0.8, top_k=top_k, top_p=top_p, min_p=min_p, penalty=penalty, seen=seen
+    )
     if greedy_rows:
         batch.temperatures[::3] = 0.0
     return batch
@@ -205,16 +224,22 @@ def test_repetition_penalty_end_to_end_matches_transformers_generate(tiny_qwen2,
     prompt = random_prompt(12, 40)
     llm = make_llm(tiny_qwen2)
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[0]
-    penalized = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
-                                                      repetition_penalty=1.5),
-                             use_tqdm=False)[0]
+    penalized = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.5), use_tqdm=False
+    )[0]
     assert penalized["token_ids"] != plain["token_ids"]
     model = hf_model(tiny_qwen2)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False,
-                             max_new_tokens=32, eos_token_id=[], pad_token_id=0, repetition_penalty=1.5)
-    assert penalized["token_ids"] == out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=32,
+            eos_token_id=[],
+            pad_token_id=0,
+            repetition_penalty=1.5,
+        )
+    assert penalized["token_ids"] == out[0, len(prompt) :].tolist()
 
 
 # ---- through the engine ---------------------------------------------------------------------------
@@ -228,9 +253,11 @@ def test_seeded_requests_are_reproducible_alone_batched_and_under_preemption(tin
     llm = make_llm(tiny_qwen2)
     alone = llm.generate([prompt], seeded(7), use_tqdm=False)[0]["token_ids"]
     assert llm.generate([prompt], seeded(7), use_tqdm=False)[0]["token_ids"] == alone
-    batched = llm.generate(others[:1] + [prompt] + others[1:] + [prompt],
-                           [seeded(1), seeded(7), SamplingParams(temperature=1.5, max_tokens=32), seeded(3), seeded(7)],
-                           use_tqdm=False)
+    batched = llm.generate(
+        others[:1] + [prompt] + others[1:] + [prompt],
+        [seeded(1), seeded(7), SamplingParams(temperature=1.5, max_tokens=32), seeded(3), seeded(7)],
+        use_tqdm=False,
+    )
     assert batched[1]["token_ids"] == alone and batched[4]["token_ids"] == alone
     assert llm.generate([prompt], seeded(8), use_tqdm=False)[0]["token_ids"] != alone
     assert len({tuple(llm.generate([prompt], seeded(s), use_tqdm=False)[0]["token_ids"]) for s in range(4)}) == 4
@@ -253,11 +280,14 @@ def test_greedy_is_temperature_zero_and_ignores_filters(tiny_qwen2, make_llm, ra
     llm = make_llm(tiny_qwen2)
     prompt = random_prompt(9, 70)
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
-    filtered = llm.generate([prompt], SamplingParams(temperature=0, top_p=0.3, top_k=3, min_p=0.2, max_tokens=24,
-                                                     ignore_eos=True,
-                                                     seed=5), use_tqdm=False)[0]
-    top1 = llm.generate([prompt], SamplingParams(temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True),
-                        use_tqdm=False)[0]
+    filtered = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, top_p=0.3, top_k=3, min_p=0.2, max_tokens=24, ignore_eos=True, seed=5),
+        use_tqdm=False,
+    )[0]
+    top1 = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )[0]
     assert greedy["token_ids"] == filtered["token_ids"] == top1["token_ids"]
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.1).greedy
 
@@ -281,8 +311,9 @@ def test_stop_string_is_trimmed_and_finishes_with_stop(tiny_qwen2, make_llm):
     assert stop is not None, f"no usable stop string in {full['text']!r}"
     cut = full["text"].index(stop)
 
-    rid = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
-                                                 stop=[stop, "\x00never"]))
+    rid = llm.add_request(
+        prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop, "\x00never"])
+    )
     increments, last = [], None
     while llm.has_unfinished_requests():
         for out in llm.step():
@@ -294,8 +325,9 @@ def test_stop_string_is_trimmed_and_finishes_with_stop(tiny_qwen2, make_llm):
     assert all(stop not in inc for inc in increments)
     assert last.token_ids == full["token_ids"][: len(last.token_ids)] and len(last.token_ids) < 48
 
-    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=stop),
-                         use_tqdm=False)[0]
+    again = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=stop), use_tqdm=False
+    )[0]
     assert (again["text"], again["finish_reason"]) == (full["text"][:cut], "stop")
 
 
@@ -306,9 +338,11 @@ def test_stop_token_ids_and_max_tokens(tiny_qwen2, make_llm, random_prompt):
     assert full["finish_reason"] == "length" and len(full["token_ids"]) == 40
     stop_token = full["token_ids"][5]
     first = full["token_ids"].index(stop_token)
-    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                                    stop_token_ids=[stop_token]),
-                           use_tqdm=False)[0]
+    stopped = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]),
+        use_tqdm=False,
+    )[0]
     assert stopped["finish_reason"] == "stop"
     assert stopped["token_ids"] == full["token_ids"][: first + 1]
     short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
@@ -319,8 +353,9 @@ def test_stop_token_ids_and_max_tokens(tiny_qwen2, make_llm, random_prompt):
 
 def test_eos_stops_unless_ignore_eos(tiny_qwen2, make_llm, random_prompt, tmp_path):
     prompt = random_prompt(7, 90)
-    reference = make_llm(tiny_qwen2).generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                                              use_tqdm=False)[0]["token_ids"]
+    reference = make_llm(tiny_qwen2).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )[0]["token_ids"]
     # A copy of the model whose generation config names a token the greedy output reaches as eos.
     eos = reference[6]
     folder = tmp_path / "model"
@@ -336,21 +371,24 @@ def test_eos_stops_unless_ignore_eos(tiny_qwen2, make_llm, random_prompt, tmp_pa
 
 
 # ---- validation -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(min_p=-0.1), "min_p"),
-    (dict(min_p=1.5), "min_p"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=2.5), "max_tokens"),
-    (dict(stop=[""]), "stop"),
-    (dict(stop=[1]), "stop"),
-    (dict(stop_token_ids=["a"]), "stop_token_ids"),
-    (dict(seed=1.5), "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=[1]), "stop"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
 def test_sampling_params_validation(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         SamplingParams(**kwargs)
@@ -358,8 +396,16 @@ def test_sampling_params_validation(kwargs, fragment):
 
 def test_sampling_params_defaults_and_normalisation():
     p = SamplingParams()
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens, p.ignore_eos, p.seed) == \
-        (1.0, 1.0, -1, 0.0, 1.0, 64, False, None)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens, p.ignore_eos, p.seed) == (
+        1.0,
+        1.0,
+        -1,
+        0.0,
+        1.0,
+        64,
+        False,
+        None,
+    )
     assert SamplingParams(stop="x").stop_list == ["x"]
     assert SamplingParams(stop=["a", "b"]).stop_list == ["a", "b"]
     assert SamplingParams(stop_token_ids=None).stop_token_ids == []
@@ -389,20 +435,37 @@ def prepare(seqs, last_sampled=None, rows=None):
 
 
 def test_prepare_gives_greedy_rows_no_columns():
-    batch = prepare([sampling_seq([1, 2], SamplingParams(temperature=0)),
-                     sampling_seq([3], SamplingParams(temperature=0, top_k=5, top_p=0.5))])
+    batch = prepare(
+        [
+            sampling_seq([1, 2], SamplingParams(temperature=0)),
+            sampling_seq([3], SamplingParams(temperature=0, top_k=5, top_p=0.5)),
+        ]
+    )
     assert batch.all_greedy and not batch.changes_logits
-    assert all(getattr(batch, f) is None for f in ("temperatures", "top_k", "top_p", "min_p", "seen_tokens",
-                                                   "logit_bias", "output_counts", "grammar_rows"))
+    assert all(
+        getattr(batch, f) is None
+        for f in (
+            "temperatures",
+            "top_k",
+            "top_p",
+            "min_p",
+            "seen_tokens",
+            "logit_bias",
+            "output_counts",
+            "grammar_rows",
+        )
+    )
 
 
 def test_prepare_gives_only_the_columns_some_row_uses_with_top_k_clamped_to_the_vocabulary():
-    batch = prepare([
-        sampling_seq([1], SamplingParams(temperature=0.7, top_k=5)),
-        sampling_seq([2], SamplingParams(temperature=1.0, top_p=0.9)),  # top_k -1: the whole vocabulary
-        sampling_seq([3], SamplingParams(temperature=0.0, top_k=1000)),  # a greedy row among sampled ones
-        sampling_seq([4], SamplingParams(temperature=0.5, top_k=0)),  # 0 also means off
-    ])
+    batch = prepare(
+        [
+            sampling_seq([1], SamplingParams(temperature=0.7, top_k=5)),
+            sampling_seq([2], SamplingParams(temperature=1.0, top_p=0.9)),  # top_k -1: the whole vocabulary
+            sampling_seq([3], SamplingParams(temperature=0.0, top_k=1000)),  # a greedy row among sampled ones
+            sampling_seq([4], SamplingParams(temperature=0.5, top_k=0)),  # 0 also means off
+        ]
+    )
     assert not batch.all_greedy
     assert batch.temperatures.dtype == torch.float32
     assert batch.temperatures.tolist() == pytest.approx([0.7, 1.0, 0.0, 0.5])
@@ -411,8 +474,12 @@ def test_prepare_gives_only_the_columns_some_row_uses_with_top_k_clamped_to_the_
     assert batch.min_p is None and batch.repetition_penalties is None
 
     # top_k at or above the vocabulary limits nothing: no column.
-    batch = prepare([sampling_seq([1], SamplingParams(top_k=PREP_VOCAB)),
-                     sampling_seq([2], SamplingParams(top_k=PREP_VOCAB + 1, min_p=0.1))])
+    batch = prepare(
+        [
+            sampling_seq([1], SamplingParams(top_k=PREP_VOCAB)),
+            sampling_seq([2], SamplingParams(top_k=PREP_VOCAB + 1, min_p=0.1)),
+        ]
+    )
     assert batch.top_k is None and batch.top_p is None
     assert batch.min_p.tolist() == pytest.approx([0.0, 0.1])
 
@@ -421,8 +488,9 @@ def test_prepare_marks_the_tokens_each_penalised_row_has_seen_and_counts_its_out
     first = sampling_seq([3, 4, 3], SamplingParams(temperature=0, repetition_penalty=1.2))
     plain = sampling_seq([5, 6], SamplingParams(temperature=0))  # not penalised: nothing marked
     # Its output is 8, then another 8 still pending: row 4 of the last step's sampled tokens, added on the device.
-    waiting = sampling_seq([7], SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5),
-                           output=(8,), num_pending=1)
+    waiting = sampling_seq(
+        [7], SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5), output=(8,), num_pending=1
+    )
     last_sampled = torch.tensor([0, 0, 0, 0, 8])
     batch = prepare([first, plain, waiting], last_sampled, {waiting.seq_id: 4})
 
@@ -436,9 +504,15 @@ def test_prepare_marks_the_tokens_each_penalised_row_has_seen_and_counts_its_out
 
 
 def test_prepare_puts_each_logit_bias_in_its_row():
-    batch = prepare([sampling_seq([1], SamplingParams(temperature=0)),
-                     sampling_seq([2], SamplingParams(temperature=0, logit_bias={5: -100.0, 9: 2.5}))])
+    batch = prepare(
+        [
+            sampling_seq([1], SamplingParams(temperature=0)),
+            sampling_seq([2], SamplingParams(temperature=0, logit_bias={5: -100.0, 9: 2.5})),
+        ]
+    )
     assert batch.logit_bias.shape == (2, PREP_VOCAB)
     assert batch.logit_bias[0].abs().sum().item() == 0
     assert {t: batch.logit_bias[1, t].item() for t in batch.logit_bias[1].nonzero().flatten().tolist()} == {
-        5: -100.0, 9: 2.5}
+        5: -100.0,
+        9: 2.5,
+    }

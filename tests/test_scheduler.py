@@ -3,6 +3,7 @@
 Each test wraps `Scheduler.schedule` to see every batch the engine runs, along with the state
 the scheduler started from.
 """
+
 import pytest
 
 from engine import SamplingParams
@@ -30,8 +31,13 @@ class BatchLog:
             decoding = [s.request_id for s in sched.running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0]
             batch = orig()
             self.recomputed += sum(item.num_new_tokens > 1 and item.seq.num_output_tokens > 0 for item in batch)
-            self.steps.append((decoding, [(item.seq.request_id, item.num_new_tokens, item.samples) for item in batch],
-                               len(sched.running)))
+            self.steps.append(
+                (
+                    decoding,
+                    [(item.seq.request_id, item.num_new_tokens, item.samples) for item in batch],
+                    len(sched.running),
+                )
+            )
             return batch
 
         monkeypatch.setattr(sched, "schedule", schedule)
@@ -173,8 +179,9 @@ def test_a_request_that_cannot_fit_alone_is_refused_up_front(tiny_qwen2, make_ll
     with pytest.raises(ValueError, match="max_model_len"):
         llm.add_request(list(range(3, 35)), greedy(4))
     # The longest allowed request runs to max_model_len and stops with "length" without deadlock.
-    result = llm.generate([list(range(3, 34))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
-                          use_tqdm=False)[0]
+    result = llm.generate(
+        [list(range(3, 34))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False
+    )[0]
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 1
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         make_llm(tiny_qwen2, num_kvcache_blocks=2, max_model_len=33)
@@ -232,8 +239,11 @@ def test_a_more_urgent_request_takes_every_step_and_the_others_wait_with_their_b
 def test_waiting_requests_are_admitted_by_priority_then_arrival():
     bm = BlockManager(num_blocks=32, block_size=2, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
-    late, first, second = Sequence([1, 2], greedy(4), priority=5), Sequence([3, 4], greedy(4)), \
-        Sequence([5, 6], greedy(4))
+    late, first, second = (
+        Sequence([1, 2], greedy(4), priority=5),
+        Sequence([3, 4], greedy(4)),
+        Sequence([5, 6], greedy(4)),
+    )
     for s in (late, first, second):
         sched.add(s)
     assert sched.waiting == [first, second, late]
@@ -269,8 +279,9 @@ def test_equal_priorities_never_preempt_to_admit(tiny_qwen2, make_llm, random_pr
     assert sched.num_preemptions == 0 and sched.waiting == [b]
 
 
-def test_generate_serves_urgent_prompts_first_and_gives_the_same_tokens(tiny_qwen2, make_llm, random_prompt,
-                                                                        monkeypatch):
+def test_generate_serves_urgent_prompts_first_and_gives_the_same_tokens(
+    tiny_qwen2, make_llm, random_prompt, monkeypatch
+):
     prompts = [random_prompt(n, 80 + n) for n in (6, 9, 12)]
     params = greedy(6)
     llm = make_llm(tiny_qwen2)

@@ -1,5 +1,6 @@
 """`python -m engine.serve` starting and stopping as a user meets it: a clear line and a non-zero exit
 for a model it cannot load or a port it cannot bind, and a bounded wait on SIGTERM."""
+
 import json
 import os
 import shutil
@@ -17,8 +18,14 @@ pytestmark = pytest.mark.timeout(900)  # one test starts the server on the bundl
 
 
 def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.serve", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "engine.serve", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def test_a_model_that_cannot_load_is_one_clear_message(tmp_path):
@@ -60,14 +67,31 @@ def test_sigterm_aborts_a_stream_nobody_reads_after_the_grace_period(bundled_mod
 
     tok = AutoTokenizer.from_pretrained(bundled_model)
     stops = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")} | {tok.eos_token_id}
-    srv = ServeProcess(bundled_model, tmp_path / "server.log", "--shutdown-grace", "2", "--max-model-len", "2048",
-                       "--served-model-name", "smollm2").wait_ready(timeout=600)
+    srv = ServeProcess(
+        bundled_model,
+        tmp_path / "server.log",
+        "--shutdown-grace",
+        "2",
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        "smollm2",
+    ).wait_ready(timeout=600)
     try:
-        body = json.dumps({"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 1900, "stream": True,
-                           "logit_bias": {str(t): -100 for t in stops}}).encode()
+        body = json.dumps(
+            {
+                "model": "smollm2",
+                "prompt": "Once upon a time",
+                "max_tokens": 1900,
+                "stream": True,
+                "logit_bias": {str(t): -100 for t in stops},
+            }
+        ).encode()
         quiet = socket.create_connection(("127.0.0.1", srv.port))  # sends, and never reads a byte back
-        quiet.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        quiet.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         assert wait_until(lambda: srv.metric("vllm:generation_tokens_total") > 0, timeout=60)
         start = time.perf_counter()
         srv.proc.send_signal(signal.SIGTERM)

@@ -1,4 +1,5 @@
 """The real bundled model, SmolLM2-135M-Instruct, against transformers on the same weights."""
+
 import pytest
 import torch
 
@@ -9,11 +10,15 @@ pytestmark = pytest.mark.timeout(900)
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "用中文介绍一下你自己。"}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "用中文介绍一下你自己。"},
+    ],
     [{"role": "user", "content": "Write a Python function that returns the factorial of n."}],
-    [{"role": "system", "content": "You answer tersely."}, {"role": "user",
-                                                            "content": "List three colours of the rainbow."}],
+    [
+        {"role": "system", "content": "You answer tersely."},
+        {"role": "user", "content": "List three colours of the rainbow."},
+    ],
 ]
 NEW_TOKENS = 40
 
@@ -36,8 +41,9 @@ def test_greedy_chat_replies_equal_transformers_in_one_batch(llm, bundled_model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(bundled_model, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0,
-                                                                                                  len(prompt):].tolist()
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
         assert out["token_ids"] == ref
         assert out["text"] == llm.tokenizer.decode(ref, skip_special_tokens=True)
         assert out["finish_reason"] == ("stop" if ref[-1] in llm.eos_token_ids else "length")

@@ -2,6 +2,7 @@
 
 The engine uses it only off the CPU; here it runs its plain-copy branch, which checks the packing,
 the shapes and the alignment. tests/gpu checks the pinned, asynchronous branch."""
+
 import numpy as np
 import torch
 

@@ -3,6 +3,7 @@
 Every expected array is written out by hand from the block tables and token counts, so a change
 to how positions, slots or rows are derived shows up as a wrong number.
 """
+
 import pytest
 import torch
 
@@ -18,8 +19,13 @@ BS = 4  # block size: small, so a few tokens span several blocks
 GREEDY = SamplingParams(temperature=0)
 
 
-def make_seq(token_ids: list[int], block_table: list[int], num_computed: int, num_pending: int = 0,
-             params: SamplingParams = GREEDY) -> Sequence:
+def make_seq(
+    token_ids: list[int],
+    block_table: list[int],
+    num_computed: int,
+    num_pending: int = 0,
+    params: SamplingParams = GREEDY,
+) -> Sequence:
     seq = Sequence(token_ids, params)
     seq.block_table = list(block_table)
     seq.num_computed_tokens = num_computed
@@ -90,20 +96,37 @@ def test_pending_tokens_are_placeholders_filled_from_the_last_sampled_rows():
     p = make_seq([21, 22, 23, 24, 25], [6, 1], num_computed=5, num_pending=1)
     d = make_seq([31, 32, 33], [9], num_computed=2)  # a decode whose input the host has
     step = prepare_step([ScheduledSeq(d, 1), ScheduledSeq(p, 1)], BS, {d.seq_id: 0, p.seq_id: 2})
-    assert_arrays(step, token_ids=[33, 0], positions=[2, 5], slot_mapping=[38, 5], seq_lens=[3, 6],
-                  logits_index=[0, 1], pending_rows=[1], pending_sources=[2])
+    assert_arrays(
+        step,
+        token_ids=[33, 0],
+        positions=[2, 5],
+        slot_mapping=[38, 5],
+        seq_lens=[3, 6],
+        logits_index=[0, 1],
+        pending_rows=[1],
+        pending_sources=[2],
+    )
 
     # Beside a prefill, the pending token's row in token_ids is where its sequence starts.
     f = make_seq([50, 51, 52], [3], num_computed=0)
     step = prepare_step([ScheduledSeq(f, 3), ScheduledSeq(p, 1)], BS, {p.seq_id: 2})
-    assert_arrays(step, token_ids=[50, 51, 52, 0], positions=[0, 1, 2, 5], slot_mapping=[12, 13, 14, 5],
-                  query_start_loc=[0, 3, 4], logits_index=[2, 3], pending_rows=[3], pending_sources=[2])
+    assert_arrays(
+        step,
+        token_ids=[50, 51, 52, 0],
+        positions=[0, 1, 2, 5],
+        slot_mapping=[12, 13, 14, 5],
+        query_start_loc=[0, 3, 4],
+        logits_index=[2, 3],
+        pending_rows=[3],
+        pending_sources=[2],
+    )
 
     # Steady asynchronous decoding: every input is on the device.
     q = make_seq([41, 42], [8], num_computed=2, num_pending=1)
     step = prepare_step([ScheduledSeq(p, 1), ScheduledSeq(q, 1)], BS, SampledRows([q, d, p]))
-    assert_arrays(step, token_ids=[0, 0], positions=[5, 2], slot_mapping=[5, 34], pending_rows=[0, 1],
-                  pending_sources=[2, 0])
+    assert_arrays(
+        step, token_ids=[0, 0], positions=[5, 2], slot_mapping=[5, 34], pending_rows=[0, 1], pending_sources=[2, 0]
+    )
 
 
 def test_a_pending_token_the_last_step_did_not_sample_is_an_error():
@@ -150,8 +173,9 @@ def test_blocks_from_a_byte_budget():
 
 def test_number_of_blocks_from_the_settings(monkeypatch):
     checked = []  # the host-memory checks, recorded instead of reading this machine's free memory
-    monkeypatch.setattr("engine.runner.kv_cache.check_host_memory",
-                        lambda needed, what, _: checked.append((needed, what)))
+    monkeypatch.setattr(
+        "engine.runner.kv_cache.check_host_memory", lambda needed, what, _: checked.append((needed, what))
+    )
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # naming a device allocates nothing
     config = EngineConfig(model="m", num_kvcache_blocks=12)
     assert choose_num_blocks(config, LAYOUT, cpu, SINGLE, never_measured) == 12

@@ -1,5 +1,6 @@
 """Constrained decoding (SamplingParams.structured_outputs): every reply matches its constraint, free rows
 beside constrained ones are unchanged, and the prefix cache, preemption and async scheduling still hold."""
+
 import json
 import re
 
@@ -21,8 +22,12 @@ PERSON = {
         "age": {"type": "integer", "minimum": 0, "maximum": 130},
         "color": {"enum": ["red", "green", "blue"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                    "required": ["city"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "age", "color", "tags", "address"],
     "additionalProperties": False,
@@ -41,8 +46,10 @@ def smollm2():
 @pytest.mark.timeout(600)
 def test_every_sampled_reply_of_the_bundled_model_validates_against_the_schema(smollm2):
     prompt = smollm2.encode_chat([{"role": "user", "content": "Describe a person."}])
-    params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=160,
-                             structured_outputs=constrained(json=PERSON)) for seed in range(12)]
+    params = [
+        SamplingParams(temperature=0.8, seed=seed, max_tokens=160, structured_outputs=constrained(json=PERSON))
+        for seed in range(12)
+    ]
     outs = smollm2.generate([prompt] * len(params), params, use_tqdm=False)
     for out in outs:
         assert out["finish_reason"] == "stop", out
@@ -62,12 +69,14 @@ def test_regex_choice_json_object_and_grammar(smollm2):
     prompt = smollm2.encode_chat([{"role": "user", "content": "Give me a phone number."}])
     lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[1-9][0-9]{0,2}/'
     gbnf = 'root ::= "yes" | "no" | "maybe"'
-    cases = [(constrained(regex=r"\d{3}-\d{4}"), lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
-             (constrained(choice=["alpha", "beta gamma"]), lambda t: t in ("alpha", "beta gamma")),
-             # any object may go on for ever: one cut off by max_tokens is checked as far as it goes
-             (constrained(json_object=True), lambda t: t.startswith("{")),
-             (constrained(grammar=lark), lambda t: re.fullmatch(r"The answer is [1-9][0-9]{0,2}\.", t)),
-             (constrained(grammar=gbnf), lambda t: t in ("yes", "no", "maybe"))]
+    cases = [
+        (constrained(regex=r"\d{3}-\d{4}"), lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
+        (constrained(choice=["alpha", "beta gamma"]), lambda t: t in ("alpha", "beta gamma")),
+        # any object may go on for ever: one cut off by max_tokens is checked as far as it goes
+        (constrained(json_object=True), lambda t: t.startswith("{")),
+        (constrained(grammar=lark), lambda t: re.fullmatch(r"The answer is [1-9][0-9]{0,2}\.", t)),
+        (constrained(grammar=gbnf), lambda t: t in ("yes", "no", "maybe")),
+    ]
     params = [SamplingParams(temperature=0.7, seed=3, max_tokens=200, structured_outputs=c) for c, _ in cases]
     outs = smollm2.generate([prompt] * len(cases), params, use_tqdm=False)
     for (constraint, ok), out in zip(cases, outs):
@@ -84,10 +93,16 @@ def test_free_rows_beside_constrained_ones_are_unchanged(tiny_qwen2, random_prom
     free = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2
     alone = make_llm(tiny_qwen2).generate(prompts[:2], free, use_tqdm=False)
     mixed = make_llm(tiny_qwen2).generate(
-        prompts, free + [SamplingParams(temperature=0, max_tokens=16, structured_outputs=constrained(regex="[a-z ]+x")),
-                         SamplingParams(temperature=0.9, seed=1, max_tokens=16,
-                                        structured_outputs=constrained(choice=["fox", "dog"]))],
-        use_tqdm=False)
+        prompts,
+        free
+        + [
+            SamplingParams(temperature=0, max_tokens=16, structured_outputs=constrained(regex="[a-z ]+x")),
+            SamplingParams(
+                temperature=0.9, seed=1, max_tokens=16, structured_outputs=constrained(choice=["fox", "dog"])
+            ),
+        ],
+        use_tqdm=False,
+    )
     assert [o["token_ids"] for o in mixed[:2]] == [o["token_ids"] for o in alone]
     assert re.fullmatch("[a-z ]+x", mixed[2]["text"]) or mixed[2]["finish_reason"] == "length"
     assert mixed[3]["text"] in ("fox", "dog")
@@ -106,8 +121,11 @@ def test_a_constrained_greedy_token_is_the_masked_argmax(tiny_qwen2, random_prom
         with torch.no_grad():
             logits = hf_model(tiny_qwen2)(torch.tensor([prompt])).logits[0, -1]
         expected = starts[int(logits[starts].argmax())]
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
-                                                    structured_outputs=constrained(choice=words)), use_tqdm=False)[0]
+        out = llm.generate(
+            [prompt],
+            SamplingParams(temperature=0, max_tokens=8, structured_outputs=constrained(choice=words)),
+            use_tqdm=False,
+        )[0]
         assert out["token_ids"][0] == expected
         assert out["text"] in words
 
@@ -116,8 +134,11 @@ def test_constrained_requests_share_the_prefix_cache(tiny_qwen2, random_prompt, 
     llm = make_llm(tiny_qwen2)
     prompt = random_prompt(40, 9)
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
-    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
-                                                  structured_outputs=constrained(regex="[0-9]{4}")), use_tqdm=False)[0]
+    again = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=constrained(regex="[0-9]{4}")),
+        use_tqdm=False,
+    )[0]
     assert again["num_cached_tokens"] == 32  # two full 16-token blocks of the same prompt
     assert re.fullmatch("[0-9]{4}", again["text"])
     after = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
@@ -130,8 +151,10 @@ def test_preempted_and_async_constrained_requests_still_match(tiny_qwen2, random
     async scheduling must read a constrained request's token back before masking its next one."""
     llm = make_llm(tiny_qwen2, num_kvcache_blocks=12, async_scheduling=async_scheduling)
     prompts = [random_prompt(20, 30 + i) for i in range(6)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=64,
-                             structured_outputs=constrained(regex="(ab|cd){12,30}")) for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=64, structured_outputs=constrained(regex="(ab|cd){12,30}"))
+        for i in range(6)
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
     for out in outs:
@@ -139,14 +162,16 @@ def test_preempted_and_async_constrained_requests_still_match(tiny_qwen2, random
         assert out["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("constraint, named", [
-    (dict(json={"type": "objekt"}), "objekt"),
-    (dict(regex="a(b"), "unclosed group"),
-    (dict(grammar='start: "a" undefined_rule'), "undefined_rule"),
-    (dict(json="{not json"), "not valid JSON"),
-])
-def test_an_invalid_constraint_is_refused_with_its_reason_and_changes_nothing(tiny_qwen2, make_llm, constraint,
-                                                                              named):
+@pytest.mark.parametrize(
+    "constraint, named",
+    [
+        (dict(json={"type": "objekt"}), "objekt"),
+        (dict(regex="a(b"), "unclosed group"),
+        (dict(grammar='start: "a" undefined_rule'), "undefined_rule"),
+        (dict(json="{not json"), "not valid JSON"),
+    ],
+)
+def test_an_invalid_constraint_is_refused_with_its_reason_and_changes_nothing(tiny_qwen2, make_llm, constraint, named):
     llm = make_llm(tiny_qwen2)
     with pytest.raises(ValueError, match=re.escape(named)):
         llm.add_request([5, 6, 7], SamplingParams(structured_outputs=constrained(**constraint)))
@@ -209,12 +234,17 @@ def test_a_grammar_with_too_many_rules_is_refused_saying_the_limit(smollm2):
 def test_llguidance_panics_are_said_plainly():
     from engine.sample.structured_output import compile_error_message
 
-    panic = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>\n"
-             "   1: <unknown>")
-    assert compile_error_message(panic) == ("the constraint is too large: it compiles to more than 65,000 grammar "
-                                            "symbols, llguidance's limit; give fewer choices, properties or rules")
+    panic = (
+        "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>\n"
+        "   1: <unknown>"
+    )
+    assert compile_error_message(panic) == (
+        "the constraint is too large: it compiles to more than 65,000 grammar "
+        "symbols, llguidance's limit; give fewer choices, properties or rules"
+    )
     other = compile_error_message("panic: index out of bounds\n<backtrace>\n   0: <unknown>")
     assert other == "the constraint could not be compiled (llguidance failed: index out of bounds)"
     assert compile_error_message("1(7): unknown name: 'foo'\n  1 | start: foo") == (
-        "the constraint does not compile: 1(7): unknown name: 'foo'\n  1 | start: foo")
+        "the constraint does not compile: 1(7): unknown name: 'foo'\n  1 | start: foo"
+    )
     assert len(compile_error_message("x" * 1_000_000)) < 1100  # a whole grammar once went into one message

@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (gloo): N ranks give the same greedy tokens as one, each holds 1/N of
 the weights, and the worker processes never outlive their engine."""
+
 import gc
 import multiprocessing as mp
 import os
@@ -159,8 +160,12 @@ CHATS = [
 def test_smollm2_tp3_greedy_tokens_and_weight_shares(bundled_model):
     settings = dict(dtype="float32", device="cpu", num_kvcache_blocks=32)
     whole = LLM(str(bundled_model), **settings)
-    batch = [whole.tokenizer.encode(whole.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
-                                    add_special_tokens=False) for c in CHATS]
+    batch = [
+        whole.tokenizer.encode(
+            whole.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )
+        for c in CHATS
+    ]
     params = SamplingParams(temperature=0, max_tokens=20)
     expected = greedy_ids(whole, batch, params)
     llm = LLM(str(bundled_model), tensor_parallel_size=3, **settings)
@@ -227,8 +232,9 @@ time.sleep(600)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_exit_when_the_parent_is_killed(tiny_llama):
     root = Path(__file__).resolve().parents[1]
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_llama)], cwd=root,
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tiny_llama)], cwd=root, stdout=subprocess.PIPE, text=True
+    )
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 1 and not process_gone(pids[0])
@@ -283,11 +289,18 @@ def step_in_thread(llm) -> BaseException | None:
     return failure[0] if failure else None
 
 
-@pytest.mark.parametrize("poison, says", [
-    (RaiseOnLoad(), r"tensor-parallel worker rank 1 failed:\n.*ValueError: invalid literal for int\(\) with base 10: "
-                    r"\"a worker's step failed here\".*create a new LLM"),
-    (ExitOnLoad(), r"tensor-parallel worker rank 1 exited unexpectedly \(exit code 3\).*create a new LLM"),
-], ids=["raises", "dies"])
+@pytest.mark.parametrize(
+    "poison, says",
+    [
+        (
+            RaiseOnLoad(),
+            r"tensor-parallel worker rank 1 failed:\n.*ValueError: invalid literal for int\(\) with base 10: "
+            r"\"a worker's step failed here\".*create a new LLM",
+        ),
+        (ExitOnLoad(), r"tensor-parallel worker rank 1 exited unexpectedly \(exit code 3\).*create a new LLM"),
+    ],
+    ids=["raises", "dies"],
+)
 def test_a_worker_failing_mid_step_is_a_clear_error_and_no_hang(tiny_llama, random_prompt, poison, says):
     from engine.runner.tp_workers import WorkerError
 
@@ -313,12 +326,16 @@ def test_a_worker_dying_mid_stream_ends_the_engine_threads_streams(tiny_llama, r
 
     thread = EngineThread(LLM(str(tiny_llama), tensor_parallel_size=2, **SETTINGS))
     try:
-        stream = iter(thread.submit(prompts(random_prompt)[2], SamplingParams(temperature=0, max_tokens=200,
-                                                                               ignore_eos=True)))
+        stream = iter(
+            thread.submit(prompts(random_prompt)[2], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        )
         assert next(stream).new_token_ids
         poison_next_step(thread.engine, ExitOnLoad())
-        with pytest.raises(EngineFailed, match=r"the engine failed \(WorkerError: tensor-parallel worker rank 1 "
-                                               r"exited unexpectedly \(exit code 3\)"):
+        with pytest.raises(
+            EngineFailed,
+            match=r"the engine failed \(WorkerError: tensor-parallel worker rank 1 "
+            r"exited unexpectedly \(exit code 3\)",
+        ):
             for _ in stream:
                 pass
         with pytest.raises(EngineFailed, match="load the model again"):

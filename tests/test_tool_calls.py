@@ -1,5 +1,6 @@
 """Tool calls without a model: the plan a request's tools make, the prompt they go into, and the parsing of a
 reply's text into content and OpenAI's tool calls, whole and streamed in pieces of every size."""
+
 import json
 
 import pytest
@@ -7,11 +8,21 @@ import pytest
 from entrypoints.openai.protocol import APIError
 from entrypoints.openai.tool_calls import ToolCallStream, plan_tools, prompt_messages
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
 
 
 def run(plan, text: str, piece: int) -> tuple[str, list[dict], list[dict]]:
@@ -40,14 +51,19 @@ PIECES = [1, 2, 3, 7, 1000]
 @pytest.mark.parametrize("piece", PIECES)
 def test_hermes_calls_in_an_auto_reply_become_tool_calls_and_the_rest_content(piece):
     plan = plan_tools([WEATHER, ADD], "auto", True)
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    )
     content, calls, streamed = run(plan, text, piece)
     assert content == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+        ("get_weather", {"city": "Paris"}),
+        ("add", {"a": 1, "b": 2}),
+    ]
     assert [(s["id"], s["name"], s["arguments"]) for s in streamed] == [
-        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
     assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
 
 
@@ -60,12 +76,15 @@ def test_llama_bare_json_call(piece):
 
 
 @pytest.mark.parametrize("piece", PIECES)
-@pytest.mark.parametrize("text", [
-    "Plain answer, with < and <tool and {braces}.",
-    '{"not": "a call"}',
-    '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',
-    "<tool_call>cut short by max_tok",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Plain answer, with < and <tool and {braces}.",
+        '{"not": "a call"}',
+        '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',
+        "<tool_call>cut short by max_tok",
+    ],
+)
 def test_text_that_is_not_a_call_stays_content(text, piece):
     content, calls, _ = run(plan_tools([WEATHER], "auto", True), text, piece)
     assert (content, calls) == (text, [])
@@ -97,16 +116,22 @@ def test_required_calls_come_from_the_constrained_array_and_parallel_false_keeps
     assert names == ["get_weather", "add"]
 
 
-@pytest.mark.parametrize("tools, choice, message", [
-    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "names the tool 'nope', which is not in"),
-    (None, "required", "the request has no tools"),
-    ([{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}], "auto",
-     "must be a JSON schema of an object"),
-    ([{"type": "function", "function": {"name": "bad name!"}}], "auto", "1 to 64 letters"),
-    ([{"type": "retrieval"}], "auto", "each tool must be"),
-    ([WEATHER, WEATHER], "auto", "same name"),
-    ([WEATHER], "sometimes", "tool_choice must be"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, message",
+    [
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "names the tool 'nope', which is not in"),
+        (None, "required", "the request has no tools"),
+        (
+            [{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}],
+            "auto",
+            "must be a JSON schema of an object",
+        ),
+        ([{"type": "function", "function": {"name": "bad name!"}}], "auto", "1 to 64 letters"),
+        ([{"type": "retrieval"}], "auto", "each tool must be"),
+        ([WEATHER, WEATHER], "auto", "same name"),
+        ([WEATHER], "sometimes", "tool_choice must be"),
+    ],
+)
 def test_bad_tools_are_refused_with_a_message_that_names_the_problem(tools, choice, message):
     with pytest.raises(APIError, match=message) as e:
         plan_tools(tools, choice, True)
@@ -120,13 +145,18 @@ def test_a_tool_without_parameters_takes_none():
 
 def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_as_text():
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    ]
     out = prompt_messages(messages, [WEATHER], knows_tools=False)
     assert out[0]["content"].startswith("Be brief.\n\n") and '"name": "get_weather"' in out[0]["content"]
-    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
-                                                      '{"city": "Rome"}}\n</tool_call>'}
+    assert out[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    }
     assert out[3] == {"role": "user", "content": "<tool_response>\nsunny, 24 C\n</tool_response>"}
     native = prompt_messages(messages, [WEATHER], knows_tools=True)
     assert native[0]["content"] == "Be brief." and native[3]["role"] == "tool"

@@ -3,6 +3,7 @@
 Mixed batches with many decode rows of very different lengths, so the rows are regrouped by
 length; prefills with and without a cached prefix; padding rows; holey, shuffled block tables.
 """
+
 import math
 
 import pytest
@@ -45,17 +46,27 @@ def batch(q_lens, seq_lens, num_kv_heads=3, group=3, head_dim=32, seed=0):
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
-    slots = [tables[i][p // BLOCK] * BLOCK + p % BLOCK if s else -1
-             for i, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
+    slots = [
+        tables[i][p // BLOCK] * BLOCK + p % BLOCK if s else -1
+        for i, (q, s) in enumerate(zip(q_lens, seq_lens))
+        for p in range(s - q, s)
+    ]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens_cpu=list(q_lens), seq_lens_cpu=list(seq_lens))
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
     return query, k_cache, v_cache, meta, tables
 
 
-@pytest.mark.parametrize("case", ["decode only", "decode and prefills", "few decode rows", "one decode row",
-                                  "equal lengths"])
+@pytest.mark.parametrize(
+    "case", ["decode only", "decode and prefills", "few decode rows", "one decode row", "equal lengths"]
+)
 def test_matches_attention_written_out_per_sequence(case):
     rng = torch.Generator().manual_seed(1)
     rows = {"few decode rows": 3, "one decode row": 1, "equal lengths": 5}.get(case, 27)

@@ -5,6 +5,7 @@ that they cover the awkward cases: shuffled and holey block tables, padded slots
 chunked prefill, decode (with and without split-KV), mixed batches, padding rows, GQA groups,
 odd head dims and block sizes, and fp32 / bf16 / fp16.
 """
+
 import os
 
 # Must be set before triton is imported anywhere, or kernels would try to compile for a GPU.

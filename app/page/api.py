@@ -1,5 +1,6 @@
 """The scripting API (gr.api endpoints, no components): what the page shows, as data, and the backend
 switches of the Models tab. Scripts and the end-to-end tests call these through gradio_client."""
+
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -21,9 +22,14 @@ def add_api(ui: "PagodaUI") -> None:
 
     def model_status() -> dict:
         st, backend = ui.host.state, ui.host.backend
-        return {"status": st.status, "message": st.message, "model": st.model,
-                "backend": backend.kind if backend else None, "serving": backend.model if backend else None,
-                "url": backend.url if backend else None}
+        return {
+            "status": st.status,
+            "message": st.message,
+            "model": st.model,
+            "backend": backend.kind if backend else None,
+            "serving": backend.model if backend else None,
+            "url": backend.url if backend else None,
+        }
 
     def connect_remote(base_url: str, api_key: str = "", model: str = "") -> dict:
         """Serve the chats from an OpenAI-compatible server (model: empty = its first). A failure keeps the
@@ -56,8 +62,10 @@ def add_api(ui: "PagodaUI") -> None:
         return [{"id": c.id, "title": c.title, "system_prompt": c.system_prompt} for c in ui.store.list(query)]
 
     def list_messages(conversation_id: int) -> list[dict]:
-        return [{"id": m.id, "role": m.role, "content": m.content, "meta": m.meta}
-                for m in ui.store.messages(int(conversation_id))]
+        return [
+            {"id": m.id, "role": m.role, "content": m.content, "meta": m.meta}
+            for m in ui.store.messages(int(conversation_id))
+        ]
 
     gr.api(engine_stats, api_name="engine_stats")
     gr.api(model_status, api_name="model_status")

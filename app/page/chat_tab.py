@@ -1,5 +1,6 @@
 """The Chat tab: the chat, the message box and its buttons, the context meter, and the chat's system prompt
 and sampling settings."""
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,9 +49,11 @@ DOWNLOAD_JS = """
 # The LaTeX the chatbot renders: display math between $$ (Gradio's default), and \(…\) and \[…\] as models write
 # them. Not single $: the browser's KaTeX would read "$5 and $10" as math; app/markdown_text.py turns the `$…$`
 # that are math into \(…\) instead.
-MATH_DELIMITERS = [{"left": "$$", "right": "$$", "display": True},
-                   {"left": "\\(", "right": "\\)", "display": False},
-                   {"left": "\\[", "right": "\\]", "display": True}]
+MATH_DELIMITERS = [
+    {"left": "$$", "right": "$$", "display": True},
+    {"left": "\\(", "right": "\\)", "display": False},
+    {"left": "\\[", "right": "\\]", "display": True},
+]
 
 
 @dataclass
@@ -86,8 +89,14 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     with gr.Row(visible=False) as overflow_row:
         drop_btn = gr.Button("Drop the oldest turn", size="sm")
         fresh_btn = gr.Button("Start a new chat", size="sm")
-    msg = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter for a new line)", lines=1,
-                     max_lines=10, show_label=False, elem_id="message", submit_btn=True)
+    msg = gr.Textbox(
+        placeholder="Message (Enter sends, Shift+Enter for a new line)",
+        lines=1,
+        max_lines=10,
+        show_label=False,
+        elem_id="message",
+        submit_btn=True,
+    )
     with gr.Row():
         stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
         regen_btn = gr.Button("Regenerate", size="sm")
@@ -98,12 +107,27 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     meter = gr.Markdown(elem_id="context-meter")
     with gr.Row():
         # Shown once a model that reasons serves (PagodaUI.think_switch)
-        think = gr.Checkbox(default.think, label="Think", elem_id="think", visible=False,
-                            info="Models that reason (Qwen3, DeepSeek-R1 distills) think before they answer")
-        json_output = gr.Checkbox(default.json_output, label="JSON output", elem_id="json-output",
-                                  info="Replies are JSON objects; give a schema to hold them to it")
-    json_schema = gr.Code(default.json_schema, language="json", label="JSON schema (optional)",
-                          visible=default.json_output, elem_id="json-schema", lines=4)
+        think = gr.Checkbox(
+            default.think,
+            label="Think",
+            elem_id="think",
+            visible=False,
+            info="Models that reason (Qwen3, DeepSeek-R1 distills) think before they answer",
+        )
+        json_output = gr.Checkbox(
+            default.json_output,
+            label="JSON output",
+            elem_id="json-output",
+            info="Replies are JSON objects; give a schema to hold them to it",
+        )
+    json_schema = gr.Code(
+        default.json_schema,
+        language="json",
+        label="JSON schema (optional)",
+        visible=default.json_output,
+        elem_id="json-schema",
+        lines=4,
+    )
     with gr.Accordion("System prompt and sampling", open=False):
         preset = gr.Dropdown(choices=list(presets), label="Preset (shared by all chats)", value=None)
         system = gr.Textbox(label="System prompt", lines=3, elem_id="system-prompt")
@@ -111,12 +135,33 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         with gr.Row():
             preset_name = gr.Textbox(label="Save as preset", placeholder="Preset name", scale=3)
             save_preset_btn = gr.Button("Save preset", size="sm", scale=1)
-        sliders = [gr.Slider(lo, hi, value=getattr(default, k), step=step, label=label)
-                   for k, label, lo, hi, step in SLIDERS]
-    return ChatTab(chatbot, overflow, overflow_row, drop_btn, fresh_btn, msg, stop_btn, regen_btn, edit_btn,
-                   md_btn, json_btn, export_file, meter, think, json_output, json_schema, preset, system, system_of,
-                   preset_name,
-                   save_preset_btn, sliders)
+        sliders = [
+            gr.Slider(lo, hi, value=getattr(default, k), step=step, label=label) for k, label, lo, hi, step in SLIDERS
+        ]
+    return ChatTab(
+        chatbot,
+        overflow,
+        overflow_row,
+        drop_btn,
+        fresh_btn,
+        msg,
+        stop_btn,
+        regen_btn,
+        edit_btn,
+        md_btn,
+        json_btn,
+        export_file,
+        meter,
+        think,
+        json_output,
+        json_schema,
+        preset,
+        system,
+        system_of,
+        preset_name,
+        save_preset_btn,
+        sliders,
+    )
 
 
 def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[str, str]) -> None:
@@ -125,8 +170,7 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     # The chat keeps its system prompt as it is typed or picked, and the meter counts it. Saved for the chat the box
     # shows (`system_of`), not the open chat's id: that one changes an event before the box does, on a switch.
     # "always_last": one save at a time, then the latest text; blur saves at once when the user clicks away.
-    save = dict(fn=ui.save_system_prompt, inputs=[tab.system_of, tab.system], outputs=tab.meter,
-                show_progress="hidden")
+    save = dict(fn=ui.save_system_prompt, inputs=[tab.system_of, tab.system], outputs=tab.meter, show_progress="hidden")
     tab.system.input(**save, trigger_mode="always_last")
     tab.system.blur(**save, trigger_mode="multiple")
     tab.preset.change(lambda name: presets.get(name, ""), tab.preset, tab.system).then(**save)
@@ -152,11 +196,11 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     quiet = dict(concurrency_limit=limit, concurrency_id="reply", show_progress="hidden")
     # "multiple": Gradio's default for submit ("once") dropped an Enter pressed while the chat answered, without
     # a word; now respond runs and says why it cannot send yet, and the message stays in the box.
-    send = tab.msg.submit(ui.respond, reply_inputs, reply_outputs, api_name="respond", trigger_mode="multiple",
-                          **quiet)
+    send = tab.msg.submit(ui.respond, reply_inputs, reply_outputs, api_name="respond", trigger_mode="multiple", **quiet)
     send.then(**refresh)
-    regen = tab.regen_btn.click(ui.regenerate, [bar.current, tab.system, *tab.sliders], reply_outputs,
-                                api_name="regenerate", **quiet)
+    regen = tab.regen_btn.click(
+        ui.regenerate, [bar.current, tab.system, *tab.sliders], reply_outputs, api_name="regenerate", **quiet
+    )
     regen.then(**refresh)
     # Opening a chat stops following the previous one (its reply runs on) and follows this one's.
     opening = bar.current.change(ui.open, bar.current, opened, cancels=[send, regen])
@@ -169,8 +213,9 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     # Editing stops the chat's reply (PagodaUI.edit_last), and this page stops drawing it first, so that
     # its last frame cannot land after the edited chat.
     tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg], cancels=[send, regen, follow])
-    tab.stop_btn.click(ui.stop_and_show, bar.current, [tab.chatbot, tab.meter], cancels=[send, regen, follow],
-                       api_name="stop")
+    tab.stop_btn.click(
+        ui.stop_and_show, bar.current, [tab.chatbot, tab.meter], cancels=[send, regen, follow], api_name="stop"
+    )
 
     # The file is made at the click, from the chat chosen in the list: made when a chat opened, a click just
     # after a switch (the chat still opening) or a rename downloaded the chat before, or the old title. The list's
@@ -179,15 +224,24 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
         return lambda chosen, opened: ui.export(chosen if chosen is not None else opened, kind)
 
     for button, kind in ((tab.md_btn, "md"), (tab.json_btn, "json")):
-        button.click(export(kind), [bar.conversations, bar.current], tab.export_file, preprocess=False,
-                     show_progress="hidden", **SAME_AS_RENAME).then(None, tab.export_file, None, js=DOWNLOAD_JS)
+        button.click(
+            export(kind),
+            [bar.conversations, bar.current],
+            tab.export_file,
+            preprocess=False,
+            show_progress="hidden",
+            **SAME_AS_RENAME,
+        ).then(None, tab.export_file, None, js=DOWNLOAD_JS)
 
     drop = tab.drop_btn.click(ui.drop_oldest_and_answer, reply_inputs, reply_outputs, **quiet)
     drop.then(**refresh)
 
     def fresh(cid, system_prompt):
         conv = ui.store.create(system_prompt=system_prompt or "")
-        return (gr.update(choices=ui.conversation_choices(), value=conv.id), gr.update(visible=False),
-                gr.update(visible=False))
+        return (
+            gr.update(choices=ui.conversation_choices(), value=conv.id),
+            gr.update(visible=False),
+            gr.update(visible=False),
+        )
 
     tab.fresh_btn.click(fresh, [bar.current, tab.system], [bar.conversations, tab.overflow, tab.overflow_row])

@@ -1,5 +1,6 @@
 """The KV cache tab: the engine's block grid (or a remote server's metrics). The page's timer refreshes it,
 and renders it only for a page that shows this tab, so the tab tells PagodaUI when it is shown or left."""
+
 from typing import TYPE_CHECKING
 
 import gradio as gr

@@ -1,5 +1,6 @@
 """The whole page, composed from its parts: the sidebar, the header, the Chat, KV cache and Models tabs, and the
 scripting API; the page's own scripts (Esc, light or dark, the drawer on a phone); and launch()'s settings."""
+
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -45,8 +46,14 @@ def build(ui: "PagodaUI", models_tab: Callable[["PagodaUI"], None] | None = None
         demo.unload(ui.on_unload)
         timer = gr.Timer(0.5)
         refreshed = [kv_html, header, sidebar.conversations, sidebar.title]
-        timer.tick(ui.panels, [sidebar.search, sidebar.current], refreshed, show_progress="hidden",
-                   concurrency_limit=1, concurrency_id="panels")
+        timer.tick(
+            ui.panels,
+            [sidebar.search, sidebar.current],
+            refreshed,
+            show_progress="hidden",
+            concurrency_limit=1,
+            concurrency_id="panels",
+        )
         track_kv_tab(ui, kv_page, other_pages)
         load_first_view(demo, ui, sidebar, presets, js=PAGE_JS)
         theme_btn.click(None, js=THEME_TOGGLE_JS)
@@ -83,7 +90,9 @@ PAGE_JS = """
 def launch_kwargs() -> dict:
     # No run history: Gradio kept every event's inputs (each prompt, deleted chats' too) in the browser's local
     # storage and listed them under internal event names in a "Runs" page linked from the footer.
-    return {"css": visualizer_css() + CHAT_CSS, "theme": gr.themes.Soft(), "run_history": False,
-            "footer_links": ["api", "gradio", "settings"]}
-
-
+    return {
+        "css": visualizer_css() + CHAT_CSS,
+        "theme": gr.themes.Soft(),
+        "run_history": False,
+        "footer_links": ["api", "gradio", "settings"],
+    }

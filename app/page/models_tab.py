@@ -4,6 +4,7 @@ a connection to a remote OpenAI-compatible server instead of a local model.
 The load form offers the engine's weight-only quantization (none, int8, int4). It starts at the
 recommendation for the chosen model on this machine (app.memory_estimate.quantization_advice) and is
 switched off for GGUF models, whose weights are quantized already."""
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,13 +54,19 @@ def _advice(entry: CatalogEntry, ctx: int, dtype_name: str, memory: tuple[str, i
     gives quantized weights float32 KV, twice bf16's, and an advice sized at bf16 preselected a context
     the estimate then said did not fit)."""
     device_name, free = memory
-    return quantization_advice(entry, ctx, _estimate_dtype(dtype_name, device_name), free_bytes=free,
-                               device_name=device_name,
-                               quantized_dtype=_estimate_dtype(dtype_name, device_name, quantized=True))
+    return quantization_advice(
+        entry,
+        ctx,
+        _estimate_dtype(dtype_name, device_name),
+        free_bytes=free,
+        device_name=device_name,
+        quantized_dtype=_estimate_dtype(dtype_name, device_name, quantized=True),
+    )
 
 
-def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str | None,
-                  memory: tuple[str, int] | None = None) -> str:
+def estimate_text(
+    repo_id: str | None, dtype_name: str, ctx, quantization: str | None, memory: tuple[str, int] | None = None
+) -> str:
     """The estimate under the load form: download size, whether the model fits at this precision,
     quantization and context, and which quantization fits this machine with how much context.
     `memory` is (device description, free bytes); measured when not given."""
@@ -81,15 +88,19 @@ def estimate_text(repo_id: str | None, dtype_name: str, ctx, quantization: str |
     return f"{size}{report.message}\n\n{advice.message}"
 
 
-def quantization_field(repo_id: str | None, dtype_name: str = "auto", ctx=4096,
-                       memory: tuple[str, int] | None = None) -> dict:
+def quantization_field(
+    repo_id: str | None, dtype_name: str = "auto", ctx=4096, memory: tuple[str, int] | None = None
+) -> dict:
     """The Quantization dropdown for a model (gr.update keywords): the recommendation for this machine,
     or off with the reason for a GGUF model."""
     entry = entry_for_repo(repo_id or "")
     if is_gguf_choice(repo_id):
         kind = f" ({entry.gguf_type})" if entry is not None and entry.gguf_type else ""
-        return dict(value="none", interactive=False,
-                    info=f"Off: this GGUF model is already quantized{kind} and is served as it is")
+        return dict(
+            value="none",
+            interactive=False,
+            info=f"Off: this GGUF model is already quantized{kind} and is served as it is",
+        )
     if entry is None:
         return dict(value="none", interactive=True, info=QUANT_INFO)
     advice = _advice(entry, int(ctx or 4096), dtype_name, memory if memory is not None else available_memory("auto"))
@@ -97,8 +108,9 @@ def quantization_field(repo_id: str | None, dtype_name: str = "auto", ctx=4096,
     return dict(value=value, interactive=True, info=f"{QUANT_INFO}. Recommended here: {value}")
 
 
-def default_context(repo_id: str | None, dtype_name: str, quantization: str | None,
-                    memory: tuple[str, int]) -> int | None:
+def default_context(
+    repo_id: str | None, dtype_name: str, quantization: str | None, memory: tuple[str, int]
+) -> int | None:
     """The Context field for a picked model: the longest context that fits this machine comfortably at the
     chosen quantization, up to the model's trained length (what the engine serves when not told), rather
     than a fixed 4,096. None for a model outside the catalog: the field stays as it is."""
@@ -113,8 +125,7 @@ def default_context(repo_id: str | None, dtype_name: str, quantization: str | No
     return option.max_context_len
 
 
-def load_settings(repo_id: str | None, dtype_name: str, ctx, kv, quantization: str | None,
-                  max_num_seqs: int) -> dict:
+def load_settings(repo_id: str | None, dtype_name: str, ctx, kv, quantization: str | None, max_num_seqs: int) -> dict:
     """The engine settings a Load press passes on. Quantization is dropped for a GGUF model (the engine
     refuses to quantize one again)."""
     settings = {"dtype": dtype_name, "max_model_len": int(ctx) if ctx else None, "max_num_seqs": max_num_seqs}
@@ -160,9 +171,13 @@ def job_actions(job: DownloadJob) -> tuple[str, ...]:
 def listing(manager: DownloadManager) -> dict:
     """What the Downloads and Downloaded lists show, one row each: a download (its line, and its buttons, see
     `job_actions`) and a downloaded model (its line). The rows are drawn again only when this changes."""
-    return {"jobs": [(job.id, _describe_job(job), job_actions(job)) for job in manager.jobs()],
-            "models": [(m.repo_id, f"**{m.repo_id}** · {format_gib(m.size_bytes)} GiB · `{m.load_path}`")
-                       for m in manager.local_models()]}
+    return {
+        "jobs": [(job.id, _describe_job(job), job_actions(job)) for job in manager.jobs()],
+        "models": [
+            (m.repo_id, f"**{m.repo_id}** · {format_gib(m.size_bytes)} GiB · `{m.load_path}`")
+            for m in manager.local_models()
+        ],
+    }
 
 
 def job_action(manager: DownloadManager, job_id: str, action: str) -> dict:
@@ -230,8 +245,13 @@ def render_load_form(ui) -> LoadForm:
     """The fields open on the catalog's first model, with its recommended quantization and the context that
     fits this machine."""
     catalog = load_catalog()
-    choices = [(f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}"
-                f"{' · gated' if e.gated else ''}", e.repo_id) for e in catalog]
+    choices = [
+        (
+            f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}{' · gated' if e.gated else ''}",
+            e.repo_id,
+        )
+        for e in catalog
+    ]
     first = catalog[0].repo_id
     memory = available_memory("auto")  # one measurement for the form's first render
     first_quant = quantization_field(first, "auto", 4096, memory)
@@ -239,12 +259,17 @@ def render_load_form(ui) -> LoadForm:
 
     status = gr.Markdown(ui.host.status_message, elem_id="model-status")
     with gr.Row():
-        repo = gr.Dropdown(choices=choices, value=catalog[0].repo_id, label="Model", allow_custom_value=True,
-                           elem_id="model-choice",
-                           info="Pick from the catalog, or type any Hugging Face repo id or local folder", scale=3)
+        repo = gr.Dropdown(
+            choices=choices,
+            value=catalog[0].repo_id,
+            label="Model",
+            allow_custom_value=True,
+            elem_id="model-choice",
+            info="Pick from the catalog, or type any Hugging Face repo id or local folder",
+            scale=3,
+        )
         dtype = gr.Dropdown(DTYPES, value="auto", label="Precision", scale=1)
-        quant = gr.Dropdown(list(QUANTIZATIONS), label="Quantization", scale=1, elem_id="quantization",
-                            **first_quant)
+        quant = gr.Dropdown(list(QUANTIZATIONS), label="Quantization", scale=1, elem_id="quantization", **first_quant)
         context = gr.Number(value=first_context, precision=0, label="Context length (tokens)", scale=1)
         # The engine's own default shown as it is: an empty Number reads 0, and its label said "empty = 1".
         kv_gib = gr.Number(value=1, minimum=0.25, label="KV cache memory on a CPU, GiB", scale=1)
@@ -276,7 +301,8 @@ def render_download_rows(manager: DownloadManager) -> tuple[gr.State, gr.Markdow
                 gr.Markdown(line)
                 for action in actions:
                     gr.Button(action, size="sm", scale=0, min_width=90).click(
-                        lambda j=job_id, a=action: job_action(manager, j, a), None, rows, api_visibility="private")
+                        lambda j=job_id, a=action: job_action(manager, j, a), None, rows, api_visibility="private"
+                    )
         gr.Markdown("**Downloaded models**")
         if not shown["models"]:
             gr.Markdown("None yet: pick a model above and press Download.")
@@ -284,9 +310,12 @@ def render_download_rows(manager: DownloadManager) -> tuple[gr.State, gr.Markdow
             with gr.Row(key=f"model-{repo_id}", equal_height=True, elem_classes="model-row"):
                 gr.Markdown(line)
                 gr.Button("Delete", size="sm", variant="stop", scale=0, min_width=90).click(
-                    lambda ok, r=repo_id: delete_model(r) if ok else (gr.skip(), gr.skip()), confirmed, [rows, disk],
+                    lambda ok, r=repo_id: delete_model(r) if ok else (gr.skip(), gr.skip()),
+                    confirmed,
+                    [rows, disk],
                     js=f"() => confirm({f'Delete {repo_id} from this computer? Its files are removed.'!r})",
-                    api_visibility="private")
+                    api_visibility="private",
+                )
 
     disk = gr.Markdown(_free_disk(manager))
     return rows, disk
@@ -294,9 +323,11 @@ def render_download_rows(manager: DownloadManager) -> tuple[gr.State, gr.Markdow
 
 def render_remote_form() -> RemoteForm:
     with gr.Accordion("Connect to a server", open=False, elem_id="remote"):
-        gr.Markdown("Chats can come from an OpenAI-compatible server instead: vLLM, SGLang, llama.cpp's server, "
-                    "Ollama, or another Pagoda (`python -m engine.serve`). Conversations stay here. Connecting "
-                    "unloads the local model; loading one disconnects the server.")
+        gr.Markdown(
+            "Chats can come from an OpenAI-compatible server instead: vLLM, SGLang, llama.cpp's server, "
+            "Ollama, or another Pagoda (`python -m engine.serve`). Conversations stay here. Connecting "
+            "unloads the local model; loading one disconnects the server."
+        )
         with gr.Row():
             base_url = gr.Textbox(label="Server URL", placeholder="http://localhost:8000/v1", scale=3)
             api_key = gr.Textbox(label="API key (optional)", type="password", scale=2)
@@ -347,8 +378,11 @@ def publish_download_api(manager: DownloadManager) -> None:
         active = [job for job in manager.jobs() if job.repo_id == repo_id.strip() and job.active]
         for job in active:
             manager.cancel(job.id)
-        return f"Cancelling {len(active)} download(s) of {repo_id.strip()}" if active else \
-            f"No download of {repo_id.strip()} is running"
+        return (
+            f"Cancelling {len(active)} download(s) of {repo_id.strip()}"
+            if active
+            else f"No download of {repo_id.strip()} is running"
+        )
 
     def delete_downloaded(repo_id: str) -> str:
         """Remove a downloaded model's files (scripts; the page has a Delete button on each model's row)."""
@@ -364,8 +398,7 @@ def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
 
     def load(repo_id: str, dtype_name: str, ctx, kv, quantization: str = "none"):
         try:
-            source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path
-                                                               for m in manager.local_models()})
+            source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path for m in manager.local_models()})
         except RuntimeError as e:
             raise user_error(str(e)) from e
         settings = load_settings(repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats)
@@ -375,8 +408,9 @@ def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
             raise user_error(str(e)) from e
         return ui.host.status_message()
 
-    form.load_btn.click(load, [form.repo, form.dtype, form.context, form.kv_gib, form.quant], form.status,
-                        api_name="load")
+    form.load_btn.click(
+        load, [form.repo, form.dtype, form.context, form.kv_gib, form.quant], form.status, api_name="load"
+    )
     form.unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, form.status)
 
 
@@ -402,5 +436,6 @@ def poll_downloads(ui, manager: DownloadManager, status: gr.Markdown, rows: gr.S
         return ui.host.status_message(), (gr.skip() if now == shown else now)  # unchanged: no redraw
 
     timer = gr.Timer(1.0)
-    timer.tick(refresh, rows, [status, rows], show_progress="hidden", concurrency_limit=1,
-               concurrency_id="models-panel")
+    timer.tick(
+        refresh, rows, [status, rows], show_progress="hidden", concurrency_limit=1, concurrency_id="models-panel"
+    )

@@ -1,4 +1,5 @@
 """The sidebar: New chat, the search box, the chat list, and rename or delete the open chat."""
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,9 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     bar.conversations.change(lambda cid: cid, bar.conversations, bar.current, preprocess=False)
     # What the user types as a title stays theirs until they pick a chat (`input`: the user's picks only, not New
     # chat's or a reply's updates of the list) or rename (PagodaUI.title_typed)
-    bar.conversations.input(ui.asked_for_chat, bar.conversations, None, preprocess=False, show_progress="hidden",
-                            api_visibility="private")
+    bar.conversations.input(
+        ui.asked_for_chat, bar.conversations, None, preprocess=False, show_progress="hidden", api_visibility="private"
+    )
     bar.title.input(ui.title_typed, None, None, show_progress="hidden", api_visibility="private")
     bar.search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), bar.search, bar.conversations)
     bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat")
@@ -62,13 +64,19 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
         return gr.update(choices=ui.conversation_choices(), value=cid)
 
     # The chat chosen in the list, read as the page has it (as its change does): `current` follows it an event later
-    bar.rename_btn.click(rename, [bar.conversations, bar.current, bar.title], bar.conversations, preprocess=False,
-                         **SAME_AS_RENAME)
+    bar.rename_btn.click(
+        rename, [bar.conversations, bar.current, bar.title], bar.conversations, preprocess=False, **SAME_AS_RENAME
+    )
 
     # Deleting cannot be undone, so the browser asks first; a "no" sends no chat id.
-    bar.delete_btn.click(ui.delete_chat, bar.current, bar.conversations, api_name="delete",
-                         js="(cid) => (cid !== null && confirm('Delete this chat and all its messages? "
-                            "This cannot be undone.')) ? cid : null")
+    bar.delete_btn.click(
+        ui.delete_chat,
+        bar.current,
+        bar.conversations,
+        api_name="delete",
+        js="(cid) => (cid !== null && confirm('Delete this chat and all its messages? "
+        "This cannot be undone.')) ? cid : null",
+    )
 
 
 def load_first_view(demo: gr.Blocks, ui: "PagodaUI", bar: Sidebar, presets: dict[str, str], js: str) -> None:

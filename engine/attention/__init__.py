@@ -1,4 +1,5 @@
 """Attention backends. `torch` is the reference; on CUDA, Triton kernels, or flash-attn's where it applies."""
+
 import functools
 import importlib
 from dataclasses import dataclass
@@ -44,8 +45,10 @@ def flash_attn_unusable(device: torch.device, dtype: torch.dtype, block_size: in
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
     if block_size % FLASH_ATTN_PAGE_MULTIPLE:
-        return (f"its paged kernels need kvcache_block_size to be a multiple of {FLASH_ATTN_PAGE_MULTIPLE}, "
-                f"and it is {block_size}")
+        return (
+            f"its paged kernels need kvcache_block_size to be a multiple of {FLASH_ATTN_PAGE_MULTIPLE}, "
+            f"and it is {block_size}"
+        )
     if not triton_available():
         return "its KV writes use the Triton kernel, and triton is not installed"
     if not flash_attn_available():
@@ -74,8 +77,10 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, blo
     elif name == "flash-attn":
         reason = flash_attn_unusable(device, dtype, block_size)
         if reason is not None:
-            raise ValueError(f"attention_backend='flash-attn' cannot be used here: {reason}; "
-                             "use 'auto' to pick the fastest backend that can")
+            raise ValueError(
+                f"attention_backend='flash-attn' cannot be used here: {reason}; "
+                "use 'auto' to pick the fastest backend that can"
+            )
         from engine.attention import flash_attn_backend as impl
     else:
         raise ValueError(f"unknown attention backend {requested!r}; choose auto, torch, triton or flash-attn")

@@ -6,6 +6,7 @@ system prompts shareable) the Triton kernels run instead. KV writes use the Trit
 (int64 offsets, padded slots skipped). Semantics are those of ``AttentionMetadata``: flash-attn's
 causal mask is aligned to the end of each sequence, which is where a step's query tokens sit.
 """
+
 import torch
 import torch.nn.functional as F
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -16,16 +17,34 @@ from engine.attention.triton_kernels import store_kvcache
 __all__ = ["paged_attention", "store_kvcache"]
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]."""
     if meta.is_decode_only:
         # One token per sequence: the kv-cache kernel also splits long contexts across the SMs.
-        out = flash_attn_with_kvcache(query.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                      block_table=meta.block_tables, softmax_scale=scale, causal=True)
+        out = flash_attn_with_kvcache(
+            query.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=meta.seq_lens,
+            block_table=meta.block_tables,
+            softmax_scale=scale,
+            causal=True,
+        )
         return out.squeeze(1)
     cu_seqlens_k = meta.backend_cache.get("cu_seqlens_k")
     if cu_seqlens_k is None:  # once per step, shared by every layer
         cu_seqlens_k = meta.backend_cache["cu_seqlens_k"] = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
-    return flash_attn_varlen_func(query, k_cache, v_cache, meta.query_start_loc, cu_seqlens_k, meta.max_query_len,
-                                  meta.max_seq_len, softmax_scale=scale, causal=True, block_table=meta.block_tables)
+    return flash_attn_varlen_func(
+        query,
+        k_cache,
+        v_cache,
+        meta.query_start_loc,
+        cu_seqlens_k,
+        meta.max_query_len,
+        meta.max_seq_len,
+        softmax_scale=scale,
+        causal=True,
+        block_table=meta.block_tables,
+    )

@@ -1,4 +1,5 @@
 """Per-step attention inputs shared by every attention backend."""
+
 from dataclasses import dataclass, field
 
 import torch

@@ -12,6 +12,7 @@ It reads sequence lengths on the host. Under a CUDA graph those are upper bounds
 step (engine/runner/compiled_decode.py) nothing is read on the host: `compiled_decode` attends from the
 device tensors alone, so the compiler traces no Python values it would have to specialise on.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -148,23 +149,32 @@ def paged_attention(
         q = query[p.start : p.start + p.q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
         k = _gather(k_cache, p.blocks)[: p.kv_len].transpose(0, 1)[None].to(q.dtype)
         v = _gather(v_cache, p.blocks)[: p.kv_len].transpose(0, 1)[None].to(q.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+        )
         out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     return out
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Decode,
-            scale: float) -> torch.Tensor:
+def _decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Decode, scale: float
+) -> torch.Tensor:
     k = _gather(k_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
     v = _gather(v_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)
-    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale,
-                                       enable_gqa=True).squeeze(2)
+    o = F.scaled_dot_product_attention(
+        query.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True
+    ).squeeze(2)
     return o if plan.live is None else torch.where(plan.live, o, 0.0)
 
 
-def compiled_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def compiled_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Decode rows (one query token per sequence) from device tensors only: every row reads all of
     `block_tables`' blocks (-1 entries read block 0), masked to its own length."""
     blocks = block_tables.clamp(min=0).long()
@@ -174,6 +184,7 @@ def compiled_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     k = k_cache[blocks].view(rows, length, *k_cache.shape[2:]).transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
     v = v_cache[blocks].view(rows, length, *v_cache.shape[2:]).transpose(1, 2).to(query.dtype)
     valid = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None]
-    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
-                                       enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
     return o.squeeze(2)

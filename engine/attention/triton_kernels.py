@@ -43,6 +43,7 @@ there, and only there, bf16 operands are widened to fp32 first (exact; see ``UPC
 Nothing here reads device data on the host: grids and tile sizes come from shapes and
 ``meta.max_query_len`` (host ints), so the decode call can be captured in a CUDA graph.
 """
+
 from __future__ import annotations
 
 import functools
@@ -107,8 +108,10 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
     if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"K cache {tuple(k_cache.shape)} and V cache {tuple(v_cache.shape)} must be equal and end in "
-                         f"(num_kv_heads, head_dim) = ({num_kv_heads}, {head_dim})")
+        raise ValueError(
+            f"K cache {tuple(k_cache.shape)} and V cache {tuple(v_cache.shape)} must be equal and end in "
+            f"(num_kv_heads, head_dim) = ({num_kv_heads}, {head_dim})"
+        )
 
 
 def store_kvcache(
@@ -123,8 +126,10 @@ def store_kvcache(
         return
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
     if value.shape != key.shape or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"store_kvcache: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
-                         f"{tuple(slot_mapping.shape)} must describe the same {num_tokens} tokens")
+        raise ValueError(
+            f"store_kvcache: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+            f"{tuple(slot_mapping.shape)} must describe the same {num_tokens} tokens"
+        )
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
@@ -452,9 +457,7 @@ def paged_attention_impl(
     )
     if not split:
         grid = (num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, block_m))
-        _paged_attention_kernel[grid](
-            query, k_cache, v_cache, out, out, *args, SPLIT_KV=False, NUM_SPLITS=1, **common
-        )
+        _paged_attention_kernel[grid](query, k_cache, v_cache, out, out, *args, SPLIT_KV=False, NUM_SPLITS=1, **common)
         return out
 
     part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)

@@ -15,6 +15,7 @@ its KV is the same, and it is the one a lookup finds.
 Free blocks come in two kinds: empty ones, and cached ones that still hold a registered hash.
 Allocation takes empty blocks first and then evicts cached ones, least recently freed first.
 """
+
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -38,8 +39,9 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and "
-                             f"{block_size}")
+            raise ValueError(
+                f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -180,14 +182,22 @@ class BlockManager:
             parent_hash = block_hash
         seq.num_registered_blocks, seq.chain_tail = num_full, parent_ref
 
-    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...], parent_hash: int | None,
-                  parent_ref: tuple[int, int] | None) -> tuple[int, int]:
+    def _register(
+        self,
+        block: Block,
+        block_hash: int,
+        tokens: tuple[int, ...],
+        parent_hash: int | None,
+        parent_ref: tuple[int, int] | None,
+    ) -> tuple[int, int]:
         """Register `block` (just computed, after the block `parent_ref`) unless a block with the same
         KV is registered already. Returns the registered block holding that KV, the parent its
         sequence's next block registers under; or `block` itself when none can be found by a lookup."""
         own_ref = (block.block_id, block.serial)
-        if parent_ref is not None and (self.hash_to_block_id.get(parent_hash) != parent_ref[0]
-                                       or self.blocks[parent_ref[0]].serial != parent_ref[1]):
+        if parent_ref is not None and (
+            self.hash_to_block_id.get(parent_hash) != parent_ref[0]
+            or self.blocks[parent_ref[0]].serial != parent_ref[1]
+        ):
             return own_ref  # the parent was evicted or is unregistered: no lookup reaches this block
         holder_id = self.hash_to_block_id.get(block_hash)
         if holder_id is not None:

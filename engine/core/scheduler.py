@@ -19,6 +19,7 @@ input; a request whose pending tokens reach its length limit gets no further ste
 preempted request is readmitted only once its pending token has been read back, because a
 prefill's inputs come from the host.
 """
+
 import bisect
 from dataclasses import dataclass, field
 

@@ -1,4 +1,5 @@
 """Per-request state: tokens, KV blocks, progress and output text."""
+
 from enum import Enum, auto
 from itertools import count
 
@@ -21,8 +22,14 @@ class Sequence:
 
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                 max_model_len: int | None = None, priority: int = 0):
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        max_model_len: int | None = None,
+        priority: int = 0,
+    ):
         self.seq_id = next(Sequence._ids)  # also the arrival order: ids only grow
         self.priority = priority  # vLLM's: lower is served first; see Scheduler
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -52,7 +59,8 @@ class Sequence:
         # list starts with None: its first token has nothing before it to be predicted from.
         self.output_logprobs: list[dict[int, float]] | None = None if sampling_params.logprobs is None else []
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
-            None if sampling_params.prompt_logprobs is None else [None])
+            None if sampling_params.prompt_logprobs is None else [None]
+        )
         self.wants_logprobs = sampling_params.logprobs is not None or sampling_params.prompt_logprobs is not None
         # An llguidance matcher when sampling_params.structured_outputs is set: it has taken every output
         # token the host has read, and masks what may come next (engine/sample/structured_output.py)

@@ -6,6 +6,7 @@ tokenizers whose pieces depend on their neighbours; holding back text that ends 
 keeps a character split across tokens (CJK, emoji) from coming out broken. The window stays
 short, so a step costs the same at token 10 and at token 10,000.
 """
+
 from engine.core.sequence import Sequence
 
 # A UTF-8 character spans at most 4 bytes, so a longer undecodable run is genuinely invalid text.

@@ -13,6 +13,7 @@ instead of spinning, and each of a decode step's hundreds of small ones waits fo
 Measured on 2 cores, bundled SmolLM2: 29 tok/s with the engine built in the main thread, 57 with
 it built in a thread that ended (bench/RESULTS.md).
 """
+
 import asyncio
 import logging
 import threading
@@ -99,16 +100,19 @@ class EngineThread:
         """The model's tokenizer, for decoding in the caller's thread (as `tokenize` encodes there)."""
         return self.engine.tokenizer
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               priority: int = 0) -> "RequestStream":
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
+    ) -> "RequestStream":
         """Queue a request. Invalid input raises here, in the caller's thread. `priority`: lower is more
         urgent (LLMEngine.add_request)."""
         request_id = f"chat-{next(self._ids)}"
         stream = _Channel()
         with self._lock:  # checked under the lock: a request is either refused or seen by shutdown()
             if self.error is not None:
-                raise EngineFailed(f"the engine failed ({type(self.error).__name__}: {self.error}) and takes no "
-                                   "more requests; load the model again")
+                raise EngineFailed(
+                    f"the engine failed ({type(self.error).__name__}: {self.error}) and takes no "
+                    "more requests; load the model again"
+                )
             if self._stop:
                 raise RuntimeError("the engine thread has stopped; load the model again")
             self.engine.add_request(prompt, params, request_id, priority)
@@ -167,8 +171,9 @@ class EngineThread:
                     try:
                         outputs = self.engine.step() if self.engine.has_unfinished_requests() else None
                     except StepFailed as failure:  # its requests are aborted; the others go on
-                        error = RequestFailed(f"the engine failed this request ({failure}) and goes on serving the "
-                                              "others; send it again")
+                        error = RequestFailed(
+                            f"the engine failed this request ({failure}) and goes on serving the others; send it again"
+                        )
                         for request_id in failure.request_ids:
                             if (stream := self._streams.pop(request_id, None)) is not None:
                                 stream.put(error)

@@ -12,6 +12,7 @@ one more step, whose token is dropped; a length limit is known in advance and co
 With `tensor_parallel_size=N > 1`, this process is rank 0 and N-1 worker processes hold the rest
 of the model; `close()` stops them (garbage collection and interpreter exit do too).
 """
+
 import logging
 from itertools import count
 from pathlib import Path
@@ -57,7 +58,8 @@ def _breaks_the_device(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(
-        mark in text for mark in ("CUDA error", "CUBLAS_STATUS", "device-side assert", "illegal memory access"))
+        mark in text for mark in ("CUDA error", "CUBLAS_STATUS", "device-side assert", "illegal memory access")
+    )
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
@@ -70,8 +72,10 @@ def load_tokenizer(path: str):
 
     folder = Path(path)
     if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise ValueError(f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the model's "
-                         "tokenizer files into it, or load the model from its hub repo")
+        raise ValueError(
+            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the model's "
+            "tokenizer files into it, or load the model from its hub repo"
+        )
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -85,8 +89,9 @@ class LLMEngine:
             # A GGUF file holds config, tokenizer and weights; the runner reads its tensors as they are.
             path = gguf = GGUFCheckpoint.open(gguf_path)
             if config.quantization is not None:
-                refuse_requantizing(config.quantization, ", ".join(sorted(set(gguf.tensor_types().values()))),
-                                    gguf_path.name)
+                refuse_requantizing(
+                    config.quantization, ", ".join(sorted(set(gguf.tensor_types().values()))), gguf_path.name
+                )
             if config.tensor_parallel_size > 1:
                 raise ValueError("GGUF files do not work with tensor_parallel_size > 1 yet; use one device")
             hf_config, self.tokenizer = gguf.hf_config(), gguf.tokenizer()
@@ -103,8 +108,12 @@ class LLMEngine:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device, quantized=gguf_path is not None or bool(config.quantization))
         if config.dtype == "auto":
-            log.info("dtype auto: using %s on %s (checkpoint stores %s)", self.dtype, self.device,
-                     checkpoint_dtype(hf_config))
+            log.info(
+                "dtype auto: using %s on %s (checkpoint stores %s)",
+                self.dtype,
+                self.device,
+                checkpoint_dtype(hf_config),
+            )
         check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)  # before anything is spawned
         self.workers = None
         self._worker_parameter_bytes: list[int] = []
@@ -113,11 +122,13 @@ class LLMEngine:
         else:
             self._start_tensor_parallel(hf_config, path)
         self.max_model_len = self.model_runner.max_model_len
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.model_runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
+        )
         default_tokens = 2048 if self.device.type == "cpu" else 16384
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens or default_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens or default_tokens
+        )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids)
@@ -127,8 +138,11 @@ class LLMEngine:
         self.max_batch_size = 0  # see EngineStats.max_batch_size
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
-            self.async_scheduling = (self.device.type == "cuda" and config.tensor_parallel_size == 1
-                                     and self.model_runner.backend.name != "torch")
+            self.async_scheduling = (
+                self.device.type == "cuda"
+                and config.tensor_parallel_size == 1
+                and self.model_runner.backend.name != "torch"
+            )
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back (async scheduling)
         self._stepping: list[Sequence] = []  # the requests of the step being run (what a failure aborts)
 
@@ -140,8 +154,9 @@ class LLMEngine:
         self.workers = WorkerPool(self.config, hf_config, path, self.device, self.dtype)
         try:
             with self.workers.guard():
-                self.model_runner = ModelRunner(self.config, hf_config, path, self.device, self.dtype,
-                                                tp=self.workers.group, workers=self.workers)
+                self.model_runner = ModelRunner(
+                    self.config, hf_config, path, self.device, self.dtype, tp=self.workers.group, workers=self.workers
+                )
             self._worker_parameter_bytes = self.workers.wait_ready()
         except BaseException:
             self.workers.close()
@@ -189,8 +204,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.model_runner.vocab_size - 1})")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
-                             "and at least one new token must fit; shorten the prompt or raise max_model_len")
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+                "and at least one new token must fit; shorten the prompt or raise max_model_len"
+            )
         return token_ids
 
     def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
@@ -200,12 +217,18 @@ class LLMEngine:
         same prefix-cache blocks. `template_kwargs` go to the template (e.g. enable_thinking)."""
         if self.tokenizer.chat_template is None:
             raise ValueError("this model has no chat template, so it cannot take a conversation; send a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                  **template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
         """Queue a request and return its id. Invalid requests raise and change nothing. `priority`: vLLM's,
         lower is more urgent; a step serves only the most urgent requests present (engine/core/scheduler.py)."""
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -217,8 +240,13 @@ class LLMEngine:
         outside = [t for t in sampling_params.logit_bias or {} if t >= vocab]
         if outside:
             raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary (0..{vocab - 1})")
-        seq = Sequence(self.encode_prompt(prompt), sampling_params, request_id or f"req-{next(self._request_ids)}",
-                       self.max_model_len, priority)
+        seq = Sequence(
+            self.encode_prompt(prompt),
+            sampling_params,
+            request_id or f"req-{next(self._request_ids)}",
+            self.max_model_len,
+            priority,
+        )
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         if sampling_params.structured_outputs is not None:
@@ -339,8 +367,9 @@ class LLMEngine:
             return []
         launched_seqs = [item.seq for item in launched.batch if item.samples]
         rows = plan.sample_rows.tolist()
-        return launched.sample_logprobs.dicts([tokens[r] for r in rows],
-                                              [launched_seqs[r].sampling_params.logprobs for r in rows])
+        return launched.sample_logprobs.dicts(
+            [tokens[r] for r in rows], [launched_seqs[r].sampling_params.logprobs for r in rows]
+        )
 
     def _advance(self, seq: Sequence, token: int, token_logprobs: dict[int, float] | None = None) -> RequestOutput:
         params = seq.sampling_params
@@ -367,10 +396,18 @@ class LLMEngine:
         new_text = seq.output_text[seq.num_emitted_chars : upto]
         seq.num_emitted_chars = upto
         first = len(seq.token_ids) == seq.num_prompt_tokens + 1
-        return RequestOutput(seq.request_id, new_text, [token], reason is not None, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.output_token_ids if reason else [],
-                             None if token_logprobs is None else [token_logprobs],
-                             seq.prompt_logprobs if first else None)
+        return RequestOutput(
+            seq.request_id,
+            new_text,
+            [token],
+            reason is not None,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.output_token_ids if reason else [],
+            None if token_logprobs is None else [token_logprobs],
+            seq.prompt_logprobs if first else None,
+        )
 
     @staticmethod
     def _apply_stop_strings(seq: Sequence) -> str | None:
@@ -422,26 +459,43 @@ class LLMEngine:
             for i, block_id in enumerate(seq.block_table):
                 owners.setdefault(block_id, []).append(seq.request_id)
                 filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
-        return [KVBlock(b.block_id, b.ref_count, b.hash is not None,
-                        bs if b.hash is not None else filled.get(b.block_id, 0),
-                        tuple(owners.get(b.block_id, ()))) for b in self.block_manager.blocks]
+        return [
+            KVBlock(
+                b.block_id,
+                b.ref_count,
+                b.hash is not None,
+                bs if b.hash is not None else filled.get(b.block_id, 0),
+                tuple(owners.get(b.block_id, ())),
+            )
+            for b in self.block_manager.blocks
+        ]
 
     # ---- offline API ----------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[dict]:
         """Complete every prompt; one dict per prompt, in order, with text, token_ids and finish_reason.
         `priority`: one per prompt, as vLLM takes it (see add_request). Waits first for the CPU decode
         steps to compile, if they still are (engine/runner/compiled_decode.py)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError("prompts must be a string, a list of token ids, or a list of those; got "
-                            f"{type(prompts).__name__}")
-        params = sampling_params if isinstance(sampling_params,
-                                               list) else [sampling_params or SamplingParams()] * len(prompts)
+            raise TypeError(
+                f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+            )
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or "
-                             "one per prompt")
+            raise ValueError(
+                f"got {len(params)} sampling params for {len(prompts)} prompts; give one, or one per prompt"
+            )
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
@@ -454,8 +508,10 @@ class LLMEngine:
             # (EngineThread) serves eagerly meanwhile instead.
             log.info("waiting for the decode steps to compile (engine/runner/compiled_decode.py)")
             self.model_runner.wait_for_compiled_decode()
-        seqs = [self.requests[self.add_request(e, p, priority=rank)]
-                for e, p, rank in zip(encoded, params, priority, strict=True)]
+        seqs = [
+            self.requests[self.add_request(e, p, priority=rank)]
+            for e, p, rank in zip(encoded, params, priority, strict=True)
+        ]
         for s in seqs:
             s.stream_text = False
         bar = None
@@ -475,9 +531,18 @@ class LLMEngine:
         finally:
             if bar:
                 bar.close()
-        return [{"text": s.output_text, "token_ids": s.output_token_ids, "finish_reason": s.finish_reason,
-                 "num_prompt_tokens": s.num_prompt_tokens, "num_cached_tokens": s.num_cached_tokens,
-                 "logprobs": s.output_logprobs, "prompt_logprobs": s.prompt_logprobs} for s in seqs]
+        return [
+            {
+                "text": s.output_text,
+                "token_ids": s.output_token_ids,
+                "finish_reason": s.finish_reason,
+                "num_prompt_tokens": s.num_prompt_tokens,
+                "num_cached_tokens": s.num_cached_tokens,
+                "logprobs": s.output_logprobs,
+                "prompt_logprobs": s.prompt_logprobs,
+            }
+            for s in seqs
+        ]
 
 
 class LLM(LLMEngine):

@@ -3,6 +3,7 @@
 Small typed contracts in the form of vLLM v1's `RequestOutput` and `SchedulerStats`: the app, the
 API server and the benchmarks read these fields, never a dict whose keys might be missing.
 """
+
 from dataclasses import dataclass, field
 
 

@@ -1,4 +1,5 @@
 """Per-request sampling settings, with vLLM's names and meanings."""
+
 import json
 from dataclasses import dataclass, field
 
@@ -25,8 +26,10 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError("StructuredOutputsParams: give exactly one of json, regex, choice, grammar or "
-                             f"json_object, got {', '.join(given) or 'none'}")
+            raise ValueError(
+                "StructuredOutputsParams: give exactly one of json, regex, choice, grammar or "
+                f"json_object, got {', '.join(given) or 'none'}"
+            )
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -38,10 +41,14 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"StructuredOutputsParams: {name} must be a non-empty string, got {value!r}")
-        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
-                                        or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"StructuredOutputsParams: choice must be a list of non-empty strings, got "
-                             f"{self.choice!r}")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"StructuredOutputsParams: choice must be a list of non-empty strings, got {self.choice!r}"
+            )
 
     def key(self) -> str:
         """The constraint as one string, the same for equal constraints (compiled grammars are cached by it)."""
@@ -89,29 +96,44 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            check(number and -MAX_PENALTY <= value <= MAX_PENALTY,
-                  f"{name} must be a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}, got {value!r}")
+            check(
+                number and -MAX_PENALTY <= value <= MAX_PENALTY,
+                f"{name} must be a number from -{MAX_PENALTY:g} to {MAX_PENALTY:g}, got {value!r}",
+            )
         bias = dict(self.logit_bias or {})
         for token, value in bias.items():
-            check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
-                  f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
-            check(isinstance(value, (int, float)) and not isinstance(value, bool)
-                  and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
-                  f"logit_bias values must be numbers from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got {value!r} "
-                  f"for token {token}")
+            check(
+                isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                f"logit_bias keys must be token ids (ints >= 0), got {token!r}",
+            )
+            check(
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+                f"logit_bias values must be numbers from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got {value!r} "
+                f"for token {token}",
+            )
         self.logit_bias = bias or None
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-              f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                    and -(2**63) <= self.seed < 2**64),
-              f"seed must be None or an int from -2**63 to 2**64 - 1 (what torch's generators take), got {self.seed!r}")
+        check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be an int >= 1, got {self.max_tokens!r}",
+        )
+        check(
+            self.seed is None
+            or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(2**63) <= self.seed < 2**64),
+            f"seed must be None or an int from -2**63 to 2**64 - 1 (what torch's generators take), got {self.seed!r}",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS),
-                  f"{name} must be None (off) or an int from 0 to {MAX_LOGPROBS} (the top tokens to return "
-                  f"besides the chosen one), got {k!r}")
-        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-              f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+            check(
+                k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS),
+                f"{name} must be None (off) or an int from 0 to {MAX_LOGPROBS} (the top tokens to return "
+                f"besides the chosen one), got {k!r}",
+            )
+        check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}",
+        )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check(all(isinstance(s, str) and s for s in stop), f"stop must be non-empty strings, got {self.stop!r}")
         self.stop_list = stop

@@ -1,4 +1,5 @@
 """The attention layer: writes new K/V into the paged cache, then attends over it."""
+
 import torch
 from torch import nn
 

@@ -4,6 +4,7 @@ Rank r holds rows [r * per_rank, (r + 1) * per_rank) of the table. When the voca
 divide evenly, the last rank's tail is zero padding that no token id reaches and whose logits are
 cut off. The head may share its table with the embedding (tied embeddings): both split alike.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,8 +23,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, "
-                             f"the model expects {(self.num_embeddings, self.embedding_dim)}")
+            raise ValueError(
+                f"the checkpoint gives shape {tuple(loaded.shape)}, "
+                f"the model expects {(self.num_embeddings, self.embedding_dim)}"
+            )
         rows = loaded[self.start : self.start + self.per_rank]
         param.data[: len(rows)].copy_(rows)
         param.data[len(rows) :].zero_()

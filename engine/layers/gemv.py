@@ -13,6 +13,7 @@ and 4 rows, checks the kernel's result, and keeps the kernel only where it is cl
 Half precision only: float32 keeps cuBLAS, whose sums the exact-match tests against transformers
 rely on.
 """
+
 import itertools
 import logging
 from typing import Callable
@@ -40,8 +41,21 @@ def _load_f32(ptrs, k, k_left, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc0, acc1, acc2, acc3, w_ptrs, x_ptrs, x_row1, x_row2, x_row3, k, k_left,
-                MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+def _accumulate(
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    w_ptrs,
+    x_ptrs,
+    x_row1,
+    x_row2,
+    x_row3,
+    k,
+    k_left,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """Add one [BLOCK_N, BLOCK_K] chunk's products to the accumulator of each row of x; a MASKED
     chunk reads only its first `k_left` columns."""
     w = _load_f32(w_ptrs, k, k_left, MASKED)
@@ -57,8 +71,16 @@ def _accumulate(acc0, acc1, acc2, acc3, w_ptrs, x_ptrs, x_row1, x_row2, x_row3, 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: there is no partial last chunk
     BLOCK_M: tl.constexpr,  # 1 to 4 rows, each with its own accumulator
@@ -89,11 +111,13 @@ def _gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     whole = K if EVEN_K else K - K % BLOCK_K
     for k0 in range(0, whole, BLOCK_K):
-        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w_ptrs + k0, x_ptrs + k0, x_row1, x_row2, x_row3,
-                                             k, BLOCK_K, False, BLOCK_M)
+        acc0, acc1, acc2, acc3 = _accumulate(
+            acc0, acc1, acc2, acc3, w_ptrs + k0, x_ptrs + k0, x_row1, x_row2, x_row3, k, BLOCK_K, False, BLOCK_M
+        )
     if not EVEN_K:
-        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w_ptrs + whole, x_ptrs + whole, x_row1, x_row2,
-                                             x_row3, k, K - whole, True, BLOCK_M)
+        acc0, acc1, acc2, acc3 = _accumulate(
+            acc0, acc1, acc2, acc3, w_ptrs + whole, x_ptrs + whole, x_row1, x_row2, x_row3, k, K - whole, True, BLOCK_M
+        )
     n_end1, n_end2, n_end3 = tl.where(M > 1, N, 0), tl.where(M > 2, N, 0), tl.where(M > 3, N, 0)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
@@ -119,19 +143,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     n = weight.shape[0]
     block_m = row_bucket(rows) if rows >= 1 else None
     if block_m is None or weight.shape[1] != k or weight.stride(1) != 1 or x.dtype != weight.dtype:
-        raise ValueError(f"gemv takes 1 to {ROW_BUCKETS[-1]} rows and a [N, {k}] weight of the same dtype with "
-                         f"unit-stride rows; got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
-                         f"{weight.dtype}")
+        raise ValueError(
+            f"gemv takes 1 to {ROW_BUCKETS[-1]} rows and a [N, {k}] weight of the same dtype with "
+            f"unit-stride rows; got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
+            f"{weight.dtype}"
+        )
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv's bias must have shape ({n},), got {tuple(bias.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out,
-        rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
     )
     return out
 
@@ -139,8 +177,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
 def tile_candidates(bucket: int) -> list[tuple[int, int]]:
     """(BLOCK_N, BLOCK_K) pairs to try for `bucket` rows, narrowest first: every tile whose
     accumulators fit the register budget and that loads at least 4 KiB of bf16 weights per step."""
-    return [(bn, bk) for bn in (2, 4, 8) for bk in (512, 1024, 2048)
-            if bucket * bn * bk <= MAX_TILE_ELEMENTS and bn * bk >= 2048]
+    return [
+        (bn, bk)
+        for bn in (2, 4, 8)
+        for bk in (512, 1024, 2048)
+        if bucket * bn * bk <= MAX_TILE_ELEMENTS and bn * bk >= 2048
+    ]
 
 
 def min_programs(device: torch.device) -> int:
@@ -236,8 +278,13 @@ def try_tile(run: Callable[[], object], kernel: str, tile: tuple[int, int], weig
     except Exception as e:
         if weight.is_cuda:
             torch.cuda.synchronize(weight.device)
-        log.warning("%s tile %dx%d failed on %s and is not used: %s", kernel, *tile, tuple(weight.shape),
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.warning(
+            "%s tile %dx%d failed on %s and is not used: %s",
+            kernel,
+            *tile,
+            tuple(weight.shape),
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+        )
         return None
 
 

@@ -1,4 +1,5 @@
 """RMSNorm, optionally fused with the residual add that precedes it."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -10,6 +10,7 @@ layout. MKL's sgemm, behind F.linear, re-packs the whole weight on each call, wh
 batch sizes costs as much as the arithmetic: the 135M model's matmuls run 1.4x faster at one row
 and 1.7x at 32 rows once packed (bench/RESULTS.md). Results match F.linear to float32 rounding.
 """
+
 import logging
 
 import torch
@@ -146,14 +147,22 @@ class ColumnParallelLinear(nn.Linear, PackableLinear):
         self.output_sizes = [count for _, _, count in slices]
 
     @classmethod
-    def split(cls, in_features: int, output_sizes: list[int], tp: TPGroup = SINGLE,
-              bias: bool = False) -> "ColumnParallelLinear":
+    def split(
+        cls, in_features: int, output_sizes: list[int], tp: TPGroup = SINGLE, bias: bool = False
+    ) -> "ColumnParallelLinear":
         """Each projection cut into tp.size equal row blocks; this rank takes block tp.rank."""
         return cls(in_features, [(n, tp.rank * (n // tp.size), n // tp.size) for n in output_sizes], bias)
 
     @classmethod
-    def qkv(cls, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup = SINGLE,
-            bias: bool = False) -> "ColumnParallelLinear":
+    def qkv(
+        cls,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp: TPGroup = SINGLE,
+        bias: bool = False,
+    ) -> "ColumnParallelLinear":
         """q, k and v by whole heads. With fewer KV heads than ranks, consecutive ranks share a copy of
         one KV head: exactly the one their query heads attend to."""
         q = num_heads // tp.size * head_dim
@@ -172,8 +181,9 @@ class ColumnParallelLinear(nn.Linear, PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
-               act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, act: nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(act(self(norm(x + residual))), x + residual): a decoder layer's residual add and RMSNorm
         `norm`, this projection, and `act` (a SiluAndMul, for gate/up) if given. One kernel at one
         row where `normed_kernel` is set. Without `residual`, the norm is of x, and x is returned
@@ -182,8 +192,9 @@ class ColumnParallelLinear(nn.Linear, PackableLinear):
             return self.normed_kernel(x, residual, norm, self.weight, self.bias, act)
         return self.normed_unfused(x, residual, norm, act)
 
-    def normed_unfused(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
-                       act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def normed_unfused(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, act: nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
         out = self(h)
         return (act(out) if act is not None else out), residual

@@ -12,6 +12,7 @@ mostly launch gaps, so kernels themselves are the cost. Two of them fold into th
 One row only: batch-1 decode is where the launch gaps dominate. Whether the fused kernel is used is
 measured when a model loads (`choose_normed`), against the unfused ops as the decode graphs run them.
 """
+
 import itertools
 import logging
 
@@ -34,10 +35,23 @@ def _load(ptrs, mask, MASKED: tl.constexpr):
 
 @triton.jit
 def _normed_gemv_kernel(
-    x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
-    N_OUT, K, stride_wn, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    res_out_ptr,
+    N_OUT,
+    K,
+    stride_wn,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out = rms_norm(x + residual) @ w.T (+ b) for one row, or with SILU_MUL (w = [gate; up], 2 *
     N_OUT rows) out = silu(gate) * up. Program 0 also stores h = x + residual to res_out.
@@ -86,16 +100,26 @@ def _normed_gemv_kernel(
     tl.store(out_ptr + n, y.to(out_ty), mask=n < N_OUT)
 
 
-def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-                silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def normed_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight.T + bias, x + residual) for one row; without `residual`,
     the norm of x and x itself. With `silu_mul`, weight is [gate; up] and the first result is
     silu(gate) * up."""
     k = x.shape[-1]
     if x.shape[0] != 1 or weight.shape[1] != k or x.dtype != weight.dtype or weight.stride(1) != 1:
-        raise ValueError(f"normed_gemv takes one row and a [N, {k}] weight of its dtype with unit-stride rows; "
-                         f"got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"normed_gemv takes one row and a [N, {k}] weight of its dtype with unit-stride rows; "
+            f"got x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}"
+        )
     if silu_mul and weight.shape[0] % 2:
         raise ValueError(f"silu_mul needs a [gate; up] weight of an even row count, got {weight.shape[0]} rows")
     n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
@@ -103,11 +127,24 @@ def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(x) if residual is not None else x
     _normed_gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, residual.contiguous() if residual is not None else x, norm_weight, weight,
-        bias if bias is not None else weight, out, new_residual,
-        n_out, k, weight.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x,
+        residual.contiguous() if residual is not None else x,
+        norm_weight,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        new_residual,
+        n_out,
+        k,
+        weight.stride(0),
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
     )
     return out, new_residual
 
@@ -120,8 +157,15 @@ class NormedGemv(nn.Module):
         super().__init__()
         self.tile = tile  # (BLOCK_N, BLOCK_K)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, weight: torch.Tensor,
-                bias: torch.Tensor | None, act: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: nn.Module,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        act: nn.Module | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return normed_gemv(x, residual, norm.weight, norm.eps, weight, bias, *self.tile, silu_mul=act is not None)
 
     def extra_repr(self) -> str:
@@ -173,8 +217,9 @@ def _agrees(got: tuple[torch.Tensor, torch.Tensor], expected: torch.Tensor, expe
 def _measure(linear, norm, act, timer) -> tuple[int, int] | None:
     weight, bias = linear.weight, getattr(linear, "bias", None)
     gen = torch.Generator(weight.device).manual_seed(0)
-    x, residual = (torch.randn(1, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
-                   for _ in range(2))
+    x, residual = (
+        torch.randn(1, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype) for _ in range(2)
+    )
     checks = []  # (residual or None for a first layer, expected output, expected new residual)
     for given in (residual, None):
         out, new_residual = linear.normed_unfused(x, given, norm, act)
@@ -189,18 +234,36 @@ def _measure(linear, norm, act, timer) -> tuple[int, int] | None:
     unfused_ms = timer(unfused)
     best, best_ms = None, None
     for block_n, block_k in normed_tile_candidates(act is not None):
-        agrees = try_tile(lambda: all(_agrees(normed_gemv(x, given, norm.weight, norm.eps, weight, bias, block_n,
-                                                          block_k, silu_mul=act is not None), out, new_residual)
-                                      for given, out, new_residual in checks),
-                          "fused norm+GEMV", (block_n, block_k), weight)
+        agrees = try_tile(
+            lambda: all(
+                _agrees(
+                    normed_gemv(
+                        x, given, norm.weight, norm.eps, weight, bias, block_n, block_k, silu_mul=act is not None
+                    ),
+                    out,
+                    new_residual,
+                )
+                for given, out, new_residual in checks
+            ),
+            "fused norm+GEMV",
+            (block_n, block_k),
+            weight,
+        )
         if agrees is None:
             continue
         if not agrees:
-            log.warning("fused norm+GEMV tile %dx%d disagrees with the unfused ops on %s; not used",
-                        block_n, block_k, tuple(weight.shape))
+            log.warning(
+                "fused norm+GEMV tile %dx%d disagrees with the unfused ops on %s; not used",
+                block_n,
+                block_k,
+                tuple(weight.shape),
+            )
             continue
-        ms = timer(lambda: normed_gemv(x, residual, norm.weight, norm.eps, next(turns), bias, block_n, block_k,
-                                       silu_mul=act is not None))
+        ms = timer(
+            lambda: normed_gemv(
+                x, residual, norm.weight, norm.eps, next(turns), bias, block_n, block_k, silu_mul=act is not None
+            )
+        )
         if best_ms is None or ms < best_ms:
             best, best_ms = (block_n, block_k), ms
     TIMINGS[(*weight.shape, weight.dtype, bias is not None, act is not None)] = (unfused_ms, best_ms)

@@ -1,4 +1,5 @@
 """Rotary position embedding (rotate-half form, as Llama and Qwen use), with Llama 3 scaling."""
+
 import contextlib
 import math
 
@@ -46,8 +47,16 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
     return qk * cos + qk.roll(qk.shape[-1] // 2, -1) * signed_sin
 
 
-def norm_and_rotate(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, q_eps: float,
-                    k_eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def norm_and_rotate(
+    qk: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    num_q_heads: int,
+    q_eps: float,
+    k_eps: float,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+) -> torch.Tensor:
     """Qwen3's RMSNorm of each head (q's heads by the q norm, k's by the k norm), then the
     rotation. q and k go through as one tensor: compiled, that is one kernel in the decode graphs,
     where separate q and k took two (H200 profile, bench/RESULTS.md)."""
@@ -83,11 +92,16 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(positions, _inv_freq(self.head_dim, self.params))
             emb = torch.cat((freqs, freqs), dim=-1)
             self.register_buffer("cos_cache", emb.cos(), persistent=False)
-            self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1),
-                                 persistent=False)
+            self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int,
-                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        qk: torch.Tensor,
+        num_q_heads: int,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
         """qk: [tokens, q heads + k heads, head_dim], q's heads first. With `q_norm` and `k_norm`
         (Qwen3), each head is normalised first."""
         if tracing_decode_step():
@@ -104,5 +118,7 @@ class RotaryEmbedding(nn.Module):
         return self.norm_fn(qk, q_norm.weight, k_norm.weight, num_q_heads, q_norm.eps, k_norm.eps, *cos_sin)
 
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
-                self.signed_sin_cache[positions].unsqueeze(1).to(dtype))
+        return (
+            self.cos_cache[positions].unsqueeze(1).to(dtype),
+            self.signed_sin_cache[positions].unsqueeze(1).to(dtype),
+        )

@@ -90,10 +90,7 @@ def bundled_model_path(progress: Callable[[str], None] | None = print) -> pathli
             _remove_stale_temps(dest)
 
         if progress is not None:
-            progress(
-                f"Preparing the bundled model {MODEL_NAME} "
-                f"(one time, about {_ESTIMATED_SECONDS} s)…"
-            )
+            progress(f"Preparing the bundled model {MODEL_NAME} (one time, about {_ESTIMATED_SECONDS} s)…")
         started = time.monotonic()
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=dest.parent))
         # mkdtemp makes the folder private (0700); the model is ordinary readable data.
@@ -109,10 +106,7 @@ def bundled_model_path(progress: Callable[[str], None] | None = print) -> pathli
                 shutil.rmtree(tmp, ignore_errors=True)
 
     if progress is not None:
-        progress(
-            f"The bundled model {MODEL_NAME} is ready in {dest} "
-            f"({time.monotonic() - started:.0f} s)."
-        )
+        progress(f"The bundled model {MODEL_NAME} is ready in {dest} ({time.monotonic() - started:.0f} s).")
     return dest
 
 
@@ -262,8 +256,7 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
 
     if not is_gguf_available():
         raise RuntimeError(
-            "The installed gguf package is too old for this transformers. "
-            "Run: pip install --upgrade gguf"
+            "The installed gguf package is too old for this transformers. Run: pip install --upgrade gguf"
         )
 
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -349,8 +342,9 @@ def _check_folder(out: pathlib.Path) -> None:
 
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
     if config.get("architectures") != _ARCHITECTURES:
-        raise RuntimeError(f"Converted config has architectures {config.get('architectures')}, expected "
-                           f"{_ARCHITECTURES}.")
+        raise RuntimeError(
+            f"Converted config has architectures {config.get('architectures')}, expected {_ARCHITECTURES}."
+        )
     if "quantization_config" in config:
         raise RuntimeError("Converted config still carries a quantization_config.")
     generation = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))

@@ -13,6 +13,7 @@ time, a few MB of rows per step, so loading needs little beyond the tensor being
 
 The block types are decoded in gguf_blocks.py; gguf_files.py finds the file a model string names.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,16 +81,27 @@ class GGUFCheckpoint:
     def __init__(self, path: Path, reader: Any) -> None:
         self.path = path
         self._fields = {key: field.contents() for key, field in reader.fields.items()}
-        self._tensors = [_TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
-                                     int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+        self._tensors = [
+            _TensorInfo(
+                t.name,
+                t.tensor_type.name,
+                tuple(int(d) for d in reversed(t.shape.tolist())),
+                int(t.data_offset),
+                int(t.n_bytes),
+            )
+            for t in reader.tensors
+        ]
         self._gguf_names = {t.name for t in self._tensors}
-        self._rope_freqs = next((np.array(t.data, dtype=np.float64) for t in reader.tensors
-                                 if t.name == "rope_freqs.weight"), None)
+        self._rope_freqs = next(
+            (np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name == "rope_freqs.weight"), None
+        )
         self.architecture: str = self._field("general.architecture")
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"{path.name} is a GGUF of architecture {self.architecture!r}; Pagoda runs "
-                             f"{', '.join(ARCHITECTURES)} GGUF files. Pick a GGUF of a supported model, or the "
-                             "model's safetensors repo.")
+            raise ValueError(
+                f"{path.name} is a GGUF of architecture {self.architecture!r}; Pagoda runs "
+                f"{', '.join(ARCHITECTURES)} GGUF files. Pick a GGUF of a supported model, or the "
+                "model's safetensors repo."
+            )
         self._plan = self._make_plan()
 
     @classmethod
@@ -106,14 +118,17 @@ class GGUFCheckpoint:
         try:
             reader = GGUFReader(path)
         except Exception as e:  # numpy reshape/index errors on short files, ValueError on bad magic or types
-            raise RuntimeError(f"cannot read {path} as a GGUF file ({type(e).__name__}: {e}). The file is incomplete "
-                               "or corrupt: re-download it. (If it is new, `pip install -U gguf` may be needed to "
-                               "read it.)") from e
+            raise RuntimeError(
+                f"cannot read {path} as a GGUF file ({type(e).__name__}: {e}). The file is incomplete "
+                "or corrupt: re-download it. (If it is new, `pip install -U gguf` may be needed to "
+                "read it.)"
+            ) from e
         end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
         size = path.stat().st_size
         if end > size:
-            raise RuntimeError(f"{path} is incomplete: its tensors need {end} bytes, the file has {size}. "
-                               "Re-download it.")
+            raise RuntimeError(
+                f"{path} is incomplete: its tensors need {end} bytes, the file has {size}. Re-download it."
+            )
         return cls(path, reader)
 
     # metadata
@@ -126,8 +141,10 @@ class GGUFCheckpoint:
     def _field(self, key: str) -> Any:
         value = self.metadata(key)
         if value is None:
-            raise RuntimeError(f"{self.path} has no {key!r} in its metadata; it is not a complete model GGUF. "
-                               "Re-download it or use another file.")
+            raise RuntimeError(
+                f"{self.path} has no {key!r} in its metadata; it is not a complete model GGUF. "
+                "Re-download it or use another file."
+            )
         return value
 
     def hf_config(self) -> Any:
@@ -138,13 +155,19 @@ class GGUFCheckpoint:
         import transformers
 
         arch = self.architecture
-        names = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
-                 "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
-                 "max_position_embeddings": "context_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon"}
+        names = {
+            "hidden_size": "embedding_length",
+            "intermediate_size": "feed_forward_length",
+            "num_hidden_layers": "block_count",
+            "num_attention_heads": "attention.head_count",
+            "max_position_embeddings": "context_length",
+            "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+        }
         settings = {ours: self._field(f"{arch}.{theirs}") for ours, theirs in names.items()}
         # files of models without grouped-query attention may leave the KV head count out
-        settings["num_key_value_heads"] = self.metadata(f"{arch}.attention.head_count_kv",
-                                                        settings["num_attention_heads"])
+        settings["num_key_value_heads"] = self.metadata(
+            f"{arch}.attention.head_count_kv", settings["num_attention_heads"]
+        )
         settings = {k: (float(v) if k == "rms_norm_eps" else int(v)) for k, v in settings.items()}
         vocab = self.metadata(f"{arch}.vocab_size")
         settings["vocab_size"] = int(vocab) if vocab is not None else len(self._field("tokenizer.ggml.tokens"))
@@ -208,8 +231,10 @@ class GGUFCheckpoint:
         if kind not in (None, "none"):
             factor = self.metadata(f"{arch}.rope.scaling.factor")
             if kind != "linear" or factor is None:
-                raise ValueError(f"{self.path.name} uses rope scaling {kind!r}; Pagoda supports linear and Llama 3 "
-                                 "scaling. Use another file of this model.")
+                raise ValueError(
+                    f"{self.path.name} uses rope scaling {kind!r}; Pagoda supports linear and Llama 3 "
+                    "scaling. Use another file of this model."
+                )
             return {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
         if self._rope_freqs is None:
             return None
@@ -218,9 +243,13 @@ class GGUFCheckpoint:
     # tensors
 
     def _make_plan(self) -> list[_Entry]:
-        heads = (int(self._field(f"{self.architecture}.attention.head_count")),
-                 int(self.metadata(f"{self.architecture}.attention.head_count_kv")
-                     or self._field(f"{self.architecture}.attention.head_count")))
+        heads = (
+            int(self._field(f"{self.architecture}.attention.head_count")),
+            int(
+                self.metadata(f"{self.architecture}.attention.head_count_kv")
+                or self._field(f"{self.architecture}.attention.head_count")
+            ),
+        )
         plan, unsupported = [], []
         for t in self._tensors:
             type_name = t.type_name
@@ -230,17 +259,21 @@ class GGUFCheckpoint:
                 continue
             hf_name = _hf_name(t.name)
             if hf_name is None:
-                raise ValueError(f"{self.path.name} holds tensor {t.name!r}, which a {self.architecture} model does "
-                                 "not have; this file is not a plain Llama/Qwen GGUF that Pagoda can run.")
+                raise ValueError(
+                    f"{self.path.name} holds tensor {t.name!r}, which a {self.architecture} model does "
+                    "not have; this file is not a plain Llama/Qwen GGUF that Pagoda can run."
+                )
             permute = None
             if self.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 permute = heads[0] if ".attn_q." in t.name else heads[1]
             plan.append(_Entry(t.name, hf_name, type_name, permute))
         if unsupported:
-            raise ValueError(f"{self.path.name} stores tensor {unsupported[0]} in a GGUF type Pagoda cannot read"
-                             f"{f' (and {len(unsupported) - 1} more tensors)' if len(unsupported) > 1 else ''}. "
-                             f"Supported types: {', '.join(SUPPORTED_TYPES)}. Pick a file of another quantization "
-                             "(Q4_K_M, Q5_K_M, Q6_K or Q8_0 are all readable).")
+            raise ValueError(
+                f"{self.path.name} stores tensor {unsupported[0]} in a GGUF type Pagoda cannot read"
+                f"{f' (and {len(unsupported) - 1} more tensors)' if len(unsupported) > 1 else ''}. "
+                f"Supported types: {', '.join(SUPPORTED_TYPES)}. Pick a file of another quantization "
+                "(Q4_K_M, Q5_K_M, Q6_K or Q8_0 are all readable)."
+            )
         return plan
 
     def tensor_names(self) -> list[str]:
@@ -289,24 +322,38 @@ def _unpermute_heads(value: torch.Tensor | QuantizedWeight, heads: int) -> torch
         return value[order].contiguous()
     if isinstance(value, BlockWeight):
         return value.take(order)
-    return QuantizedWeight(value.bits, value.q[order].contiguous(), value.scale[order].contiguous(),
-                           None if value.offset is None else value.offset[order].contiguous(), value.group_size,
-                           value.source)
+    return QuantizedWeight(
+        value.bits,
+        value.q[order].contiguous(),
+        value.scale[order].contiguous(),
+        None if value.offset is None else value.offset[order].contiguous(),
+        value.group_size,
+        value.source,
+    )
 
 
 def _llama3_rope(factors: np.ndarray, theta: float, file_name: str) -> dict:
     """llama.cpp stores Llama 3 rope scaling only as per-frequency divisors (convert_hf_to_gguf's rope_freqs).
     Every Llama 3.x uses low_freq_factor 1, high_freq_factor 4 and an 8192-token original context, with
     the factor the largest divisor: rebuild those settings and check they give back every divisor."""
-    params = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192, "rope_theta": theta}
+    params = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": theta,
+    }
     dim = 2 * len(factors)
     wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     old, low, high, factor = 8192, 1.0, 4.0, params["factor"]
     smooth = (old / wavelen - low) / (high - low)
-    expected = np.where(wavelen < old / high, 1.0,
-                        np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    expected = np.where(
+        wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth))
+    )
     if not np.allclose(factors, expected, rtol=1e-4, atol=0):
-        raise ValueError(f"{file_name} scales rope by per-frequency factors (rope_freqs) that are not Llama 3's "
-                         "scaling; Pagoda cannot reproduce them. Use the model's safetensors repo instead.")
+        raise ValueError(
+            f"{file_name} scales rope by per-frequency factors (rope_freqs) that are not Llama 3's "
+            "scaling; Pagoda cannot reproduce them. Use the model's safetensors repo instead."
+        )
     return params

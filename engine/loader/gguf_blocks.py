@@ -2,6 +2,7 @@
 `QuantizedWeight`s without loss (each block type is codes times a per-group scale plus a per-group offset), or,
 for the K-quants that quantization/kquant.py multiplies as stored, as `BlockWeight`s that decode when asked.
 Rows are decoded a slab at a time, so a tensor's decoding needs little beyond the tensor itself."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -44,8 +45,9 @@ class FileBytes:
 
 # block decoders: uint8 blocks [n_blocks, bytes] -> codes [n_blocks, values], scales (and offsets) [n_blocks, groups]
 
+
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
 
 
 def _nibbles(qs: torch.Tensor, run: int = 32) -> torch.Tensor:
@@ -79,8 +81,8 @@ def _q4_1(b):
 
 
 def _q5(b, qh_at: int):
-    high = _bits(b[:, qh_at:qh_at + 4]).transpose(1, 2).reshape(len(b), 32)  # bit j of the 32-bit word: value j
-    return _nibbles(b[:, qh_at + 4:qh_at + 20], 16).reshape(len(b), 32) | (high << 4)
+    high = _bits(b[:, qh_at : qh_at + 4]).transpose(1, 2).reshape(len(b), 32)  # bit j of the 32-bit word: value j
+    return _nibbles(b[:, qh_at + 4 : qh_at + 20], 16).reshape(len(b), 32) | (high << 4)
 
 
 def _q5_0(b):
@@ -118,8 +120,16 @@ def _q6_k(b):
     return codes, _half(b, 208) * scales, None
 
 
-_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k,
-             "Q6_K": _q6_k}
+_DECODERS = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
 
 
 DECODE_SLAB_BYTES = 1 << 20  # stored bytes decoded per step: the decoders' temporaries stay a few times this
@@ -139,14 +149,17 @@ def decode(data: FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Ten
         raise ValueError(f"a {type_name} tensor of shape {shape} is not a matrix; Pagoda reads quantized matrices only")
     rows, cols = shape
     if cols % block_values:
-        raise ValueError(f"a {type_name} tensor's rows hold whole {block_values}-value blocks, but it has {cols} "
-                         "columns; the file is corrupt")
+        raise ValueError(
+            f"a {type_name} tensor's rows hold whole {block_values}-value blocks, but it has {cols} "
+            "columns; the file is corrupt"
+        )
     row_bytes = cols // block_values * block_bytes
     if type_name in KEEP_BLOCKS:
         stored = data.read(0, data.size).view(rows, row_bytes)
         return BlockWeight(stored, type_name, (rows, cols), bits, group, partial(decode_stored, type_name))
-    codes, scale, offset = _decode_rows(lambda start, stop: data.read(start * row_bytes, stop * row_bytes),
-                                        type_name, rows, cols)
+    codes, scale, offset = _decode_rows(
+        lambda start, stop: data.read(start * row_bytes, stop * row_bytes), type_name, rows, cols
+    )
     return QuantizedWeight(bits, codes, scale, offset, group, type_name)
 
 

@@ -1,5 +1,6 @@
 """Finding the GGUF file a model string names: a `.gguf` path, a folder holding one, `owner/repo/file.gguf` on
 the Hugging Face hub, or `owner/repo:Q4_K_M` (a quant tag, as llama.cpp and Ollama write it)."""
+
 from __future__ import annotations
 
 import re
@@ -43,8 +44,9 @@ def resolve_gguf(model: str) -> Path | None:
     if len(parts) == 2 and parts[1].lower().endswith("-gguf"):
         return _download(model, _pick_by_tag(model, None))
     if model.lower().endswith(".gguf"):
-        raise FileNotFoundError(f"GGUF file {model!r} does not exist; give a local .gguf path or a hub file as "
-                                "'owner/repo/file.gguf'")
+        raise FileNotFoundError(
+            f"GGUF file {model!r} does not exist; give a local .gguf path or a hub file as 'owner/repo/file.gguf'"
+        )
     return None
 
 
@@ -53,8 +55,10 @@ def _gguf_in_folder(folder: Path) -> Path | None:
         return None
     found = sorted(folder.glob("*.gguf"))
     if len(found) > 1:
-        raise ValueError(f"{folder} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); pass the one "
-                         "to load as the model path")
+        raise ValueError(
+            f"{folder} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); pass the one "
+            "to load as the model path"
+        )
     if found:
         _refuse_split(found[0].name)
         return found[0]
@@ -63,8 +67,10 @@ def _gguf_in_folder(folder: Path) -> Path | None:
 
 def _refuse_split(name: str) -> None:
     if _SPLIT_FILE.search(name):
-        raise ValueError(f"{name} is one part of a split GGUF; Pagoda reads single files. Merge the parts with "
-                         "llama.cpp's `llama-gguf-split --merge`, or pick a smaller quantization that is one file.")
+        raise ValueError(
+            f"{name} is one part of a split GGUF; Pagoda reads single files. Merge the parts with "
+            "llama.cpp's `llama-gguf-split --merge`, or pick a smaller quantization that is one file."
+        )
 
 
 def _pick_by_tag(repo: str, tag: str | None) -> str:
@@ -73,12 +79,14 @@ def _pick_by_tag(repo: str, tag: str | None) -> str:
     try:
         files = [f for f in huggingface_hub.HfApi().list_repo_files(repo) if f.lower().endswith(".gguf")]
     except Exception as e:
-        raise RuntimeError(f"could not list the files of {repo!r} on the Hugging Face hub ({type(e).__name__}: {e}). "
-                           "Check the repo id and your connection.") from e
+        raise RuntimeError(
+            f"could not list the files of {repo!r} on the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Check the repo id and your connection."
+        ) from e
     files = [f for f in files if "mmproj" not in f.lower()]  # vision projectors, not language models
     if tag is not None:
         pattern = re.compile(rf"(?:^|[-._/]){re.escape(tag)}(?:[-./]|$)", re.IGNORECASE)
-        matches = [f for f in files if pattern.search(f[:-len(".gguf")])]
+        matches = [f for f in files if pattern.search(f[: -len(".gguf")])]
     else:
         matches = files
     if len(matches) == 1:
@@ -87,12 +95,16 @@ def _pick_by_tag(repo: str, tag: str | None) -> str:
     tags = sorted({_quant_tag(f) for f in files} - {None})
     if not matches:
         wanted = f"with quant tag {tag!r}" if tag else "at all"
-        raise FileNotFoundError(f"{repo!r} has no GGUF file {wanted}; available: {', '.join(tags) or 'none'}. Pass "
-                                f"'{repo}:<tag>' or '{repo}/<file>.gguf'.")
-    raise ValueError(f"{repo!r} has {len(matches)} GGUF files{f' matching {tag!r}' if tag else ''} "
-                     f"({', '.join(matches[:8])}{', ...' if len(matches) > 8 else ''}); pass one as "
-                     f"'{repo}/<file>.gguf'" + (f" or pick a quant tag: '{repo}:{tags[0]}' ({', '.join(tags)})"
-                                                if tags and not tag else ""))
+        raise FileNotFoundError(
+            f"{repo!r} has no GGUF file {wanted}; available: {', '.join(tags) or 'none'}. Pass "
+            f"'{repo}:<tag>' or '{repo}/<file>.gguf'."
+        )
+    raise ValueError(
+        f"{repo!r} has {len(matches)} GGUF files{f' matching {tag!r}' if tag else ''} "
+        f"({', '.join(matches[:8])}{', ...' if len(matches) > 8 else ''}); pass one as "
+        f"'{repo}/<file>.gguf'"
+        + (f" or pick a quant tag: '{repo}:{tags[0]}' ({', '.join(tags)})" if tags and not tag else "")
+    )
 
 
 def _quant_tag(filename: str) -> str | None:
@@ -106,6 +118,8 @@ def _download(repo: str, filename: str) -> Path:
     try:
         return Path(huggingface_hub.hf_hub_download(repo_id=repo, filename=filename))
     except Exception as e:
-        raise RuntimeError(f"could not get {filename!r} from {repo!r} on the Hugging Face hub "
-                           f"({type(e).__name__}: {e}). Check the repo id, the file name and your connection, or pass "
-                           "a local .gguf file.") from e
+        raise RuntimeError(
+            f"could not get {filename!r} from {repo!r} on the Hugging Face hub "
+            f"({type(e).__name__}: {e}). Check the repo id, the file name and your connection, or pass "
+            "a local .gguf file."
+        ) from e

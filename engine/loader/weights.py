@@ -1,4 +1,5 @@
 """Finding a model (local folder or hub repo id) and loading its safetensors weights."""
+
 import json
 import math
 from collections.abc import Iterable
@@ -21,15 +22,19 @@ def resolve_model_path(model: str) -> Path:
         return path
     looks_like_repo_id = model.count("/") == 1 and not model.startswith((".", "/", "~")) and not path.exists()
     if not looks_like_repo_id:
-        raise FileNotFoundError(f"model folder {model!r} does not exist; give a local HF model folder or a hub repo id "
-                                "like 'Qwen/Qwen3-0.6B'")
+        raise FileNotFoundError(
+            f"model folder {model!r} does not exist; give a local HF model folder or a hub repo id "
+            "like 'Qwen/Qwen3-0.6B'"
+        )
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS))
     except Exception as e:
-        raise RuntimeError(f"could not get {model!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-                           "Check the repo id and your connection, or pass a local folder.") from e
+        raise RuntimeError(
+            f"could not get {model!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Check the repo id and your connection, or pass a local folder."
+        ) from e
 
 
 def check_not_prequantized(hf_config, path: Path) -> None:
@@ -38,9 +43,11 @@ def check_not_prequantized(hf_config, path: Path) -> None:
     method = getattr(hf_config, "quantization_config", None)
     if method is not None:
         name = method.get("quant_method", "unknown") if isinstance(method, dict) else type(method).__name__
-        raise ValueError(f"{path} holds weights already quantized with {name}, which Pagoda does not read; use the "
-                         "full-precision checkpoint (with quantization='int8' or 'int4' if it should be smaller) "
-                         "or a GGUF file")
+        raise ValueError(
+            f"{path} holds weights already quantized with {name}, which Pagoda does not read; use the "
+            "full-precision checkpoint (with quantization='int8' or 'int4' if it should be smaller) "
+            "or a GGUF file"
+        )
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -63,8 +70,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
     load_tensors(model, (item for file in safetensors_files(path) for item in _read_tensors(file)), str(path))
 
 
-def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]],
-                 source: str) -> None:
+def load_tensors(
+    model: nn.Module, tensors: Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]], source: str
+) -> None:
     """Copy each (checkpoint name, tensor) into `model`, packing q/k/v and gate/up and converting
     dtypes. Quantized layers (engine/quantization) take their weights whole or quantized."""
     params = dict(model.named_parameters())
@@ -140,8 +148,10 @@ def _load_one(model, params, packed, name, tensor, loaded) -> None:
             return  # some tied checkpoints store the head anyway
         raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of {type(model).__name__}")
     if isinstance(tensor, QuantizedWeight):
-        raise ValueError(f"checkpoint tensor {name!r} is quantized ({tensor.source}), but the model's "
-                         f"{module_name} takes full-precision weights only")
+        raise ValueError(
+            f"checkpoint tensor {name!r} is quantized ({tensor.source}), but the model's "
+            f"{module_name} takes full-precision weights only"
+        )
     if shard is not None:
         module.load_shard(param, tensor.to(param.dtype), shard)
     elif hasattr(module, "load_weight"):  # split across tensor-parallel ranks: the layer takes its slice
@@ -150,8 +160,9 @@ def _load_one(model, params, packed, name, tensor, loaded) -> None:
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
     elif param.shape != tensor.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                         f"{tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+        )
     else:
         param.data.copy_(tensor)
     loaded.add(target)
@@ -195,6 +206,7 @@ def pick_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu' or install a CUDA "
-                           "build of torch")
+        raise RuntimeError(
+            "device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu' or install a CUDA build of torch"
+        )
     return torch.device(requested)

@@ -1,4 +1,5 @@
 """Model registry, keyed by the `architectures` entry of a HF config."""
+
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM

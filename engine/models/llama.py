@@ -7,6 +7,7 @@ Tensor parallelism: with `tp` of size N, each rank holds 1/N of the attention he
 columns, and the row-parallel o_proj and down_proj add up the ranks' partial sums. The network
 code is the same for every N; the layers in engine/layers do the splitting.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,9 @@ class DecoderAttention(nn.Module):
         num_heads = config.num_attention_heads
         num_kv_heads = config.num_key_value_heads or num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.qkv_proj = ColumnParallelLinear.qkv(config.hidden_size, self.head_dim, num_heads, num_kv_heads, tp,
-                                                 qkv_bias)
+        self.qkv_proj = ColumnParallelLinear.qkv(
+            config.hidden_size, self.head_dim, num_heads, num_kv_heads, tp, qkv_bias
+        )
         self.split = self.qkv_proj.output_sizes
         # Heads on this rank.
         self.num_heads, self.num_kv_heads = self.split[0] // self.head_dim, self.split[1] // self.head_dim
@@ -49,13 +51,24 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over norm(x + residual); returns its output and x + residual."""
         qkv, residual = self.qkv_proj.normed(x, residual, norm)
         qk, v = qkv.split([self.split[0] + self.split[1], self.split[2]], dim=-1)
-        qk = self.rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), self.num_heads,
-                         self.q_norm, self.k_norm)  # Qwen3 normalises each head first
+        qk = self.rotary(
+            positions,
+            qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+            self.num_heads,
+            self.q_norm,
+            self.k_norm,
+        )  # Qwen3 normalises each head first
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta).flatten(1)), residual
@@ -135,9 +148,14 @@ class LlamaForCausalLM(nn.Module):
     def norm_projections(self) -> list[tuple[ColumnParallelLinear, RMSNorm, SiluAndMul | None]]:
         """(projection, the norm it applies first, the activation it applies last or None) for each
         norm that a projection runs: what engine/layers/normed_gemv.py may fuse into one kernel."""
-        return [pair for layer in self.model.layers for pair in (
-            (layer.self_attn.qkv_proj, layer.input_layernorm, None),
-            (layer.mlp.gate_up_proj, layer.post_attention_layernorm, layer.mlp.act))]
+        return [
+            pair
+            for layer in self.model.layers
+            for pair in (
+                (layer.self_attn.qkv_proj, layer.input_layernorm, None),
+                (layer.mlp.gate_up_proj, layer.post_attention_layernorm, layer.mlp.act),
+            )
+        ]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of the given rows; with tensor parallelism, on rank 0 only (None elsewhere)."""

@@ -1,4 +1,5 @@
 """Qwen2 / Qwen2.5: Llama with biases on q, k and v (and none on o)."""
+
 from engine.models.llama import LlamaForCausalLM, ModelFlags
 
 

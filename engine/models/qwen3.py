@@ -1,4 +1,5 @@
 """Qwen3 (dense): Llama with RMSNorm on each head of q and k before rotary, and an explicit head_dim."""
+
 from engine.models.llama import LlamaForCausalLM, ModelFlags
 
 

@@ -4,20 +4,40 @@ chooser that measures those (chooser.py), the modules that hold them (modules.py
 a built model's layers for those modules (passes.py).
 
 The names load on first use (PEP 562), so engine/config.py reads methods.py without PyTorch."""
+
 import importlib
 from typing import TYPE_CHECKING
 
 _HOMES = {
-    "DEFAULT_GROUP_SIZE": "engine.quantization.methods", "METHODS": "engine.quantization.methods",
-    "bytes_per_weight": "engine.quantization.methods", "describe": "engine.quantization.methods",
-    "QuantizedWeight": "engine.quantization.layout", "quantize_int4": "engine.quantization.layout",
-    "quantize_int8": "engine.quantization.layout", "KernelTarget": "engine.quantization.modules",
-    "finalize": "engine.quantization.passes", "kernel_summary": "engine.quantization.passes",
-    "quantize": "engine.quantization.passes", "weight_tensors": "engine.quantization.passes",
+    "DEFAULT_GROUP_SIZE": "engine.quantization.methods",
+    "METHODS": "engine.quantization.methods",
+    "bytes_per_weight": "engine.quantization.methods",
+    "describe": "engine.quantization.methods",
+    "QuantizedWeight": "engine.quantization.layout",
+    "quantize_int4": "engine.quantization.layout",
+    "quantize_int8": "engine.quantization.layout",
+    "KernelTarget": "engine.quantization.modules",
+    "finalize": "engine.quantization.passes",
+    "kernel_summary": "engine.quantization.passes",
+    "quantize": "engine.quantization.passes",
+    "weight_tensors": "engine.quantization.passes",
     "weight_types": "engine.quantization.passes",
 }
-__all__ = ["DEFAULT_GROUP_SIZE", "METHODS", "KernelTarget", "QuantizedWeight", "bytes_per_weight", "describe",
-           "finalize", "kernel_summary", "quantize", "quantize_int4", "quantize_int8", "weight_tensors", "weight_types"]
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "METHODS",
+    "KernelTarget",
+    "QuantizedWeight",
+    "bytes_per_weight",
+    "describe",
+    "finalize",
+    "kernel_summary",
+    "quantize",
+    "quantize_int4",
+    "quantize_int8",
+    "weight_tensors",
+    "weight_types",
+]
 
 if TYPE_CHECKING:
     from engine.quantization.layout import QuantizedWeight, quantize_int4, quantize_int8

@@ -7,6 +7,7 @@ keeps the blocks themselves, so a Q6_K head is never expanded whole: decoded bes
 expansion alone outweighed everything else a load holds beyond the kept weights. Small slices keep what they
 decoded, so a slab's codes, scales and offsets come from one decoding.
 """
+
 from collections.abc import Callable
 
 import torch
@@ -22,8 +23,9 @@ class BlockWeight(QuantizedWeight):
     """`blocks` [N, row bytes] of GGUF type `source`; `decoder(blocks, K)` gives (codes, scale, offset) in the
     layout QuantizedWeight describes."""
 
-    def __init__(self, blocks: torch.Tensor, source: str, shape: tuple[int, int], bits: int, group_size: int,
-                 decoder: Decoder):
+    def __init__(
+        self, blocks: torch.Tensor, source: str, shape: tuple[int, int], bits: int, group_size: int, decoder: Decoder
+    ):
         # Not the dataclass's __init__: q, scale and offset are decoded on access.
         if blocks.dim() != 2 or blocks.shape[0] != shape[0]:
             raise ValueError(f"{source} blocks of shape {tuple(blocks.shape)} do not hold a {shape} weight")
@@ -69,7 +71,7 @@ class BlockWeight(QuantizedWeight):
         return self if self.blocks.device == torch.device(device) else self._like(self.blocks.to(device))
 
     def rows(self, start: int, count: int) -> "BlockWeight":
-        return self._like(self.blocks[start:start + count])
+        return self._like(self.blocks[start : start + count])
 
     def take(self, index: torch.Tensor) -> "BlockWeight":
         """Rows `index` (a copy of their blocks)."""

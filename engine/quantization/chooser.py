@@ -11,6 +11,7 @@ Building every candidate over the whole weight, beside the weight dequantized to
 the weight's size for each of the largest weights: a 2.5 GB Q4_K_M file passed 10.5 GB while loading (issue 38).
 Now what loading holds beyond the finished kernels is the weight in the loader's loose layout and a few MB.
 """
+
 import logging
 import time
 from collections.abc import Callable
@@ -66,16 +67,24 @@ def sampled_rows(n: int, k: int) -> torch.Tensor | None:
 def take_rows(qw: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
     if isinstance(qw, BlockWeight):  # decoded as a slab, not whole
         return qw.take(index)
-    return QuantizedWeight(qw.bits, qw.q[index], qw.scale[index], None if qw.offset is None else qw.offset[index],
-                           qw.group_size, qw.source, None if qw.blocks is None else qw.blocks[index])
+    return QuantizedWeight(
+        qw.bits,
+        qw.q[index],
+        qw.scale[index],
+        None if qw.offset is None else qw.offset[index],
+        qw.group_size,
+        qw.source,
+        None if qw.blocks is None else qw.blocks[index],
+    )
 
 
 def exact_product(qw: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     """x W^T in float32 from the exact dequantized weight, a slab of rows at a time."""
     n, k = qw.shape
     slab = max(1, REFERENCE_SLAB_BYTES // (4 * k))
-    return torch.cat([F.linear(x.float(), qw.rows(start, min(slab, n - start)).dequantize())
-                      for start in range(0, n, slab)], dim=-1)
+    return torch.cat(
+        [F.linear(x.float(), qw.rows(start, min(slab, n - start)).dequantize()) for start in range(0, n, slab)], dim=-1
+    )
 
 
 def _disagreement(kernel: nn.Module, reference: torch.Tensor, x: torch.Tensor) -> float:
@@ -84,12 +93,19 @@ def _disagreement(kernel: nn.Module, reference: torch.Tensor, x: torch.Tensor) -
     return (kernel(x).float() - reference).abs().max().item() / tolerance
 
 
-def candidates(qw: QuantizedWeight, device: torch.device,
-               dtype: torch.dtype) -> dict[str, Callable[[QuantizedWeight], nn.Module]]:
+def candidates(
+    qw: QuantizedWeight, device: torch.device, dtype: torch.dtype
+) -> dict[str, Callable[[QuantizedWeight], nn.Module]]:
     """The kernels that can multiply by `qw` here, by name, each a builder over a weight of `qw`'s layout
     (the chooser builds them over a few of its rows first); the fallback last."""
-    kinds = [kernels.Int4PackMatmul, kernels.Int8PackMatmul, kernels.SplitInt4Matmul, kernels.HalvesSplitInt4Matmul,
-             kernels.GroupedInt8Matmul, KQuantMatmul]
+    kinds = [
+        kernels.Int4PackMatmul,
+        kernels.Int8PackMatmul,
+        kernels.SplitInt4Matmul,
+        kernels.HalvesSplitInt4Matmul,
+        kernels.GroupedInt8Matmul,
+        KQuantMatmul,
+    ]
     if device.type == "cuda":
         from engine.quantization.triton_matmul import TritonQuantMatmul  # Triton is imported only where a GPU runs
 
@@ -111,8 +127,12 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
         try:
             return first(qw)
         except RuntimeError as e:
-            log.warning("the Triton quantized kernel cannot run a %s weight %s here (%s); using the slow "
-                        "dequantizing fallback", qw.source, qw.shape, str(e).splitlines()[0])
+            log.warning(
+                "the Triton quantized kernel cannot run a %s weight %s here (%s); using the slow dequantizing fallback",
+                qw.source,
+                qw.shape,
+                str(e).splitlines()[0],
+            )
             return fallback(qw)
     key = (qw.shape, qw.bits, qw.group_size, not qw.has_offset, qw.source, device.type, dtype)
     ranked = _CHOICES.get(key)
@@ -127,8 +147,14 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
             if isinstance(kernel, QuantizedMatmul):
                 kernel.dense_from_rows = _prefill_rows(qw, builders, name, key, dtype)
             return kernel
-        log.warning("%s agreed on sampled rows of a %s weight %s but is off by %.3g times the tolerance over the "
-                    "whole weight; not used", name, qw.source, qw.shape, error)
+        log.warning(
+            "%s agreed on sampled rows of a %s weight %s but is off by %.3g times the tolerance over the "
+            "whole weight; not used",
+            name,
+            qw.source,
+            qw.shape,
+            error,
+        )
         del kernel
     raise RuntimeError(f"no kernel multiplies a {qw.source} weight of shape {qw.shape} correctly on {device}")
 
@@ -153,16 +179,22 @@ def _rank_on_proxy(qw: QuantizedWeight, builders: dict, device: torch.device, dt
             log.info("%s cannot run here: %s", name, str(e).splitlines()[0])
             continue
         if error > 1:
-            log.warning("%s disagrees with the reference by %.3g times the tolerance on %s; not used", name, error,
-                        qw.shape)
+            log.warning(
+                "%s disagrees with the reference by %.3g times the tolerance on %s; not used", name, error, qw.shape
+            )
         else:
             timed[name] = _seconds_per_call(kernel, x)
         del kernel
     if not timed:
         raise RuntimeError(f"no kernel multiplies a {qw.source} weight of shape {qw.shape} correctly on {device}")
     ranked = sorted(timed, key=timed.get)
-    log.debug("kernels for a %s weight %s, on %d of its rows: %s", qw.source, qw.shape, proxy.shape[0],
-              ", ".join(f"{name} {timed[name] * 1e6:.0f} us" for name in ranked))
+    log.debug(
+        "kernels for a %s weight %s, on %d of its rows: %s",
+        qw.source,
+        qw.shape,
+        proxy.shape[0],
+        ", ".join(f"{name} {timed[name] * 1e6:.0f} us" for name in ranked),
+    )
     return ranked
 
 

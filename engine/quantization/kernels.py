@@ -24,6 +24,7 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
 On NVIDIA GPUs: TritonQuantMatmul (triton_matmul.py), Pagoda's Triton dequant-GEMV and GEMM (or tinygemm where it
 measures faster), any layout.
 """
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -122,8 +123,7 @@ class QuantizedMatmul(nn.Module):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Not inside a compiled decode step: its batch size is symbolic there, and the compiled graph
         # is called without re-checking the branch it took (decode batches keep the kernel).
-        if (self.dense_from_rows is not None and not tracing_decode_step()
-                and x.shape[0] >= self.dense_from_rows):
+        if self.dense_from_rows is not None and not tracing_decode_step() and x.shape[0] >= self.dense_from_rows:
             weight = self.dequantized_bf16()  # bf16 F.linear is oneDNN's: a kernel cached per row count
             return in_bucketed_rows(lambda rows: F.linear(rows, weight), x.to(torch.bfloat16)).to(x.dtype)
         return super().__call__(x)
@@ -134,8 +134,9 @@ class QuantizedMatmul(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.source}: {self.bits}-bit, {group}{prefill}"
 
 
-def _dequantize_looked_up(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor | None,
-                          group: int, k: int) -> torch.Tensor:
+def _dequantize_looked_up(
+    codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor | None, group: int, k: int
+) -> torch.Tensor:
     """Looked-up rows of codes (4-bit ones packed two to a byte) with their scales and offsets, in float32."""
     if bits == 4:
         codes = unpack_nibbles(codes, k)
@@ -165,16 +166,26 @@ class DequantMatmul(QuantizedMatmul):
         return w.to(self.dtype)
 
     def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return _dequantize_looked_up(self.codes[ids], self.bits, self.scale[ids],
-                                     None if self.offset is None else self.offset[ids], self.group_size,
-                                     self.in_features)
+        return _dequantize_looked_up(
+            self.codes[ids],
+            self.bits,
+            self.scale[ids],
+            None if self.offset is None else self.offset[ids],
+            self.group_size,
+            self.in_features,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
         if self.out_features <= self.slab:
             return F.linear(x, self.dequantize_rows(0, self.out_features))
-        return torch.cat([F.linear(x, self.dequantize_rows(start, start + self.slab))
-                          for start in range(0, self.out_features, self.slab)], dim=-1)
+        return torch.cat(
+            [
+                F.linear(x, self.dequantize_rows(start, start + self.slab))
+                for start in range(0, self.out_features, self.slab)
+            ],
+            dim=-1,
+        )
 
 
 def _write_int4pack_scales_and_zeros(out: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> None:
@@ -205,8 +216,9 @@ def _int4pack_block(packed: torch.Tensor, codes: torch.Tensor) -> int | None:
     return None
 
 
-def _pack_int4(rows: Callable[[int, int], QuantizedWeight], n: int, k: int,
-               group: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+def _pack_int4(
+    rows: Callable[[int, int], QuantizedWeight], n: int, k: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """PyTorch's int4 packing of an [n, k] weight (k a whole number of groups), its bf16 scales and zeros, and the
     layout's row block (None where it is not one known block throughout), a slab of rows at a time. The packing
     moves rows within blocks of at most 64, so slabs of whole 64-row blocks pack to the same bytes as the whole
@@ -246,14 +258,19 @@ class Int4PackMatmul(QuantizedMatmul):
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         return device.type == "cpu" and qw.bits == 4 and qw.group_size in INT4PACK_GROUPS
 
-    def __init__(self, qw: QuantizedWeight | WeightOutline, dtype: torch.dtype,
-                 rows: Callable[[int, int], QuantizedWeight] | None = None):
+    def __init__(
+        self,
+        qw: QuantizedWeight | WeightOutline,
+        dtype: torch.dtype,
+        rows: Callable[[int, int], QuantizedWeight] | None = None,
+    ):
         """`rows(start, count)` gives the weight's rows in that range where `qw` only outlines it; it is not kept."""
         super().__init__(qw)
         self.dtype = dtype
         self.padded_k = _round_up(qw.shape[1], qw.group_size)
-        self.packed, self.scales_and_zeros, self.layout_block = _pack_int4(rows or qw.rows, qw.shape[0],
-                                                                           self.padded_k, qw.group_size)
+        self.packed, self.scales_and_zeros, self.layout_block = _pack_int4(
+            rows or qw.rows, qw.shape[0], self.padded_k, qw.group_size
+        )
 
     def dequantized_bf16(self) -> torch.Tensor | None:
         if self.layout_block is None:
@@ -288,8 +305,13 @@ class Int8PackMatmul(QuantizedMatmul):
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         # The kernel reads K in steps of 16 with no tail: other K give garbage or a segfault (torch 2.13 CPU).
-        return (device.type == "cpu" and qw.bits == 8 and qw.group_size >= qw.shape[1] and qw.offset is None
-                and qw.shape[1] % 16 == 0)
+        return (
+            device.type == "cpu"
+            and qw.bits == 8
+            and qw.group_size >= qw.shape[1]
+            and qw.offset is None
+            and qw.shape[1] % 16 == 0
+        )
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
         super().__init__(qw)
@@ -323,8 +345,7 @@ class SideBySideInt4Matmul(QuantizedMatmul):
         # Each term's columns padded to whole groups, so that every group of the joined weight is one term's.
         self.term_k = first.shape[1] // self.count
         outline = WeightOutline((qw.shape[0], first.shape[1]), 4, first.group_size, qw.source)
-        self.joined = Int4PackMatmul(outline, dtype,
-                                     rows=lambda start, count: self.joined_terms(qw.rows(start, count)))
+        self.joined = Int4PackMatmul(outline, dtype, rows=lambda start, count: self.joined_terms(qw.rows(start, count)))
 
     def terms(self, qw: QuantizedWeight) -> list[QuantizedWeight]:
         """4-bit weights over `qw`'s columns, in groups the int4 kernel takes, that sum to `qw`."""
@@ -344,8 +365,7 @@ class SideBySideInt4Matmul(QuantizedMatmul):
             scale[:, i, : t.scale.shape[1]] = t.scale
             if t.offset is not None:
                 offset[:, i, : t.offset.shape[1]] = t.offset
-        return QuantizedWeight(4, codes.view(rows, -1), scale.view(rows, -1), offset.view(rows, -1), group,
-                               self.source)
+        return QuantizedWeight(4, codes.view(rows, -1), scale.view(rows, -1), offset.view(rows, -1), group, self.source)
 
     def dequantized_bf16(self) -> torch.Tensor | None:
         w = self.joined.dequantized_bf16()
@@ -395,8 +415,13 @@ class HalvesSplitInt4Matmul(SideBySideInt4Matmul):
 
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
-        return (device.type == "cpu" and qw.bits == 8 and qw.group_size == 16 and not qw.has_offset
-                and (qw.source == "Q6_K" or (int(qw.q.min()) >= -32 and int(qw.q.max()) <= 31)))
+        return (
+            device.type == "cpu"
+            and qw.bits == 8
+            and qw.group_size == 16
+            and not qw.has_offset
+            and (qw.source == "Q6_K" or (int(qw.q.min()) >= -32 and int(qw.q.max()) <= 31))
+        )
 
     def joined_terms(self, qw: QuantizedWeight) -> QuantizedWeight:
         # Made side by side directly: Q6_K's terms are the largest part of a Q4_K_M file's load time.
@@ -426,8 +451,9 @@ class GroupedInt8Matmul(QuantizedMatmul):
 
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
-        return (device.type == "cpu" and qw.group_size in GroupedInt8Matmul.GROUPS
-                and native.grouped_int8_mm() is not None)
+        return (
+            device.type == "cpu" and qw.group_size in GroupedInt8Matmul.GROUPS and native.grouped_int8_mm() is not None
+        )
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
         super().__init__(qw)
@@ -453,9 +479,14 @@ class GroupedInt8Matmul(QuantizedMatmul):
         return w.to(torch.bfloat16)
 
     def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return _dequantize_looked_up(self.codes[ids], 8, self.scale[ids],
-                                     None if self.offset is None else self.offset[ids], self.group_size,
-                                     self.in_features)
+        return _dequantize_looked_up(
+            self.codes[ids],
+            8,
+            self.scale[ids],
+            None if self.offset is None else self.offset[ids],
+            self.group_size,
+            self.in_features,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x.float().contiguous(), self.codes, self.scale, self.offset, self.group_size).to(self.dtype)

@@ -12,6 +12,7 @@ Built with torch's C++ extension tools on first use, into the user's cache folde
 machine on an AVX-512 one). PAGODA_KQUANT_KERNELS=0 turns it off. Without a C++ compiler or ninja the kernel is
 not offered, which the log says once, and PyTorch's kernels serve (at their larger layouts).
 """
+
 import hashlib
 import logging
 import os
@@ -80,8 +81,9 @@ def _build_dir(isa: str) -> Path:
             cpu += next((line for line in cpuinfo if line.startswith("flags")), "")
     except OSError:
         pass
-    tag = hashlib.sha256(cpu.encode() + SOURCE.read_bytes() + torch.__version__.encode()
-                         + " ".join(_flags(isa)).encode()).hexdigest()[:12]
+    tag = hashlib.sha256(
+        cpu.encode() + SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_flags(isa)).encode()
+    ).hexdigest()[:12]
     folder = platformdirs.user_cache_path("pagoda") / "kernels" / f"kquant-{isa}-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
@@ -112,24 +114,35 @@ def _build(isa: str):
             from torch.utils.cpp_extension import load
 
             native._put_ninja_on_path()
-            load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(isa), extra_ldflags=["-fopenmp"],
-                 build_directory=str(folder), is_python_module=False, verbose=False)
+            load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=_flags(isa),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a build error: the kernel is not offered
-        log.warning("Pagoda's K-quant CPU kernel could not be built (%s); PyTorch's kernels serve, holding Q4_K, "
-                    "Q5_K and Q6_K weights at up to 3x their file size. It needs a C++ compiler and ninja.",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.warning(
+            "Pagoda's K-quant CPU kernel could not be built (%s); PyTorch's kernels serve, holding Q4_K, "
+            "Q5_K and Q6_K weights at up to 3x their file size. It needs a C++ compiler and ninja.",
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+        )
         return None
     namespace = getattr(torch.ops, name)
     if name not in _FAKES:  # shapes for compiled graphs: decode steps call the kernel and a tied table's lookup
         block = {KINDS[t]: (BLOCK_BYTES[t], BLOCK_VALUES[t]) for t in KINDS}
-        torch.library.register_fake(f"{name}::kquant_mm")(lambda x, blocks, kind, act:
-                                                          x.new_empty((x.shape[0], blocks.shape[0])))
+        torch.library.register_fake(f"{name}::kquant_mm")(
+            lambda x, blocks, kind, act: x.new_empty((x.shape[0], blocks.shape[0]))
+        )
         torch.library.register_fake(f"{name}::kquant_dequant")(
-            lambda blocks, kind: blocks.new_empty((blocks.shape[0], blocks.shape[1] // block[kind][0] * block[kind][1]),
-                                                  dtype=torch.float32))
+            lambda blocks, kind: blocks.new_empty(
+                (blocks.shape[0], blocks.shape[1] // block[kind][0] * block[kind][1]), dtype=torch.float32
+            )
+        )
         _FAKES.add(name)
-    log.info("K-quant CPU kernel built for %s (%d-bit vectors)", isa,
-             namespace.kquant_isa(torch.zeros(1)))
+    log.info("K-quant CPU kernel built for %s (%d-bit vectors)", isa, namespace.kquant_isa(torch.zeros(1)))
     return namespace
 
 
@@ -153,8 +166,13 @@ class KQuantMatmul(QuantizedMatmul):
 
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
-        return (device.type == "cpu" and qw.source in KINDS and getattr(qw, "blocks", None) is not None
-                and qw.shape[1] % BLOCK_VALUES[qw.source] == 0 and ops() is not None)
+        return (
+            device.type == "cpu"
+            and qw.source in KINDS
+            and getattr(qw, "blocks", None) is not None
+            and qw.shape[1] % BLOCK_VALUES[qw.source] == 0
+            and ops() is not None
+        )
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, isa: str | None = None, act: str | None = None):
         super().__init__(qw)
@@ -178,14 +196,20 @@ class KQuantMatmul(QuantizedMatmul):
     def tiled(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T by oneDNN's bf16 product, a tile of W's rows dequantized at a time."""
         x = x.to(torch.bfloat16)
-        return torch.cat([F.linear(x, self.ops.kquant_dequant(self.blocks[start:start + self.tile_rows], self.kind)
-                                   .to(torch.bfloat16))
-                          for start in range(0, self.out_features, self.tile_rows)], dim=-1)
+        return torch.cat(
+            [
+                F.linear(
+                    x,
+                    self.ops.kquant_dequant(self.blocks[start : start + self.tile_rows], self.kind).to(torch.bfloat16),
+                )
+                for start in range(0, self.out_features, self.tile_rows)
+            ],
+            dim=-1,
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # as QuantizedMatmul.__call__, but a tile at a time: not inside a compiled decode step (symbolic rows)
-        if (self.dense_from_rows is not None and not tracing_decode_step()
-                and x.shape[0] >= self.dense_from_rows):
+        if self.dense_from_rows is not None and not tracing_decode_step() and x.shape[0] >= self.dense_from_rows:
             return self.tiled(x).to(self.dtype)
         return nn.Module.__call__(self, x)
 

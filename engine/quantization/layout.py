@@ -13,6 +13,7 @@ Q5_K, Q6_K and Q8_0 8-bit ones. Scales and offsets are float32, which holds ever
 (an fp16 times a 6-bit integer) exactly. A kernel may round them when it packs the codes into its
 own layout; `dequantize` is the exact reference.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,10 @@ class QuantizedWeight:
         groups = (self.q.shape[1] + self.group_size - 1) // self.group_size
         for name, t in (("scale", self.scale), ("offset", self.offset)):
             if t is not None and tuple(t.shape) != (self.q.shape[0], groups):
-                raise ValueError(f"{name} has shape {tuple(t.shape)}; {tuple(self.q.shape)} codes in groups of "
-                                 f"{self.group_size} need {(self.q.shape[0], groups)}")
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}; {tuple(self.q.shape)} codes in groups of "
+                    f"{self.group_size} need {(self.q.shape[0], groups)}"
+                )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,16 +65,28 @@ class QuantizedWeight:
         return codes + sum(t.numel() * t.element_size() for t in (self.scale, self.offset) if t is not None)
 
     def to(self, device: torch.device) -> "QuantizedWeight":
-        return QuantizedWeight(self.bits, self.q.to(device), self.scale.to(device),
-                               None if self.offset is None else self.offset.to(device), self.group_size, self.source,
-                               None if self.blocks is None else self.blocks.to(device))
+        return QuantizedWeight(
+            self.bits,
+            self.q.to(device),
+            self.scale.to(device),
+            None if self.offset is None else self.offset.to(device),
+            self.group_size,
+            self.source,
+            None if self.blocks is None else self.blocks.to(device),
+        )
 
     def rows(self, start: int, count: int) -> "QuantizedWeight":
         """Rows [start, start + count): how tensor-parallel ranks and fused projections take their part."""
         cut = slice(start, start + count)
-        return QuantizedWeight(self.bits, self.q[cut], self.scale[cut],
-                               None if self.offset is None else self.offset[cut], self.group_size, self.source,
-                               None if self.blocks is None else self.blocks[cut])
+        return QuantizedWeight(
+            self.bits,
+            self.q[cut],
+            self.scale[cut],
+            None if self.offset is None else self.offset[cut],
+            self.group_size,
+            self.source,
+            None if self.blocks is None else self.blocks[cut],
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full-precision matrix, computed in float32: the reference every kernel is tested against."""

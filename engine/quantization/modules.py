@@ -5,6 +5,7 @@ shard in another type: Q4_K_M files keep v_proj in Q6_K beside Q4_K q and k. So 
 collects its shards as they load, each full precision or a QuantizedWeight, and `finalize` gives
 every run of shards in one layout its own kernel (engine/quantization/kernels.py), measured.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,15 @@ def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     offsets = None if first.offset is None else torch.cat([p.offset for p in parts])
     blocks = torch.cat([p.blocks for p in parts]) if all(p.blocks is not None for p in parts) else None
-    return QuantizedWeight(first.bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offsets,
-                           first.group_size, first.source, blocks)
+    return QuantizedWeight(
+        first.bits,
+        torch.cat([p.q for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        offsets,
+        first.group_size,
+        first.source,
+        blocks,
+    )
 
 
 def _layout_key(w: torch.Tensor | QuantizedWeight) -> tuple:
@@ -59,8 +67,15 @@ class QuantizedLinear(nn.Module):
     `method` ("int8", "int4", or None) is what full-precision shards become; a shard that arrives
     quantized (GGUF) is kept as it is."""
 
-    def __init__(self, in_features: int, shard_rows: list[int], bias: nn.Parameter | None, method: str | None,
-                 group_size: int, target: KernelTarget):
+    def __init__(
+        self,
+        in_features: int,
+        shard_rows: list[int],
+        bias: nn.Parameter | None,
+        method: str | None,
+        group_size: int,
+        target: KernelTarget,
+    ):
         super().__init__()
         self.in_features, self.shard_rows = in_features, shard_rows
         self.out_features = sum(shard_rows)
@@ -75,8 +90,9 @@ class QuantizedLinear(nn.Module):
         index = 0 if shard is None else shard
         rows = self.out_features if shard is None else self.shard_rows[index]
         if tuple(loaded.shape) != (rows, self.in_features):
-            raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
-                             f"{(rows, self.in_features)}")
+            raise ValueError(
+                f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects {(rows, self.in_features)}"
+            )
         if isinstance(loaded, QuantizedWeight):
             refuse_requantizing(self.method, loaded.source)
             self.pending[index] = loaded.to(self.target.device)
@@ -94,8 +110,9 @@ class QuantizedLinear(nn.Module):
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
-                             f"{tuple(param.shape)}")
+            raise ValueError(
+                f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}"
+            )
         param.data.copy_(loaded)
 
     @property
@@ -123,8 +140,9 @@ class QuantizedLinear(nn.Module):
         y = self.parts[0](x) if len(self.parts) == 1 else torch.cat([part(x) for part in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
 
-    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
-               act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, act: nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(act(self(norm(x + residual))), x + residual), as ColumnParallelLinear.normed runs it unfused."""
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
         out = self(h)
@@ -137,8 +155,9 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """Token embedding whose table stays quantized; looked-up rows are dequantized."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, method: str | None, group_size: int,
-                 target: KernelTarget):
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, method: str | None, group_size: int, target: KernelTarget
+    ):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.method, self.group_size, self.target = method, group_size, target
@@ -155,12 +174,17 @@ class QuantizedEmbedding(nn.Module):
 
     def load_quantizable(self, loaded: torch.Tensor | QuantizedWeight, shard: int | None = None) -> None:
         if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
-                             f"{(self.num_embeddings, self.embedding_dim)}")
+            raise ValueError(
+                f"the checkpoint gives shape {tuple(loaded.shape)}, the model expects "
+                f"{(self.num_embeddings, self.embedding_dim)}"
+            )
         if isinstance(loaded, QuantizedWeight):
             refuse_requantizing(self.method, loaded.source)
-        w = loaded if isinstance(loaded, QuantizedWeight) else quantize_tensor(loaded.to(self.target.device),
-                                                                                self.method, self.group_size)
+        w = (
+            loaded
+            if isinstance(loaded, QuantizedWeight)
+            else quantize_tensor(loaded.to(self.target.device), self.method, self.group_size)
+        )
         if isinstance(w, QuantizedWeight):
             self.bits, self.group_size, self.source = w.bits, w.group_size, w.source
             if kquant.block_rows(w) is not None:  # not expanded to codes
@@ -179,9 +203,12 @@ class QuantizedEmbedding(nn.Module):
         if self.rows_from_head is not None:
             return
         kernel = head.parts[0] if head is not None and len(head.parts) == 1 else None
-        if (isinstance(kernel, QuantizedMatmul) and self.bits
-                and (kernel.out_features, kernel.in_features) == (self.num_embeddings, self.embedding_dim)
-                and kernel.looked_up_rows(torch.zeros(1, dtype=torch.long, device=device)) is not None):
+        if (
+            isinstance(kernel, QuantizedMatmul)
+            and self.bits
+            and (kernel.out_features, kernel.in_features) == (self.num_embeddings, self.embedding_dim)
+            and kernel.looked_up_rows(torch.zeros(1, dtype=torch.long, device=device)) is not None
+        ):
             self.rows_from_head = kernel.looked_up_rows
             self.table = self.scale = self.offset = self.blocks = None
             return

@@ -15,6 +15,7 @@ custom operator costs more. The lever left is fewer bytes: Q5_0's codes in 5 bit
 Without the switch, a C++ compiler or ninja, `grouped_int8_mm()` is None and the kernel is not offered:
 PyTorch's kernels serve.
 """
+
 import hashlib
 import logging
 import os
@@ -82,14 +83,23 @@ def _build():
         _put_ninja_on_path()
 
         flags = ["-O3", "-march=native"] if os.name != "nt" else ["/O2", "/arch:AVX2"]
-        load(name="pagoda_grouped_int8", sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(_build_dir()),
-             is_python_module=False, verbose=False)
+        load(
+            name="pagoda_grouped_int8",
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            build_directory=str(_build_dir()),
+            is_python_module=False,
+            verbose=False,
+        )
     except Exception as e:  # no compiler, no ninja, a build error: the kernel is not offered
-        log.warning("Pagoda's CPU int8 kernel could not be built (%s); PyTorch's kernels serve. It needs a C++ "
-                    "compiler and ninja.",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.warning(
+            "Pagoda's CPU int8 kernel could not be built (%s); PyTorch's kernels serve. It needs a C++ "
+            "compiler and ninja.",
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+        )
         return None
     if not _FAKE_REGISTERED:
+
         @torch.library.register_fake("pagoda_cpu::grouped_int8_mm")
         def _(x, codes, scale, offset, group):
             return x.new_empty((x.shape[0], codes.shape[0]))

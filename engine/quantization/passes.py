@@ -5,6 +5,7 @@ The model is built on the meta device, so no full-precision weight is ever alloc
 checkpoint tensor is quantized as it loads (engine/loader/weights.py), or, from a GGUF file,
 arrives quantized already. `finalize` then picks each layer's kernel by measurement.
 """
+
 from collections import Counter
 
 import torch
@@ -17,8 +18,9 @@ from engine.quantization.methods import DEFAULT_GROUP_SIZE, check_method, head_m
 from engine.quantization.modules import KernelTarget, QuantizedEmbedding, QuantizedLinear
 
 
-def quantize(model: nn.Module, method: str | None, target: KernelTarget,
-             group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+def quantize(
+    model: nn.Module, method: str | None, target: KernelTarget, group_size: int = DEFAULT_GROUP_SIZE
+) -> nn.Module:
     """Swap the modules in place (and return the model). `method` None keeps full-precision tensors as
     they are and takes quantized ones (a GGUF file's) as they come. Each linear layer builds its
     kernels for `target` as soon as its tensors have loaded."""
@@ -26,8 +28,9 @@ def quantize(model: nn.Module, method: str | None, target: KernelTarget,
     for name, module in list(model.named_modules()):
         bias = getattr(module, "bias", None)
         if isinstance(module, ParallelLMHead):
-            swapped = QuantizedLinear(module.embedding_dim, [module.num_embeddings], None, head_method(method),
-                                      group_size, target)
+            swapped = QuantizedLinear(
+                module.embedding_dim, [module.num_embeddings], None, head_method(method), group_size, target
+            )
         elif isinstance(module, VocabParallelEmbedding):
             # A tied table is stored as the head stores it, once; an untied embedding only has rows looked up.
             table = head_method(method) if getattr(model, "tie_word_embeddings", False) else method
@@ -70,6 +73,7 @@ def kernel_summary(model: nn.Module) -> str:
 
 def weight_types(model: nn.Module) -> str:
     """What the weights are stored as, e.g. "int4 (groups of 64)" or "Q4_1, Q8_0"."""
-    sources = Counter(m.source for m in model.modules() if isinstance(m, QuantizedMatmul | QuantizedEmbedding)
-                      and m.source != "dense")
+    sources = Counter(
+        m.source for m in model.modules() if isinstance(m, QuantizedMatmul | QuantizedEmbedding) and m.source != "dense"
+    )
     return ", ".join(sources) if sources else "none"

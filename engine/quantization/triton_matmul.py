@@ -29,6 +29,7 @@ against tinygemm (`torch.ops.aten._weight_int4pack_mm`) where that applies (4 bi
 of 32 to 256); elsewhere there is nothing else that multiplies by the codes in place, so a
 Triton kernel is used and only its tile is chosen.
 """
+
 import itertools
 import logging
 import os
@@ -73,12 +74,19 @@ class TritonQuantWeight:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
 
     def clone(self) -> "TritonQuantWeight":
-        return TritonQuantWeight(self.bits, self.q.clone(), self.scale.clone(),
-                                 None if self.offset is None else self.offset.clone(), self.group_size, self.k)
+        return TritonQuantWeight(
+            self.bits,
+            self.q.clone(),
+            self.scale.clone(),
+            None if self.offset is None else self.offset.clone(),
+            self.group_size,
+            self.k,
+        )
 
 
-def pack_for_triton(qw: QuantizedWeight, dtype: torch.dtype, scale_dtype: torch.dtype | None = None
-                    ) -> TritonQuantWeight:
+def pack_for_triton(
+    qw: QuantizedWeight, dtype: torch.dtype, scale_dtype: torch.dtype | None = None
+) -> TritonQuantWeight:
     """`qw` in the kernels' layout for activations of `dtype` (fp16 or bf16), on qw's device. Scales
     and offsets are rounded to `scale_dtype` (default: `dtype`); that rounding is the only change."""
     if dtype not in (torch.float16, torch.bfloat16):
@@ -90,8 +98,9 @@ def pack_for_triton(qw: QuantizedWeight, dtype: torch.dtype, scale_dtype: torch.
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # two codes a byte, even k in the low nibble
     scale_dtype = scale_dtype or dtype
     offset = None if qw.offset is None else qw.offset.to(scale_dtype).contiguous()
-    return TritonQuantWeight(qw.bits, codes.contiguous(), qw.scale.to(scale_dtype).contiguous(), offset,
-                             qw.group_size, k)
+    return TritonQuantWeight(
+        qw.bits, codes.contiguous(), qw.scale.to(scale_dtype).contiguous(), offset, qw.group_size, k
+    )
 
 
 @triton.jit
@@ -102,9 +111,23 @@ def _runs_of(SIZE: tl.constexpr, RUN: tl.constexpr):
 
 
 @triton.jit
-def _dequantize(q_ptr, s_ptr, o_ptr, q_rows, s_rows, k0, K_CODES, group_size, num_groups,
-                MASKED: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, GROUPS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize(
+    q_ptr,
+    s_ptr,
+    o_ptr,
+    q_rows,
+    s_rows,
+    k0,
+    K_CODES,
+    group_size,
+    num_groups,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The fp32 weights of columns [k0, k0 + BLOCK_K) of the rows whose code and scale rows start
     at offsets `q_rows` and `s_rows` ([BLOCK_N] each): a [BLOCK_N, BLOCK_K] tile. The chunk holds
     GROUPS whole groups, or lies inside one (GROUPS = 1). A MASKED chunk reads nothing at or past
@@ -149,12 +172,30 @@ def _dequantize(q_ptr, s_ptr, o_ptr, q_rows, s_rows, k0, K_CODES, group_size, nu
 
 @triton.jit
 def _quant_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr,
-    M, N, K, K_CODES, stride_xm, stride_qn, stride_sn, stride_om, group_size, num_groups,
-    BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    o_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_CODES,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    group_size,
+    num_groups,
+    BITS: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no partial last chunk
     GROUPS: tl.constexpr,  # scale groups in a chunk of BLOCK_K columns (1: the chunk lies in one)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows and the M <= BLOCK_M rows of x.
 
@@ -173,12 +214,42 @@ def _quant_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     whole = K if EVEN_K else K - K % BLOCK_K
     for k0 in range(0, whole, BLOCK_K):
-        w = _dequantize(q_ptr, s_ptr, o_ptr, q_rows, s_rows, k0, K_CODES, group_size, num_groups,
-                        False, BITS, HAS_OFFSET, GROUPS, BLOCK_N, BLOCK_K)
+        w = _dequantize(
+            q_ptr,
+            s_ptr,
+            o_ptr,
+            q_rows,
+            s_rows,
+            k0,
+            K_CODES,
+            group_size,
+            num_groups,
+            False,
+            BITS,
+            HAS_OFFSET,
+            GROUPS,
+            BLOCK_N,
+            BLOCK_K,
+        )
         acc += w[None, :, :] * tl.load(x_ptrs + k0).to(tl.float32)
     if not EVEN_K:
-        w = _dequantize(q_ptr, s_ptr, o_ptr, q_rows, s_rows, whole, K_CODES, group_size, num_groups,
-                        True, BITS, HAS_OFFSET, GROUPS, BLOCK_N, BLOCK_K)
+        w = _dequantize(
+            q_ptr,
+            s_ptr,
+            o_ptr,
+            q_rows,
+            s_rows,
+            whole,
+            K_CODES,
+            group_size,
+            num_groups,
+            True,
+            BITS,
+            HAS_OFFSET,
+            GROUPS,
+            BLOCK_N,
+            BLOCK_K,
+        )
         acc += w[None, :, :] * tl.load(x_ptrs + whole, mask=k < K - whole, other=0.0).to(tl.float32)
     out = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -189,12 +260,31 @@ def _quant_gemv_kernel(
 
 @triton.jit
 def _quant_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr,
-    M, N, K, K_CODES, stride_xm, stride_qn, stride_sn, stride_om, group_size, num_groups,
-    BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    o_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_CODES,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    group_size,
+    num_groups,
+    BITS: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUPS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # feed tl.dot fp32 (interpreter only: its bf16 dot is broken)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out = x @ w.T (+ b) for one [BLOCK_M, BLOCK_N] tile. Program ids run along M first, so the
     programs that dequantize the same weight tile run together and its codes come from L2."""
@@ -208,13 +298,43 @@ def _quant_matmul_kernel(
     whole = K if EVEN_K else K - K % BLOCK_K
     for k0 in range(0, whole, BLOCK_K):
         x = tl.load(x_ptrs + k0)
-        w = _dequantize(q_ptr, s_ptr, o_ptr, q_rows, s_rows, k0, K_CODES, group_size, num_groups,
-                        False, BITS, HAS_OFFSET, GROUPS, BLOCK_N, BLOCK_K)
+        w = _dequantize(
+            q_ptr,
+            s_ptr,
+            o_ptr,
+            q_rows,
+            s_rows,
+            k0,
+            K_CODES,
+            group_size,
+            num_groups,
+            False,
+            BITS,
+            HAS_OFFSET,
+            GROUPS,
+            BLOCK_N,
+            BLOCK_K,
+        )
         acc = _dot(x, w, acc, UPCAST_DOT)
     if not EVEN_K:
         x = tl.load(x_ptrs + whole, mask=k[None, :] < K - whole, other=0.0)
-        w = _dequantize(q_ptr, s_ptr, o_ptr, q_rows, s_rows, whole, K_CODES, group_size, num_groups,
-                        True, BITS, HAS_OFFSET, GROUPS, BLOCK_N, BLOCK_K)
+        w = _dequantize(
+            q_ptr,
+            s_ptr,
+            o_ptr,
+            q_rows,
+            s_rows,
+            whole,
+            K_CODES,
+            group_size,
+            num_groups,
+            True,
+            BITS,
+            HAS_OFFSET,
+            GROUPS,
+            BLOCK_N,
+            BLOCK_K,
+        )
         acc = _dot(x, w, acc, UPCAST_DOT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
@@ -251,16 +371,32 @@ def _check(x: torch.Tensor, w: TritonQuantWeight, bias: torch.Tensor | None, blo
         raise ValueError(f"{kernel}'s bias must have shape ({w.n},), got {tuple(bias.shape)}")
     groups = chunk_groups(w, block_k)
     if groups is None or block_k & (block_k - 1):
-        raise ValueError(f"BLOCK_K={block_k} must be a power of two that groups of {w.group_size} divide, "
-                         f"or that divides them")
+        raise ValueError(
+            f"BLOCK_K={block_k} must be a power of two that groups of {w.group_size} divide, or that divides them"
+        )
     return groups
 
 
 def _args(x: torch.Tensor, w: TritonQuantWeight, bias: torch.Tensor | None, out: torch.Tensor) -> tuple:
     k_codes = w.q.shape[1] * (2 if w.bits == 4 else 1)
-    return (x, w.q, w.scale, w.offset if w.offset is not None else w.scale, bias if bias is not None else w.scale,
-            out, x.shape[0], w.n, w.k, k_codes, x.stride(0), w.q.stride(0), w.scale.stride(0), out.stride(0),
-            w.group_size, w.scale.shape[1])
+    return (
+        x,
+        w.q,
+        w.scale,
+        w.offset if w.offset is not None else w.scale,
+        bias if bias is not None else w.scale,
+        out,
+        x.shape[0],
+        w.n,
+        w.k,
+        k_codes,
+        x.stride(0),
+        w.q.stride(0),
+        w.scale.stride(0),
+        out.stride(0),
+        w.group_size,
+        w.scale.shape[1],
+    )
 
 
 def gemv_row_bucket(rows: int) -> int | None:
@@ -268,8 +404,9 @@ def gemv_row_bucket(rows: int) -> int | None:
     return next((b for b in GEMV_ROW_BUCKETS if rows <= b), None) if rows >= 1 else None
 
 
-def quant_gemv(x: torch.Tensor, w: TritonQuantWeight, bias: torch.Tensor | None, block_n: int, block_k: int
-               ) -> torch.Tensor:
+def quant_gemv(
+    x: torch.Tensor, w: TritonQuantWeight, bias: torch.Tensor | None, block_n: int, block_k: int
+) -> torch.Tensor:
     """x @ dequantized(w).T (+ bias) for 1 to 8 rows of x, in x's dtype: dequantized and summed in fp32."""
     groups = _check(x, w, bias, block_k, "quant_gemv")
     block_m = gemv_row_bucket(x.shape[0])
@@ -280,14 +417,29 @@ def quant_gemv(x: torch.Tensor, w: TritonQuantWeight, bias: torch.Tensor | None,
     out = torch.empty((x.shape[0], w.n), dtype=x.dtype, device=x.device)
     _quant_gemv_kernel[(triton.cdiv(w.n, block_n),)](
         *_args(x, w, bias, out),
-        BITS=w.bits, HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None, EVEN_K=w.k % block_k == 0,
-        GROUPS=groups, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BITS=w.bits,
+        HAS_OFFSET=w.offset is not None,
+        HAS_BIAS=bias is not None,
+        EVEN_K=w.k % block_k == 0,
+        GROUPS=groups,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
     )
     return out
 
 
-def quant_matmul(x: torch.Tensor, w: TritonQuantWeight, bias: torch.Tensor | None = None, block_m: int = 64,
-                 block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def quant_matmul(
+    x: torch.Tensor,
+    w: TritonQuantWeight,
+    bias: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
     """x @ dequantized(w).T (+ bias) for any rows of x, in x's dtype: the weights are rounded to x's
     dtype after dequantizing (tensor-core operands) and the products summed in fp32."""
     groups = _check(x, w, bias, block_k, "quant_matmul")
@@ -300,9 +452,17 @@ def quant_matmul(x: torch.Tensor, w: TritonQuantWeight, bias: torch.Tensor | Non
         return out
     _quant_matmul_kernel[(triton.cdiv(x.shape[0], block_m), triton.cdiv(w.n, block_n))](
         *_args(x, w, bias, out),
-        BITS=w.bits, HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None, EVEN_K=w.k % block_k == 0,
-        GROUPS=groups, UPCAST_DOT=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        BITS=w.bits,
+        HAS_OFFSET=w.offset is not None,
+        HAS_BIAS=bias is not None,
+        EVEN_K=w.k % block_k == 0,
+        GROUPS=groups,
+        UPCAST_DOT=_interpreting(),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -326,13 +486,23 @@ def tile_candidates(bucket: int, w: TritonQuantWeight) -> list[Tile]:
     if bucket <= GEMV_ROW_BUCKETS[-1]:
         # At least 1,024 codes a step: 8 for each of the 128 threads, or some would hold copies.
         # Chunks wider than K would only be masked.
-        tiles += [Tile("gemv", bucket, bn, bk) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024, 2048)
-                  if bucket * bn * bk <= MAX_GEMV_TILE and bn * bk >= 1024 and bk <= max(256, w.k)]
+        tiles += [
+            Tile("gemv", bucket, bn, bk)
+            for bn in (2, 4, 8, 16)
+            for bk in (256, 512, 1024, 2048)
+            if bucket * bn * bk <= MAX_GEMV_TILE and bn * bk >= 1024 and bk <= max(256, w.k)
+        ]
     if bucket >= 4:
         # The dequantized tile sits in registers as fp32: at most 64 of them a thread (4 warps); a
         # 128 x 128 x 128 tile reached the 255-register limit in the sm_86 and sm_90 code.
-        tiles += [Tile("matmul", bm, bn, bk) for bm in (16, 32, 64, 128) if bm <= max(16, bucket)
-                  for bn in (64, 128) for bk in (64, 128) if bn * bk <= 8192]
+        tiles += [
+            Tile("matmul", bm, bn, bk)
+            for bm in (16, 32, 64, 128)
+            if bm <= max(16, bucket)
+            for bn in (64, 128)
+            for bk in (64, 128)
+            if bn * bk <= 8192
+        ]
     return [t for t in tiles if chunk_groups(w, t.block_k) is not None]
 
 
@@ -360,8 +530,16 @@ def reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -
 def tinygemm_applies(qw: QuantizedWeight, dtype: torch.dtype) -> bool:
     """Whether tinygemm's int4 matmul can serve `qw` for `dtype` activations on this build."""
     n, k = qw.shape
-    return (qw.bits == 4 and dtype == torch.bfloat16 and qw.group_size in TINYGEMM_GROUPS and k % qw.group_size == 0
-            and k % 32 == 0 and n % 8 == 0 and qw.q.is_cuda and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
+    return (
+        qw.bits == 4
+        and dtype == torch.bfloat16
+        and qw.group_size in TINYGEMM_GROUPS
+        and k % qw.group_size == 0
+        and k % 32 == 0
+        and n % 8 == 0
+        and qw.q.is_cuda
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm")
+    )
 
 
 def tinygemm_pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -376,8 +554,9 @@ def tinygemm_pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, int]
     return weight, scales_and_zeros, qw.group_size
 
 
-def tinygemm_matmul(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, int], bias: torch.Tensor | None
-                    ) -> torch.Tensor:
+def tinygemm_matmul(
+    x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, int], bias: torch.Tensor | None
+) -> torch.Tensor:
     out = torch.ops.aten._weight_int4pack_mm(x, packed[0], packed[2], packed[1])
     return out + bias if bias is not None else out
 
@@ -394,9 +573,14 @@ _CHOICES: dict[tuple, QuantChoice] = {}
 TIMINGS: dict[tuple, tuple[float | None, float]] = {}
 
 
-def choose_quant_tiles(qw: QuantizedWeight, w: TritonQuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
-                       timer: Callable[[Callable[[], object]], float] | None = None,
-                       buckets: tuple[int, ...] = ROW_BUCKETS) -> QuantChoice:
+def choose_quant_tiles(
+    qw: QuantizedWeight,
+    w: TritonQuantWeight,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+    buckets: tuple[int, ...] = ROW_BUCKETS,
+) -> QuantChoice:
     """The fastest tile that agrees with the float32 reference, for each of `buckets` (row counts),
     timed on `w` (qw packed by pack_for_triton for `dtype`); and whether tinygemm beats the best
     one-row tile (by less than MIN_SPEEDUP the Triton kernel does not displace it), where it applies."""
@@ -437,15 +621,17 @@ def _measure(qw, w, bias, dtype, timer, buckets, key) -> QuantChoice:
             if got is None:
                 continue
             if not _agrees(got, expected):
-                log.warning("quant %s tile %s disagrees with the reference on %s; not used", tile.kernel, tile,
-                            qw.shape)
+                log.warning(
+                    "quant %s tile %s disagrees with the reference on %s; not used", tile.kernel, tile, qw.shape
+                )
                 continue
             ms = timer(lambda: run_tile(x, next(turns), bias, tile))
             if best_ms is None or ms < best_ms:
                 best, best_ms = tile, ms
         if best is None:
-            raise RuntimeError(f"no quantized kernel tile works for a {qw.shape} {qw.bits}-bit weight in groups "
-                               f"of {qw.group_size}")
+            raise RuntimeError(
+                f"no quantized kernel tile works for a {qw.shape} {qw.bits}-bit weight in groups of {qw.group_size}"
+            )
         tiles[bucket] = best
         TIMINGS[(*key, bucket)] = (None, best_ms)
         if bucket == 1:
@@ -456,8 +642,7 @@ def _measure(qw, w, bias, dtype, timer, buckets, key) -> QuantChoice:
         x = torch.randn(1, w.k, generator=gen, device=device).to(dtype)
         if _agrees(tinygemm_matmul(x, packed, bias), reference(x, qw, bias)):
             # As cold as the Triton tiles' timings: a copy per Triton copy, read in turn.
-            packs = itertools.cycle([packed] + [(packed[0].clone(), packed[1].clone(), packed[2])
-                                                for _ in copies[1:]])
+            packs = itertools.cycle([packed] + [(packed[0].clone(), packed[1].clone(), packed[2]) for _ in copies[1:]])
             tiny_ms = timer(lambda: tinygemm_matmul(x, next(packs), bias))
             TIMINGS[(*key, 1)] = (tiny_ms, one_row_ms)
             use_tinygemm = one_row_ms * MIN_SPEEDUP >= tiny_ms

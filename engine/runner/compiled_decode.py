@@ -20,6 +20,7 @@ measures each graph against the eager forward on the same inputs; a graph must a
 kept only where faster (`describe` says what was chosen, for stats()). The traces and timings write
 only a scratch KV block that no request is given.
 """
+
 import logging
 import os
 import threading
@@ -48,23 +49,52 @@ def compile_disabled_by_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-             block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+def _forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    logits_index: torch.Tensor,
+) -> torch.Tensor:
     """One decode step's logits: what each graph computes. The metadata's host fields are never read
     while compiling (engine/attention/torch_backend.py), so placeholders fill them."""
-    meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=slot_mapping, seq_lens=seq_lens,
-                             block_tables=block_tables, max_query_len=1, max_seq_len=0, query_lens_cpu=[],
-                             seq_lens_cpu=[], host_lens_exact=False)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=slot_mapping,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        max_query_len=1,
+        max_seq_len=0,
+        query_lens_cpu=[],
+        seq_lens_cpu=[],
+        host_lens_exact=False,
+    )
     return model.compute_logits(model(input_ids, positions, meta)[logits_index])
 
 
-def eager_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+def eager_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    logits_index: torch.Tensor,
+) -> torch.Tensor:
     """`_forward`'s step run eagerly, with the host fields the eager attention reads: the reference."""
     rows = input_ids.shape[0]
-    meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-                             seq_lens=seq_lens, block_tables=block_tables, max_query_len=1,
-                             max_seq_len=int(seq_lens.max()), query_lens_cpu=[1] * rows, seq_lens_cpu=seq_lens.tolist())
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        query_lens_cpu=[1] * rows,
+        seq_lens_cpu=seq_lens.tolist(),
+    )
     return model.compute_logits(model(input_ids, positions, meta)[logits_index])
 
 
@@ -123,8 +153,9 @@ def capture(model: nn.Module, args: tuple[torch.Tensor, ...], dynamic_rows: bool
         shape_env = torch._guards.TracingContext.get().fake_mode.shape_env
         # A C++ wrapper calls the graph's kernels without Python between them: 4% of a SmolLM2 step.
         compiled = compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True})
-        captured.append((gm, list(example_inputs), compiled, [g.expr for g in shape_env.guards],
-                         dict(shape_env.backed_var_to_val)))
+        captured.append(
+            (gm, list(example_inputs), compiled, [g.expr for g in shape_env.guards], dict(shape_env.backed_var_to_val))
+        )
         return compiled
 
     torch._dynamo.mark_dynamic(args[3], 1)
@@ -167,9 +198,14 @@ def example_args(rows: int, blocks: int, block_size: int, scratch_block: int) ->
     """A decode step of `rows` rows at positions 0..rows-1, all in `scratch_block`, a block no sequence
     uses: input_ids, positions, slot_mapping, block_tables, seq_lens, logits_index."""
     positions = torch.arange(rows)
-    return (torch.zeros(rows, dtype=torch.int64), positions, scratch_block * block_size + positions,
-            torch.full((rows, blocks), scratch_block, dtype=torch.int32), (positions + 1).to(torch.int32),
-            torch.arange(rows))
+    return (
+        torch.zeros(rows, dtype=torch.int64),
+        positions,
+        scratch_block * block_size + positions,
+        torch.full((rows, blocks), scratch_block, dtype=torch.int32),
+        (positions + 1).to(torch.int32),
+        torch.arange(rows),
+    )
 
 
 def _seconds_per_call(fn: Callable[[], torch.Tensor], calls: int = 5) -> float:
@@ -211,9 +247,11 @@ class CompiledDecode:
         self.candidates = {}
         log.info("decode steps: %s (%s)", self.describe(), "; ".join(self.notes))
 
-    def _measure(self, name: str, model: nn.Module, graph: DecodeGraph,
-                 args: tuple[torch.Tensor, ...]) -> DecodeGraph | None:
+    def _measure(
+        self, name: str, model: nn.Module, graph: DecodeGraph, args: tuple[torch.Tensor, ...]
+    ) -> DecodeGraph | None:
         """`graph` if it agrees with the eager step on `args` and runs it faster, else None."""
+
         def eager() -> torch.Tensor:
             return eager_forward(model, *args)
 
@@ -224,8 +262,7 @@ class CompiledDecode:
         share = 0.35 if reference.dtype in (torch.bfloat16, torch.float16) else 0.02
         reference = reference.float()
         error = (got - reference).abs().max().item()
-        if error > share * reference.abs().max().item() + 1e-3 or not torch.equal(got.argmax(-1),
-                                                                                 reference.argmax(-1)):
+        if error > share * reference.abs().max().item() + 1e-3 or not torch.equal(got.argmax(-1), reference.argmax(-1)):
             self.notes.append(f"{name}: disagrees with eager by {error:.3g}")
             log.warning("the compiled decode graph (%s) disagrees with the eager step by %.3g; not used", name, error)
             return None
@@ -242,23 +279,29 @@ class CompiledDecode:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(platformdirs.user_cache_path("pagoda") / "torchinductor")
 
     def describe(self) -> str:
-        """"compiled (1 row, 2-256 rows)", "compiled (1 row)", or "eager" when no graph was kept."""
+        """ "compiled (1 row, 2-256 rows)", "compiled (1 row)", or "eager" when no graph was kept."""
         kept = [{"one row": "1 row", "rows": f"2-{self.max_num_seqs} rows"}[n] for n in self.graphs]
         return f"compiled ({', '.join(kept)})" if kept else "eager"
 
     def can_run(self, meta: AttentionMetadata, num_logits: int) -> bool:
         """A step of decode rows only, each sampling (the graphs compute every row's logits)."""
         rows = meta.num_seqs
-        return (meta.max_query_len == 1 and num_logits == rows and rows <= self.max_num_seqs
-                and ("one row" if rows == 1 else "rows") in self.graphs)
+        return (
+            meta.max_query_len == 1
+            and num_logits == rows
+            and rows <= self.max_num_seqs
+            and ("one row" if rows == 1 else "rows") in self.graphs
+        )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            logits_index: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_index: torch.Tensor
+    ) -> torch.Tensor:
         """The step's logits (see `can_run`)."""
         block_tables = meta.block_tables
         if block_tables.shape[1] < MIN_BLOCKS:  # -1 entries: read as block 0 and masked out
             block_tables = F.pad(block_tables, (0, MIN_BLOCKS - block_tables.shape[1]), value=-1)
         # Layouts as traced: the graphs were compiled for contiguous inputs.
-        args = tuple(t.contiguous() for t in (input_ids, positions, meta.slot_mapping, block_tables, meta.seq_lens,
-                                              logits_index))
+        args = tuple(
+            t.contiguous() for t in (input_ids, positions, meta.slot_mapping, block_tables, meta.seq_lens, logits_index)
+        )
         return self.graphs["one row" if input_ids.shape[0] == 1 else "rows"](args)

@@ -5,6 +5,7 @@ launch cost. A graph is captured for each size of the ladder. A batch of n seque
 the smallest graph with at least n rows; the extra rows are padding that writes nothing (slot -1)
 and attends to nothing (seq_len 0). Prefill and batches above the ladder run eagerly.
 """
+
 import bisect
 
 import torch
@@ -26,8 +27,16 @@ def pick_graph_size(sizes: list[int], batch_size: int) -> int | None:
 
 
 class DecodeGraphs:
-    def __init__(self, forward, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_num_seqs: int, max_blocks_per_seq: int, max_seq_len: int):
+    def __init__(
+        self,
+        forward,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+    ):
         self.forward = forward
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_seq_len = max_seq_len
@@ -45,10 +54,15 @@ class DecodeGraphs:
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            max_query_len=1, max_seq_len=self.max_seq_len,
-            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_seq_len] * size, host_lens_exact=False,
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_seq_len] * size,
+            host_lens_exact=False,
         )
 
     @torch.inference_mode()

@@ -4,6 +4,7 @@ Each engine builds its own process group straight from its own store, instead of
 torch.distributed's one global default group, so two engines in one process never share or
 collide. The store listens on a port the OS picks (port 0); no fixed port or name anywhere.
 """
+
 import datetime
 from dataclasses import dataclass
 
@@ -71,8 +72,9 @@ def connect(rank: int, size: int, store: dist.Store, device: torch.device) -> TP
 def sizes_that_fit(hf_config, limit: int) -> list[int]:
     """Tensor-parallel sizes up to `limit` that split this model's heads and MLP evenly."""
     heads, kv_heads, inter = _dims(hf_config)
-    return [n for n in range(1, limit + 1)
-            if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0) and inter % n == 0]
+    return [
+        n for n in range(1, limit + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0) and inter % n == 0
+    ]
 
 
 def _dims(hf_config) -> tuple[int, int, int]:
@@ -86,8 +88,10 @@ def check_tensor_parallel(size: int, hf_config, device: torch.device) -> None:
         return
     if device.type == "cuda" and size > torch.cuda.device_count():
         gpus = torch.cuda.device_count()
-        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, but torch sees {gpus}; "
-                         f"use tensor_parallel_size={gpus} or less")
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} GPUs, but torch sees {gpus}; "
+            f"use tensor_parallel_size={gpus} or less"
+        )
     heads, kv_heads, inter = _dims(hf_config)
     problems = []
     if heads % size:
@@ -99,6 +103,8 @@ def check_tensor_parallel(size: int, hf_config, device: torch.device) -> None:
         problems.append(f"intermediate_size={inter} is not divisible by {size}")
     if problems:
         limit = torch.cuda.device_count() if device.type == "cuda" else heads
-        raise ValueError(f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}. "
-                         "Use a tensor_parallel_size that divides the heads, one of "
-                         f"{sizes_that_fit(hf_config, limit)}")
+        raise ValueError(
+            f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}. "
+            "Use a tensor_parallel_size that divides the heads, one of "
+            f"{sizes_that_fit(hf_config, limit)}"
+        )

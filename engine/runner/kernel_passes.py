@@ -5,6 +5,7 @@ ops that decode graphs capture. Each swaps modules or functions in place, so `pr
 They run in half precision on CUDA with Triton only: float32 keeps cuBLAS, whose sums the exact-match
 tests against transformers rely on.
 """
+
 import logging
 import time
 from collections.abc import Iterator
@@ -40,9 +41,12 @@ def choose_gemv(model: nn.Module, device: torch.device, dtype: torch.dtype) -> d
     linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
     start = time.perf_counter()
     used = choose(linears)  # the first load on a machine also compiles the kernel's variants
-    log.info("Triton GEMV chosen over cuBLAS for %s of %d linear layers (measured in %.1f s)",
-             ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()), len(linears),
-             time.perf_counter() - start)
+    log.info(
+        "Triton GEMV chosen over cuBLAS for %s of %d linear layers (measured in %.1f s)",
+        ", ".join(f"{n} at {rows} row(s)" for rows, n in used.items()),
+        len(linears),
+        time.perf_counter() - start,
+    )
     return used
 
 
@@ -58,8 +62,12 @@ def choose_normed(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     start, pairs = time.perf_counter(), model.norm_projections()
     with compiled_small_ops(model):
         used = choose(pairs)
-    log.info("norm fused into the projection after it at one row: %d of %d projections (measured in %.1f s)",
-             used, len(pairs), time.perf_counter() - start)
+    log.info(
+        "norm fused into the projection after it at one row: %d of %d projections (measured in %.1f s)",
+        used,
+        len(pairs),
+        time.perf_counter() - start,
+    )
     return used
 
 
@@ -71,8 +79,12 @@ def compiled_small_ops(model: nn.Module) -> Iterator[None]:
     Inside a graph they cost nothing on the host; called eagerly, each compiled call spends
     ~0.25 ms checking guards, more than it saves, so eager steps keep the plain functions."""
     if not _COMPILED:
-        _COMPILED.update({fn: torch.compile(fn, dynamic=True)
-                          for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary, norm_and_rotate)})
+        _COMPILED.update(
+            {
+                fn: torch.compile(fn, dynamic=True)
+                for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary, norm_and_rotate)
+            }
+        )
     swaps = []
     for m in model.modules():
         if isinstance(m, RMSNorm):

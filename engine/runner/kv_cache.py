@@ -27,6 +27,7 @@ budget is `kv_cache_memory_bytes` (for the whole engine, split across tensor-par
 by default CPU_KV_CACHE_BYTES on the CPU, and on a GPU what `gpu_memory_utilization` leaves once a
 warm-up step of the largest batch has measured the activations (`gpu_kv_budget`).
 """
+
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,13 +74,20 @@ def blocks_for_budget(budget: int, bytes_per_block: int) -> int:
     """How many whole blocks `budget` bytes hold; at least one, or an error that says what to change."""
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
-        raise RuntimeError(f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB); "
-                           "lower the context length, use a smaller model or a lower precision")
+        raise RuntimeError(
+            f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB); "
+            "lower the context length, use a smaller model or a lower precision"
+        )
     return num_blocks
 
 
-def choose_num_blocks(config: EngineConfig, layout: KVCacheLayout, device: torch.device, tp: TPGroup,
-                      measure_gpu_budget: Callable[[], int]) -> int:
+def choose_num_blocks(
+    config: EngineConfig,
+    layout: KVCacheLayout,
+    device: torch.device,
+    tp: TPGroup,
+    measure_gpu_budget: Callable[[], int],
+) -> int:
     """This rank's number of blocks. `measure_gpu_budget` runs only when a GPU's budget must be
     measured (no explicit count or byte budget): it runs a warm-up step, which takes seconds."""
     num_blocks = config.num_kvcache_blocks
@@ -93,22 +101,30 @@ def choose_num_blocks(config: EngineConfig, layout: KVCacheLayout, device: torch
     if tp.size > 1:  # a block id must name the same slots on every rank: all take the smallest count
         num_blocks = tp.min(num_blocks)
     if device.type == "cpu":
-        check_host_memory(num_blocks * layout.bytes_per_block, "the KV cache",
-                          "give it less memory (kv_cache_memory_bytes or num_kvcache_blocks; in the app, "
-                          "'KV cache memory')")
+        check_host_memory(
+            num_blocks * layout.bytes_per_block,
+            "the KV cache",
+            "give it less memory (kv_cache_memory_bytes or num_kvcache_blocks; in the app, 'KV cache memory')",
+        )
     return num_blocks
 
 
-def allocate_kv_cache(layout: KVCacheLayout, num_blocks: int, attention_layers: Sequence[Attention],
-                      device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_cache(
+    layout: KVCacheLayout, num_blocks: int, attention_layers: Sequence[Attention], device: torch.device
+) -> list[torch.Tensor]:
     """The zeroed cache tensors, bound to each Attention layer's k_cache and v_cache: [k, v, k, v, ...]."""
     kv_cache = []
     for layer in attention_layers:
-        layer.k_cache, layer.v_cache = (torch.zeros(layout.layer_shape(num_blocks), dtype=layout.dtype, device=device)
-                                        for _ in range(2))
+        layer.k_cache, layer.v_cache = (
+            torch.zeros(layout.layer_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(2)
+        )
         kv_cache += [layer.k_cache, layer.v_cache]
-    log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, layout.block_size,
-             sum(t.nbytes for t in kv_cache) / 2**20)
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.0f MiB)",
+        num_blocks,
+        layout.block_size,
+        sum(t.nbytes for t in kv_cache) / 2**20,
+    )
     return kv_cache
 
 
@@ -125,8 +141,15 @@ def process_memory_info(device: torch.device) -> tuple[int, int]:
 
 
 @torch.inference_mode()
-def gpu_kv_budget(model: nn.Module, attention_layers: Sequence[Attention], layout: KVCacheLayout,
-                  config: EngineConfig, device: torch.device, bytes_before: int, use_graphs: bool) -> int:
+def gpu_kv_budget(
+    model: nn.Module,
+    attention_layers: Sequence[Attention],
+    layout: KVCacheLayout,
+    config: EngineConfig,
+    device: torch.device,
+    bytes_before: int,
+    use_graphs: bool,
+) -> int:
     """Bytes for the KV cache: what gpu_memory_utilization leaves after weights, peak activations
     and graphs, and never more than is physically free (memory of other processes, or of other
     engines in this one, is not ours). `bytes_before`: what this process held on the device
@@ -149,20 +172,27 @@ def gpu_kv_budget(model: nn.Module, attention_layers: Sequence[Attention], layou
             f"+ graphs {graphs / gib:.2f} GiB leave {max(budget, 0) / gib:.2f} GiB for the KV cache on a "
             f"{total / gib:.1f} GiB GPU with {free / gib:.1f} GiB free at gpu_memory_utilization="
             f"{config.gpu_memory_utilization}; use a smaller model, a lower max_num_batched_tokens, "
-            "or raise gpu_memory_utilization")
+            "or raise gpu_memory_utilization"
+        )
     return budget
 
 
-def warmup(model: nn.Module, attention_layers: Sequence[Attention], layout: KVCacheLayout, config: EngineConfig,
-           device: torch.device) -> None:
+def warmup(
+    model: nn.Module,
+    attention_layers: Sequence[Attention],
+    layout: KVCacheLayout,
+    config: EngineConfig,
+    device: torch.device,
+) -> None:
     """Run the largest step the scheduler may build, so its activation memory gets measured.
 
     Every token is a one-token sequence over a scratch cache of one block: the matmuls see the
     full token budget, and attention reads one block and writes nothing. The layers are left bound
     to the scratch block: `allocate_kv_cache` binds the real cache."""
     num_tokens = config.max_num_batched_tokens or 16384
-    scratch = torch.zeros((1, layout.block_size, layout.num_kv_heads, layout.head_dim), dtype=layout.dtype,
-                          device=device)
+    scratch = torch.zeros(
+        (1, layout.block_size, layout.num_kv_heads, layout.head_dim), dtype=layout.dtype, device=device
+    )
     for layer in attention_layers:
         layer.k_cache = layer.v_cache = scratch
     meta = AttentionMetadata(
@@ -170,7 +200,10 @@ def warmup(model: nn.Module, attention_layers: Sequence[Attention], layout: KVCa
         query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=device),
         seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=device),
         block_tables=torch.zeros((num_tokens, 1), dtype=torch.int32, device=device),
-        max_query_len=1, max_seq_len=1, query_lens_cpu=[1] * num_tokens, seq_lens_cpu=[1] * num_tokens,
+        max_query_len=1,
+        max_seq_len=1,
+        query_lens_cpu=[1] * num_tokens,
+        seq_lens_cpu=[1] * num_tokens,
     )
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     hidden = model(ids, ids, meta)

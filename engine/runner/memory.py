@@ -3,6 +3,7 @@
 On a GPU, KV sizing measures free device memory (kv_cache). On the CPU nothing stops a
 too-large weight load or KV cache until the kernel kills the process, taking the app with it.
 """
+
 import os
 
 HEADROOM = 0.9  # leave a tenth of what is available to the rest of the process and the system
@@ -26,5 +27,7 @@ def available_host_memory() -> int | None:
 def check_host_memory(needed: int, what: str, advice: str) -> None:
     available = available_host_memory()
     if available is not None and needed > available * HEADROOM:
-        raise MemoryError(f"{what} would take {needed / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB "
-                          f"of memory is available; {advice}")
+        raise MemoryError(
+            f"{what} would take {needed / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB "
+            f"of memory is available; {advice}"
+        )

@@ -7,6 +7,7 @@ which `execute` the same step; only rank 0 gets logits and samples.
 The host arrays of a step come from engine/runner/step_inputs.py, the KV cache's size and layout from
 engine/runner/kv_cache.py; this file keeps what touches the device.
 """
+
 import gc
 import logging
 import threading
@@ -60,8 +61,16 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_path, device: torch.device, dtype: torch.dtype,
-                 tp: TPGroup = SINGLE, workers=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config,
+        model_path,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPGroup = SINGLE,
+        workers=None,
+    ):
         """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any.
 
         Each step needs the ones before it: the host check refuses a load that would not fit; the
@@ -101,8 +110,9 @@ class ModelRunner:
             # 4-bit codes sit one per byte between reading and packing, one tensor at a time
             check_host_memory(self.gguf.path.stat().st_size, "the model's weights", "use a smaller model or file")
             return
-        bytes_per_weight = quantization.bytes_per_weight(self.config.quantization, self.dtype.itemsize,
-                                                         self.config.quantization_group_size)
+        bytes_per_weight = quantization.bytes_per_weight(
+            self.config.quantization, self.dtype.itemsize, self.config.quantization_group_size
+        )
         weights = int(checkpoint_numel(safetensors_files(model_path)) * bytes_per_weight) // self.tp.size
         if (self.packed_weights or self.config.quantization) and getattr(self.hf_config, "tie_word_embeddings", False):
             # the packed (or quantized) head is a second copy of the embedding
@@ -148,8 +158,10 @@ class ModelRunner:
             pack_for_cpu(self.model)
         # the fused norm serves decode graphs (none under enforce_eager) over full-precision weights
         fuse_norms = not self.config.enforce_eager and not self.quantized
-        return (choose_gemv(self.model, self.device, self.dtype),
-                choose_normed(self.model, self.device, self.dtype) if fuse_norms else 0)
+        return (
+            choose_gemv(self.model, self.device, self.dtype),
+            choose_normed(self.model, self.device, self.dtype) if fuse_norms else 0,
+        )
 
     def _bind_attention_backend(self) -> tuple[list[Attention], AttentionBackend]:
         """The model's attention layers, each set to run the configured backend's kernels."""
@@ -164,8 +176,11 @@ class ModelRunner:
         config, device = self.config, self.device
         self.sampler = Sampler(self.vocab_size, device, compiled=device.type == "cuda" and not config.enforce_eager)
         # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
-        self.staging = None if device.type == "cpu" else {
-            t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
+        self.staging = (
+            None
+            if device.type == "cpu"
+            else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
+        )
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_rows = SampledRows([])
@@ -184,9 +199,17 @@ class ModelRunner:
         """The KV cache (keys and values of each layer, a tensor each) and its number of blocks
         (engine/runner/kv_cache.py); each attention layer is bound to its two. On a GPU without an explicit
         size, a warm-up step measures what is left."""
+
         def measure_gpu_budget() -> int:
-            return gpu_kv_budget(self.model, self.attention_layers, self.kv_layout, self.config, self.device,
-                                 self._gpu_bytes_before, self.use_graphs)
+            return gpu_kv_budget(
+                self.model,
+                self.attention_layers,
+                self.kv_layout,
+                self.config,
+                self.device,
+                self._gpu_bytes_before,
+                self.use_graphs,
+            )
 
         num_blocks = choose_num_blocks(self.config, self.kv_layout, self.device, self.tp, measure_gpu_budget)
         # One more block than the block manager hands out, where the compiled decode steps are traced
@@ -199,16 +222,25 @@ class ModelRunner:
         capacity = self.num_blocks * self.block_size
         wanted = self.config.max_model_len
         if wanted is not None and wanted > capacity:
-            raise ValueError(f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens "
-                             f"({self.num_blocks} blocks); lower max_model_len or give the cache more memory")
+            raise ValueError(
+                f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens "
+                f"({self.num_blocks} blocks); lower max_model_len or give the cache more memory"
+            )
         return wanted or min(hf_config.max_position_embeddings, capacity)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """The decode steps' CUDA graphs, captured with the compiled small ops; None where steps run eagerly."""
         if not self.use_graphs:
             return None
-        graphs = DecodeGraphs(self.model, self.hf_config.hidden_size, self.dtype, self.device, self.config.max_num_seqs,
-                              -(-self.max_model_len // self.block_size), self.max_model_len)
+        graphs = DecodeGraphs(
+            self.model,
+            self.hf_config.hidden_size,
+            self.dtype,
+            self.device,
+            self.config.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            self.max_model_len,
+        )
         with compiled_small_ops(self.model):
             graphs.capture()
         return graphs
@@ -216,8 +248,13 @@ class ModelRunner:
     def _decode_compiles(self) -> bool:
         """Whether decode steps get compiled graphs: on the CPU, with one process and the torch attention
         backend, unless enforce_eager or PAGODA_CPU_COMPILE=0 says no (a GPU has CUDA graphs instead)."""
-        return (self.device.type == "cpu" and not self.config.enforce_eager and not compile_disabled_by_env()
-                and self.tp.size == 1 and self.backend.name == "torch")
+        return (
+            self.device.type == "cpu"
+            and not self.config.enforce_eager
+            and not compile_disabled_by_env()
+            and self.tp.size == 1
+            and self.backend.name == "torch"
+        )
 
     def _start_compiling_decode(self) -> None:
         """Trace and compile the decode steps in a background thread (engine/runner/compiled_decode.py): steps
@@ -247,8 +284,11 @@ class ModelRunner:
             self._captured = CompiledDecode(self.model, self.config.max_num_seqs, self.block_size, self.scratch_block)
         except Exception as e:  # no C++ compiler, an op inductor cannot lower, a refused trace: still serve
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            log.warning("decode steps run eagerly: compiling them failed (%s). They work, only slower; "
-                        "enforce_eager=True skips the attempt", reason)
+            log.warning(
+                "decode steps run eagerly: compiling them failed (%s). They work, only slower; "
+                "enforce_eager=True skips the attempt",
+                reason,
+            )
             self.decode_kind = "eager (compile failed)"
             self.compiled_decode_ready.set()
 
@@ -289,8 +329,11 @@ class ModelRunner:
     @property
     def weight_format(self) -> str:
         """How the weights are stored, for stats(): see quantization.describe."""
-        return quantization.describe(self.config.quantization, self.config.quantization_group_size,
-                                     quantization.weight_types(self.model) if self.from_gguf else None)
+        return quantization.describe(
+            self.config.quantization,
+            self.config.quantization_group_size,
+            quantization.weight_types(self.model) if self.from_gguf else None,
+        )
 
     def release(self) -> None:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
@@ -320,20 +363,33 @@ class ModelRunner:
             return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in arrays]
         return self.staging[dtype].upload(arrays)
 
-    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                                                    list[torch.Tensor]]:
+    def to_device(
+        self, step: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions, attention metadata, logits rows, and the logprobs rows (sampled rows,
         prompt rows, prompt targets; empty unless asked for) as tensors on this rank's device."""
-        (token_ids, positions, slots, logits_index, pending_rows, pending_sources,
-         *logprobs_rows) = self.upload(
-            [step.token_ids, step.positions, step.slot_mapping, step.logits_index, step.pending_rows,
-             step.pending_sources, step.sample_logprobs_rows, step.prompt_logits_index, step.prompt_token_ids],
-            torch.int64)
+        (token_ids, positions, slots, logits_index, pending_rows, pending_sources, *logprobs_rows) = self.upload(
+            [
+                step.token_ids,
+                step.positions,
+                step.slot_mapping,
+                step.logits_index,
+                step.pending_rows,
+                step.pending_sources,
+                step.sample_logprobs_rows,
+                step.prompt_logits_index,
+                step.prompt_token_ids,
+            ],
+            torch.int64,
+        )
         starts, seq_lens, tables = self.upload([step.query_start_loc, step.seq_lens, step.block_tables], torch.int32)
         if step.pending_rows.size:
             token_ids[pending_rows] = self.last_sampled[pending_sources]
         meta = AttentionMetadata(
-            slot_mapping=slots, query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
+            slot_mapping=slots,
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_tables=tables,
             max_query_len=int(step.query_lens.max()),
             max_seq_len=int(step.seq_lens.max()),
             query_lens_cpu=step.query_lens.tolist(),
@@ -361,8 +417,9 @@ class ModelRunner:
             sample_logprobs = tokens = None
             if logits is not None:
                 sampling = [s for s in batch if s.samples]
-                sampling_batch = self.sampler.prepare([s.seq for s in sampling], self.upload, self.last_sampled,
-                                                      self.last_sampled_rows)
+                sampling_batch = self.sampler.prepare(
+                    [s.seq for s in sampling], self.upload, self.last_sampled, self.last_sampled_rows
+                )
                 tokens = self.sampler(logits, sampling_batch)
                 self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
                 if plan is not None and plan.sample_rows.size:

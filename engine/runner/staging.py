@@ -11,6 +11,7 @@ copied it, and with asynchronous scheduling the copy just enqueued sits behind t
 is still running: waiting on it would stall the host for that whole step. A buffer last used two
 steps ago was copied long since.
 """
+
 import numpy as np
 import torch
 
@@ -43,8 +44,9 @@ class StagingBuffer:
             self.copies_done[turn].synchronize()  # its last copy may still be reading this buffer
         host = self.hosts[turn]
         if total > host.numel():
-            host = self.hosts[turn] = torch.empty(max(total, 2 * host.numel(), 1024), dtype=self.dtype,
-                                                  pin_memory=self.pinned)
+            host = self.hosts[turn] = torch.empty(
+                max(total, 2 * host.numel(), 1024), dtype=self.dtype, pin_memory=self.pinned
+            )
         flat = host.numpy()
         for a, start in zip(arrays, starts):
             flat[start : start + a.size] = a.reshape(-1)

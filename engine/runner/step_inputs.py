@@ -7,6 +7,7 @@ device. An input token that the previous step sampled and the host has not read 
 (asynchronous scheduling) is a placeholder here: its row, and the row of the previous step's
 sampled tokens that holds it, tell the device where to fill it in from.
 """
+
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
@@ -129,12 +130,19 @@ def logprobs_plan(batch: list[ScheduledSeq]) -> LogprobsPlan | None:
                 num_prompt_logprobs = max(num_prompt_logprobs, params.prompt_logprobs)
                 segments.append((seq, first, end - first))
         row += s.num_new_tokens
-    return LogprobsPlan(np.array(sample_rows, np.int64), num_logprobs, np.array(prompt_rows, np.int64),
-                        np.array(prompt_token_ids, np.int64), num_prompt_logprobs, segments)
+    return LogprobsPlan(
+        np.array(sample_rows, np.int64),
+        num_logprobs,
+        np.array(prompt_rows, np.int64),
+        np.array(prompt_token_ids, np.int64),
+        num_prompt_logprobs,
+        segments,
+    )
 
 
-def prepare_step(batch: list[ScheduledSeq], block_size: int, sampled_rows: Mapping[int, int],
-                 plan: LogprobsPlan | None = None) -> StepInputs:
+def prepare_step(
+    batch: list[ScheduledSeq], block_size: int, sampled_rows: Mapping[int, int], plan: LogprobsPlan | None = None
+) -> StepInputs:
     """input_ids, positions, attention inputs and the rows whose logits get sampled, on the host.
 
     Built with numpy (a few microseconds per array, where small torch ops cost tens). `sampled_rows`:
@@ -153,13 +161,16 @@ def prepare_step(batch: list[ScheduledSeq], block_size: int, sampled_rows: Mappi
     tables = np.full((num_seqs, int(table_lens.max())), -1, np.int64)
     # Row-major boolean indexing fills each row's leading entries, in the order chain() lists them.
     tables[np.arange(tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-        chain.from_iterable(s.seq.block_table for s in batch), np.int64, int(table_lens.sum()))
+        chain.from_iterable(s.seq.block_table for s in batch), np.int64, int(table_lens.sum())
+    )
     if int(query_lens.max()) == 1:  # one token per sequence (a decode, or a one-token prefill chunk)
         if len(pending) == num_seqs:  # steady asynchronous decoding: every input is on the device
             token_ids = np.zeros(num_seqs, np.int64)
         else:
-            token_ids = [0 if s.seq.num_pending_tokens else s.seq.token_ids[p]
-                         for s, p in zip(batch, starts.tolist(), strict=True)]
+            token_ids = [
+                0 if s.seq.num_pending_tokens else s.seq.token_ids[p]
+                for s, p in zip(batch, starts.tolist(), strict=True)
+            ]
         positions, seq_index, pending_rows = starts, np.arange(num_seqs), pending
     else:
         token_ids = []
@@ -170,9 +181,18 @@ def prepare_step(batch: list[ScheduledSeq], block_size: int, sampled_rows: Mappi
         pending_rows = query_start_loc[pending]
     slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
     sample_rows = [i for i, s in enumerate(batch) if s.samples]
-    step = StepInputs(np.asarray(token_ids, np.int64), positions, slot_mapping, query_start_loc, query_lens,
-                      seq_lens, tables, query_start_loc[1:][sample_rows] - 1, pending_rows,
-                      rows_in_last_sampled([batch[i].seq for i in pending], sampled_rows))
+    step = StepInputs(
+        np.asarray(token_ids, np.int64),
+        positions,
+        slot_mapping,
+        query_start_loc,
+        query_lens,
+        seq_lens,
+        tables,
+        query_start_loc[1:][sample_rows] - 1,
+        pending_rows,
+        rows_in_last_sampled([batch[i].seq for i in pending], sampled_rows),
+    )
     if plan is not None:
         step.sample_logprobs_rows, step.num_logprobs = plan.sample_rows, plan.num_logprobs
         step.prompt_logits_index, step.prompt_token_ids = plan.prompt_rows, plan.prompt_token_ids

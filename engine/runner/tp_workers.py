@@ -9,6 +9,7 @@ to stop and reaps them. A worker also exits by itself when its pipe closes or it
 dies, so none outlives the engine. A worker that fails sends its traceback over the pipe, and
 rank 0 raises it as one clear error instead of waiting in a collective.
 """
+
 import multiprocessing as mp
 import multiprocessing.util
 import os
@@ -29,8 +30,10 @@ from engine.runner.distributed import connect, new_store
 _CLOSE = b"close"
 _JOIN_SECONDS = 10.0
 _SETTLE_SECONDS = 5.0  # after a failed collective: how long a dying worker gets to show it is dying
-_START_HINT = ("Workers start with multiprocessing's spawn, which re-imports your main script: if the script "
-               "creates the LLM at top level, put that code under `if __name__ == \"__main__\":`.")
+_START_HINT = (
+    "Workers start with multiprocessing's spawn, which re-imports your main script: if the script "
+    'creates the LLM at top level, put that code under `if __name__ == "__main__":`.'
+)
 
 
 class WorkerError(RuntimeError):
@@ -49,14 +52,28 @@ class WorkerPool:
         self.error: str | None = None  # set once the group is unusable; every later step raises it
         watch_stop, self._watch_stop = ctx.Pipe(duplex=False)
         self._finalizer = multiprocessing.util.Finalize(
-            self, _shutdown, args=(self.processes, self.conns, self._watch_stop, os.getpid()), exitpriority=10)
+            self, _shutdown, args=(self.processes, self.conns, self._watch_stop, os.getpid()), exitpriority=10
+        )
         try:
             for rank in range(1, size):
                 ours, theirs = ctx.Pipe()
                 process = ctx.Process(
-                    target=worker_main, name=f"pagoda-tp-rank{rank}", daemon=True,
-                    args=(rank, size, self.store.port, config, hf_config, str(model_path), device.type, dtype, theirs,
-                          torch.get_num_threads()))
+                    target=worker_main,
+                    name=f"pagoda-tp-rank{rank}",
+                    daemon=True,
+                    args=(
+                        rank,
+                        size,
+                        self.store.port,
+                        config,
+                        hf_config,
+                        str(model_path),
+                        device.type,
+                        dtype,
+                        theirs,
+                        torch.get_num_threads(),
+                    ),
+                )
                 process.start()
                 theirs.close()
                 self.processes.append(process)
@@ -68,8 +85,12 @@ class WorkerPool:
             self.close()
             raise
         if device.type == "cuda":
-            threading.Thread(target=_abort_on_death, args=([p.sentinel for p in self.processes], watch_stop,
-                             self.group.backend), name="pagoda-tp-watch", daemon=True).start()
+            threading.Thread(
+                target=_abort_on_death,
+                args=([p.sentinel for p in self.processes], watch_stop, self.group.backend),
+                name="pagoda-tp-watch",
+                daemon=True,
+            ).start()
 
     @property
     def pids(self) -> list[int]:
@@ -101,8 +122,10 @@ class WorkerPool:
                 process.kill()
             self.close()
             if reason is None:
-                self.error = (f"the tensor-parallel engine stopped after an error on rank 0 ({type(e).__name__}: {e}); "
-                              "create a new LLM")
+                self.error = (
+                    f"the tensor-parallel engine stopped after an error on rank 0 ({type(e).__name__}: {e}); "
+                    "create a new LLM"
+                )
                 raise
             self.error = f"{reason}\nThe engine cannot continue; create a new LLM."
             raise WorkerError(self.error) from e
@@ -130,8 +153,9 @@ class WorkerPool:
             raise WorkerError(f"tensor-parallel worker rank {rank} failed:\n{report}")
         process.join(_SETTLE_SECONDS)
         hint = f" {_START_HINT}" if starting else ""
-        raise WorkerError(f"tensor-parallel worker rank {rank} exited unexpectedly (exit code "
-                          f"{process.exitcode}).{hint}")
+        raise WorkerError(
+            f"tensor-parallel worker rank {rank} exited unexpectedly (exit code {process.exitcode}).{hint}"
+        )
 
     def _failure(self, settle: bool) -> str | None:
         """What went wrong with a worker, if anything did: its own report, or how it ended."""
@@ -179,8 +203,18 @@ def _abort_on_death(sentinels: list, stop, backend) -> None:
 
 
 # ---- the worker process ---------------------------------------------------------------------------
-def worker_main(rank: int, size: int, port: int, config, hf_config, model_path: str, device_type: str,
-                dtype: torch.dtype, conn, num_threads: int) -> None:
+def worker_main(
+    rank: int,
+    size: int,
+    port: int,
+    config,
+    hf_config,
+    model_path: str,
+    device_type: str,
+    dtype: torch.dtype,
+    conn,
+    num_threads: int,
+) -> None:
     """A worker's whole life: join the group, build this rank's shard, run steps until told to stop."""
     _exit_with_parent()
     # Ctrl-C in a terminal reaches the whole process group; rank 0 decides what it means, not the workers.

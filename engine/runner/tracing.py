@@ -8,6 +8,7 @@ for what inductor cannot lower. torch.compiler.is_compiling() cannot tell them: 
 whole process, so while the background thread traced, the engine's own eager steps in another
 thread saw it too and took the trace's branches (a prefill through the decode-only attention).
 """
+
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager

@@ -1,4 +1,5 @@
 """Logprobs of chosen tokens and of each row's top tokens, from the raw logits (vLLM's "raw_logprobs")."""
+
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ class LogprobsTensors:
     def to_host(self) -> "LogprobsTensors":
         """Copies in pinned memory, arriving without making the host wait: valid once the device has
         reached this point (the step's readback event)."""
+
         def pinned(t: torch.Tensor) -> torch.Tensor:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 

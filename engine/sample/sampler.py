@@ -8,6 +8,7 @@ Sampling uses the exponential race (argmax of probs / Exponential(1) noise), whi
 `probs` exactly and lets seeded requests draw their noise from their own generator. The noise is
 drawn eagerly (generators cannot enter a compiled function); the rest is `pick_tokens`.
 """
+
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,8 +51,9 @@ class SamplingBatch:
     @property
     def changes_logits(self) -> bool:
         """Whether anything but temperature and truncation applies: greedy rows then need it too."""
-        return (self.repetition_penalties is not None or self.logit_bias is not None
-                or self.presence_penalties is not None)
+        return (
+            self.repetition_penalties is not None or self.logit_bias is not None or self.presence_penalties is not None
+        )
 
 
 class Columns:
@@ -100,8 +102,9 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties
     return torch.where(seen, penalized, logits)
 
 
-def apply_output_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
-                           frequency: torch.Tensor) -> torch.Tensor:
+def apply_output_penalties(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
     """OpenAI's presence and frequency penalties, as vLLM applies them: subtract `frequency` for each time
     a token is in the output so far, and `presence` once if it is there at all."""
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
@@ -135,11 +138,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def pick_tokens(logits: torch.Tensor, temperatures: torch.Tensor | None, top_k: torch.Tensor | None,
-                top_p: torch.Tensor | None, min_p: torch.Tensor | None, repetition_penalties: torch.Tensor | None,
-                seen_tokens: torch.Tensor | None, noise: torch.Tensor | None, logit_bias: torch.Tensor | None = None,
-                presence_penalties: torch.Tensor | None = None, frequency_penalties: torch.Tensor | None = None,
-                output_counts: torch.Tensor | None = None) -> torch.Tensor:
+def pick_tokens(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    repetition_penalties: torch.Tensor | None,
+    seen_tokens: torch.Tensor | None,
+    noise: torch.Tensor | None,
+    logit_bias: torch.Tensor | None = None,
+    presence_penalties: torch.Tensor | None = None,
+    frequency_penalties: torch.Tensor | None = None,
+    output_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Everything in sampling but drawing the noise: a pure function of tensors, so that one
     torch.compile of it fuses its passes over the [batch, vocab] logits. `temperatures` None:
     every row is greedy (and `noise` is None). The logits change in vLLM's order: logit bias,
@@ -165,8 +177,9 @@ def pick_tokens(logits: torch.Tensor, temperatures: torch.Tensor | None, top_k: 
     return torch.where(temperatures > 0, sampled, greedy)
 
 
-def exponential_noise(shape: torch.Size, device: torch.device,
-                      generators: list[torch.Generator | None]) -> torch.Tensor:
+def exponential_noise(
+    shape: torch.Size, device: torch.device, generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """Exponential(1) draws as -log(U), U uniform: on a CPU 5x faster than `exponential_` (0.16 against
     0.9 ms per 49k-token row, some 30 ms of a 100 ms batch-32 step). A U of exactly 0 (2^-24 per token)
     gives an infinite draw, which only takes that token out of the race. Seeded rows draw their own."""
@@ -201,8 +214,11 @@ class CompiledPick:
                 return self.compiled(logits, *args)
             except Exception as e:  # noqa: BLE001 - any compiler failure; eager sampling still works
                 self.failed = True
-                log.warning("torch.compile of the sampler failed; sampling eagerly from now on: %s: %s",
-                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                log.warning(
+                    "torch.compile of the sampler failed; sampling eagerly from now on: %s: %s",
+                    type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "",
+                )
         return pick_tokens(logits, *args)
 
 
@@ -225,8 +241,13 @@ class Sampler(nn.Module):
             return "eager (compile failed)" if self.pick.failed else "compiled"
         return "eager"
 
-    def prepare(self, seqs: list[Sequence], upload: Upload, last_sampled: torch.Tensor | None = None,
-                last_sampled_rows: Mapping[int, int] | None = None) -> SamplingBatch:
+    def prepare(
+        self,
+        seqs: list[Sequence],
+        upload: Upload,
+        last_sampled: torch.Tensor | None = None,
+        last_sampled_rows: Mapping[int, int] | None = None,
+    ) -> SamplingBatch:
         """The sampling parameters of `seqs` (the rows that sample, in order) as device columns.
 
         A column no row needs is left out: top_k only where some row limits it below the vocabulary (the
@@ -250,16 +271,27 @@ class Sampler(nn.Module):
         if any(p.repetition_penalty != 1.0 for p in params):
             repetition = floats.add([p.repetition_penalty for p in params])
             # the tokens each penalised row has seen: prompt and output
-            seen = [ints.add(a) for a in token_pairs([s if p.repetition_penalty != 1.0 else None
-                                                      for s, p in zip(seqs, params, strict=True)],
-                                                     lambda seq: seq.token_ids)]
+            seen = [
+                ints.add(a)
+                for a in token_pairs(
+                    [s if p.repetition_penalty != 1.0 else None for s, p in zip(seqs, params, strict=True)],
+                    lambda seq: seq.token_ids,
+                )
+            ]
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             presence = floats.add([p.presence_penalty for p in params])
             frequency = floats.add([p.frequency_penalty for p in params])
             # the output only, as OpenAI defines these two
-            outputs = [ints.add(a) for a in token_pairs([s if p.presence_penalty or p.frequency_penalty else None
-                                                         for s, p in zip(seqs, params, strict=True)],
-                                                        lambda seq: seq.output_token_ids)]
+            outputs = [
+                ints.add(a)
+                for a in token_pairs(
+                    [
+                        s if p.presence_penalty or p.frequency_penalty else None
+                        for s, p in zip(seqs, params, strict=True)
+                    ],
+                    lambda seq: seq.output_token_ids,
+                )
+            ]
         if seen or outputs:
             # A pending input token is a sampled one, so it is in the output too. Rows penalised by neither
             # kind may be listed: a penalty of 1 (repetition) or 0 (presence, frequency) changes nothing.
@@ -269,9 +301,11 @@ class Sampler(nn.Module):
                 pending = (ints.add(waiting), ints.add(sources))
         if any(p.logit_bias for p in params):
             biases = [p.logit_bias or {} for p in params]
-            bias = (ints.add(np.repeat(np.arange(len(seqs)), [len(b) for b in biases])),
-                    ints.add(np.fromiter(chain.from_iterable(biases), np.int64)),
-                    floats.add(np.fromiter(chain.from_iterable(b.values() for b in biases), np.float32)))
+            bias = (
+                ints.add(np.repeat(np.arange(len(seqs)), [len(b) for b in biases])),
+                ints.add(np.fromiter(chain.from_iterable(biases), np.int64)),
+                floats.add(np.fromiter(chain.from_iterable(b.values() for b in biases), np.float32)),
+            )
         constrained = [row for row, s in enumerate(seqs) if s.grammar is not None]
         grammar_rows = ints.add(constrained) if constrained else None
         floats.send(upload)
@@ -281,12 +315,17 @@ class Sampler(nn.Module):
         if pending is not None:
             device_pending = (pending[0].tensor, last_sampled[pending[1].tensor])
         return SamplingBatch(
-            temperatures=on_device(temperatures), top_k=on_device(top_k), top_p=on_device(top_p),
-            min_p=on_device(min_p), repetition_penalties=on_device(repetition),
+            temperatures=on_device(temperatures),
+            top_k=on_device(top_k),
+            top_p=on_device(top_p),
+            min_p=on_device(min_p),
+            repetition_penalties=on_device(repetition),
             seen_tokens=self._token_mask(len(seqs), seen, device_pending, torch.bool),
-            generators=[s.generator for s in seqs], all_greedy=all_greedy,
+            generators=[s.generator for s in seqs],
+            all_greedy=all_greedy,
             logit_bias=self._bias(len(seqs), bias),
-            presence_penalties=on_device(presence), frequency_penalties=on_device(frequency),
+            presence_penalties=on_device(presence),
+            frequency_penalties=on_device(frequency),
             output_counts=self._token_mask(len(seqs), outputs, device_pending, torch.float32),
             grammar_rows=on_device(grammar_rows),
             grammar_allowed=self._grammar_allowed([seqs[row].grammar for row in constrained], upload),
@@ -332,6 +371,17 @@ class Sampler(nn.Module):
         noise = None
         if not batch.all_greedy:
             noise = exponential_noise(logits.shape, logits.device, batch.generators)
-        return self.pick(logits, None if batch.all_greedy else batch.temperatures, batch.top_k, batch.top_p,
-                         batch.min_p, batch.repetition_penalties, batch.seen_tokens, noise, batch.logit_bias,
-                         batch.presence_penalties, batch.frequency_penalties, batch.output_counts)
+        return self.pick(
+            logits,
+            None if batch.all_greedy else batch.temperatures,
+            batch.top_k,
+            batch.top_p,
+            batch.min_p,
+            batch.repetition_penalties,
+            batch.seen_tokens,
+            noise,
+            batch.logit_bias,
+            batch.presence_penalties,
+            batch.frequency_penalties,
+            batch.output_counts,
+        )

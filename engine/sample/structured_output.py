@@ -11,6 +11,7 @@ llguidance rather than xgrammar, measured on the bundled SmolLM2's 49k-token voc
 microseconds (llguidance ~12 us, xgrammar ~5 us per row), but xgrammar needs triton and
 apache-tvm-ffi on every install, and llguidance needs nothing.
 """
+
 import json
 import logging
 import re
@@ -82,8 +83,10 @@ def compile_error_message(error: str) -> str:
     """llguidance's error as a client can act on it: without a Rust backtrace, bounded, and a panic of its compiler
     said plainly."""
     if "symbols.len() < u16::MAX" in error:
-        return ("the constraint is too large: it compiles to more than 65,000 grammar symbols, llguidance's limit; "
-                "give fewer choices, properties or rules")
+        return (
+            "the constraint is too large: it compiles to more than 65,000 grammar symbols, llguidance's limit; "
+            "give fewer choices, properties or rules"
+        )
     text = error.split("<backtrace>")[0].strip() or "unknown error"
     text = text if len(text) <= 1000 else text[:1000] + " ..."
     if text.startswith("panic:"):
@@ -115,8 +118,10 @@ class StructuredOutputs:
             from transformers import PreTrainedTokenizerFast
 
             if not isinstance(self.hf_tokenizer, PreTrainedTokenizerFast):
-                raise ValueError("structured outputs need a fast (Rust) tokenizer, and this model's is "
-                                 f"{type(self.hf_tokenizer).__name__}; load a model with a tokenizer.json")
+                raise ValueError(
+                    "structured outputs need a fast (Rust) tokenizer, and this model's is "
+                    f"{type(self.hf_tokenizer).__name__}; load a model with a tokenizer.json"
+                )
             # the model's end-of-reply ids that the tokenizer spells (a config may name others)
             eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)] or None
             self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
@@ -138,8 +143,10 @@ class StructuredOutputs:
         """A fresh matcher for one request; raises ValueError, naming the problem, for a constraint that
         does not compile (an invalid schema, regex or grammar) or is too large."""
         if params.grammar is not None and (rules := len(_RULE.findall(params.grammar))) > MAX_GRAMMAR_RULES:
-            raise ValueError(f"structured_outputs: the grammar has {rules:,} rules, more than the "
-                             f"{MAX_GRAMMAR_RULES:,} Pagoda compiles; give a smaller grammar")
+            raise ValueError(
+                f"structured_outputs: the grammar has {rules:,} rules, more than the "
+                f"{MAX_GRAMMAR_RULES:,} Pagoda compiles; give a smaller grammar"
+            )
         return _on_a_deep_stack(lambda: self._matcher(params))
 
     def _matcher(self, params: StructuredOutputsParams) -> "Grammar":
@@ -165,8 +172,7 @@ class Grammar:
     def consume(self, token: int, request_id: str) -> None:
         """Take the request's sampled token (which its mask allowed)."""
         if not self.matcher.consume_token(token) and self.matcher.is_error():
-            log.warning("request %s: the constraint refused token %d: %s", request_id, token,
-                        self.matcher.get_error())
+            log.warning("request %s: the constraint refused token %d: %s", request_id, token, self.matcher.get_error())
 
 
 @lru_cache(maxsize=1)

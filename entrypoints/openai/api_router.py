@@ -4,6 +4,7 @@ A route reads its body and finds the served model; serving.py does the rest. Eve
 `guarded`: the API key, then OpenAI's error shape for whatever fails (a bug of ours is a 500 in that shape,
 with the traceback in the log).
 """
+
 import functools
 import logging
 import secrets
@@ -36,8 +37,12 @@ log = logging.getLogger("pagoda.api")
 
 
 def key_required() -> APIError:
-    return APIError(401, "a valid API key is required: send it as `Authorization: Bearer <key>`",
-                    type="authentication_error", code="invalid_api_key")
+    return APIError(
+        401,
+        "a valid API key is required: send it as `Authorization: Bearer <key>`",
+        type="authentication_error",
+        code="invalid_api_key",
+    )
 
 
 def has_key(authorization: str, api_key: str | None) -> bool:
@@ -48,9 +53,12 @@ def has_key(authorization: str, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
 
 
-def create_router(models: ModelSource, api_key: str | None = None,  # noqa: C901 (pyproject.toml says why)
-                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                  max_request_bytes: int = MAX_REQUEST_BYTES) -> APIRouter:
+def create_router(  # noqa: C901 (pyproject.toml says why)
+    models: ModelSource,
+    api_key: str | None = None,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> APIRouter:
     """The /v1 routes. With an api_key, every one of them wants `Authorization: Bearer <key>`.
     `default_max_tokens`: for requests that send none (None: the rest of the context);
     `max_request_bytes`: larger bodies get a 413."""
@@ -66,8 +74,12 @@ def create_router(models: ModelSource, api_key: str | None = None,  # noqa: C901
                 return e.response()
             except Exception as e:  # a bug of ours: still OpenAI's error shape, and the traceback in the log
                 log.exception("%s %s failed", request.method, request.url.path)
-                return APIError(500, f"Pagoda failed on this request ({type(e).__name__}: {e}); the server log has "
-                                     "the details", type="server_error").response()
+                return APIError(
+                    500,
+                    f"Pagoda failed on this request ({type(e).__name__}: {e}); the server log has the details",
+                    type="server_error",
+                ).response()
+
         return answer
 
     router = APIRouter(prefix="/v1")
@@ -76,11 +88,16 @@ def create_router(models: ModelSource, api_key: str | None = None,  # noqa: C901
     def served(asked: str | None) -> ServedModel:
         model = models()
         if model is None:
-            raise APIError(503, "no model is loaded; load one in Pagoda's Models tab", type="server_error",
-                           code="model_not_loaded")
+            raise APIError(
+                503, "no model is loaded; load one in Pagoda's Models tab", type="server_error", code="model_not_loaded"
+            )
         if asked is not None and asked != model.name:
-            raise APIError(404, f"the model {asked!r} does not exist; this server serves {model.name!r}",
-                           code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"the model {asked!r} does not exist; this server serves {model.name!r}",
+                code="model_not_found",
+                param="model",
+            )
         return model
 
     def model_card(model: ServedModel) -> ModelCard:
@@ -111,8 +128,17 @@ def create_router(models: ModelSource, api_key: str | None = None,  # noqa: C901
                 told_of_dropped_tools.add((client, dropped.split(":")[0]))
                 log.warning("tools dropped for %s (%s): %s", client[0], client[1] or "no user agent", dropped)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await complete(request, model, body, token_ids, max_tokens, default_max_tokens, chat=True,
-                              tools=plan, headers={TOOLS_DROPPED_HEADER: dropped} if dropped else None)
+        return await complete(
+            request,
+            model,
+            body,
+            token_ids,
+            max_tokens,
+            default_max_tokens,
+            chat=True,
+            tools=plan,
+            headers={TOOLS_DROPPED_HEADER: dropped} if dropped else None,
+        )
 
     @router.post("/completions", openapi_extra=openapi_body(CompletionBody))
     @guarded
@@ -122,8 +148,9 @@ def create_router(models: ModelSource, api_key: str | None = None,  # noqa: C901
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise APIError(400, "send one prompt per request (a list of several prompts is not supported)",
-                               param="prompt")
+                raise APIError(
+                    400, "send one prompt per request (a list of several prompts is not supported)", param="prompt"
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             refuse_what_cannot_fit(model.engine, len(prompt), "prompt")
@@ -131,9 +158,9 @@ def create_router(models: ModelSource, api_key: str | None = None,  # noqa: C901
         else:
             token_ids = list(prompt)
         # Token ids are decoded for the echo once the engine has accepted them (in `complete`)
-        echo = Echo(prompt if isinstance(prompt, str) else None, token_ids, only=body.echo_only) \
-            if body.echo else None
-        return await complete(request, model, body, token_ids, body.max_tokens, default_max_tokens, chat=False,
-                              echo=echo)
+        echo = Echo(prompt if isinstance(prompt, str) else None, token_ids, only=body.echo_only) if body.echo else None
+        return await complete(
+            request, model, body, token_ids, body.max_tokens, default_max_tokens, chat=False, echo=echo
+        )
 
     return router

@@ -7,6 +7,7 @@ prompt's first token has no logprob (null). A token's text is what decoding it a
 vLLM; its bytes are exact where the tokenizer is byte-level, so a character split across tokens can be
 put back together.
 """
+
 import re
 from functools import lru_cache
 
@@ -57,21 +58,30 @@ def _clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], top_logprobs: int,
-                  texts: TokenTexts) -> list[dict]:
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict[int, float]], top_logprobs: int, texts: TokenTexts
+) -> list[dict]:
     """`choices[i].logprobs.content` for these tokens: each with its own logprob and the `top_logprobs`
     most likely tokens at its position, most likely first."""
     content = []
     for token, entry in zip(token_ids, entries, strict=True):
         top = sorted(entry.items(), key=lambda item: -item[1])[:top_logprobs]
-        content.append({"token": texts.text(token), "logprob": _clamp(entry[token]), "bytes": texts.bytes(token),
-                        "top_logprobs": [{"token": texts.text(t), "logprob": _clamp(lp), "bytes": texts.bytes(t)}
-                                         for t, lp in top]})
+        content.append(
+            {
+                "token": texts.text(token),
+                "logprob": _clamp(entry[token]),
+                "bytes": texts.bytes(token),
+                "top_logprobs": [
+                    {"token": texts.text(t), "logprob": _clamp(lp), "bytes": texts.bytes(t)} for t, lp in top
+                ],
+            }
+        )
     return content
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], texts: TokenTexts,
-                        text_offset: int = 0) -> dict:
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, float] | None], texts: TokenTexts, text_offset: int = 0
+) -> dict:
     """The legacy `choices[i].logprobs` for these tokens; `text_offset`: where the first one starts in the
     choice's text. An entry of None (an echoed prompt's first token) gives null logprobs."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

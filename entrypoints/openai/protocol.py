@@ -4,6 +4,7 @@ The fields are OpenAI's, plus vLLM's `top_k`, `min_p`, `repetition_penalty`, `ig
 `priority`. A field
 Pagoda cannot honour is refused with a 400 that names it, never silently ignored.
 """
+
 from typing import Literal
 
 from fastapi import Request
@@ -26,13 +27,19 @@ REFUSED_FIELDS = {
     "use_beam_search": "beam search is not supported; sample instead",
 }
 # vLLM's older names for structured_outputs' fields
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
         self.headers = headers
@@ -79,40 +86,67 @@ class RequestBody(BaseModel):
             if name in REFUSED_FIELDS:
                 raise APIError(400, REFUSED_FIELDS[name], param=name)
         if self.n != 1:
-            raise APIError(400, "n must be 1: Pagoda returns one choice per request; send several requests instead",
-                           param="n")
+            raise APIError(
+                400, "n must be 1: Pagoda returns one choice per request; send several requests instead", param="n"
+            )
 
     def constraint(self) -> StructuredOutputsParams | None:
         """What the reply must match: response_format, structured_outputs or vLLM's guided_* fields."""
-        given = {name: value for name, value in (self.model_extra or {}).items()
-                 if name in GUIDED_FIELDS and value is not None}
-        asked = [name for name, value in (("response_format", self.response_format is not None
-                                           and self.response_format.get("type") != "text"),
-                                          ("structured_outputs", self.structured_outputs)) if value] + list(given)
+        given = {
+            name: value
+            for name, value in (self.model_extra or {}).items()
+            if name in GUIDED_FIELDS and value is not None
+        }
+        asked = [
+            name
+            for name, value in (
+                ("response_format", self.response_format is not None and self.response_format.get("type") != "text"),
+                ("structured_outputs", self.structured_outputs),
+            )
+            if value
+        ] + list(given)
         if len(asked) > 1:
             raise APIError(400, f"{' and '.join(asked)} both constrain the reply; send one of them", param=asked[1])
         try:
             if given:
-                (name, value), = given.items()
+                ((name, value),) = given.items()
                 return StructuredOutputsParams(**{GUIDED_FIELDS[name]: value})
             if self.structured_outputs:
                 return StructuredOutputsParams(**self.structured_outputs)
         except (TypeError, ValueError) as e:
-            raise APIError(400, str(e).replace("StructuredOutputsParams", "structured_outputs"),
-                           param=asked[0]) from None
+            raise APIError(
+                400, str(e).replace("StructuredOutputsParams", "structured_outputs"), param=asked[0]
+            ) from None
         return response_format_constraint(self.response_format)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        constraint: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """The engine's SamplingParams: the body's sampling fields as sent, with what the server decided (the
         reply's length, the logprobs the route asks for, the constraint on the reply)."""
         try:
-            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                                  repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                                  frequency_penalty=self.frequency_penalty, logit_bias=self.token_biases(),
-                                  max_tokens=max_tokens, stop=self.stop, seed=self.seed, logprobs=logprobs,
-                                  ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-                                  prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
+            return SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                logit_bias=self.token_biases(),
+                max_tokens=max_tokens,
+                stop=self.stop,
+                seed=self.seed,
+                logprobs=logprobs,
+                ignore_eos=self.ignore_eos,
+                stop_token_ids=self.stop_token_ids,
+                prompt_logprobs=prompt_logprobs,
+                structured_outputs=constraint,
+            )
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -141,14 +175,20 @@ def response_format_constraint(response_format: dict | None) -> StructuredOutput
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
     if kind != "json_schema":
-        raise APIError(400, f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got "
-                            f"{kind!r}", param="response_format.type")
+        raise APIError(
+            400,
+            f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+            param="response_format.type",
+        )
     spec = response_format.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
-        raise APIError(400, "response_format.json_schema.schema must be a JSON schema (an object); send "
-                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                       param="response_format.json_schema")
+        raise APIError(
+            400,
+            "response_format.json_schema.schema must be a JSON schema (an object); send "
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+            param="response_format.json_schema",
+        )
     return StructuredOutputsParams(json=schema)
 
 
@@ -166,15 +206,24 @@ class ChatMessage(BaseModel):
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.tool_calls:
             if self.role != "assistant":
-                raise APIError(400, f"messages.{index}: only assistant messages have tool_calls",
-                               param=f"messages.{index}.tool_calls")
+                raise APIError(
+                    400,
+                    f"messages.{index}: only assistant messages have tool_calls",
+                    param=f"messages.{index}.tool_calls",
+                )
             for j, call in enumerate(self.tool_calls):
                 function = call.get("function")
-                if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                        and isinstance(function.get("arguments"), (str, dict))):
-                    raise APIError(400, f"messages.{index}.tool_calls.{j} must be {{\"id\": ..., \"type\": "
-                                        "\"function\", \"function\": {\"name\": ..., \"arguments\": ...}}",
-                                   param=f"messages.{index}.tool_calls")
+                if not (
+                    isinstance(function, dict)
+                    and isinstance(function.get("name"), str)
+                    and isinstance(function.get("arguments"), (str, dict))
+                ):
+                    raise APIError(
+                        400,
+                        f'messages.{index}.tool_calls.{j} must be {{"id": ..., "type": '
+                        '"function", "function": {"name": ..., "arguments": ...}}',
+                        param=f"messages.{index}.tool_calls",
+                    )
             message["tool_calls"] = self.tool_calls
         if self.role == "tool":
             message["tool_call_id"] = self.tool_call_id
@@ -188,15 +237,27 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"only text content parts are supported, got type {part.get('type')!r}",
-                               param="messages")
+                raise APIError(
+                    400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages"
+                )
             parts.append(part["text"])
         return "".join(parts)
 
 
 # Arguments apply_chat_template takes itself: chat_template_kwargs may not set them
-RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
-                            "return_tensors", "return_dict", "continue_final_message", "chat_template", "tokenizer"}
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "tokenize",
+    "return_tensors",
+    "return_dict",
+    "continue_final_message",
+    "chat_template",
+    "tokenizer",
+}
 
 
 class ChatCompletionBody(RequestBody):
@@ -214,8 +275,11 @@ class ChatCompletionBody(RequestBody):
         super().check_supported()
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: Pagoda sets those itself",
-                           param="chat_template_kwargs")
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(reserved)}: Pagoda sets those itself",
+                param="chat_template_kwargs",
+            )
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: set logprobs to true as well", param="top_logprobs")
 
@@ -245,11 +309,19 @@ class CompletionBody(RequestBody):
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.reasoning_effort is not None:
-            raise APIError(400, "reasoning_effort is for chats with a model that thinks; a completion has no "
-                                "thinking switch: leave it out", param="reasoning_effort")
+            raise APIError(
+                400,
+                "reasoning_effort is for chats with a model that thinks; a completion has no "
+                "thinking switch: leave it out",
+                param="reasoning_effort",
+            )
         if self.max_tokens == 0 and not self.echo:
-            raise APIError(400, "max_tokens=0 returns nothing without echo: set echo to true (to score the prompt) "
-                                "or ask for at least one token", param="max_tokens")
+            raise APIError(
+                400,
+                "max_tokens=0 returns nothing without echo: set echo to true (to score the prompt) "
+                "or ask for at least one token",
+                param="max_tokens",
+            )
 
     @property
     def echo_only(self) -> bool:
@@ -276,12 +348,13 @@ def openapi_body(kind: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-
-
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with a 413 as soon as it is known to exceed `limit` bytes (never read whole)."""
-    too_big = APIError(413, f"the request body is larger than this server's limit of {limit:,} bytes "
-                            "(--max-request-bytes); send less text", code="request_too_large")
+    too_big = APIError(
+        413,
+        f"the request body is larger than this server's limit of {limit:,} bytes (--max-request-bytes); send less text",
+        code="request_too_large",
+    )
     length = request.headers.get("content-length", "")
     if length.isascii() and length.isdigit() and int(length) > limit:
         raise too_big
@@ -303,8 +376,9 @@ async def parse_body(request: Request, kind: type[RequestBody], limit: int = MAX
     except ValidationError as e:
         first = e.errors()[0]
         if first["type"] == "json_invalid":
-            raise APIError(400, f"the request body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})"
-                           ) from None
+            raise APIError(
+                400, f"the request body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})"
+            ) from None
         if first["type"] == "model_type":
             raise APIError(400, "the request body must be a JSON object") from None
         where = ".".join(str(p) for p in first["loc"]) or "body"

@@ -5,6 +5,7 @@
 so a user sees what a client sent and what failed. The line is written when the response's last
 byte is sent (a stream's end), or when the client leaves first.
 """
+
 import logging
 import time
 
@@ -23,8 +24,10 @@ def record(request: Request, reply) -> None:
 def line(method: str, path: str, status: int | str, reply, seconds: float) -> str:
     parts = [f"{method} {path} {status}"]
     if reply is not None:
-        parts += [f"prompt {reply.prompt_tokens} tokens ({reply.cached_tokens} cached)",
-                  f"completion {reply.completion_tokens} tokens"]
+        parts += [
+            f"prompt {reply.prompt_tokens} tokens ({reply.cached_tokens} cached)",
+            f"completion {reply.completion_tokens} tokens",
+        ]
     return " · ".join(parts + [f"{seconds:.2f} s"])
 
 
@@ -47,8 +50,7 @@ class RequestLog:
         def write(outcome: int | str) -> None:
             nonlocal logged
             logged = True
-            log.info(line(scope["method"], scope["path"], outcome, state.get(_STATE_KEY),
-                          time.perf_counter() - start))
+            log.info(line(scope["method"], scope["path"], outcome, state.get(_STATE_KEY), time.perf_counter() - start))
 
         async def send_and_log(message) -> None:
             nonlocal status

@@ -5,6 +5,7 @@ The chat app mounts the same routes on its own port (its chats and API calls the
 `pagoda-serve` (or `python -m engine.serve`) runs them headless through `create_app`. `/metrics` reports
 vLLM's metric names, so dashboards and clients written for vLLM read Pagoda's prefix-cache counters too.
 """
+
 import inspect
 
 import anyio
@@ -47,10 +48,16 @@ def create_metrics_router(models: ModelSource) -> APIRouter:
         label = '{model_name="%s"}' % model.name.replace("\\", "\\\\").replace('"', '\\"')
         lines = []
         for name, kind, text, key in METRICS:
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}",
-                      f"{name}{'_total' if kind == 'counter' else ''}{label} {getattr(stats, key)}"]
-        lines += ["# HELP vllm:kv_cache_usage_perc KV-cache usage (1 = full).", "# TYPE vllm:kv_cache_usage_perc gauge",
-                  f"vllm:kv_cache_usage_perc{label} {stats.kv_cache_usage:.6f}"]
+            lines += [
+                f"# HELP {name} {text}",
+                f"# TYPE {name} {kind}",
+                f"{name}{'_total' if kind == 'counter' else ''}{label} {getattr(stats, key)}",
+            ]
+        lines += [
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage (1 = full).",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {stats.kv_cache_usage:.6f}",
+        ]
         return "\n".join(lines) + "\n"
 
     return router
@@ -86,10 +93,17 @@ def routing_error(request: Request, exc: HTTPException) -> JSONResponse | None:
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
-        return APIError(405, f"{where} is not supported: this route takes {allowed or 'other methods'}",
-                        code="method_not_allowed", headers=exc.headers).response()
-    return APIError(404, f"Invalid URL ({where}): this server serves /v1/chat/completions, /v1/completions "
-                         "and /v1/models", code="not_found").response()
+        return APIError(
+            405,
+            f"{where} is not supported: this route takes {allowed or 'other methods'}",
+            code="method_not_allowed",
+            headers=exc.headers,
+        ).response()
+    return APIError(
+        404,
+        f"Invalid URL ({where}): this server serves /v1/chat/completions, /v1/completions and /v1/models",
+        code="not_found",
+    ).response()
 
 
 def add_api_error_handlers(app: FastAPI) -> None:
@@ -112,9 +126,15 @@ def add_api_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, handler)
 
 
-def create_app(engine: EngineThread, model_name: str, api_key: str | None,
-               policy: AccessPolicy | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-               max_request_bytes: int = MAX_REQUEST_BYTES, exposed: bool = False) -> FastAPI:
+def create_app(
+    engine: EngineThread,
+    model_name: str,
+    api_key: str | None,
+    policy: AccessPolicy | None = None,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    exposed: bool = False,
+) -> FastAPI:
     """A FastAPI app serving one EngineThread: the headless server. `policy`: the hosts and sites it answers
     (default: this machine's loopback names only); `exposed`: reachable from other machines, where
     /metrics and the API docs want the key as /v1 does."""

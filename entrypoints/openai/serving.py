@@ -1,5 +1,6 @@
 """Serving one request: the prompt a chat becomes, the sampling settings, the engine's stream, and the reply
 in OpenAI's shape (whole, or as server-sent events). The routes (api_router.py) call `complete`."""
+
 import json
 import time
 import uuid
@@ -58,9 +59,13 @@ def refuse_what_cannot_fit(engine: EngineThread, chars: int, param: str) -> None
     once took 21 s to tokenize only to be refused."""
     most = engine.max_model_len * max_token_chars(engine.tokenizer)
     if chars > most:
-        raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, which hold "
-                            f"at most {most:,} characters, and this request sends {chars:,}. Shorten the {param}.",
-                       code="context_length_exceeded", param=param)
+        raise APIError(
+            400,
+            f"This model's maximum context length is {engine.max_model_len} tokens, which hold "
+            f"at most {most:,} characters, and this request sends {chars:,}. Shorten the {param}.",
+            code="context_length_exceeded",
+            param=param,
+        )
 
 
 # What Open WebUI's background tasks get when they send no priority (lower is more urgent; chats get 0):
@@ -88,8 +93,12 @@ async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> tuple[l
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         if not template_thinks(chat_template):
-            raise APIError(400, "reasoning_effort is for models that think (Qwen3, DeepSeek-R1 distills), and this "
-                                "one does not: leave it out", param="reasoning_effort")
+            raise APIError(
+                400,
+                "reasoning_effort is for models that think (Qwen3, DeepSeek-R1 distills), and this "
+                "one does not: leave it out",
+                param="reasoning_effort",
+            )
         template_kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
     dropped = ""
     if plan is not None and plan.mode == "auto" and not knows_tools:
@@ -101,13 +110,16 @@ async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> tuple[l
     with_tools = {**template_kwargs, "tools": tools} if tools and knows_tools else template_kwargs
     token_ids = await anyio.to_thread.run_sync(lambda: encode_chat(engine, messages, **with_tools))
     if tools and plan.mode == "auto":
-        bare = await anyio.to_thread.run_sync(lambda: encode_chat(engine, prompt_messages(raw, None, knows_tools),
-                                                                  **template_kwargs))
+        bare = await anyio.to_thread.run_sync(
+            lambda: encode_chat(engine, prompt_messages(raw, None, knows_tools), **template_kwargs)
+        )
         cost, limit = len(token_ids) - len(bare), int(TOOLS_MAX_SHARE * engine.max_model_len)
         if cost > limit:
             token_ids, plan = bare, None
-            dropped = (f"the tools take {cost:,} tokens, more than {TOOLS_MAX_SHARE:.0%} of the model's "
-                       f"{engine.max_model_len:,}-token context")
+            dropped = (
+                f"the tools take {cost:,} tokens, more than {TOOLS_MAX_SHARE:.0%} of the model's "
+                f"{engine.max_model_len:,}-token context"
+            )
     return token_ids, plan, dropped
 
 
@@ -123,22 +135,35 @@ def encode_chat(engine: EngineThread, messages: list[dict], **template_kwargs) -
         raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
 
 
-def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int | None,
-                    max_model_len: int, default_max_tokens: int | None = None,
-                    tools: ToolPlan | None = None) -> SamplingParams:
+def sampling_params(
+    body: RequestBody,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    default_max_tokens: int | None = None,
+    tools: ToolPlan | None = None,
+) -> SamplingParams:
     """The request's sampling settings. Without max_tokens: `default_max_tokens`, or as many as the
     context has room for, whichever is fewer."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                            f"{num_prompt_tokens}. Shorten the messages.", code="context_length_exceeded",
-                                param="messages")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens}. Shorten the messages.",
+            code="context_length_exceeded",
+            param="messages",
+        )
     if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                            f"{max_tokens} for "
-                            f"the completion). Reduce the prompt or max_tokens.",
-                       code="context_length_exceeded", param="max_tokens")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for "
+            f"the completion). Reduce the prompt or max_tokens.",
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
     logprobs = prompt_logprobs = None
     if isinstance(body, ChatCompletionBody):
         logprobs = body.num_logprobs
@@ -153,8 +178,12 @@ def sampling_params(body: RequestBody, num_prompt_tokens: int, max_tokens: int |
     forced = tools.constraint() if tools else None
     if forced is not None:
         if constraint is not None:
-            raise APIError(400, f"tool_choice {tools.mode!r} holds the reply to tool calls, so it cannot also follow "
-                                "response_format; send one of them", param="response_format")
+            raise APIError(
+                400,
+                f"tool_choice {tools.mode!r} holds the reply to tool calls, so it cannot also follow "
+                "response_format; send one of them",
+                param="response_format",
+            )
         constraint = forced
     return body.sampling_params(max_tokens, logprobs, prompt_logprobs, constraint)
 
@@ -174,10 +203,18 @@ def token_texts(tokenizer) -> TokenTexts:
     return TokenTexts(tokenizer)
 
 
-async def complete(request: Request, model: ServedModel, body: RequestBody, token_ids: list[int],
-                   max_tokens: int | None, default_max_tokens: int | None, chat: bool,
-                   echo: Echo | None = None, tools: ToolPlan | None = None,
-                   headers: dict[str, str] | None = None) -> object:
+async def complete(
+    request: Request,
+    model: ServedModel,
+    body: RequestBody,
+    token_ids: list[int],
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    chat: bool,
+    echo: Echo | None = None,
+    tools: ToolPlan | None = None,
+    headers: dict[str, str] | None = None,
+) -> object:
     engine = model.engine
     params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len, default_max_tokens, tools)
     try:
@@ -199,12 +236,23 @@ async def complete(request: Request, model: ServedModel, body: RequestBody, toke
     if chat and template_thinks(engine.tokenizer.chat_template) and not (tools and tools.constraint()):
         prompt_tail = await anyio.to_thread.run_sync(engine.tokenizer.decode, token_ids[-8:])
         reasoning = ReasoningSplitter(in_reasoning=prompt_opens_reasoning(prompt_tail))
-    reply = Reply(model.name, chat, len(token_ids), params.logprobs, texts, echo,
-                  ToolCallStream(tools) if tools and tools.mode != "none" else None, reasoning)
+    reply = Reply(
+        model.name,
+        chat,
+        len(token_ids),
+        params.logprobs,
+        texts,
+        echo,
+        ToolCallStream(tools) if tools and tools.mode != "none" else None,
+        reasoning,
+    )
     request_log.record(request, reply)
     if body.stream:
-        return StreamingResponse(reply.sse(stream, body.include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        return StreamingResponse(
+            reply.sse(stream, body.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
     text = []
     try:
         async for out in stream:
@@ -226,9 +274,17 @@ class Reply:
     `logprobs`: SamplingParams.logprobs (None: not asked), with `texts` to name the tokens; `echo`: a
     completion's prompt, which comes first in its text (and its logprobs, when asked)."""
 
-    def __init__(self, model_name: str, chat: bool, num_prompt_tokens: int, logprobs: int | None = None,
-                 texts: TokenTexts | None = None, echo: Echo | None = None, tools: ToolCallStream | None = None,
-                 reasoning: ReasoningSplitter | None = None):
+    def __init__(
+        self,
+        model_name: str,
+        chat: bool,
+        num_prompt_tokens: int,
+        logprobs: int | None = None,
+        texts: TokenTexts | None = None,
+        echo: Echo | None = None,
+        tools: ToolCallStream | None = None,
+        reasoning: ReasoningSplitter | None = None,
+    ):
         self.model_name, self.chat = model_name, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -297,16 +353,24 @@ class Reply:
         return ids, self.prompt_entries or [None] * len(ids)
 
     def usage(self) -> Usage:
-        usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                      total_tokens=self.prompt_tokens + self.completion_tokens,
-                      prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+        usage = Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
         if self.reasoning is not None:
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens)
         return usage
 
     def response(self, choices: list, usage: Usage | None = None, chunk: bool = False) -> CompletionResponse:
-        response = CompletionResponse(id=self.id, object=f"{self.object}.chunk" if chunk and self.chat else self.object,
-                                      created=self.created, model=self.model_name, choices=choices)
+        response = CompletionResponse(
+            id=self.id,
+            object=f"{self.object}.chunk" if chunk and self.chat else self.object,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+        )
         if usage is not None:
             response.usage = usage
         return response
@@ -331,8 +395,15 @@ class Reply:
             choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=self.finish_reason)
         return self.response([choice], self.usage()).json_body()
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              logprobs: dict | None = None, tool_calls: list[dict] | None = None, reasoning: str = "") -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: dict | None = None,
+        tool_calls: list[dict] | None = None,
+        reasoning: str = "",
+    ) -> dict:
         if self.chat:
             delta = Delta()
             if role:

@@ -9,6 +9,7 @@ returns a real tool and valid arguments. "none" keeps the tools out of the promp
 A chat template that knows nothing of tools (the bundled SmolLM2's) gets them in a system message
 instead, written in the Hermes form, so that "auto" can work there too.
 """
+
 import json
 import re
 import uuid
@@ -48,16 +49,22 @@ def parse_tools(tools: list[dict]) -> list[Tool]:
         where = f"tools.{i}"
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise APIError(400, f"{where}: each tool must be {{\"type\": \"function\", \"function\": {{...}}}}",
-                           param=where)
+            raise APIError(400, f'{where}: each tool must be {{"type": "function", "function": {{...}}}}', param=where)
         name = function.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise APIError(400, f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}",
-                           param=f"{where}.function.name")
+            raise APIError(
+                400,
+                f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}",
+                param=f"{where}.function.name",
+            )
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise APIError(400, f"{where}.function.parameters must be a JSON schema of an object (the call's "
-                                f"arguments), got {json.dumps(parameters)[:80]}", param=f"{where}.function.parameters")
+            raise APIError(
+                400,
+                f"{where}.function.parameters must be a JSON schema of an object (the call's "
+                f"arguments), got {json.dumps(parameters)[:80]}",
+                param=f"{where}.function.parameters",
+            )
         description = function.get("description")
         parsed.append(Tool(name, parameters, description if isinstance(description, str) else None))
     names = [t.name for t in parsed]
@@ -84,10 +91,21 @@ class ToolPlan:
             return StructuredOutputsParams(json=next(t for t in self.tools if t.name == self.name).parameters)
         if self.mode != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-        array = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
-                 "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
+        array = {
+            "type": "array",
+            "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+            "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1,
+        }
         return StructuredOutputsParams(json=array)
 
 
@@ -95,20 +113,29 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool)
     """The request's tools and tool_choice, checked; None when it has no tools."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice asks for a tool call, but the request has no tools; add them to "
-                                "`tools`", param="tool_choice")
+            raise APIError(
+                400,
+                "tool_choice asks for a tool call, but the request has no tools; add them to `tools`",
+                param="tool_choice",
+            )
         return None
     parsed = parse_tools(tools)
     if tool_choice is None or tool_choice in ("none", "auto", "required"):
         return ToolPlan(parsed, tool_choice or "auto", parallel=parallel_tool_calls)
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     if not isinstance(function, dict) or tool_choice.get("type") != "function":
-        raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
-                            "\"function\": {\"name\": ...}}", param="tool_choice")
+        raise APIError(
+            400,
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     name = function.get("name")
     if name not in {t.name for t in parsed}:
-        raise APIError(400, f"tool_choice names the tool {name!r}, which is not in `tools` "
-                            f"({', '.join(t.name for t in parsed)})", param="tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice names the tool {name!r}, which is not in `tools` ({', '.join(t.name for t in parsed)})",
+            param="tool_choice",
+        )
     return ToolPlan(parsed, "named", name, parallel_tool_calls)
 
 
@@ -120,10 +147,12 @@ def template_knows_tools(chat_template: str | None) -> bool:
 def tools_system_text(tools: list[dict]) -> str:
     """The tools for a template that has no place for them, in the Hermes form the parser reads back."""
     listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    return ("You may call one or more functions to help with the user's request. The functions are:\n"
-            f"<tools>\n{listed}\n</tools>\n"
-            "To call a function, reply with its name and arguments as JSON inside tags, one call per block:\n"
-            f'{CALL_OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n{CALL_CLOSE}')
+    return (
+        "You may call one or more functions to help with the user's request. The functions are:\n"
+        f"<tools>\n{listed}\n</tools>\n"
+        "To call a function, reply with its name and arguments as JSON inside tags, one call per block:\n"
+        f'{CALL_OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n{CALL_CLOSE}'
+    )
 
 
 def prompt_messages(messages: list[dict], tools: list[dict] | None, knows_tools: bool) -> list[dict]:
@@ -169,8 +198,11 @@ def arguments_object(call: dict) -> dict | str:
 
 # ---- the reply -----------------------------------------------------------------------------------
 def new_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name,
-                                                                                   "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def call_from_json(text: str, tool_names: set[str]) -> dict | None:
@@ -212,8 +244,14 @@ class ToolCallStream:
                 self.started = True
                 self.calls.append(new_call(self.plan.name, text))
                 first = self.calls[0]
-                return "", [{"index": 0, "id": first["id"], "type": "function",
-                             "function": {"name": self.plan.name, "arguments": text}}]
+                return "", [
+                    {
+                        "index": 0,
+                        "id": first["id"],
+                        "type": "function",
+                        "function": {"name": self.plan.name, "arguments": text},
+                    }
+                ]
             self.calls[0]["function"]["arguments"] += text
             return "", [{"index": 0, "function": {"arguments": text}}] if text else []
         self.buffer += text
@@ -294,4 +332,3 @@ class ToolCallStream:
         if self.calls and not text.strip():
             text = ""
         return text, deltas
-

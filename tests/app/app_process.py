@@ -1,4 +1,5 @@
 """A real Pagoda app process for end-to-end tests."""
+
 import os
 import re
 import signal
@@ -18,8 +19,14 @@ class AppProcess:
     """`args`: more start-up options (`--listen`); `auth`: the login its API client uses (default: none, or the
     one the app prints when it generates one); `env`: variables set for the app (after the offline defaults)."""
 
-    def __init__(self, model: Path, home: Path, *args: str, auth: tuple[str, str] | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model: Path,
+        home: Path,
+        *args: str,
+        auth: tuple[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.model, self.home, self.port = model, home, free_port()
         self.args, self.auth, self.env = args, auth, env or {}
         self.url = f"http://127.0.0.1:{self.port}/"
@@ -44,10 +51,25 @@ class AppProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         env = {**os.environ, "PAGODA_HOME": str(self.home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = subprocess.Popen([sys.executable, "-m", "app", "--model", str(self.model), "--port", str(self.port),
-                                      "--no-browser", "--max-chats", "4", *self.args], env=env,
-                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     cwd=Path(__file__).resolve().parents[2])
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "app",
+                "--model",
+                str(self.model),
+                "--port",
+                str(self.port),
+                "--no-browser",
+                "--max-chats",
+                "4",
+                *self.args,
+            ],
+            env=env,
+            stdout=open(self.log, "w"),
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[2],
+        )
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -60,14 +60,15 @@ class FakeHub:
     def __init__(self, chunk_size: int = 64 * 1024, throttle: float = 0.0):
         self.repos: dict[str, FakeRepo] = {}
         self.chunk_size = chunk_size
-        self.throttle = throttle          # seconds to sleep after each streamed chunk of an LFS file
+        self.throttle = throttle  # seconds to sleep after each streamed chunk of an LFS file
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     def add_repo(self, repo_id: str, files: dict[str, bytes], gated: bool = False) -> FakeRepo:
-        sha = hashlib.sha1(repo_id.encode() + b"".join(sorted(hashlib.sha1(v).digest()
-                                                              for v in files.values()))).hexdigest()
+        sha = hashlib.sha1(
+            repo_id.encode() + b"".join(sorted(hashlib.sha1(v).digest() for v in files.values()))
+        ).hexdigest()
         repo = FakeRepo(repo_id, dict(files), sha, gated)
         self.repos[repo_id] = repo
         return repo
@@ -134,11 +135,24 @@ class _Handler(BaseHTTPRequestHandler):
             elif m := _INFO.match(path):
                 repo = self._repo(m["repo"], m["rev"])
                 if repo:
-                    self._json({"_id": repo.sha[:24], "id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha,
-                                "private": False, "gated": "manual" if repo.gated else False, "disabled": False,
-                                "downloads": 0, "likes": 0, "tags": [], "lastModified": "2025-01-01T00:00:00.000Z",
-                                "createdAt": "2025-01-01T00:00:00.000Z",
-                                "siblings": [repo.sibling(n) for n in sorted(repo.files)]}, head)
+                    self._json(
+                        {
+                            "_id": repo.sha[:24],
+                            "id": repo.repo_id,
+                            "modelId": repo.repo_id,
+                            "sha": repo.sha,
+                            "private": False,
+                            "gated": "manual" if repo.gated else False,
+                            "disabled": False,
+                            "downloads": 0,
+                            "likes": 0,
+                            "tags": [],
+                            "lastModified": "2025-01-01T00:00:00.000Z",
+                            "createdAt": "2025-01-01T00:00:00.000Z",
+                            "siblings": [repo.sibling(n) for n in sorted(repo.files)],
+                        },
+                        head,
+                    )
             elif m := _RESOLVE.match(path):
                 repo = self._repo(m["repo"], m["rev"])
                 if repo:
@@ -182,8 +196,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _file(self, repo: FakeRepo, name: str, head: bool) -> None:
         if repo.gated:
-            self._error(401, "GatedRepo", "Access to model %s is restricted. You must have access to it and be "
-                                          "authenticated to access it. Please log in." % repo.repo_id)
+            self._error(
+                401,
+                "GatedRepo",
+                "Access to model %s is restricted. You must have access to it and be "
+                "authenticated to access it. Please log in." % repo.repo_id,
+            )
             return
         if name not in repo.files:
             self._error(404, "EntryNotFound", f"{name} does not exist on main")
@@ -212,7 +230,7 @@ class _Handler(BaseHTTPRequestHandler):
         slow = name in repo.sha256
         view = memoryview(data)[start:]
         for i in range(0, len(view), self.fake.chunk_size):
-            self.wfile.write(view[i:i + self.fake.chunk_size])
+            self.wfile.write(view[i : i + self.fake.chunk_size])
             if slow and self.fake.throttle:
                 self.wfile.flush()
                 time.sleep(self.fake.throttle)

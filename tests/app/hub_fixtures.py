@@ -14,9 +14,19 @@ REPO = "pagoda-test/tiny-chat"
 BIG = 4 * 1024 * 1024
 GGUF_REPO = "pagoda-test/tiny-chat-GGUF"
 GGUF_FILES = {"tiny-chat-Q4_K_M.gguf": 2 * 1024 * 1024, "tiny-chat-Q8_0.gguf": 3 * 1024 * 1024}
-CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "vocab_size": 320,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
-          "max_position_embeddings": 512, "torch_dtype": "bfloat16", "tie_word_embeddings": True}
+CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "vocab_size": 320,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+}
 
 
 @pytest.fixture
@@ -34,22 +44,29 @@ def hub(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 128 * 1024)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)  # the manager sets it; restore it afterwards
     fake = FakeHub(chunk_size=32 * 1024)
-    fake.add_repo(REPO, {
-        "config.json": json.dumps(CONFIG).encode(),
-        "tokenizer.json": json.dumps({"model": {"type": "BPE"}}).encode(),
-        "model.safetensors": os.urandom(BIG),
-        "README.md": b"# not downloaded: the engine patterns skip it\n",
-    })
-    fake.add_repo(GGUF_REPO, {  # like Qwen/Qwen3-8B-GGUF: one file per quantization, no config.json
-        **{name: b"GGUF" + os.urandom(size - 4) for name, size in GGUF_FILES.items()},
-        "params.json": b"{}",
-        "README.md": b"# a GGUF repo\n",
-    })
+    fake.add_repo(
+        REPO,
+        {
+            "config.json": json.dumps(CONFIG).encode(),
+            "tokenizer.json": json.dumps({"model": {"type": "BPE"}}).encode(),
+            "model.safetensors": os.urandom(BIG),
+            "README.md": b"# not downloaded: the engine patterns skip it\n",
+        },
+    )
+    fake.add_repo(
+        GGUF_REPO,
+        {  # like Qwen/Qwen3-8B-GGUF: one file per quantization, no config.json
+            **{name: b"GGUF" + os.urandom(size - 4) for name, size in GGUF_FILES.items()},
+            "params.json": b"{}",
+            "README.md": b"# a GGUF repo\n",
+        },
+    )
     with fake:
         # HF_ENDPOINT is read at import time into these two constants; the manager also passes endpoint= itself.
         monkeypatch.setattr(constants, "ENDPOINT", fake.url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                            fake.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}"
+        )
         yield fake
 
 

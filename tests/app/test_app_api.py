@@ -1,4 +1,5 @@
 """The app serves the engine's OpenAI-compatible API on its own port: one engine, one batch for chats and API calls."""
+
 import httpx
 import pytest
 
@@ -35,8 +36,12 @@ def test_v1_on_the_app_port_answers_the_openai_client(app):
     api = openai.OpenAI(base_url=f"{proc.url}v1", api_key=KEY, max_retries=0)
     model = api.models.list().data[0].id
     assert model == "SmolLM2-135M-Instruct" or model == proc.model.name
-    reply = api.chat.completions.create(model=model, temperature=0, max_tokens=16, messages=[
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hello."}])
+    reply = api.chat.completions.create(
+        model=model,
+        temperature=0,
+        max_tokens=16,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hello."}],
+    )
     # The same greedy request from the page: one engine, one chat template, so the same reply and counts.
     conv = client.predict(SYSTEM, "", api_name="/new_chat")["value"]
     list(client.submit(conv, "Say hello.", SYSTEM, *GREEDY, 16, api_name="/respond"))  # the slider's least
@@ -61,8 +66,13 @@ def test_a_chat_and_an_api_call_run_in_the_same_batch(app):
     chat = client.submit(conv, "Write a long story about a lighthouse.", "", *GREEDY, 400, api_name="/respond")
     assert wait_until(lambda: running() == 1, timeout=60)
     api = openai.OpenAI(base_url=f"{proc.url}v1", api_key=KEY, max_retries=0)
-    stream = api.chat.completions.create(model=api.models.list().data[0].id, temperature=0, max_tokens=40, stream=True,
-                                         messages=[{"role": "user", "content": "Write a long poem."}])
+    stream = api.chat.completions.create(
+        model=api.models.list().data[0].id,
+        temperature=0,
+        max_tokens=40,
+        stream=True,
+        messages=[{"role": "user", "content": "Write a long poem."}],
+    )
     peak = max(running() for _ in stream)
     client.predict(conv, api_name="/stop")
     chat.cancel()

@@ -4,6 +4,7 @@ Types a message, watches the reply stream in, starts a second chat on the same s
 watches the KV-cache grid show their shared blocks. Screenshots go to test-artifacts/; with
 PAGODA_UPDATE_DOCS=1 they also replace the README's pictures in docs/.
 """
+
 import os
 import re
 import shutil
@@ -30,8 +31,16 @@ if os.environ.get("PAGODA_REQUIRE_BROWSER"):
 else:
     sync_api = pytest.importorskip("playwright.sync_api")
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -109,22 +118,26 @@ def send(page, text: str) -> None:
     box.click()
     box.press_sequentially(text, delay=5)
     box.press("Enter")
-    wait_for_js(page, f"() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length > {users}",
-                timeout=20000)
+    wait_for_js(
+        page, f"() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length > {users}", timeout=20000
+    )
 
 
 def test_chat_streams_and_the_grid_shows_two_chats_sharing_the_system_prompt(session, open_page):
     page = open_page()
     page.get_by_text("System prompt and sampling").click()
-    system = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in full "
-              "sentences, you say so when you do not know, and you never make up facts about the user.")
+    system = (
+        "You are Pagoda, a careful assistant that runs on the user's own computer. You answer in full "
+        "sentences, you say so when you do not know, and you never make up facts about the user."
+    )
     page.locator("#system-prompt textarea").fill(system)
     page.get_by_text("System prompt and sampling").click()  # fold it away again
     send(page, "Tell me a long story about a lighthouse keeper.")
     wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0", timeout=60000)
     # While it answers, the chat already carries its first words as its title in the sidebar.
-    wait_for_js(page, "() => document.querySelector('#chat-list').innerText.includes('Tell me a long story')",
-                timeout=10000)
+    wait_for_js(
+        page, "() => document.querySelector('#chat-list').innerText.includes('Tell me a long story')", timeout=10000
+    )
 
     # A second chat with the same system prompt, started while the first one is still answering.
     page.get_by_role("button", name="New chat").click()
@@ -197,8 +210,12 @@ def test_keyboard_and_look_header_shift_enter_escape_and_dark_mode(session, open
     box.fill("")
     send(page, "Write a very long story about a knight, with many chapters.")
     # Stop once some of the reply shows (the reply's bubble appears empty, before its first token).
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    wait_for_js(
+        page,
+        "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }",
+        timeout=60000,
+    )
     assert running() == 1
     page.keyboard.press("Escape")  # the shortcut for Stop
     deadline = time.time() + 20
@@ -219,8 +236,12 @@ def test_the_page_chats_on_localhost_too(session, open_page):
     page.get_by_role("button", name="New chat").click()
     wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000)
     send(page, "Say hello.")
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    wait_for_js(
+        page,
+        "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }",
+        timeout=60000,
+    )
     page.keyboard.press("Escape")
     deadline = time.time() + 20
     while running() and time.time() < deadline:
@@ -234,17 +255,25 @@ def open_new_chat(page) -> None:
     already there, or a new one), and the chat on screen is empty (an Enter before that sends into the chat open
     before)."""
     page.get_by_role("button", name="New chat").click()
-    wait_for_js(page, "() => { const on = document.querySelector('#chat-list input:checked'); "
-                      "return on !== null && on.closest('label').innerText.trim() === 'New chat' && "
-                      "document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0; }", timeout=20000)
+    wait_for_js(
+        page,
+        "() => { const on = document.querySelector('#chat-list input:checked'); "
+        "return on !== null && on.closest('label').innerText.trim() === 'New chat' && "
+        "document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0; }",
+        timeout=20000,
+    )
 
 
 def start_new_chat(page, text: str) -> None:
     """New chat, then `text` sent, until the reply's first words show."""
     open_new_chat(page)
     send(page, text)
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    wait_for_js(
+        page,
+        "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        "return bots.length > 0 && bots[bots.length - 1].innerText.trim().length > 0; }",
+        timeout=60000,
+    )
 
 
 def exported_json(page) -> dict:
@@ -317,8 +346,7 @@ def test_delete_asks_first_and_a_no_keeps_the_chat(session, open_page):
     assert "Delta question" in page.locator("#chat-list").inner_text()
     page.once("dialog", lambda d: answer(d, True))
     page.get_by_role("button", name="Delete", exact=True).click()
-    wait_for_js(page, "() => !document.querySelector('#chat-list').innerText.includes('Delta question')",
-                timeout=20000)
+    wait_for_js(page, "() => !document.querySelector('#chat-list').innerText.includes('Delta question')", timeout=20000)
     assert len(asked) == 2
     page.close()
 
@@ -358,11 +386,19 @@ def test_stop_marks_the_reply_stopped_in_a_chat_that_already_has_replies(session
     wait_for_js(page, "() => document.querySelector('#chatbot').innerText.includes('stopped')", timeout=20000)
     wait_idle(client)
     send(page, "Now write a very long story about it, with many chapters.")
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "return bots.length > 1 && bots[bots.length - 1].innerText.trim().length > 0; }", timeout=60000)
+    wait_for_js(
+        page,
+        "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        "return bots.length > 1 && bots[bots.length - 1].innerText.trim().length > 0; }",
+        timeout=60000,
+    )
     page.keyboard.press("Escape")
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "return bots[bots.length - 1].innerText.includes('stopped'); }", timeout=20000)
+    wait_for_js(
+        page,
+        "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        "return bots[bots.length - 1].innerText.includes('stopped'); }",
+        timeout=20000,
+    )
     assert bot_text(page).split("\n")[0]  # what was written so far stays above the line
     page.close()
 
@@ -376,23 +412,34 @@ def test_a_long_paste_shows_how_much_is_read_and_the_meter_counts_the_reply(sess
     _, client, _ = session
     page = open_page()
     open_new_chat(page)
-    meter = lambda: int(re.search(r"Context: ([\d,]+)", page.locator("#context-meter").inner_text())[1]
-                        .replace(",", ""))
+    meter = lambda: int(
+        re.search(r"Context: ([\d,]+)", page.locator("#context-meter").inner_text())[1].replace(",", "")
+    )
     before = meter()
     paste = "Summarize this. " + "The keeper climbed the stairs of the lighthouse every evening at dusk. " * 330
     page.locator("#message textarea").fill(paste)
     page.locator("#message textarea").press("Enter")
     # Partway through: tokens read so far, out of the whole prompt (chunks of 2,048 on a CPU).
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      f"const m = bots.length && bots[bots.length - 1].innerText.match({PROGRESS}); "
-                      "return m && +m[1].replace(/,/g, '') > 0 && +m[1].replace(/,/g, '') < +m[2].replace(/,/g, ''); }",
-                timeout=60000)
+    wait_for_js(
+        page,
+        "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        f"const m = bots.length && bots[bots.length - 1].innerText.match({PROGRESS}); "
+        "return m && +m[1].replace(/,/g, '') > 0 && +m[1].replace(/,/g, '') < +m[2].replace(/,/g, ''); }",
+        timeout=60000,
+    )
     # The reply begins: the progress line gives way to its words, and the meter counts the prompt and the reply.
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "const t = bots[bots.length - 1].innerText; return t.trim() && !t.includes('Reading the'); }",
-                timeout=60000)
-    wait_for_js(page, "() => +document.querySelector('#context-meter').innerText.match(/Context: ([\\d,]+)/)[1]"
-                      f".replace(/,/g, '') > {before + 4000}", timeout=20000)
+    wait_for_js(
+        page,
+        "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        "const t = bots[bots.length - 1].innerText; return t.trim() && !t.includes('Reading the'); }",
+        timeout=60000,
+    )
+    wait_for_js(
+        page,
+        "() => +document.querySelector('#context-meter').innerText.match(/Context: ([\\d,]+)/)[1]"
+        f".replace(/,/g, '') > {before + 4000}",
+        timeout=20000,
+    )
     first = meter()
     deadline = time.time() + 20
     while meter() == first and time.time() < deadline:
@@ -420,8 +467,9 @@ def test_a_phone_screen_shows_the_chat_first_and_the_chat_list_in_a_drawer(sessi
         wait_for_js(page, drawer_open, timeout=10000)
         page.locator("#new-chat").click()  # a new chat: the drawer gives the screen back to it
         wait_for_js(page, f"() => !({drawer_open})()", timeout=10000)
-        wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0",
-                    timeout=20000)
+        wait_for_js(
+            page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0", timeout=20000
+        )
         shot(page, "phone.png")
     finally:
         page.close()
@@ -456,8 +504,16 @@ def hub_app(bundled_model, tmp_path_factory):
     hub.add_repo("pagoda-test/small-chat", {**weights, "model.safetensors": os.urandom(64 * 1024)})
     hub.add_repo("pagoda-test/big-chat", {**weights, "model.safetensors": os.urandom(8 * 1024 * 1024)})
     hub.start()
-    app = AppProcess(bundled_model, home, env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url,
-                                               "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_DISABLE_XET": "1"})
+    app = AppProcess(
+        bundled_model,
+        home,
+        env={
+            "HF_HUB_OFFLINE": "0",
+            "HF_ENDPOINT": hub.url,
+            "HF_HUB_CACHE": str(home / "hub"),
+            "HF_HUB_DISABLE_XET": "1",
+        },
+    )
     client = app.start()
     yield app, home / "hub", client
     app.kill()
@@ -485,8 +541,12 @@ def test_models_tab_cancel_and_delete_are_buttons_on_each_row(session, hub_app):
         download("pagoda-test/big-chat")
         big = page.locator(".download-row").filter(has_text="pagoda-test/big-chat")
         big.get_by_role("button", name="Cancel").click(timeout=30000)
-        wait_for_js(page, "() => [...document.querySelectorAll('.download-row')].some(r => "
-                          "r.innerText.includes('big-chat') && r.innerText.includes('cancelled'))", timeout=30000)
+        wait_for_js(
+            page,
+            "() => [...document.querySelectorAll('.download-row')].some(r => "
+            "r.innerText.includes('big-chat') && r.innerText.includes('cancelled'))",
+            timeout=30000,
+        )
         assert big.get_by_role("button", name="Cancel").count() == 0  # nothing left to cancel
         assert page.locator(".model-row").filter(has_text="pagoda-test/big-chat").count() == 0
 
@@ -498,8 +558,11 @@ def test_models_tab_cancel_and_delete_are_buttons_on_each_row(session, hub_app):
         assert (cache / "models--pagoda-test--small-chat").exists() and small.count() == 1
         page.once("dialog", lambda d: d.accept())
         small.get_by_role("button", name="Delete").click()
-        wait_for_js(page, "() => ![...document.querySelectorAll('.model-row')].some(r => "
-                          "r.innerText.includes('small-chat'))", timeout=20000)
+        wait_for_js(
+            page,
+            "() => ![...document.querySelectorAll('.model-row')].some(r => r.innerText.includes('small-chat'))",
+            timeout=20000,
+        )
         assert not (cache / "models--pagoda-test--small-chat").exists()
         shot(page, "models-rows.png")
 
@@ -507,8 +570,12 @@ def test_models_tab_cancel_and_delete_are_buttons_on_each_row(session, hub_app):
         download("pagoda-test/big-chat")
         big.get_by_role("button", name="Cancel").wait_for(timeout=30000)
         assert client.predict("pagoda-test/big-chat", api_name="/cancel_download").startswith("Cancelling 1 ")
-        wait_for_js(page, "() => ![...document.querySelectorAll('.download-row')].some(r => "
-                          "r.innerText.includes('big-chat') && r.innerText.includes('running'))", timeout=30000)
+        wait_for_js(
+            page,
+            "() => ![...document.querySelectorAll('.download-row')].some(r => "
+            "r.innerText.includes('big-chat') && r.innerText.includes('running'))",
+            timeout=30000,
+        )
         download("pagoda-test/small-chat")
         small.wait_for(timeout=60000)
         assert "Free disk" in client.predict("pagoda-test/small-chat", api_name="/delete_model")
@@ -527,9 +594,13 @@ def test_a_message_that_overflows_stays_in_the_box_and_drop_the_oldest_turn_answ
     first = "Remember this. " + "The keeper lit the lamp at dusk and watched the ships pass by. " * 300  # ~4,200
     box.fill(first)
     box.press("Enter")
-    wait_for_js(page, "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "const t = bots.length ? bots[bots.length - 1].innerText : ''; "
-                      "return t.trim() && !t.includes('Reading the'); }", timeout=120000)
+    wait_for_js(
+        page,
+        "() => { const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        "const t = bots.length ? bots[bots.length - 1].innerText : ''; "
+        "return t.trim() && !t.includes('Reading the'); }",
+        timeout=120000,
+    )
     page.keyboard.press("Escape")
     wait_idle(client)
     second = "Now this. " + "The storm came in from the west and the keeper climbed the stairs. " * 300  # ~4,200
@@ -540,10 +611,14 @@ def test_a_message_that_overflows_stays_in_the_box_and_drop_the_oldest_turn_answ
     assert page.locator('#chatbot [data-testid="user"]').count() == 1  # not saved into the chat
     page.get_by_role("button", name="Drop the oldest turn").click()
     # The first turn goes and the second message is sent and answered.
-    wait_for_js(page, "() => { const users = document.querySelectorAll('#chatbot [data-testid=\"user\"]'); "
-                      "const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
-                      "return users.length === 1 && users[0].innerText.startsWith('Now this.') && bots.length === 1 "
-                      "&& bots[0].innerText.trim() && !bots[0].innerText.includes('Reading the'); }", timeout=120000)
+    wait_for_js(
+        page,
+        "() => { const users = document.querySelectorAll('#chatbot [data-testid=\"user\"]'); "
+        "const bots = document.querySelectorAll('#chatbot [data-testid=\"bot\"]'); "
+        "return users.length === 1 && users[0].innerText.startsWith('Now this.') && bots.length === 1 "
+        "&& bots[0].innerText.trim() && !bots[0].innerText.includes('Reading the'); }",
+        timeout=120000,
+    )
     assert box.input_value() == ""
     page.keyboard.press("Escape")
     wait_idle(client)
@@ -559,10 +634,15 @@ def test_edit_last_message_while_the_reply_streams_stops_it_and_puts_the_message
     start_new_chat(page, "Write a very long story about a miller, with many chapters.")
     page.get_by_role("button", name="Edit last message").click()
     box = page.locator("#message textarea")
-    wait_for_js(page, "() => document.querySelector('#message textarea').value.startsWith('Write a very long')",
-                timeout=20000)
-    wait_for_js(page, "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0 && "
-                      "document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=20000)
+    wait_for_js(
+        page, "() => document.querySelector('#message textarea').value.startsWith('Write a very long')", timeout=20000
+    )
+    wait_for_js(
+        page,
+        "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0 && "
+        "document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0",
+        timeout=20000,
+    )
     wait_idle(client)
     time.sleep(1)  # a late frame of the stopped reply would land now
     assert page.locator('#chatbot [data-testid="bot"]').count() == 0
@@ -591,14 +671,18 @@ def test_the_models_form_names_the_dtype_it_loads_and_says_when_a_path_does_not_
     quant.click()
     page.get_by_role("option", name="none", exact=True).click()
     expected = str(pick_dtype("auto", torch.device("cpu"), False)).removeprefix("torch.")
-    wait_for_js(page, "() => document.querySelector('#fit-estimate').innerText.includes('"
-                      f"{expected}') && document.querySelector('#fit-estimate').innerText.includes('360M')",
-                timeout=20000)
+    wait_for_js(
+        page,
+        "() => document.querySelector('#fit-estimate').innerText.includes('"
+        f"{expected}') && document.querySelector('#fit-estimate').innerText.includes('360M')",
+        timeout=20000,
+    )
     model.fill("/no/such/model/folder")
     model.press("Enter")
     page.get_by_role("button", name="Load", exact=True).click()
-    wait_for_js(page, "() => document.body.innerText.includes('There is no model folder or .gguf file at')",
-                timeout=20000)
+    wait_for_js(
+        page, "() => document.body.innerText.includes('There is no model folder or .gguf file at')", timeout=20000
+    )
     assert "press Download first" not in page.locator("body").inner_text()
     page.close()
 
@@ -612,8 +696,9 @@ def test_a_reply_cut_by_a_crash_reads_interrupted_after_the_restart(bundled_mode
     client = app.start()
     try:
         conv = client.predict("", "", api_name="/new_chat")["value"]
-        client.submit(conv, "Write a very long poem about the sea.", "", 0.0, 1.0, -1, 0.0, 1.0, 2000,
-                      api_name="/respond")
+        client.submit(
+            conv, "Write a very long poem about the sea.", "", 0.0, 1.0, -1, 0.0, 1.0, 2000, api_name="/respond"
+        )
         saved = lambda: [m["content"] for m in client.predict(conv, api_name="/messages")][1:2] not in ([], [""])
         assert wait_until(saved, timeout=120)
         app.kill()  # kill -9 while the reply streams
@@ -622,8 +707,12 @@ def test_a_reply_cut_by_a_crash_reads_interrupted_after_the_restart(bundled_mode
         try:
             page.goto(app.url)
             page.locator("#context-meter").get_by_text("Context:").wait_for()
-            wait_for_js(page, "() => document.querySelector('#chatbot').innerText.includes("
-                              "'interrupted: Pagoda stopped before this reply finished')", timeout=30000)
+            wait_for_js(
+                page,
+                "() => document.querySelector('#chatbot').innerText.includes("
+                "'interrupted: Pagoda stopped before this reply finished')",
+                timeout=30000,
+            )
         finally:
             page.close()
     finally:

@@ -1,5 +1,6 @@
 """In a real browser, as test_browser.py (whose app process, browser and helpers these share): what a new user
 reported in issue 28, item 5."""
+
 import json
 import re
 import uuid
@@ -25,8 +26,12 @@ def test_stop_inside_a_code_block_puts_the_stats_line_under_the_block(session, o
     _, client, _ = session
     page = open_page()
     start_new_chat(page, "Write a long Python program with many functions, in one code block.")
-    wait_for_js(page, f"() => {{ const code = {LAST_BOT}.querySelector('pre'); "
-                      "return code && code.innerText.trim().split('\\n').length >= 2; }", timeout=120000)
+    wait_for_js(
+        page,
+        f"() => {{ const code = {LAST_BOT}.querySelector('pre'); "
+        "return code && code.innerText.trim().split('\\n').length >= 2; }",
+        timeout=120000,
+    )
     page.keyboard.press("Escape")  # Stop while the block is still open
     wait_for_js(page, f"() => {LAST_BOT}.innerText.includes('stopped')", timeout=30000)
     wait_idle(client)
@@ -34,11 +39,13 @@ def test_stop_inside_a_code_block_puts_the_stats_line_under_the_block(session, o
     reply = client.predict(conversation["id"], api_name="/messages")[-1]["content"]
     fences = [line for line in reply.split("\n") if line.lstrip().startswith("```")]
     assert len(fences) % 2 == 1, reply  # it was stopped inside the block, as the user did
-    stats = page.evaluate(f"() => {{ const sub = {LAST_BOT}.querySelector('sub'); "
-                          "return sub && {text: sub.innerText, inCode: sub.closest('pre, code') !== null}; }")
+    stats = page.evaluate(
+        f"() => {{ const sub = {LAST_BOT}.querySelector('sub'); "
+        "return sub && {text: sub.innerText, inCode: sub.closest('pre, code') !== null}; }"
+    )
     assert stats is not None, "no <sub> element under the reply: its stats line was shown as code"
     assert "stopped" in stats["text"] and not stats["inCode"]
-    assert "stopped" not in page.locator("#chatbot [data-testid=\"bot\"] pre").last.inner_text()
+    assert "stopped" not in page.locator('#chatbot [data-testid="bot"] pre').last.inner_text()
     page.close()
 
 
@@ -69,9 +76,12 @@ def test_export_right_after_a_switch_or_a_rename_is_the_chat_on_screen_with_its_
         assert json.loads(text)["title"] == title and name == f"{title}.json"
     # Back to the first chat, and Export in the same instant (the chat is still opening)
     with page.expect_download(timeout=20000) as download:
-        page.evaluate("(title) => { const find = (css, fits) => [...document.querySelectorAll(css)].find(fits); "
-                      "find('#chat-list label', l => l.innerText.includes(title)).click(); "
-                      "find('button', b => b.innerText === 'Export Markdown').click(); }", titles[0])
+        page.evaluate(
+            "(title) => { const find = (css, fits) => [...document.querySelectorAll(css)].find(fits); "
+            "find('#chat-list label', l => l.innerText.includes(title)).click(); "
+            "find('button', b => b.innerText === 'Export Markdown').click(); }",
+            titles[0],
+        )
     name, text = download.value.suggested_filename, Path(download.value.path()).read_text(encoding="utf-8")
     assert name == f"{titles[0]}.md" and text.startswith(f"# {titles[0]}\n")
     name, text = export(page, "Export JSON")
@@ -101,8 +111,10 @@ def test_a_system_prompt_typed_then_left_before_sending_is_kept_and_the_meter_co
     prompt = "You are a patient tutor who explains every step of a calculation in plain words."
     box.click()
     box.press_sequentially(prompt, delay=5)
-    counts_it = ("() => +document.querySelector('#context-meter').innerText.match(/Context: ([\\d,]+)/)[1]"
-                 f".replace(/,/g, '') > {before + 10}")
+    counts_it = (
+        "() => +document.querySelector('#context-meter').innerText.match(/Context: ([\\d,]+)/)[1]"
+        f".replace(/,/g, '') > {before + 10}"
+    )
     wait_for_js(page, counts_it, timeout=20000)  # counted as it is typed
     page.locator(f'#chat-list input[value="{other}"]').click()  # at once, before sending anything
     test_browser.sync_api.expect(box).to_have_value("")
@@ -152,8 +164,12 @@ def test_inline_math_renders_and_prices_stay_text(session, open_page):
     with ConversationStore(app.home / "pagoda.db") as store:  # the app's own database, as another process
         chat = store.create(title=f"Math {uuid.uuid4().hex[:6]}").id
         store.add_message(chat, "user", "Area of a circle?")
-        store.add_message(chat, "assistant", "It is $\\pi r^2$, or \\(2\\pi r\\) around it. A compass costs $5 and a "
-                                             "book $10.", {"finish_reason": "stop", "ttft_s": 0.1, "output_tokens": 9})
+        store.add_message(
+            chat,
+            "assistant",
+            "It is $\\pi r^2$, or \\(2\\pi r\\) around it. A compass costs $5 and a book $10.",
+            {"finish_reason": "stop", "ttft_s": 0.1, "output_tokens": 9},
+        )
     page = open_page()  # on the newest chat: this one
     wait_for_js(page, f"() => {LAST_BOT}.querySelectorAll('.katex').length >= 2", timeout=20000)
     maths = page.evaluate(f"() => [...{LAST_BOT}.querySelectorAll('.katex annotation')].map(a => a.textContent)")
@@ -171,8 +187,11 @@ def test_a_title_typed_right_after_new_chat_stays_in_the_field(session, open_pag
     page.get_by_role("button", name="New chat").click()
     # New chat has answered (the list shows the new chat chosen): type at once, while the chat opens. (Typing
     # before the server has even had the click is not covered: a person is not that fast.)
-    wait_for_js(page, "() => document.querySelector('#chat-list input:checked')?.closest('label').innerText.trim()"
-                      " === 'New chat'", timeout=20000)
+    wait_for_js(
+        page,
+        "() => document.querySelector('#chat-list input:checked')?.closest('label').innerText.trim() === 'New chat'",
+        timeout=20000,
+    )
     title.select_text()  # what the field holds now, replaced by what is typed
     title.press_sequentially("Lighthouses", delay=5)
     page.wait_for_timeout(1500)  # the opening, and a few timer ticks

@@ -10,12 +10,23 @@ from app.device_memory import GiB, MiB, available_memory
 from app.memory_estimate import estimate_memory, fit_report, quantization_advice, weights_bytes
 
 REQUESTED = {
-    "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct",
-    "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct",
-    "Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-4B",
-    "meta-llama/Llama-3.2-1B-Instruct", "meta-llama/Llama-3.2-3B-Instruct",
-    "Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
-    "Qwen/Qwen3-8B-GGUF", "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF", "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+    "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "HuggingFaceTB/SmolLM2-360M-Instruct",
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "Qwen/Qwen2.5-0.5B-Instruct",
+    "Qwen/Qwen2.5-1.5B-Instruct",
+    "Qwen/Qwen2.5-3B-Instruct",
+    "Qwen/Qwen3-0.6B",
+    "Qwen/Qwen3-1.7B",
+    "Qwen/Qwen3-4B",
+    "meta-llama/Llama-3.2-1B-Instruct",
+    "meta-llama/Llama-3.2-3B-Instruct",
+    "Qwen/Qwen3-8B",
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+    "Qwen/Qwen3-8B-GGUF",
+    "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF",
+    "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
 }
 # GGUF repos: the one file each entry downloads, and its quantization
 GGUF = {
@@ -56,17 +67,25 @@ def test_catalog_has_the_requested_models_once(catalog):
 def test_every_entry_is_consistent(catalog):
     for e in catalog:
         assert e.supported, e.repo_id
-        assert e.family == {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                            "Qwen3ForCausalLM": "qwen3"}[e.architecture]
+        assert (
+            e.family
+            == {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[e.architecture]
+        )
         assert e.checkpoint_dtype == "bfloat16"
         assert e.num_attention_heads % e.num_key_value_heads == 0, e.repo_id
         assert e.head_dim * e.num_attention_heads == e.hidden_size or e.family == "qwen3", e.repo_id
         # The parameter count follows from the architecture numbers (tied embeddings counted once).
-        counted = count_params(hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,
-                               vocab_size=e.vocab_size,
-                               num_hidden_layers=e.num_hidden_layers, num_attention_heads=e.num_attention_heads,
-                               num_key_value_heads=e.num_key_value_heads, head_dim=e.head_dim,
-                               tie_word_embeddings=e.tie_word_embeddings, family=e.family)
+        counted = count_params(
+            hidden_size=e.hidden_size,
+            intermediate_size=e.intermediate_size,
+            vocab_size=e.vocab_size,
+            num_hidden_layers=e.num_hidden_layers,
+            num_attention_heads=e.num_attention_heads,
+            num_key_value_heads=e.num_key_value_heads,
+            head_dim=e.head_dim,
+            tie_word_embeddings=e.tie_word_embeddings,
+            family=e.family,
+        )
         assert counted == e.params, e.repo_id
         assert (e.gguf_file, e.gguf_type) == GGUF.get(e.repo_id, ("", "")), e.repo_id
         if e.is_gguf:
@@ -109,9 +128,24 @@ def test_the_8b_models_have_their_known_sizes(catalog):
 
 def test_an_old_catalog_without_gguf_keys_still_loads(tmp_path):
     old = tmp_path / "catalog.json"
-    old.write_text(json.dumps({"models": [dict(repo_id="a/b", params=10**9, checkpoint_dtype="bfloat16",
-                                               download_bytes=2 * 10**9, num_hidden_layers=2, num_key_value_heads=1,
-                                               head_dim=64, max_position_embeddings=1024)]}))
+    old.write_text(
+        json.dumps(
+            {
+                "models": [
+                    dict(
+                        repo_id="a/b",
+                        params=10**9,
+                        checkpoint_dtype="bfloat16",
+                        download_bytes=2 * 10**9,
+                        num_hidden_layers=2,
+                        num_key_value_heads=1,
+                        head_dim=64,
+                        max_position_embeddings=1024,
+                    )
+                ]
+            }
+        )
+    )
     (entry,) = load_catalog(old)
     assert entry.gguf_file == entry.gguf_type == "" and not entry.is_gguf
 
@@ -237,9 +271,17 @@ def test_available_memory_cuda_stays_within_the_process_memory_cap(monkeypatch):
 
 
 QWEN3_06B_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072, "vocab_size": 151936,
-    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 40960, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -254,8 +296,14 @@ def test_entry_from_config_matches_the_catalog():
 
 def test_entry_from_config_fallbacks():
     # No head_dim: hidden / heads; no kv heads: MHA; dims missing: params from size and dtype.
-    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 22,
-           "num_attention_heads": 32, "max_position_embeddings": 2048, "dtype": "float32"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 2048,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "dtype": "float32",
+    }
     e = entry_from_config("x/llama", cfg, 4_000_000_000)
     assert e.head_dim == 64 and e.num_key_value_heads == 32 and e.params == 1_000_000_000
     assert e.checkpoint_dtype == "float32"
@@ -279,9 +327,25 @@ def test_load_catalog_errors_name_the_entry(tmp_path):
     with pytest.raises(ValueError, match="not valid JSON"):
         load_catalog(bad)
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"models": [dict(repo_id="a/b", params=10**9, checkpoint_dtype="bfloat16",
-                                                download_bytes=2 * 10**9, num_hidden_layers=2, num_key_value_heads=1,
-                                                head_dim=64, max_position_embeddings=1024, future_key=1)]}))
+    good.write_text(
+        json.dumps(
+            {
+                "models": [
+                    dict(
+                        repo_id="a/b",
+                        params=10**9,
+                        checkpoint_dtype="bfloat16",
+                        download_bytes=2 * 10**9,
+                        num_hidden_layers=2,
+                        num_key_value_heads=1,
+                        head_dim=64,
+                        max_position_embeddings=1024,
+                        future_key=1,
+                    )
+                ]
+            }
+        )
+    )
     (entry,) = load_catalog(good)
     assert isinstance(entry, CatalogEntry) and entry.name == "b" and entry.params_label == "1B"
 
@@ -316,8 +380,9 @@ def test_a_tied_table_is_counted_once_and_an_untied_embedding_is_int4_under_int4
     untied.tie_word_embeddings = False
     untied.params += head  # the same model with a head of its own
     # under int4 the head is int8 (a byte a weight) and a tied embedding is that table; untied, it is int4
-    assert weights_bytes(untied, "bfloat16", "int4") - weights_bytes(e, "bfloat16", "int4") == \
-        pytest.approx(head * (0.5 + 4 / 32), rel=1e-6)
+    assert weights_bytes(untied, "bfloat16", "int4") - weights_bytes(e, "bfloat16", "int4") == pytest.approx(
+        head * (0.5 + 4 / 32), rel=1e-6
+    )
     assert weights_bytes(e, "bfloat16", "int8") < weights_bytes(untied, "bfloat16", "int8") - head
 
 
@@ -335,14 +400,18 @@ def test_advice_recommends_the_most_precise_that_leaves_room():
     gpu = "NVIDIA Test GPU (8.0 GiB)"
     a = quantization_advice(e, 4096, free_bytes=int(7.1 * GiB), device_name=gpu)
     assert a.recommended == "int4"
-    assert a.message == ("Fits in 7.1 GiB free: int4 leaves room for 4,608 tokens of context (recommended); "
-                         "int8 does not fit; full precision does not fit.")
+    assert a.message == (
+        "Fits in 7.1 GiB free: int4 leaves room for 4,608 tokens of context (recommended); "
+        "int8 does not fit; full precision does not fit."
+    )
     assert [o.quantization for o in a.options] == ["none", "int8", "int4"]
 
     a = quantization_advice(e, 4096, free_bytes=12 * GiB, device_name=gpu)
     assert a.recommended == "int8"
-    assert a.message.startswith("Fits in 12.0 GiB free: int8 leaves room for 15,616 tokens of context (recommended); "
-                                "int4 fits 36,864; full precision does not fit")
+    assert a.message.startswith(
+        "Fits in 12.0 GiB free: int8 leaves room for 15,616 tokens of context (recommended); "
+        "int4 fits 36,864; full precision does not fit"
+    )
 
     roomy = quantization_advice(e, 4096, free_bytes=40 * GiB, device_name=gpu)
     assert roomy.recommended == "none" and roomy.message.startswith("Fits in 40.0 GiB free: full precision leaves")

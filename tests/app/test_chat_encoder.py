@@ -1,5 +1,6 @@
 """One chat encoder: a chat in the app and a /v1 call with the same system prompt become the same
 leading token ids, so the second is served the first's KV blocks from the prefix cache."""
+
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -10,8 +11,10 @@ from app.ui import PagodaUI
 from entrypoints.openai.api_router import create_router
 from entrypoints.openai.serving import ServedModel
 
-SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
-          "sentence, and you say so when you do not know.")
+SYSTEM = (
+    "You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
+    "sentence, and you say so when you do not know."
+)
 GREEDY = (0.0, 1.0, -1, 0.0, 1.0)  # temperature, top_p, top_k, min_p, repetition_penalty
 
 
@@ -36,8 +39,9 @@ def test_a_chat_and_an_api_call_with_the_same_system_prompt_share_its_blocks(tin
         api = FastAPI()
         api.include_router(create_router(lambda: ServedModel(engine, "tiny")))
         question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache?"}]
-        answer = TestClient(api).post("/v1/chat/completions",
-                                      json={"messages": question, "max_tokens": 2, "temperature": 0})
+        answer = TestClient(api).post(
+            "/v1/chat/completions", json={"messages": question, "max_tokens": 2, "temperature": 0}
+        )
         assert answer.status_code == 200, answer.text
 
         chat_ids = engine.encode_chat(chat_messages(SYSTEM, [{"role": "user", "content": "Hello there"}]))

@@ -1,5 +1,6 @@
 """A chat's settings as one typed object: what an old chat stored reads back with defaults, a newer Pagoda's keys
 are left out, and the page's values (floats from sliders, "" for no seed) come out typed."""
+
 import pytest
 
 from app.backend import sampling_params

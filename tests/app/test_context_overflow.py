@@ -1,5 +1,6 @@
 """A chat that outgrows the context: the message that does not fit stays out of the chat (and in the box), and
 "Drop the oldest turn" drops it and sends the message, so the one offered action finishes the job."""
+
 import pytest
 
 from app.model_host import ModelHost

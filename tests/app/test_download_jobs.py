@@ -144,6 +144,7 @@ def test_inspect_estimates_an_arbitrary_repo(manager, hub):
 
 # ---- GGUF repos: one file of the repo ------------------------------------------------------------------------------
 
+
 def test_a_gguf_download_fetches_only_the_chosen_file_and_loads_from_it(manager, hub, monkeypatch):
     from app import catalog
     from app.model_host import resolve_model
@@ -174,9 +175,18 @@ def test_a_gguf_download_fetches_only_the_chosen_file_and_loads_from_it(manager,
     assert resolve_model(f"{GGUF_REPO}/{Q4}", downloaded) == (str(model.load_path), GGUF_REPO)  # typed as a hub file
     with pytest.raises(RuntimeError, match=f"its file {Q8} is not downloaded yet"):
         resolve_model(f"{GGUF_REPO}/{Q8}", downloaded)
-    entry = catalog.CatalogEntry(repo_id=GGUF_REPO, params=10**6, checkpoint_dtype="bfloat16", download_bytes=size,
-                                 num_hidden_layers=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-                                 gguf_file=Q4, gguf_type="Q4_K_M")
+    entry = catalog.CatalogEntry(
+        repo_id=GGUF_REPO,
+        params=10**6,
+        checkpoint_dtype="bfloat16",
+        download_bytes=size,
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        gguf_file=Q4,
+        gguf_type="Q4_K_M",
+    )
     monkeypatch.setattr(catalog, "entry_for_repo", lambda repo_id: entry if repo_id == GGUF_REPO else None)
     assert resolve_model(GGUF_REPO, downloaded) == (str(model.load_path), GGUF_REPO)
     assert resolve_model(GGUF_REPO) == (f"{GGUF_REPO}/{Q4}", GGUF_REPO)  # the command line: the engine fetches it
@@ -200,8 +210,10 @@ def test_a_second_gguf_file_of_the_same_repo_is_its_own_job(manager, hub):
 def test_a_gguf_file_the_repo_lacks_ends_the_job_with_the_files_it_has(manager, hub):
     job = manager.wait(manager.start(GGUF_REPO, gguf_file="tiny-chat-Q2_K.gguf"), timeout=20)
     assert job.status == "error"
-    assert job.error == (f"{GGUF_REPO} has no file tiny-chat-Q2_K.gguf. It holds {Q4}, {Q8}. Pick one of those, "
-                         "or check the name on the repo's Hugging Face page.")
+    assert job.error == (
+        f"{GGUF_REPO} has no file tiny-chat-Q2_K.gguf. It holds {Q4}, {Q8}. Pick one of those, "
+        "or check the name on the repo's Hugging Face page."
+    )
     assert not any("/resolve/" in r[1] for r in hub.requests)
     with pytest.raises(ValueError, match="not a GGUF file name"):
         manager.start(GGUF_REPO, gguf_file="model.safetensors")

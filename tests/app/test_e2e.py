@@ -1,4 +1,5 @@
 """End to end through gradio_client against the real app process on the bundled model."""
+
 import sqlite3
 
 import pytest
@@ -9,8 +10,10 @@ from tests.processes import wait_until
 # Starting the app on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
 pytestmark = pytest.mark.timeout(900)
 
-SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer briefly, "
-          "you say so when you do not know, and you never make up facts about the user.")
+SYSTEM = (
+    "You are Pagoda, a careful assistant that runs on the user's own computer. You answer briefly, "
+    "you say so when you do not know, and you never make up facts about the user."
+)
 GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
 
 

@@ -1,6 +1,7 @@
 """Local exposure, against real app processes: a page that rebinds its domain to 127.0.0.1 (a foreign Host),
 another site's page (its Origin) and a text/plain POST get nothing from the page, the Gradio API or /v1; on
 the LAN (--listen) nothing is served without the login."""
+
 import re
 import socket
 
@@ -13,17 +14,24 @@ ALLOWED = "pagoda-box.test"
 TOOL = "https://notes.example"  # a site given --cors-origins
 CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 # One route of each family: the page, Gradio's config, its API (reading chats, changing the backend), /v1, /metrics.
-ROUTES = [("GET", "/", {}), ("GET", "/config", {}), ("GET", "/gradio_api/info", {}),
-          ("POST", "/gradio_api/call/conversations", {"json": {"data": [""]}}),
-          ("POST", "/gradio_api/call/load_model", {"json": {"data": ["/tmp/attackers-model"]}}),
-          ("POST", "/gradio_api/call/connect_remote", {"json": {"data": ["http://attacker.example/v1", "", ""]}}),
-          ("GET", "/v1/models", {}), ("POST", "/v1/chat/completions", {"json": CHAT}), ("GET", "/metrics", {})]
+ROUTES = [
+    ("GET", "/", {}),
+    ("GET", "/config", {}),
+    ("GET", "/gradio_api/info", {}),
+    ("POST", "/gradio_api/call/conversations", {"json": {"data": [""]}}),
+    ("POST", "/gradio_api/call/load_model", {"json": {"data": ["/tmp/attackers-model"]}}),
+    ("POST", "/gradio_api/call/connect_remote", {"json": {"data": ["http://attacker.example/v1", "", ""]}}),
+    ("GET", "/v1/models", {}),
+    ("POST", "/v1/chat/completions", {"json": CHAT}),
+    ("GET", "/metrics", {}),
+]
 
 
 @pytest.fixture(scope="module")
 def local_app(tiny_llama, tmp_path_factory):
-    app = AppProcess(tiny_llama, tmp_path_factory.mktemp("local_home"), "--allowed-hosts", ALLOWED,
-                     "--cors-origins", TOOL)
+    app = AppProcess(
+        tiny_llama, tmp_path_factory.mktemp("local_home"), "--allowed-hosts", ALLOWED, "--cors-origins", TOOL
+    )
     client = app.start()
     yield app, client
     app.kill()
@@ -52,8 +60,9 @@ def unchanged(client) -> None:
 
 
 # evil-localhost and x-pagoda-box.test end with a served name: a suffix match would let them in.
-@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:7860", "[2001:db8::1]", "evil-localhost",
-                                  f"x-{ALLOWED}:7860"])
+@pytest.mark.parametrize(
+    "host", ["attacker.example", "attacker.example:7860", "[2001:db8::1]", "evil-localhost", f"x-{ALLOWED}:7860"]
+)
 @pytest.mark.parametrize("method, path, kwargs", ROUTES)
 def test_a_foreign_host_gets_a_403_on_every_route_family(local_app, host, method, path, kwargs):
     app, client = local_app
@@ -75,8 +84,9 @@ def test_a_v1_post_that_is_not_json_gets_a_415(local_app, content_type):
     import json
 
     app, _ = local_app
-    r = request(app, "POST", "/v1/chat/completions", headers={"Content-Type": content_type},
-                content=json.dumps(CHAT).encode())
+    r = request(
+        app, "POST", "/v1/chat/completions", headers={"Content-Type": content_type}, content=json.dumps(CHAT).encode()
+    )
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
     assert request(app, "POST", "/v1/chat/completions", json=CHAT).status_code == 200
 
@@ -89,8 +99,13 @@ def test_another_sites_page_gets_a_403_and_no_cors_headers(local_app):
         assert r.status_code == 403 and "--cors-origins" in r.text, path
         assert "access-control-allow-origin" not in r.headers
     # The text/plain POST a page sends without a preflight, to point the app at the attacker's server.
-    r = request(app, "POST", "/gradio_api/call/connect_remote", headers={**origin, "Content-Type": "text/plain"},
-                content=b'{"data": ["http://attacker.example/v1", "", ""]}')
+    r = request(
+        app,
+        "POST",
+        "/gradio_api/call/connect_remote",
+        headers={**origin, "Content-Type": "text/plain"},
+        content=b'{"data": ["http://attacker.example/v1", "", ""]}',
+    )
     assert r.status_code == 403
     unchanged(client)
 
@@ -100,21 +115,32 @@ def test_cors_is_off_for_unnamed_origins_and_on_for_cors_origins(local_app):
     # Gradio echoes a localhost origin to a localhost host; the guard removes it: no wildcard, no echo.
     local_page = request(app, "GET", "/config", headers={"Origin": "http://localhost:3000"})
     assert local_page.status_code == 200 and "access-control-allow-origin" not in local_page.headers
-    preflight = request(app, "OPTIONS", "/v1/chat/completions", headers={
-        "Origin": TOOL, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    preflight = request(
+        app,
+        "OPTIONS",
+        "/v1/chat/completions",
+        headers={
+            "Origin": TOOL,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
     assert preflight.status_code in (200, 204) and preflight.headers["access-control-allow-origin"] == TOOL
     r = request(app, "POST", "/v1/chat/completions", headers={"Origin": TOOL}, json=CHAT)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == TOOL
 
 
 # ---- --listen ------------------------------------------------------------------------------------
-PROTECTED = [("GET", "/config", {}), ("GET", "/gradio_api/info", {}),
-             ("POST", "/gradio_api/queue/join", {"json": {"data": [], "fn_index": 0, "session_hash": "x"}}),
-             ("POST", "/gradio_api/call/delete", {"json": {"data": [1]}}),
-             ("POST", "/gradio_api/call/conversations", {"json": {"data": [""]}}),
-             ("POST", "/gradio_api/call/messages", {"json": {"data": [1]}}),
-             ("POST", "/gradio_api/call/load_model", {"json": {"data": ["/tmp/attackers-model"]}}),
-             ("POST", "/gradio_api/call/connect_remote", {"json": {"data": ["http://attacker.example/v1", "", ""]}})]
+PROTECTED = [
+    ("GET", "/config", {}),
+    ("GET", "/gradio_api/info", {}),
+    ("POST", "/gradio_api/queue/join", {"json": {"data": [], "fn_index": 0, "session_hash": "x"}}),
+    ("POST", "/gradio_api/call/delete", {"json": {"data": [1]}}),
+    ("POST", "/gradio_api/call/conversations", {"json": {"data": [""]}}),
+    ("POST", "/gradio_api/call/messages", {"json": {"data": [1]}}),
+    ("POST", "/gradio_api/call/load_model", {"json": {"data": ["/tmp/attackers-model"]}}),
+    ("POST", "/gradio_api/call/connect_remote", {"json": {"data": ["http://attacker.example/v1", "", ""]}}),
+]
 
 
 def test_listen_without_auth_prints_a_login(lan_app):
@@ -163,8 +189,17 @@ def test_without_cors_origins_the_app_sends_no_cors_headers(lan_app, origin):
     when reached by a LAN name); the guard strips it, so no page is told it may read the answers."""
     app, _ = lan_app
     for host in (None, f"{socket.gethostname()}:{app.port}"):
-        preflight = request(app, "OPTIONS", "/gradio_api/info", host, headers={
-            "Origin": origin, "Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "content-type"})
+        preflight = request(
+            app,
+            "OPTIONS",
+            "/gradio_api/info",
+            host,
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "content-type",
+            },
+        )
         assert "access-control-allow-origin" not in preflight.headers, (host, preflight.headers)
         assert "access-control-allow-credentials" not in preflight.headers
         page = request(app, "GET", "/", host, headers={"Origin": origin})

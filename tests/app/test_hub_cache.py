@@ -26,11 +26,18 @@ def add_snapshot(cache: Path, repo_id: str, files: dict[str, bytes], commit: str
 def test_complete_partial_and_snapshotless_repos(tmp_path):
     cache = tmp_path / "hub"
     done = add_snapshot(cache, "org/done", {"config.json": CONFIG, "model.safetensors": b"w" * 1000})
-    half = add_snapshot(cache, "org/half", {
-        "config.json": CONFIG, "model-1.safetensors": b"w" * 10,
-        "model.safetensors.index.json": json.dumps({"weight_map": {"a": "model-1.safetensors",
-                                                                   "b": "model-2.safetensors"}}).encode(),
-    }, commit="beef")  # delete_revisions() matches commit hashes across repos: keep them distinct
+    half = add_snapshot(
+        cache,
+        "org/half",
+        {
+            "config.json": CONFIG,
+            "model-1.safetensors": b"w" * 10,
+            "model.safetensors.index.json": json.dumps(
+                {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
+            ).encode(),
+        },
+        commit="beef",
+    )  # delete_revisions() matches commit hashes across repos: keep them distinct
     cut = repo_folder(cache, "org/cut") / "blobs"  # cancelled before its first file finished: no snapshot yet
     cut.mkdir(parents=True)
     (cut / "abc.incomplete").write_bytes(b"x" * 300)
@@ -46,7 +53,10 @@ def test_complete_partial_and_snapshotless_repos(tmp_path):
     listed = [(m.repo_id, m.complete) for m in local_models(cache, include_partial=True)]
     assert listed == [("org/cut", False), ("org/done", True), ("org/half", False)]
     assert [(m.repo_id, m.complete) for m in local_models(cache, True, busy={"org/done"})] == [
-        ("org/cut", False), ("org/done", False), ("org/half", False)], "a repo still downloading is partial"
+        ("org/cut", False),
+        ("org/done", False),
+        ("org/half", False),
+    ], "a repo still downloading is partial"
 
     assert delete_repo(cache, "org/cut") == 300
     assert delete_repo(cache, "org/done") >= 1000

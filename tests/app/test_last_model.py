@@ -48,8 +48,9 @@ def test_a_model_deleted_since_gives_the_bundled_one_and_the_reason(tmp_path, mo
     load_at_start(host, LastModel(store), None, downloaded={}, max_num_seqs=2)  # no longer downloaded
     [(label, note)] = loads
     assert label == "SmolLM2-135M-Instruct"  # the bundled model, offline: no download at start
-    assert note == ("(Qwen/Qwen3-0.6B, the model used last, is no longer on this computer: download it again "
-                    "from the Models tab.)")
+    assert note == (
+        "(Qwen/Qwen3-0.6B, the model used last, is no longer on this computer: download it again from the Models tab.)"
+    )
 
 
 def test_the_command_lines_model_wins_over_the_one_used_last(tmp_path, monkeypatch, tiny_llama):

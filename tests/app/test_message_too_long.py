@@ -1,5 +1,6 @@
 """A message that alone is longer than the context (issue 28, item 5): said at once, with its size and the
 context's, and without offering "Drop the oldest turn" or "Start a new chat", which cannot help."""
+
 import re
 
 import pytest
@@ -33,8 +34,9 @@ def test_a_message_longer_than_the_context_alone_says_so_at_once(ui, history):
     before = [m.id for m in ui.store.messages(conv)]
     chat, box, overflow, actions, _meter = last(ui.respond(conv, WORDS * 4, "Be brief.", *GREEDY, 16, None))
     assert overflow["visible"] and "This message alone is too long" in overflow["value"]
-    size = re.search(r"with the system prompt it is ([\d,]+) tokens, and the model's context holds 320,",
-                     overflow["value"])
+    size = re.search(
+        r"with the system prompt it is ([\d,]+) tokens, and the model's context holds 320,", overflow["value"]
+    )
     assert size and 372 < int(size[1].replace(",", "")) < 450  # the message's 372 tokens, the prompt and template
     assert not actions["visible"]  # no Drop the oldest turn, no Start a new chat
     assert box == WORDS * 4  # kept, to be shortened

@@ -1,6 +1,7 @@
 """Swapping models: on the CPU the old model serves until the new one is ready; on a GPU, which
 seldom holds two, the old one goes first and gives its memory back. (The GPU is simulated: these
 tests run on the CPU, with `_must_unload_first` answering as it would for an engine on CUDA.)"""
+
 import pytest
 
 import app.model_host
@@ -60,9 +61,11 @@ def test_a_failed_load_after_unloading_says_what_was_unloaded(host, tiny_qwen2, 
     recording_llm(monkeypatch, host, fail=True)
     with pytest.raises(RuntimeError) as failure:
         host.load(str(tiny_qwen2), label="tiny qwen2", wait=True, **SETTINGS)
-    assert str(failure.value) == ("Could not load tiny qwen2: the checkpoint is damaged. tiny llama was "
-                                  "unloaded to free "
-                                  "the GPU; load it again from the Models tab.")
+    assert str(failure.value) == (
+        "Could not load tiny qwen2: the checkpoint is damaged. tiny llama was "
+        "unloaded to free "
+        "the GPU; load it again from the Models tab."
+    )
     assert not host.ready and host.label == ""
 
 
@@ -74,8 +77,9 @@ def test_the_status_line_counts_the_seconds_of_a_load():
     host = ModelHost()
     host.state = LoadState("loading", "Loading Qwen3-0.6B…", "Qwen/Qwen3-0.6B", {}, time.time() - 42.2)
     assert host.status_message() == "Loading Qwen3-0.6B… 42 s so far."
-    host.state = LoadState("ready", "Qwen3-0.6B is ready on cuda (bfloat16, context 40,960 tokens, 9,000 KV "
-                           "blocks) after 61 s.")
+    host.state = LoadState(
+        "ready", "Qwen3-0.6B is ready on cuda (bfloat16, context 40,960 tokens, 9,000 KV blocks) after 61 s."
+    )
     assert host.status_message() == host.state.message
 
 

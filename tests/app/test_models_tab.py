@@ -1,6 +1,7 @@
 """The Models tab's load form as the user meets it, built in-process: the Quantization dropdown, its default (the
 recommendation for the chosen model on this machine, off for GGUF models), the estimate under it, a Load that
 passes the choice on to the engine settings, and the header that names the quantization."""
+
 from types import SimpleNamespace
 
 import gradio as gr
@@ -46,8 +47,9 @@ def handler(demo: gr.Blocks, trigger, event: str = "change", api_name: str | Non
 
 def recording_load(ui, monkeypatch) -> list:
     loads = []
-    monkeypatch.setattr(ui.host, "load",
-                        lambda source, label=None, remember_as=None, **settings: loads.append((source, settings)))
+    monkeypatch.setattr(
+        ui.host, "load", lambda source, label=None, remember_as=None, **settings: loads.append((source, settings))
+    )
     return loads
 
 
@@ -72,8 +74,10 @@ def test_picking_a_model_sets_the_recommended_quantization(page):
     assert context["value"] == 4608  # the context the recommendation leaves room for, not a fixed 4,096
     assert update["info"].endswith("Recommended here: int4")
     assert text.startswith("Download: 15.3 GiB. Qwen3 8B needs about") and "at 4,608 tokens" in text
-    assert text.endswith("Fits in 7.1 GiB free: int4 leaves room for 4,608 tokens of context (recommended); "
-                         "int8 does not fit; full precision does not fit.")
+    assert text.endswith(
+        "Fits in 7.1 GiB free: int4 leaves room for 4,608 tokens of context (recommended); "
+        "int8 does not fit; full precision does not fit."
+    )
 
     update, _, text = pick.fn("Qwen/Qwen3-8B-GGUF", "auto", 4096)
     assert update["value"] == "none" and update["interactive"] is False
@@ -111,8 +115,10 @@ def test_load_passes_the_quantization_to_the_engine_settings(page, monkeypatch, 
     load.fn(str(folder), "bfloat16", 2048, 1.5, "int8")
     load.fn(str(folder), "auto", 2048, None, "none")
     assert [settings.get("quantization") for _, settings in loads] == ["int4", "int8", None]
-    assert loads[0] == (str(folder), {"dtype": "auto", "max_model_len": 2048, "max_num_seqs": 4,
-                                      "quantization": "int4"})
+    assert loads[0] == (
+        str(folder),
+        {"dtype": "auto", "max_model_len": 2048, "max_num_seqs": 4, "quantization": "int4"},
+    )
     assert loads[1][1]["kv_cache_memory_bytes"] == int(1.5 * GiB)
 
     # A GGUF file is served as it is: the engine would refuse to quantize it again, so the choice is dropped.
@@ -133,28 +139,37 @@ def test_a_catalog_gguf_loads_its_downloaded_file(page, monkeypatch, tmp_path):
     local = SimpleNamespace(repo_id="Qwen/Qwen3-8B-GGUF", load_path=snapshot / "Qwen3-8B-Q4_K_M.gguf")
     monkeypatch.setattr(DownloadManager, "local_models", lambda self, include_partial=False: [local])
     handler(demo, None, api_name="load").fn("Qwen/Qwen3-8B-GGUF", "auto", 4096, None, "int4")
-    assert loads == [(str(snapshot / "Qwen3-8B-Q4_K_M.gguf"), {"dtype": "auto", "max_model_len": 4096,
-                                                                "max_num_seqs": 4})]
+    assert loads == [
+        (str(snapshot / "Qwen3-8B-Q4_K_M.gguf"), {"dtype": "auto", "max_model_len": 4096, "max_num_seqs": 4})
+    ]
 
 
 def test_downloading_a_catalog_gguf_asks_for_its_one_file(page, monkeypatch):
     _, demo = page
     started = []
-    monkeypatch.setattr(DownloadManager, "start", lambda self, repo_id, gguf_file="": started.append(
-        (repo_id, gguf_file)))
-    download = handler(demo, next(b for b in demo.blocks.values() if isinstance(b, gr.Button)
-                                  and b.value == "Download"), "click")
+    monkeypatch.setattr(
+        DownloadManager, "start", lambda self, repo_id, gguf_file="": started.append((repo_id, gguf_file))
+    )
+    download = handler(
+        demo, next(b for b in demo.blocks.values() if isinstance(b, gr.Button) and b.value == "Download"), "click"
+    )
     download.fn("Qwen/Qwen3-8B-GGUF")
     download.fn("Qwen/Qwen3-8B")
     download.fn("someone/repo-GGUF/sub/file-Q5_K_M.gguf")
-    assert started == [("Qwen/Qwen3-8B-GGUF", "Qwen3-8B-Q4_K_M.gguf"), ("Qwen/Qwen3-8B", ""),
-                       ("someone/repo-GGUF", "sub/file-Q5_K_M.gguf")]
+    assert started == [
+        ("Qwen/Qwen3-8B-GGUF", "Qwen3-8B-Q4_K_M.gguf"),
+        ("Qwen/Qwen3-8B", ""),
+        ("someone/repo-GGUF", "sub/file-Q5_K_M.gguf"),
+    ]
 
 
 def fake_engine(quantization: str, decode: str = "compiled (1 row)") -> SimpleNamespace:
-    return SimpleNamespace(stats=lambda: SimpleNamespace(quantization=quantization, decode=decode), device="cpu",
-                           max_model_len=8192,
-                           tokenizer=SimpleNamespace(chat_template="{{ messages }}"))
+    return SimpleNamespace(
+        stats=lambda: SimpleNamespace(quantization=quantization, decode=decode),
+        device="cpu",
+        max_model_len=8192,
+        tokenizer=SimpleNamespace(chat_template="{{ messages }}"),
+    )
 
 
 def test_the_header_names_the_quantization(tmp_path):
@@ -175,8 +190,15 @@ def test_the_header_says_while_the_decode_steps_compile(tmp_path):
 
 def test_a_model_loaded_with_int8_says_so_in_the_status_and_header(tmp_path, tiny_llama):
     host = ModelHost()
-    host.load(str(tiny_llama), label="tiny llama", wait=True, dtype="float32", num_kvcache_blocks=64,
-              max_num_seqs=2, quantization="int8")
+    host.load(
+        str(tiny_llama),
+        label="tiny llama",
+        wait=True,
+        dtype="float32",
+        num_kvcache_blocks=64,
+        max_num_seqs=2,
+        quantization="int8",
+    )
     try:
         ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
         assert host.engine.stats().quantization == "int8"
@@ -190,8 +212,13 @@ def test_the_e2e_load_call_matches_the_form(page):
     """tests/app/test_e2e.py calls /load positionally: keep its argument order in step with the form."""
     _, demo = page
     load = handler(demo, None, api_name="load")
-    assert [c.label for c in load.inputs] == ["Model", "Precision", "Context length (tokens)",
-                                              "KV cache memory on a CPU, GiB", "Quantization"]
+    assert [c.label for c in load.inputs] == [
+        "Model",
+        "Precision",
+        "Context length (tokens)",
+        "KV cache memory on a CPU, GiB",
+        "Quantization",
+    ]
 
 
 def test_a_path_that_does_not_exist_says_so_without_a_traceback(page, monkeypatch, tmp_path):
@@ -207,8 +234,9 @@ def test_a_path_that_does_not_exist_says_so_without_a_traceback(page, monkeypatc
     assert loads == []
 
 
-@pytest.mark.parametrize("native_bf16, plain, quantized", [(True, "bfloat16", "float32"),
-                                                           (False, "float32", "float32")])
+@pytest.mark.parametrize(
+    "native_bf16, plain, quantized", [(True, "bfloat16", "float32"), (False, "float32", "float32")]
+)
 def test_the_estimate_names_the_dtype_the_load_will_use(monkeypatch, native_bf16, plain, quantized):
     """It said float32 on a CPU while loads used bfloat16: it asks the engine's own rule now."""
     import engine.loader.weights as weights

@@ -1,4 +1,5 @@
 """New chat opens the empty chat already in the list instead of adding another empty "New chat"."""
+
 from app.model_host import ModelHost
 from app.store import ConversationStore
 from app.ui import PagodaUI

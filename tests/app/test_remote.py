@@ -4,6 +4,7 @@ First the client's parsing and error wording on canned answers (httpx.MockTransp
 streaming HTTP server for Stop); then the app against a second Pagoda server process: a real
 OpenAI-compatible server over HTTP (`python -m engine.serve`), not a mock.
 """
+
 import json
 import socket
 import struct
@@ -39,14 +40,30 @@ def sse(*events) -> bytes:
 
 def chunk(text=None, finish=None, role=None, usage=None, choices=True) -> dict:
     delta = {k: v for k, v in (("role", role), ("content", text)) if v is not None}
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if choices else [], "usage": usage}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if choices else [],
+        "usage": usage,
+    }
 
 
-USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
-         "prompt_tokens_details": {"cached_tokens": 32}}
-REPLY = sse(chunk(role="assistant", text=""), chunk("Hel"), chunk("lo"), chunk("!"), chunk(finish="stop"),
-            chunk(usage=USAGE, choices=False), "[DONE]")
+USAGE = {
+    "prompt_tokens": 40,
+    "completion_tokens": 3,
+    "total_tokens": 43,
+    "prompt_tokens_details": {"cached_tokens": 32},
+}
+REPLY = sse(
+    chunk(role="assistant", text=""),
+    chunk("Hel"),
+    chunk("lo"),
+    chunk("!"),
+    chunk(finish="stop"),
+    chunk(usage=USAGE, choices=False),
+    "[DONE]",
+)
 
 
 def mock(handler) -> httpx.MockTransport:
@@ -67,16 +84,19 @@ def test_the_base_url_works_with_or_without_v1():
     assert split_base_url("http://h:8000/v1/") == ("http://h:8000", "http://h:8000/v1")
     assert split_base_url(" http://h:8000 ") == ("http://h:8000", "http://h:8000/v1")
     assert split_base_url("localhost:11434/v1") == ("http://localhost:11434", "http://localhost:11434/v1")
-    assert split_base_url("https://proxy.example/openai/v1") == ("https://proxy.example/openai",
-                                                                 "https://proxy.example/openai/v1")
+    assert split_base_url("https://proxy.example/openai/v1") == (
+        "https://proxy.example/openai",
+        "https://proxy.example/openai/v1",
+    )
     with pytest.raises(RemoteError, match="URL"):
         split_base_url("  ")
 
 
 def test_a_streamed_reply_becomes_increments_with_the_servers_counts():
     seen = []
-    client = RemoteClient("http://srv/v1", "sk-test", transport=answering(body=REPLY,
-                                                                          content_type="text/event-stream", seen=seen))
+    client = RemoteClient(
+        "http://srv/v1", "sk-test", transport=answering(body=REPLY, content_type="text/event-stream", seen=seen)
+    )
     outs = list(client.chat("m", [{"role": "user", "content": "Hi"}], temperature=0.0, top_p=1.0, max_tokens=8))
     assert "".join(o.text for o in outs) == "Hello!"
     assert [o.finished for o in outs] == [False, False, False, True]
@@ -101,8 +121,11 @@ def test_only_standard_fields_unless_the_nonstandard_ones_are_switched_on():
     body = json.loads(seen[-1].content)
     assert set(body) == {"model", "messages", "stream", "stream_options", "temperature", "top_p", "max_tokens"}
     assert "authorization" not in seen[-1].headers
-    list(backend.submit([{"role": "user", "content": "Hi"}],
-                        ChatSettings(top_k=40, min_p=0.05, repetition_penalty=1.1, seed=7))[0])
+    list(
+        backend.submit(
+            [{"role": "user", "content": "Hi"}], ChatSettings(top_k=40, min_p=0.05, repetition_penalty=1.1, seed=7)
+        )[0]
+    )
     body = json.loads(seen[-1].content)
     assert (body["top_k"], body["min_p"], body["repetition_penalty"], body["seed"]) == (40, 0.05, 1.1, 7)
 
@@ -135,15 +158,33 @@ def test_the_chat_flow_stores_a_remote_reply_with_its_measurements():
     assert meta["finish_reason"] == "stop" and meta["ttft_s"] is not None
 
 
-@pytest.mark.parametrize("status,body,key,expected", [
-    (401, {"error": {"message": "Unauthorized"}}, None, "wants an API key"),
-    (401, {"error": "Unauthorized"}, "wrong", "refused the API key"),
-    (400, {"error": {"message": "This model's maximum context length is 2048 tokens. However, you requested 4000.",
-                     "type": "BadRequestError", "code": 400}}, None, "maximum context length is 2048"),
-    (400, {"object": "error", "message": "top_k must be -1", "type": "BadRequestError"}, None, "400: top_k must be -1"),
-    (422, {"detail": [{"msg": "field required"}]}, None, "field required"),
-    (500, b"<html>oops</html>", None, "500: Internal Server Error"),
-])
+@pytest.mark.parametrize(
+    "status,body,key,expected",
+    [
+        (401, {"error": {"message": "Unauthorized"}}, None, "wants an API key"),
+        (401, {"error": "Unauthorized"}, "wrong", "refused the API key"),
+        (
+            400,
+            {
+                "error": {
+                    "message": "This model's maximum context length is 2048 tokens. However, you requested 4000.",
+                    "type": "BadRequestError",
+                    "code": 400,
+                }
+            },
+            None,
+            "maximum context length is 2048",
+        ),
+        (
+            400,
+            {"object": "error", "message": "top_k must be -1", "type": "BadRequestError"},
+            None,
+            "400: top_k must be -1",
+        ),
+        (422, {"detail": [{"msg": "field required"}]}, None, "field required"),
+        (500, b"<html>oops</html>", None, "500: Internal Server Error"),
+    ],
+)
 def test_refusals_are_worded_for_the_user(status, body, key, expected):
     client = RemoteClient("http://srv/v1", key, transport=answering(status, body))
     with pytest.raises(RemoteError, match=expected) as err:
@@ -183,7 +224,7 @@ def test_connect_lists_the_models_and_picks_one():
         connect("http://srv", transport=answering(404, {"detail": "Not Found"}))
 
 
-VLLM_METRICS = '''# HELP vllm:num_requests_running Number of requests in model execution batches.
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 2.0
 vllm:num_requests_running{engine="1",model_name="m"} 1.0
@@ -199,39 +240,57 @@ vllm:prefix_cache_hits_total{engine="1",model_name="m"} 4.0
 vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e+09
 vllm:request_success_total{finished_reason="stop",model_name="a \\"b\\" {c} d"} 5
 python_gc_objects_collected_total{generation="0"} 123.0
-'''
+"""
 
 
 def test_metrics_are_summed_over_label_sets():
-    samples = parse_prometheus(VLLM_METRICS + "garbage line\nvllm:odd{x=\"1\"} not-a-number\n")
+    samples = parse_prometheus(VLLM_METRICS + 'garbage line\nvllm:odd{x="1"} not-a-number\n')
     assert samples["vllm:request_success_total"] == [5.0]  # a quoted label value with braces and quotes
-    assert summarize_metrics(samples) == {"prefix_cache_queries": 400, "prefix_cache_hits": 100,
-                                          "num_requests_running": 3, "num_requests_waiting": 4,
-                                          "kv_cache_usage": 0.5, "prefix_cache_hit_rate": 0.25}
+    assert summarize_metrics(samples) == {
+        "prefix_cache_queries": 400,
+        "prefix_cache_hits": 100,
+        "num_requests_running": 3,
+        "num_requests_waiting": 4,
+        "kv_cache_usage": 0.5,
+        "prefix_cache_hit_rate": 0.25,
+    }
 
 
 def test_older_vllm_sglang_and_llama_cpp_names():
     old = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\nvllm:gpu_prefix_cache_hit_rate{model_name="m"} 0.4\n'
     assert summarize_metrics(parse_prometheus(old)) == {"kv_cache_usage": 0.5, "prefix_cache_hit_rate": 0.4}
-    sglang = ('sglang:cache_hit_rate{model_name="m"} 0.6\nsglang:num_running_reqs{model_name="m"} 3\n'
-              'sglang:num_queue_reqs 1\n')
-    assert summarize_metrics(parse_prometheus(sglang)) == {"prefix_cache_hit_rate": 0.6, "num_requests_running": 3,
-                                                          "num_requests_waiting": 1}
+    sglang = (
+        'sglang:cache_hit_rate{model_name="m"} 0.6\nsglang:num_running_reqs{model_name="m"} 3\n'
+        "sglang:num_queue_reqs 1\n"
+    )
+    assert summarize_metrics(parse_prometheus(sglang)) == {
+        "prefix_cache_hit_rate": 0.6,
+        "num_requests_running": 3,
+        "num_requests_waiting": 1,
+    }
     llama = "llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\nllamacpp:kv_cache_usage_ratio 0.1\n"
-    assert summarize_metrics(parse_prometheus(llama)) == {"num_requests_running": 1, "num_requests_waiting": 0,
-                                                         "kv_cache_usage": 0.1}
+    assert summarize_metrics(parse_prometheus(llama)) == {
+        "num_requests_running": 1,
+        "num_requests_waiting": 0,
+        "kv_cache_usage": 0.1,
+    }
 
 
 def test_metrics_from_the_servers_root_or_none():
     seen = []
-    client = RemoteClient("http://srv:8000/v1", transport=answering(body=VLLM_METRICS.encode(),
-                                                                    content_type="text/plain", seen=seen))
+    client = RemoteClient(
+        "http://srv:8000/v1", transport=answering(body=VLLM_METRICS.encode(), content_type="text/plain", seen=seen)
+    )
     assert client.metrics()["num_requests_running"] == 3 and str(seen[0].url) == "http://srv:8000/metrics"
     assert RemoteClient("http://srv", transport=answering(404, {"detail": "Not Found"})).metrics() is None
-    assert RemoteClient("http://srv", transport=answering(body=b"<html></html>",
-                                                          content_type="text/html")).metrics() is None
-    assert RemoteClient("http://srv", transport=answering(body=b"python_info 1\n",
-                                                          content_type="text/plain")).metrics() == {}
+    assert (
+        RemoteClient("http://srv", transport=answering(body=b"<html></html>", content_type="text/html")).metrics()
+        is None
+    )
+    assert (
+        RemoteClient("http://srv", transport=answering(body=b"python_info 1\n", content_type="text/plain")).metrics()
+        == {}
+    )
 
 
 def remote_ui(tmp_path, handler):
@@ -361,12 +420,17 @@ def misbehaving_server():
     server.shutdown()
 
 
-@pytest.mark.parametrize("mode, says", [
-    ("stall", "did not answer in time (ReadTimeout)"),
-    ("reset", "Connection reset by peer"),
-], ids=["stall", "reset"])
+@pytest.mark.parametrize(
+    "mode, says",
+    [
+        ("stall", "did not answer in time (ReadTimeout)"),
+        ("reset", "Connection reset by peer"),
+    ],
+    ids=["stall", "reset"],
+)
 def test_a_server_that_stalls_or_resets_mid_reply_keeps_the_text_and_says_why(
-        tmp_path, misbehaving_server, monkeypatch, mode, says):
+    tmp_path, misbehaving_server, monkeypatch, mode, says
+):
     from app.model_host import ModelHost
     from app.store import ConversationStore
     from app.ui import PagodaUI
@@ -378,8 +442,11 @@ def test_a_server_that_stalls_or_resets_mid_reply_keeps_the_text_and_says_why(
     ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
     conv = ui.store.create().id
     # The server resets once the page has the first piece (else the reset could beat it and take it along).
-    monkeypatch.setattr(Misbehaving, "reset_when", staticmethod(
-        lambda: ui.replies.get(conv) is not None and ui.replies.get(conv).turn.text == "Hel"))
+    monkeypatch.setattr(
+        Misbehaving,
+        "reset_when",
+        staticmethod(lambda: ui.replies.get(conv) is not None and ui.replies.get(conv).turn.text == "Hel"),
+    )
     *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
     shown = last[0][-1]["content"]
     assert shown.startswith("Hel\n\n<sub>m · stopped: ") and says in shown, shown
@@ -451,8 +518,10 @@ def test_a_consumer_that_stops_reading_hangs_up(endless_server):
 # ---- the app against a real second Pagoda server process -------------------------------------------------
 KEY = "remote-test-key"
 MAX_MODEL_LEN = 1024  # the server's context: small, so a chat can outgrow it with the reply length alone
-SYSTEM = ("You are Pagoda, a careful assistant that runs on the user's own computer. You answer briefly, "
-          "you say so when you do not know, and you never make up facts about the user.")
+SYSTEM = (
+    "You are Pagoda, a careful assistant that runs on the user's own computer. You answer briefly, "
+    "you say so when you do not know, and you never make up facts about the user."
+)
 GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
 
 
@@ -460,8 +529,20 @@ class ServerProcess(ServeProcess):
     """The second Pagoda: `python -m engine.serve` on the bundled model, with a key and a small context."""
 
     def __init__(self, model, home):
-        super().__init__(model, home / "serve.log", "--host", "127.0.0.1", "--api-key", KEY, "--served-model-name",
-                         "smol", "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN))
+        super().__init__(
+            model,
+            home / "serve.log",
+            "--host",
+            "127.0.0.1",
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            "smol",
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+        )
 
     def running(self) -> int:
         return int(self.metric("vllm:num_requests_running"))

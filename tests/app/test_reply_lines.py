@@ -1,5 +1,6 @@
 """What a chat shows under and around its replies: the stats line, the switches, the meter and the chat's title
 (issue 28, item 5)."""
+
 import threading
 from types import SimpleNamespace
 
@@ -13,8 +14,15 @@ from app.store import ConversationStore
 from app.ui import UNCHANGED, PagodaUI
 from tests.processes import wait_until
 
-STOPPED_META = {"finish_reason": "abort", "ttft_s": 0.2, "tokens_per_s": 30.0, "output_tokens": 12,
-                "prompt_tokens": 20, "cached_tokens": 0, "finished": True}
+STOPPED_META = {
+    "finish_reason": "abort",
+    "ttft_s": 0.2,
+    "tokens_per_s": 30.0,
+    "output_tokens": 12,
+    "prompt_tokens": 20,
+    "cached_tokens": 0,
+    "finished": True,
+}
 
 
 def make_ui(tmp_path) -> PagodaUI:
@@ -47,8 +55,13 @@ def test_a_reply_stopped_inside_a_code_block_has_its_stats_line_under_the_block(
 def test_the_stats_line_leaves_closed_blocks_tildes_and_inline_backticks_alone(tmp_path):
     ui = make_ui(tmp_path)
     chat = ui.store.create().id
-    replies = ["```\nx = 1\n```\nDone.", "~~~~\ncode\n~~~\nstill code", "Use ``` to open a block: ```js``` and `x`.",
-               "  ```sh\n  ls\n", "````\n```\ninner\n```\n"]
+    replies = [
+        "```\nx = 1\n```\nDone.",
+        "~~~~\ncode\n~~~\nstill code",
+        "Use ``` to open a block: ```js``` and `x`.",
+        "  ```sh\n  ls\n",
+        "````\n```\ninner\n```\n",
+    ]
     for reply in replies:
         ui.store.add_message(chat, "assistant", reply, STOPPED_META)
     shown = [row["content"] for row in ui.history(chat)]
@@ -196,8 +209,10 @@ def test_the_stats_line_counts_in_words_people_write():
     meta = {"ttft_s": 0.25, "output_tokens": 1, "prompt_tokens": 6150, "cached_tokens": 0, "finish_reason": "stop"}
     assert summary(meta) == "first token 250 ms · 1 token · 0/6,150 prompt tokens from the prefix cache"
     meta.update(output_tokens=1200, reasoning_tokens=1100, cached_tokens=4096, tokens_per_s=31.24)
-    assert summary(meta) == ("first token 250 ms · 31.2 tok/s · 1,200 tokens (1,100 reasoning) · 4,096/6,150 prompt "
-                             "tokens from the prefix cache")
+    assert summary(meta) == (
+        "first token 250 ms · 31.2 tok/s · 1,200 tokens (1,100 reasoning) · 4,096/6,150 prompt "
+        "tokens from the prefix cache"
+    )
 
 
 class CountedReply:
@@ -248,12 +263,16 @@ def test_inline_dollar_math_is_marked_for_the_chatbot_and_prices_are_not(tmp_pat
 
     ui = make_ui(tmp_path)
     chat = ui.store.create().id
-    reply = ("The area is $\\pi r^2$ for $r = 2$. It costs $5 and $10, or $20,000.\n"
-             "`$HOME` stays code, and so does\n```sh\necho $a$b$\n```")
+    reply = (
+        "The area is $\\pi r^2$ for $r = 2$. It costs $5 and $10, or $20,000.\n"
+        "`$HOME` stays code, and so does\n```sh\necho $a$b$\n```"
+    )
     ui.store.add_message(chat, "assistant", reply, STOPPED_META)
     shown = ui.history(chat)[-1]["content"]
-    assert shown.startswith("The area is \\(\\pi r^2\\) for \\(r = 2\\). It costs $5 and $10, or $20,000.\n"
-                            "`$HOME` stays code, and so does\n```sh\necho $a$b$\n```")
+    assert shown.startswith(
+        "The area is \\(\\pi r^2\\) for \\(r = 2\\). It costs $5 and $10, or $20,000.\n"
+        "`$HOME` stays code, and so does\n```sh\necho $a$b$\n```"
+    )
     assert ui.store.messages(chat)[-1].content == reply  # stored as the model wrote it
     lefts = [d["left"] for d in MATH_DELIMITERS]
     assert "\\(" in lefts and "$" not in lefts

@@ -1,5 +1,6 @@
 """Start-up options: a share link never goes out without a password (nor its API without a key), and a
 missing tunnel is no crash."""
+
 import argparse
 import os
 import re
@@ -56,9 +57,23 @@ def test_share_serves_only_behind_the_login_and_the_api_key(tiny_llama, tmp_path
     port = free_port()
     log = tmp_path / "share.log"
     env = {**os.environ, "PAGODA_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "PAGODA_API_KEY": ""}
-    proc = subprocess.Popen([sys.executable, "-c", SHARE_WITHOUT_TUNNEL, "--model", str(tiny_llama), "--port",
-                             str(port), "--share", "--no-browser"], env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SHARE_WITHOUT_TUNNEL,
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(port),
+            "--share",
+            "--no-browser",
+        ],
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     base = f"http://127.0.0.1:{port}"
 
     def page_refused() -> bool:  # the page is up, and answers 401 without the login
@@ -123,8 +138,12 @@ def test_v1_during_a_model_load_says_it_is_loading():
     client = TestClient(demo.server_app)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
-    host.state = LoadState("loading", "Loading SmolLM2-135M-Instruct… (Qwen3-0.6B was unloaded to free the GPU.)",
-                           "/models/smollm2", label="SmolLM2-135M-Instruct")
+    host.state = LoadState(
+        "loading",
+        "Loading SmolLM2-135M-Instruct… (Qwen3-0.6B was unloaded to free the GPU.)",
+        "/models/smollm2",
+        label="SmolLM2-135M-Instruct",
+    )
     loading = client.post("/v1/chat/completions", json=body)
     assert loading.status_code == 503
     assert loading.json()["error"]["message"] == "Loading SmolLM2-135M-Instruct; try again when it is ready"

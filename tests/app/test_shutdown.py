@@ -1,5 +1,6 @@
 """Ctrl-C or a SIGTERM while a reply streams (issue 28, item 5): the app exits within seconds and the reply reads
 "interrupted" (Pagoda stopped under it), not "stopped" as if the user had pressed Stop."""
+
 import signal
 import threading
 import time
@@ -19,14 +20,16 @@ EXIT_WITHIN_S = 5.0
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_mid_reply_exits_promptly_and_the_reply_reads_interrupted(bundled_model, tmp_path, monkeypatch,
-                                                                          signum):
+def test_a_signal_mid_reply_exits_promptly_and_the_reply_reads_interrupted(
+    bundled_model, tmp_path, monkeypatch, signum
+):
     app = AppProcess(bundled_model, tmp_path)
     client = app.start()
     try:
         conv = client.predict("", "", api_name="/new_chat")["value"]
-        client.submit(conv, "Write a very long poem about the sea.", "", 0.0, 1.0, -1, 0.0, 1.0, 2000,
-                      api_name="/respond")
+        client.submit(
+            conv, "Write a very long poem about the sea.", "", 0.0, 1.0, -1, 0.0, 1.0, 2000, api_name="/respond"
+        )
         written = lambda: [m["content"] for m in client.predict(conv, api_name="/messages")][1:2] not in ([], [""])
         assert wait_until(written, timeout=120)
         sent = time.monotonic()
@@ -66,8 +69,7 @@ class EndlessStream:
         return None
 
 
-def test_shutting_down_keeps_the_replies_streaming_as_interrupted_and_stop_still_says_stopped(tmp_path,
-                                                                                              monkeypatch):
+def test_shutting_down_keeps_the_replies_streaming_as_interrupted_and_stop_still_says_stopped(tmp_path, monkeypatch):
     ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), ModelHost())
     saved = []  # every write of a reply, in order: the process may end after any of them
     write = ui.store.update_message

@@ -1,4 +1,5 @@
 """The SQLite conversation store: CRUD, search, presets, export, schema, threads and kill -9."""
+
 import json
 import os
 import queue
@@ -35,6 +36,7 @@ def store(tmp_path):
 
 
 # ---- location & file settings ------------------------------------------------------------------
+
 
 def test_default_db_path_honours_pagoda_home(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGODA_HOME", str(tmp_path / "home"))
@@ -113,6 +115,7 @@ def test_in_memory_database_works():
 
 # ---- conversations -----------------------------------------------------------------------------
 
+
 def test_create_get_rename_update(store):
     c = store.create("First", system_prompt="Be nice.", settings={"temperature": 0.7, "max_tokens": 256})
     assert isinstance(c, Conversation) and c.id > 0
@@ -146,10 +149,16 @@ def test_validation_errors_say_what_to_do(store):
         store.add_message(c.id, "user", "hi", meta=[1, 2])
     with pytest.raises(KeyError, match="No chat with id 999"):
         store.get(999)
-    for call in (lambda: store.rename(999, "x"), lambda: store.delete(999), lambda: store.update(999, settings={}),
-                 lambda: store.add_message(999, "user", "x"), lambda: store.messages(999),
-                 lambda: store.update_message(999, "x"), lambda: store.delete_preset("nope"),
-                 lambda: store.export_json(999)):
+    for call in (
+        lambda: store.rename(999, "x"),
+        lambda: store.delete(999),
+        lambda: store.update(999, settings={}),
+        lambda: store.add_message(999, "user", "x"),
+        lambda: store.messages(999),
+        lambda: store.update_message(999, "x"),
+        lambda: store.delete_preset("nope"),
+        lambda: store.export_json(999),
+    ):
         with pytest.raises(ValueError) as info:
             call()
         assert isinstance(info.value, NotFound) and "No " in str(info.value)
@@ -187,10 +196,10 @@ def test_search_titles_and_content_case_insensitively(store):
     assert titles("rust") == ["Learning Rust"]
     assert titles("pasta") == ["Dinner ideas"]
     assert titles("BOIL") == ["Dinner ideas"]
-    assert titles("100%") == ["Dinner ideas"]   # LIKE wildcards are plain text here
+    assert titles("100%") == ["Dinner ideas"]  # LIKE wildcards are plain text here
     assert titles("_") == []
-    assert titles("ärger") == ["Grüße"]         # beyond ASCII
-    assert titles("grüsse") == ["Grüße"]        # casefold: ß == ss
+    assert titles("ärger") == ["Grüße"]  # beyond ASCII
+    assert titles("grüsse") == ["Grüße"]  # casefold: ß == ss
     assert titles("no such thing") == []
     assert titles("   ") == titles("") == ["Empty", "Grüße", "Dinner ideas", "Learning Rust"]
     store.delete(cook.id)
@@ -214,6 +223,7 @@ def test_delete_cascades_to_messages(store):
 
 # ---- messages ----------------------------------------------------------------------------------
 
+
 def test_messages_in_order_with_meta(store):
     c = store.create()
     assert store.messages(c.id) == []
@@ -227,8 +237,11 @@ def test_messages_in_order_with_meta(store):
     store.update_message(a.id, "Hi there!", meta)
     got = store.messages(c.id)
     assert [m.id for m in got] == [s.id, u.id, a.id]
-    assert [m.as_chat() for m in got] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"},
-                                          {"role": "assistant", "content": "Hi there!"}]
+    assert [m.as_chat() for m in got] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "Hi there!"},
+    ]
     assert got[2].meta == meta
     assert got[0].created <= got[1].created <= got[2].created
 
@@ -251,6 +264,7 @@ def test_delete_messages_from(store):
 
 # ---- presets -----------------------------------------------------------------------------------
 
+
 def test_presets_seeded_saved_replaced_deleted(store):
     seeded = store.presets()
     assert [p.name for p in seeded] == [n for n, _ in DEFAULT_PRESETS]
@@ -271,11 +285,13 @@ def test_presets_seeded_saved_replaced_deleted(store):
 
 # ---- export ------------------------------------------------------------------------------------
 
+
 def _filled(store):
     c = store.create("Trip plan", system_prompt="You plan trips.", settings={"temperature": 0.5})
     store.add_message(c.id, "user", "Three days in Kyoto?")
-    store.add_message(c.id, "assistant", "Day 1: **Fushimi Inari**.\n\n```\nnot a heading\n```",
-                      {"finish_reason": "stop"})
+    store.add_message(
+        c.id, "assistant", "Day 1: **Fushimi Inari**.\n\n```\nnot a heading\n```", {"finish_reason": "stop"}
+    )
     return store.get(c.id)
 
 
@@ -300,8 +316,9 @@ def test_export_json_round_trips(store):
     copy = store.import_json(text)
     assert copy.id != c.id
     assert (copy.title, copy.system_prompt, copy.settings) == (c.title, c.system_prompt, c.settings)
-    assert [(m.role, m.content, m.meta) for m in store.messages(copy.id)] == \
-           [(m.role, m.content, m.meta) for m in store.messages(c.id)]
+    assert [(m.role, m.content, m.meta) for m in store.messages(copy.id)] == [
+        (m.role, m.content, m.meta) for m in store.messages(c.id)
+    ]
     with pytest.raises(ValueError, match="not a Pagoda chat export"):
         store.import_json('{"title": "x"}')
     with pytest.raises(ValueError, match="not JSON"):
@@ -309,6 +326,7 @@ def test_export_json_round_trips(store):
 
 
 # ---- threads -----------------------------------------------------------------------------------
+
 
 def test_concurrent_writers_and_readers(tmp_path):
     path = tmp_path / "pagoda.db"
@@ -396,8 +414,14 @@ def test_committed_updates_survive_kill_9(tmp_path):
     reader = None
     results = []
     for round_ in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(round_)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(path), str(round_)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")], daemon=True).start()
         try:

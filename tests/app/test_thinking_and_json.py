@@ -1,5 +1,6 @@
 """A chat with a thinking model (a tiny random-weight Qwen3 on Qwen3's real chat template) and a chat held to JSON:
 what the store keeps, what the page draws, and what goes back to the model."""
+
 import json
 import re
 import shutil
@@ -49,8 +50,9 @@ def forced(qwen3_ui, monkeypatch):
         return submit(ids, params, priority)
 
     monkeypatch.setattr(engine, "submit", held)
-    monkeypatch.setattr(engine, "encode_chat", lambda messages, **kw: (asked.setdefault("kwargs", kw), encode(
-        messages, **kw))[1])
+    monkeypatch.setattr(
+        engine, "encode_chat", lambda messages, **kw: (asked.setdefault("kwargs", kw), encode(messages, **kw))[1]
+    )
     return asked
 
 
@@ -99,9 +101,15 @@ def test_think_off_puts_qwen3s_empty_block_in_the_prompt(qwen3_ui, forced):
 
 def test_json_output_holds_replies_to_the_chats_schema(qwen3_ui, forced):
     ui = qwen3_ui
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
-              "required": ["city", "rank"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
     conv = ui.store.create().id
     ui.set_chat_options(conv, True, True, json.dumps(schema))
     forced["regex"] = None
@@ -119,17 +127,25 @@ def test_json_output_holds_replies_to_the_chats_schema(qwen3_ui, forced):
 
 
 def test_a_remote_servers_reasoning_comes_through_and_the_switches_are_sent(tmp_path):
-    body = sse(chunk(role="assistant", text=""), {"choices": [{"index": 0, "delta": {"reasoning_content": "Hm, "}}]},
-               {"choices": [{"index": 0, "delta": {"reasoning": "sums."}}]},
-               {"choices": [{"index": 0, "delta": {"thinking": " Four."}}]}, chunk("It is 4."), chunk(finish="stop"),
-               "[DONE]")
+    body = sse(
+        chunk(role="assistant", text=""),
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "Hm, "}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning": "sums."}}]},
+        {"choices": [{"index": 0, "delta": {"thinking": " Four."}}]},
+        chunk("It is 4."),
+        chunk(finish="stop"),
+        "[DONE]",
+    )
     seen = []
-    backend = RemoteBackend(RemoteClient("http://srv", transport=answering(body=body, content_type="text/event-stream",
-                                                                           seen=seen)), "m")
+    backend = RemoteBackend(
+        RemoteClient("http://srv", transport=answering(body=body, content_type="text/event-stream", seen=seen)), "m"
+    )
     settings = ChatSettings(think=False, json_output=True, json_schema='{"type": "object"}')
     deltas = list(backend.submit([{"role": "user", "content": "2+2?"}], settings)[0])
     assert "".join(d.reasoning for d in deltas) == "Hm, sums. Four." and "".join(d.text for d in deltas) == "It is 4."
     sent = json.loads(seen[-1].content)
     assert sent["chat_template_kwargs"] == {"enable_thinking": False}
-    assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "reply",
-                                                                              "schema": {"type": "object"}}}
+    assert sent["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "reply", "schema": {"type": "object"}},
+    }

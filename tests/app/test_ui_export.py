@@ -1,4 +1,5 @@
 """The Export buttons' files: each holds the chat it was made for, whichever chats are exported after it."""
+
 import json
 from pathlib import Path
 
@@ -25,8 +26,10 @@ def test_each_chats_export_files_hold_that_chat_and_no_other(tmp_path):
         chat = chats[name]
         data = json.loads(Path(json_path).read_text(encoding="utf-8"))
         assert (data["id"], data["title"]) == (chat.id, store.get(chat.id).title)
-        assert [(m["role"], m["content"]) for m in data["messages"]] == [("user", f"{name} question?"),
-                                                                           ("assistant", f"{name} answer.")]
+        assert [(m["role"], m["content"]) for m in data["messages"]] == [
+            ("user", f"{name} question?"),
+            ("assistant", f"{name} answer."),
+        ]
         md = Path(md_path).read_text(encoding="utf-8")
         assert md.startswith(f"# {store.get(chat.id).title}\n") and f"{name} question?" in md
         assert not any(f"{other} question?" in md for other in chats if other != name)

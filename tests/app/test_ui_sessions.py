@@ -1,5 +1,6 @@
 """The page's per-session state and its running replies stay consistent under Gradio's worker threads and
 on_unload's timer thread."""
+
 import itertools
 import sys
 import threading
@@ -156,8 +157,11 @@ def test_an_ended_page_aborts_only_the_replies_it_started_that_nobody_watches(tm
     ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
     watched, unwatched, elsewhere = (ui.store.create().id for _ in range(3))
     closing, other = SimpleNamespace(session_hash="closing"), SimpleNamespace(session_hash="other")
-    tasks = {watched: start_reply(ui, watched, closing), unwatched: start_reply(ui, unwatched, closing),
-             elsewhere: start_reply(ui, elsewhere, other)}
+    tasks = {
+        watched: start_reply(ui, watched, closing),
+        unwatched: start_reply(ui, unwatched, closing),
+        elsewhere: start_reply(ui, elsewhere, other),
+    }
     assert ui.sessions.get("closing").chats == {watched, unwatched}
     assert len(ui.replies.labels()) == 3
     tasks[unwatched].last_followed -= 60  # no page has drawn it for a minute

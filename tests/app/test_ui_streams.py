@@ -1,4 +1,5 @@
 """A page's reply streams draw only into the chat it shows, whatever order events arrive in."""
+
 import threading
 import time
 from types import SimpleNamespace
@@ -14,8 +15,13 @@ from tests.processes import wait_until
 
 def streaming_task(text: str) -> SimpleNamespace:
     """Stands in for a ReplyTask whose reply is still being written."""
-    return SimpleNamespace(done=threading.Event(), turn=Turn(prompt_tokens=3, text=text), withdrawn=False,
-                           last_followed=time.time(), stream=SimpleNamespace(request_id="r"))
+    return SimpleNamespace(
+        done=threading.Event(),
+        turn=Turn(prompt_tokens=3, text=text),
+        withdrawn=False,
+        last_followed=time.time(),
+        stream=SimpleNamespace(request_id="r"),
+    )
 
 
 def make_ui(tmp_path):
@@ -193,15 +199,23 @@ def test_a_cut_reply_is_saved_unfinished_and_a_finished_one_finished(tmp_path, m
         return store.add_message(conv, "assistant", "").id
 
     finished = new_reply()
-    list(stream_reply(ScriptedStream(ReplyDelta("Once", 1), ReplyDelta(" upon.", 1, finished=True,
-                                                                       finish_reason="stop")), store, finished, 5))
+    list(
+        stream_reply(
+            ScriptedStream(ReplyDelta("Once", 1), ReplyDelta(" upon.", 1, finished=True, finish_reason="stop")),
+            store,
+            finished,
+            5,
+        )
+    )
     interrupted = new_reply()
-    dying = stream_reply(ScriptedStream(*[ReplyDelta(w, 1) for w in ("Once", " upon", " a", " time")]), store,
-                         interrupted, 5)
+    dying = stream_reply(
+        ScriptedStream(*[ReplyDelta(w, 1) for w in ("Once", " upon", " a", " time")]), store, interrupted, 5
+    )
     next(dying), next(dying)  # the process dies here: nothing after this runs, not even stream_reply's cleanup
     stopped = new_reply()
-    stopping = stream_reply(ScriptedStream(*[ReplyDelta(w, 1) for w in ("Once", " upon", " a", " time")]), store,
-                            stopped, 5)
+    stopping = stream_reply(
+        ScriptedStream(*[ReplyDelta(w, 1) for w in ("Once", " upon", " a", " time")]), store, stopped, 5
+    )
     next(stopping), next(stopping)
     stopping.close()  # the page stops reading: Stop, or the chat deleted
 

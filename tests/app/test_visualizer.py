@@ -1,4 +1,5 @@
 """The KV cache visualizer renders kv_blocks()/stats() into HTML: parse it back and check what it says."""
+
 import dataclasses
 import json
 import os
@@ -78,12 +79,29 @@ def block(i, ref_count=0, cached=False, filled=0, owners=()):
 
 def engine_stats(**fields) -> EngineStats:
     """An EngineStats with an empty 12-block cache's counters, and the given fields instead."""
-    defaults = dict(num_blocks=12, free_blocks=12, cached_blocks=0, used_blocks=0, block_size=BS,
-                    prefix_cache_queries=0, prefix_cache_hits=0, num_running=2, num_waiting=0, num_preemptions=0,
-                    num_generated_tokens=0, max_model_len=2048, device="cpu", dtype="float32",
-                    attention_backend="torch", matmul="torch", quantization="none", sampler="eager", decode="eager",
-                    async_scheduling=False,
-                    tensor_parallel_size=1)
+    defaults = dict(
+        num_blocks=12,
+        free_blocks=12,
+        cached_blocks=0,
+        used_blocks=0,
+        block_size=BS,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_running=2,
+        num_waiting=0,
+        num_preemptions=0,
+        num_generated_tokens=0,
+        max_model_len=2048,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+        matmul="torch",
+        quantization="none",
+        sampler="eager",
+        decode="eager",
+        async_scheduling=False,
+        tensor_parallel_size=1,
+    )
     return EngineStats(**{**defaults, **fields})
 
 
@@ -91,8 +109,15 @@ def stats_for(blocks, **extra) -> EngineStats:
     """The counters the engine would report for these blocks."""
     used = sum(b.ref_count > 0 for b in blocks)
     cached = sum(b.ref_count == 0 and b.cached for b in blocks)
-    return engine_stats(**{"num_blocks": len(blocks), "free_blocks": len(blocks) - used, "cached_blocks": cached,
-                           "used_blocks": used, **extra})
+    return engine_stats(
+        **{
+            "num_blocks": len(blocks),
+            "free_blocks": len(blocks) - used,
+            "cached_blocks": cached,
+            "used_blocks": used,
+            **extra,
+        }
+    )
 
 
 def two_chats():
@@ -182,18 +207,31 @@ PINNED_SLOTS = {"Solo": 5, "Trip planning": 0, "Rust questions": 9, "chat 0": 6,
 
 def test_colour_slots_are_pinned_in_this_and_other_processes():
     assert {label: colour_index(label) for label in PINNED_SLOTS} == PINNED_SLOTS
-    code = ("import json, sys; from app.visualizer import colour_index; "
-            "print(json.dumps({s: colour_index(s) for s in json.loads(sys.argv[1])}))")
+    code = (
+        "import json, sys; from app.visualizer import colour_index; "
+        "print(json.dumps({s: colour_index(s) for s in json.loads(sys.argv[1])}))"
+    )
     for seed in ("0", "271828"):
-        out = subprocess.run([sys.executable, "-c", code, json.dumps(list(PINNED_SLOTS))], capture_output=True,
-                             text=True, check=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
-                             env={**os.environ, "PYTHONHASHSEED": seed})
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(list(PINNED_SLOTS))],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
         assert json.loads(out.stdout) == PINNED_SLOTS, seed
 
 
 def test_partly_filled_blocks_show_their_fill_level():
-    blocks = [block(0, 1, False, 1, ["r"]), block(1, 1, False, 8, ["r"]), block(2, 1, False, 15, ["r"]),
-              block(3, 1, False, BS, ["r"]), block(4, 1, False, 0, ["r"])]
+    blocks = [
+        block(0, 1, False, 1, ["r"]),
+        block(1, 1, False, 8, ["r"]),
+        block(2, 1, False, 15, ["r"]),
+        block(3, 1, False, BS, ["r"]),
+        block(4, 1, False, 0, ["r"]),
+    ]
     g = render(blocks, {"r": "chat"})
     fills = [{c for c in el["classes"] if c.startswith("fill")} for el in g.blocks]
     assert fills == [{"fill1"}, {"fill4"}, {"fill7"}, set(), {"fill0"}]
@@ -237,8 +275,11 @@ def test_tooltip_content():
     t = g.blocks[4]["title"]  # chat A's partial tail block
     assert t.splitlines() == ["Block 4 · in use", f"ref count 1 · 5/{BS} tokens · not cached", "owner: Trip planning"]
     t = g.blocks[0]["title"]
-    assert t.splitlines() == ["Block 0 · shared by 2", f"ref count 2 · {BS}/{BS} tokens · cached",
-                              "owners: Trip planning, Rust questions"]
+    assert t.splitlines() == [
+        "Block 0 · shared by 2",
+        f"ref count 2 · {BS}/{BS} tokens · cached",
+        "owners: Trip planning, Rust questions",
+    ]
     assert g.blocks[6]["title"].splitlines() == ["Block 6 · free, cached", f"ref count 0 · {BS}/{BS} tokens · cached"]
     assert g.blocks[9]["title"].splitlines() == ["Block 9 · empty", f"ref count 0 · 0/{BS} tokens · not cached"]
 
@@ -248,19 +289,35 @@ def test_blocks_in_use_without_a_running_owner():
     assert colour_of(g.blocks[0]["classes"]) == "own-none" and "owner: none running" in g.blocks[0]["title"]
 
 
-@pytest.mark.parametrize("hits,queries,expected", [(0, 0, "—"), (5, 0, "—"), (0, 100, "0.0%"), (1, 3, "33.3%"),
-                                                   (50, 50, "100.0%"), (None, None, "—")])
+@pytest.mark.parametrize(
+    "hits,queries,expected",
+    [(0, 0, "—"), (5, 0, "—"), (0, 100, "0.0%"), (1, 3, "33.3%"), (50, 50, "100.0%"), (None, None, "—")],
+)
 def test_hit_rate_formatting(hits, queries, expected):
     assert format_hit_rate(hits, queries) == expected
 
 
 def test_header_counts():
     blocks, owners = two_chats()
-    html = render_kv_cache(blocks, stats_for(blocks, prefix_cache_queries=400, prefix_cache_hits=48, num_running=2,
-                                             num_waiting=3, num_preemptions=7), owners, tokens_per_s=41.66)
+    html = render_kv_cache(
+        blocks,
+        stats_for(
+            blocks, prefix_cache_queries=400, prefix_cache_hits=48, num_running=2, num_waiting=3, num_preemptions=7
+        ),
+        owners,
+        tokens_per_s=41.66,
+    )
     text = " ".join(Grid(html).all_text.split())
-    for expected in ["6 used", "2 cached", "4 empty", f"12 blocks × {BS} tokens", "12.0% prefix hits",
-                     "7 preemptions", "2 / 3 running / waiting", "41.7 tok/s"]:
+    for expected in [
+        "6 used",
+        "2 cached",
+        "4 empty",
+        f"12 blocks × {BS} tokens",
+        "12.0% prefix hits",
+        "7 preemptions",
+        "2 / 3 running / waiting",
+        "41.7 tok/s",
+    ]:
         assert expected in text, (expected, text)
     text = " ".join(Grid(render_kv_cache(blocks, stats_for(blocks), owners)).all_text.split())
     assert "— prefix hits" in text and "tok/s" not in text
@@ -306,14 +363,33 @@ def test_output_per_block_is_small_for_20000_blocks():
 def test_css_asset():
     css = visualizer_css()
     assert ".pgd-kv" in css and ".dark .pgd-kv" in css
-    for cls in ["i.cached", "i.used", "i.shared", ".own0", ".own11", ".own-none", ".also11", ".also-none", ".fill7",
-                ".grid.size1", ".grid.size4", ".legend-entry"]:
+    for cls in [
+        "i.cached",
+        "i.used",
+        "i.shared",
+        ".own0",
+        ".own11",
+        ".own-none",
+        ".also11",
+        ".also-none",
+        ".fill7",
+        ".grid.size1",
+        ".grid.size4",
+        ".legend-entry",
+    ]:
         assert cls in css, cls
 
 
 def test_remote_notice():
-    html = render_remote_notice({"vllm:prefix_cache_hits_total": 30, "vllm:prefix_cache_queries_total": 120,
-                                 "num_requests_running": 2, "model": "<evil>", "cache": {"usage": 0.25}})
+    html = render_remote_notice(
+        {
+            "vllm:prefix_cache_hits_total": 30,
+            "vllm:prefix_cache_queries_total": 120,
+            "num_requests_running": 2,
+            "model": "<evil>",
+            "cache": {"usage": 0.25},
+        }
+    )
     g = Grid(html)
     text = " ".join(g.all_text.split())
     assert "not available" in text and "remote" in text.lower()

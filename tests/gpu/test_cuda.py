@@ -1,6 +1,7 @@
 """GPU checks, run by bench/device_check.sh on a CUDA machine; skipped elsewhere.
 
 Every CUDA backend is checked against the torch reference backend and against transformers."""
+
 import random
 
 import pytest
@@ -20,9 +21,10 @@ def hf_greedy(path, prompts, n, dtype=torch.float32):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     outs = []
     for p in prompts:
-        ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
+        ids = hf.generate(
+            torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        outs.append(ids[0, len(p) :].tolist())
     return outs
 
 
@@ -31,8 +33,15 @@ def test_greedy_equals_transformers_on_every_backend(tiny_models, family):
     expected = hf_greedy(tiny_models[family], PROMPTS, 48)
     for backend in ("torch", "triton"):
         for eager in (True, False):
-            llm = LLM(str(tiny_models[family]), device="cuda", dtype="float32", attention_backend=backend,
-                      enforce_eager=eager, num_kvcache_blocks=128, max_num_seqs=8)
+            llm = LLM(
+                str(tiny_models[family]),
+                device="cuda",
+                dtype="float32",
+                attention_backend=backend,
+                enforce_eager=eager,
+                num_kvcache_blocks=128,
+                max_num_seqs=8,
+            )
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
             got = [o["token_ids"] for o in outs]
             assert got == expected, f"{family} backend={backend} enforce_eager={eager}"
@@ -45,8 +54,15 @@ def test_prefix_cache_and_chunked_prefill_on_triton(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for caching in (False, True):
-        llm = LLM(str(tiny_llama), device="cuda", dtype="float32", num_kvcache_blocks=64, max_num_seqs=4,
-                  max_num_batched_tokens=23, enable_prefix_caching=caching)
+        llm = LLM(
+            str(tiny_llama),
+            device="cuda",
+            dtype="float32",
+            num_kvcache_blocks=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=23,
+            enable_prefix_caching=caching,
+        )
         outs[caching] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         if caching:  # requests admitted after the first one registered its 3 full system-prompt blocks hit them
             assert llm.stats().prefix_cache_hits >= 48
@@ -68,8 +84,15 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_qwen2):
     params = [ASYNC_MIX[i % 4] for i in range(8)]
     outs = {}
     for mode in (False, True):
-        llm = LLM(str(tiny_qwen2), device="cuda", dtype="float32", num_kvcache_blocks=16, max_num_seqs=8,
-                  max_num_batched_tokens=40, async_scheduling=mode)
+        llm = LLM(
+            str(tiny_qwen2),
+            device="cuda",
+            dtype="float32",
+            num_kvcache_blocks=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=40,
+            async_scheduling=mode,
+        )
         outs[mode] = [(o["token_ids"], o["finish_reason"]) for o in llm.generate(prompts, params, use_tqdm=False)]
         if mode:
             assert llm.stats().num_preemptions > 0 and llm.stats().async_scheduling
@@ -133,12 +156,20 @@ def test_compiled_sampler_on_cuda_picks_the_eager_tokens():
     plain = SamplingBatch(column(0.6, torch.float32), None, None, None, None, None, [None] * rows, False)
     temps = column(0.8, torch.float32)
     temps[::3] = 0.0
-    mixed = SamplingBatch(temps, None, None, column(0.02, torch.float32),
-                          column(1.3, torch.float32), torch.rand(rows, vocab, device="cuda", generator=gen) < 0.01,
-                          [None] * rows, False)
+    mixed = SamplingBatch(
+        temps,
+        None,
+        None,
+        column(0.02, torch.float32),
+        column(1.3, torch.float32),
+        torch.rand(rows, vocab, device="cuda", generator=gen) < 0.01,
+        [None] * rows,
+        False,
+    )
     compiled = Sampler(compiled=True)
-    filtered = SamplingBatch(temps, column(40, torch.int64), column(0.9, torch.float32), None, None, None,
-                             [None] * rows, False)
+    filtered = SamplingBatch(
+        temps, column(40, torch.int64), column(0.9, torch.float32), None, None, None, [None] * rows, False
+    )
     for batch in (plain, mixed, filtered):
         torch.manual_seed(1)
         expected = Sampler()(logits, batch)
@@ -161,10 +192,15 @@ def random_case(num_seqs, q_lens, kv_lens, heads, kv_heads, dim, block_size, dty
     dev = "cuda"
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=dev), query_start_loc=qsl.to(dev),
+        slot_mapping=torch.tensor(slots, device=dev),
+        query_start_loc=qsl.to(dev),
         seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
         block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-        max_query_len=max(q_lens), max_seq_len=max(kv_lens), query_lens_cpu=q_lens, seq_lens_cpu=kv_lens)
+        max_query_len=max(q_lens),
+        max_seq_len=max(kv_lens),
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=kv_lens,
+    )
     t = sum(q_lens)
     q = torch.randn(t, heads, dim, device=dev, dtype=dtype)
     k = torch.randn(t, kv_heads, dim, device=dev, dtype=dtype)
@@ -179,8 +215,11 @@ def test_triton_kernels_match_reference_on_gpu(dtype, shape):
     from engine.attention import triton_kernels
 
     heads, kv_heads, dim = shape
-    for q_lens, kv_lens in [([1] * 7, [1, 17, 300, 2048, 16, 33, 900]), ([37, 1, 200, 5], [37, 50, 1000, 5]),
-                            ([64, 1], [64, 2])]:
+    for q_lens, kv_lens in [
+        ([1] * 7, [1, 17, 300, 2048, 16, 33, 900]),
+        ([37, 1, 200, 5], [37, 50, 1000, 5]),
+        ([64, 1], [64, 2]),
+    ]:
         q, k, v, cache, meta = random_case(len(q_lens), q_lens, kv_lens, heads, kv_heads, dim, 16, dtype)
         ref_cache, tri_cache = cache.clone(), cache.clone()
         torch_backend.store_kvcache(k, v, ref_cache[0], ref_cache[1], meta.slot_mapping)
@@ -210,8 +249,15 @@ def test_flash_attn_engine_follows_the_triton_engine(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for backend in ("flash-attn", "triton"):
-        llm = LLM(str(tiny_llama), device="cuda", dtype="bfloat16", attention_backend=backend, kvcache_block_size=256,
-                  num_kvcache_blocks=16, max_num_seqs=8)
+        llm = LLM(
+            str(tiny_llama),
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend=backend,
+            kvcache_block_size=256,
+            num_kvcache_blocks=16,
+            max_num_seqs=8,
+        )
         assert llm.stats().attention_backend == backend
         outs[backend] = [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         del llm
@@ -226,8 +272,9 @@ def test_bf16_logits_close_to_transformers_on_qwen3_06b_shape(tmp_path_factory):
 
     from bench.common import qwen3_06b_config, save_random_model
 
-    folder = save_random_model(qwen3_06b_config(), Path(tempfile.gettempdir()) / "pagoda-qwen3-0.6b",
-                               torch.bfloat16, "cuda")
+    folder = save_random_model(
+        qwen3_06b_config(), Path(tempfile.gettempdir()) / "pagoda-qwen3-0.6b", torch.bfloat16, "cuda"
+    )
     prompt = [random.Random(0).randrange(100, 100000) for _ in range(100)]
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
     captured = []
@@ -306,8 +353,9 @@ def test_engine_with_gemv_forced_matches_cublas_logits(tiny_models, monkeypatch)
         monkeypatch.setattr(gemv_module, "_CHOICES", {})
         monkeypatch.setattr(gemv_module, "TIMINGS", {})
         monkeypatch.setattr(normed_module, "_CHOICES", {})
-        monkeypatch.setattr(gemv_module, "cuda_timer",
-                            lambda fn: 0.1 if force and "gemv" in fn.__code__.co_names else 1.0)
+        monkeypatch.setattr(
+            gemv_module, "cuda_timer", lambda fn: 0.1 if force and "gemv" in fn.__code__.co_names else 1.0
+        )
         llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
         assert llm.stats().matmul == ("torch+triton-gemv" if force else "torch")
         captured = []
@@ -344,8 +392,9 @@ def test_normed_gemv_every_tile_matches_the_unfused_ops_on_gpu(n, silu_mul):
         for given in (residual, None):  # a later layer, and the first (no residual yet)
             expected, expected_residual = layer.normed_unfused(x, given, norm, act)
             for tile in normed_tile_candidates(silu_mul):
-                got, got_residual = normed_gemv(x, given, norm.weight, norm.eps, layer.weight, None, *tile,
-                                                silu_mul=silu_mul)
+                got, got_residual = normed_gemv(
+                    x, given, norm.weight, norm.eps, layer.weight, None, *tile, silu_mul=silu_mul
+                )
                 assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 1e-2, tile
                 assert torch.equal(got_residual, expected_residual), tile
 
@@ -358,8 +407,9 @@ def test_engine_with_norms_fused_matches_unfused_logits(tiny_models, monkeypatch
 
     def logits_of(force: bool):
         monkeypatch.setattr(normed_module, "_CHOICES", {})
-        monkeypatch.setattr(normed_module, "cuda_timer",
-                            lambda fn: 0.1 if force and "normed_gemv" in fn.__code__.co_names else 1.0)
+        monkeypatch.setattr(
+            normed_module, "cuda_timer", lambda fn: 0.1 if force and "normed_gemv" in fn.__code__.co_names else 1.0
+        )
         llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=4)
         assert llm.model_runner.normed_layers == (2 * len(llm.model_runner.model.model.layers) if force else 0)
         captured = []

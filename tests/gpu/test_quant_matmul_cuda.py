@@ -1,5 +1,6 @@
 """The quantized-weight kernels on a CUDA GPU at Qwen3-8B's layer shapes, against the float32
 reference; skipped elsewhere (the CPU tests run them in Triton's interpreter at tiny shapes)."""
+
 import pytest
 import torch
 
