@@ -7,7 +7,7 @@ Later starts find everything in place and go straight to the app.
 
     python launcher.py            start (see --help for --model, --port, --listen, --share, --auth)
     python launcher.py --test     install the test extras and run the test suite (extra arguments go to pytest)
-    python launcher.py --lint     install the test extras and run the linter (ruff, configured in pyproject.toml)
+    python launcher.py --lint     install the test extras and run the linter and the format check (ruff, pyproject.toml)
 """
 
 import hashlib
@@ -171,7 +171,9 @@ def main(argv: list[str]) -> int:
         return subprocess.run([str(venv_python()), str(Path(__file__).resolve()), *argv]).returncode
     os.chdir(ROOT)
     if lint:
-        return subprocess.run([sys.executable, "-m", "ruff", "check", ".", *rest]).returncode
+        checked = subprocess.run([sys.executable, "-m", "ruff", "check", ".", *rest]).returncode
+        formatted = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", "."]).returncode
+        return checked or formatted
     if test:
         return subprocess.run([sys.executable, "-m", "pytest", *rest]).returncode
     if "-h" not in rest and "--help" not in rest:
