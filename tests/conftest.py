@@ -68,7 +68,7 @@ COMMON = dict(
 def build_model(folder: Path, family: str) -> Path:
     import transformers
 
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[family])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4}[family])
     if family == "llama":
         rope_scaling = {
             "rope_type": "llama3",
@@ -84,6 +84,19 @@ def build_model(folder: Path, family: str) -> Path:
     elif family == "qwen2":
         config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=False)
         model, dtype, shard = transformers.Qwen2ForCausalLM(config), torch.float32, None
+    elif family == "qwen3_moe":
+        # Experts in layer 0, a dense MLP in layer 1 (mlp_only_layers); 8 experts, 2 a token, renormalized.
+        config = transformers.Qwen3MoeConfig(
+            **{**COMMON, "intermediate_size": 96},
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        )
+        model, dtype, shard = transformers.Qwen3MoeForCausalLM(config), torch.float32, None
     else:
         config = transformers.Qwen3Config(
             **{**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=32, tie_word_embeddings=True
@@ -106,7 +119,7 @@ def build_model(folder: Path, family: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {f: build_model(root / f, f) for f in ("llama", "qwen2", "qwen3")}
+    return {f: build_model(root / f, f) for f in ("llama", "qwen2", "qwen3", "qwen3_moe")}
 
 
 @pytest.fixture(scope="session")

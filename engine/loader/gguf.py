@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from engine.loader.gguf_blocks import SUPPORTED_TYPES, FileBytes, decode
+from engine.models import GGUF_ARCHITECTURES
 from engine.quantization.blocks import BlockWeight
 from engine.quantization.layout import QuantizedWeight
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -96,10 +96,10 @@ class GGUFCheckpoint:
             (np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name == "rope_freqs.weight"), None
         )
         self.architecture: str = self._field("general.architecture")
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"{path.name} is a GGUF of architecture {self.architecture!r}; Pagoda runs "
-                f"{', '.join(ARCHITECTURES)} GGUF files. Pick a GGUF of a supported model, or the "
+                f"{', '.join(GGUF_ARCHITECTURES)} GGUF files. Pick a GGUF of a supported model, or the "
                 "model's safetensors repo."
             )
         self._plan = self._make_plan()
@@ -171,8 +171,8 @@ class GGUFCheckpoint:
         settings = {k: (float(v) if k == "rms_norm_eps" else int(v)) for k, v in settings.items()}
         vocab = self.metadata(f"{arch}.vocab_size")
         settings["vocab_size"] = int(vocab) if vocab is not None else len(self._field("tokenizer.ggml.tokens"))
-        config = getattr(transformers, ARCHITECTURES[arch].replace("ForCausalLM", "Config"))(**settings)
-        config.architectures = [ARCHITECTURES[arch]]
+        config = getattr(transformers, GGUF_ARCHITECTURES[arch].replace("ForCausalLM", "Config"))(**settings)
+        config.architectures = [GGUF_ARCHITECTURES[arch]]
         # transformers maps no head size for qwen2/qwen3 (Qwen3Config would fall back to its default of 128)
         head_dim = self.metadata(f"{arch}.attention.key_length")
         if head_dim is not None:

@@ -78,11 +78,14 @@ def load_tensors(
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
+    # Modules that read their own checkpoint names (a mixture of experts' per-expert tensors, say)
+    owners = {n: m for n, m in model.named_modules() if hasattr(m, "load_checkpoint_tensor")}
     loaded: set[str] = set()
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
-        _load_one(model, params, packed, name, tensor, loaded)
+        if not (owners and _load_owned(owners, name, tensor, loaded)):
+            _load_one(model, params, packed, name, tensor, loaded)
         if tied and name == "model.embed_tokens.weight" and hasattr(model.lm_head, "load_quantizable"):
             model.lm_head.load_quantizable(tensor, None)  # a quantized head builds its own kernel over the table
             loaded.add("lm_head.weight")
@@ -125,6 +128,27 @@ def _read_tensors(file: Path):
 def _unreadable(file: Path, e: Exception) -> RuntimeError:
     # safetensors raises its own error type for bad headers and short files
     return RuntimeError(f"cannot read weights from {file} ({e}); the file is corrupt or incomplete, re-download it")
+
+
+def _load_owned(owners: dict[str, nn.Module], name: str, tensor, loaded: set[str]) -> bool:
+    """Hand `name` to the module among `owners` it lies under (a few levels up at most), if any."""
+    parts = name.split(".")
+    for depth in range(1, min(4, len(parts))):
+        prefix = ".".join(parts[:-depth])
+        owner = owners.get(prefix)
+        if owner is None:
+            continue
+        if isinstance(tensor, QuantizedWeight):
+            raise ValueError(
+                f"checkpoint tensor {name!r} is quantized ({tensor.source}); {prefix} takes full-precision weights only"
+            )
+        try:
+            done = owner.load_checkpoint_tensor(".".join(parts[-depth:]), tensor)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+        loaded.update(f"{prefix}.{p}" for p in done)
+        return True
+    return False
 
 
 def _load_one(model, params, packed, name, tensor, loaded) -> None:

@@ -1,16 +1,22 @@
-"""Model registry, keyed by the `architectures` entry of a HF config."""
+"""Model registry: a class per `architectures` entry of a HF config, and the HF architecture of each GGUF
+`general.architecture` Pagoda reads. A family that is a different network gets a file of its own here."""
 
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+
+# GGUF's `general.architecture` -> the HF architecture whose config and weight names the file maps to
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def model_class(hf_config) -> type[nn.Module]:
@@ -20,5 +26,5 @@ def model_class(hf_config) -> type[nn.Module]:
             return MODEL_REGISTRY[name]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
-        f"supported: {', '.join(MODEL_REGISTRY)} (Llama, SmolLM2, TinyLlama, Qwen2/2.5, Qwen3 dense)"
+        f"supported: {', '.join(MODEL_REGISTRY)} (Llama, SmolLM2, TinyLlama, Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
     )

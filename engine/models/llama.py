@@ -8,6 +8,7 @@ columns, and the row-parallel o_proj and down_proj add up the ranks' partial sum
 code is the same for every N; the layers in engine/layers do the splitting.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,10 +89,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, flags: ModelFlags, tp: TPGroup):
+    def __init__(self, config, rotary: RotaryEmbedding, flags: ModelFlags, tp: TPGroup, mlp: nn.Module):
+        """`mlp`: the layer's feed-forward block, called as mlp(x, residual, norm) like DecoderMLP."""
         super().__init__()
         self.self_attn = DecoderAttention(config, rotary, flags.qkv_bias, flags.o_bias, flags.qk_norm, tp)
-        self.mlp = DecoderMLP(config, flags.mlp_bias, tp)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,12 +105,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, max_position: int, flags: ModelFlags, tp: TPGroup):
+    def __init__(self, config, max_position: int, flags: ModelFlags, tp: TPGroup, make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, flags, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, flags, tp, make_mlp(i)) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -120,6 +124,8 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Whether a decode step decides nothing on the host, so that it can be a CUDA graph or a compiled CPU graph.
+    static_decode = True
     # checkpoint name -> (our parameter's module, shard index)
     packed_modules = {
         "q_proj": ("qkv_proj", 0),
@@ -136,11 +142,16 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, max_position: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.model = DecoderModel(config, max_position, self.flags(config), tp)
+        flags = self.flags(config)
+        self.model = DecoderModel(config, max_position, flags, tp, lambda i: self.make_mlp(config, i, flags, tp))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config, layer_index: int, flags: ModelFlags, tp: TPGroup) -> nn.Module:
+        """Layer `layer_index`'s feed-forward block: a gated MLP in every layer of a dense family."""
+        return DecoderMLP(config, flags.mlp_bias, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -148,14 +159,12 @@ class LlamaForCausalLM(nn.Module):
     def norm_projections(self) -> list[tuple[ColumnParallelLinear, RMSNorm, SiluAndMul | None]]:
         """(projection, the norm it applies first, the activation it applies last or None) for each
         norm that a projection runs: what engine/layers/normed_gemv.py may fuse into one kernel."""
-        return [
-            pair
-            for layer in self.model.layers
-            for pair in (
-                (layer.self_attn.qkv_proj, layer.input_layernorm, None),
-                (layer.mlp.gate_up_proj, layer.post_attention_layernorm, layer.mlp.act),
-            )
-        ]
+        pairs = []
+        for layer in self.model.layers:
+            pairs.append((layer.self_attn.qkv_proj, layer.input_layernorm, None))
+            if isinstance(layer.mlp, DecoderMLP):  # a mixture of experts has no one projection to fuse into
+                pairs.append((layer.mlp.gate_up_proj, layer.post_attention_layernorm, layer.mlp.act))
+        return pairs
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of the given rows; with tensor parallelism, on rank 0 only (None elsewhere)."""

@@ -92,7 +92,11 @@ class ModelRunner:
         self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
         self.attention_layers, self.backend = self._bind_attention_backend()
         # The torch reference backend reads lengths on the host, which a graph cannot replay: it runs eagerly.
-        self.use_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch"
+        # A model whose steps decide on the host (a mixture of experts' loop) runs them eagerly too.
+        self.static_decode = getattr(self.model, "static_decode", True)
+        self.use_graphs = (
+            device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch" and self.static_decode
+        )
         self._create_step_buffers()
         self.kv_layout = KVCacheLayout.of(self.attention_layers, self.block_size, dtype)
         self.kv_cache, self.num_blocks = self._allocate_kv_cache()
@@ -200,18 +204,11 @@ class ModelRunner:
         (engine/runner/kv_cache.py); each attention layer is bound to its two. On a GPU without an explicit
         size, a warm-up step measures what is left."""
 
-        def measure_gpu_budget() -> int:
-            return gpu_kv_budget(
-                self.model,
-                self.attention_layers,
-                self.kv_layout,
-                self.config,
-                self.device,
-                self._gpu_bytes_before,
-                self.use_graphs,
-            )
-
-        num_blocks = choose_num_blocks(self.config, self.kv_layout, self.device, self.tp, measure_gpu_budget)
+        layout, before = self.kv_layout, self._gpu_bytes_before
+        measure = lambda: gpu_kv_budget(  # a warm-up step, run only where the GPU's free memory decides
+            self.model, self.attention_layers, layout, self.config, self.device, before, self.use_graphs
+        )
+        num_blocks = choose_num_blocks(self.config, layout, self.device, self.tp, measure)
         # One more block than the block manager hands out, where the compiled decode steps are traced
         # and timed while requests may already be running.
         self.scratch_block = num_blocks if self._decode_compiles() else None
@@ -247,9 +244,11 @@ class ModelRunner:
 
     def _decode_compiles(self) -> bool:
         """Whether decode steps get compiled graphs: on the CPU, with one process and the torch attention
-        backend, unless enforce_eager or PAGODA_CPU_COMPILE=0 says no (a GPU has CUDA graphs instead)."""
+        backend, for a model whose steps decide nothing on the host, unless enforce_eager or
+        PAGODA_CPU_COMPILE=0 says no (a GPU has CUDA graphs instead)."""
         return (
             self.device.type == "cpu"
+            and self.static_decode
             and not self.config.enforce_eager
             and not compile_disabled_by_env()
             and self.tp.size == 1
@@ -270,7 +269,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.decode_kind = "cuda-graphs"
         elif self.scratch_block is None:
-            self.decode_kind = "eager"
+            self.decode_kind = "eager" if self.static_decode else "eager (mixture-of-experts routing on the host)"
         else:
             self.decode_kind = "eager (compiling)"
             self._compiler = threading.Thread(target=self._compile_decode, name="pagoda-compile-decode", daemon=True)
