@@ -26,13 +26,17 @@ from engine.attention import torch_backend as ref  # noqa: E402
 from tests.attention_batches import make_batch  # noqa: E402
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q [Lq, H, D] over k, v [Lk, Hk, D], queries being the last Lq positions."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_size=(-1, -1)) -> torch.Tensor:
+    """Causal attention of q [Lq, H, D] over k, v [Lk, Hk, D], queries being the last Lq positions; flash-attn's
+    window_size (left, right), left >= 0, lets a query see only the `left` keys before it."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     q_pos = torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    kv_pos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(kv_pos > q_pos, float("-inf"))
+    if window_size[0] >= 0:
+        scores = scores.masked_fill(kv_pos < q_pos - window_size[0], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
 
 
@@ -54,6 +58,7 @@ def fake_varlen(
     dropout_p=0.0,
     softmax_scale=None,
     causal=False,
+    window_size=(-1, -1),
     block_table=None,
     **unused,
 ):
@@ -68,13 +73,21 @@ def fake_varlen(
         if end - start > max_seqlen_q or length > max_seqlen_k:
             raise AssertionError("max_seqlen_q / max_seqlen_k below a sequence's length")
         out[start:end] = attend(
-            q[start:end], pages(k, block_table[i], length), pages(v, block_table[i], length), softmax_scale
+            q[start:end], pages(k, block_table[i], length), pages(v, block_table[i], length), softmax_scale, window_size
         )
     return out
 
 
 def fake_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False, **unused
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    **unused,
 ):
     if not causal or block_table is None or q.dim() != 4 or unused:
         raise AssertionError("the backend should pass q as [batch, 1, heads, dim] to the causal paged kernel")
@@ -82,7 +95,11 @@ def fake_with_kvcache(
     for b in range(q.shape[0]):
         length = int(cache_seqlens[b])
         out[b] = attend(
-            q[b], pages(k_cache, block_table[b], length), pages(v_cache, block_table[b], length), softmax_scale
+            q[b],
+            pages(k_cache, block_table[b], length),
+            pages(v_cache, block_table[b], length),
+            softmax_scale,
+            window_size,
         )
     return out
 
@@ -115,6 +132,8 @@ def test_prefill_calls_match_the_reference(fake_flash_attn, name):
     expected = ref.paged_attention(query, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(flash_attn_backend.paged_attention(query, k_cache, v_cache, meta, scale), expected)
     assert "cu_seqlens_k" in meta.backend_cache  # computed once per step, for every layer
+    windowed = ref.paged_attention(query, k_cache, v_cache, meta, scale, 100)
+    torch.testing.assert_close(flash_attn_backend.paged_attention(query, k_cache, v_cache, meta, scale, 100), windowed)
 
 
 def test_decode_calls_match_the_reference(fake_flash_attn):
@@ -124,6 +143,8 @@ def test_decode_calls_match_the_reference(fake_flash_attn):
     scale = 0.1
     expected = ref.paged_attention(query, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(flash_attn_backend.paged_attention(query, k_cache, v_cache, meta, scale), expected)
+    windowed = ref.paged_attention(query, k_cache, v_cache, meta, scale, 300)
+    torch.testing.assert_close(flash_attn_backend.paged_attention(query, k_cache, v_cache, meta, scale, 300), windowed)
 
 
 def test_auto_takes_flash_attn_only_where_its_kernels_apply(fake_flash_attn):

@@ -15,8 +15,9 @@ from engine.attention.metadata import AttentionMetadata
 BLOCK = 16
 
 
-def naive(query, k_cache, v_cache, q_lens, seq_lens, tables, scale):
-    """softmax(q k^T) v per sequence, reading the cache one token at a time through its block table."""
+def naive(query, k_cache, v_cache, q_lens, seq_lens, tables, scale, window=None):
+    """softmax(q k^T) v per sequence, reading the cache one token at a time through its block table. With a
+    sliding `window`, query position p sees positions p - window + 1 .. p."""
     out = torch.zeros_like(query)
     group = query.shape[1] // k_cache.shape[2]
     start = 0
@@ -27,8 +28,9 @@ def naive(query, k_cache, v_cache, q_lens, seq_lens, tables, scale):
             v = torch.stack([v_cache[b, o] for b, o in slots]).repeat_interleave(group, 1)
             for j in range(q_len):
                 visible = kv_len - q_len + j + 1
-                scores = torch.einsum("hd,khd->hk", query[start + j], k[:visible]) * scale
-                out[start + j] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[:visible])
+                first = 0 if window is None else max(0, visible - window)
+                scores = torch.einsum("hd,khd->hk", query[start + j], k[first:visible]) * scale
+                out[start + j] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[first:visible])
         start += q_len
     return out
 
@@ -83,11 +85,33 @@ def test_matches_attention_written_out_per_sequence(case):
     got = torch_backend.paged_attention(query, k_cache, v_cache, meta, scale)
     want = naive(query, k_cache, v_cache, q_lens, seq_lens, tables, scale)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    decodes, _ = torch_backend._plan(meta, BLOCK)
+    decodes, _ = torch_backend._plan(meta, BLOCK, None)
     if rows > 8:
         assert len(decodes) > 1  # the long batch really was split into length groups
     if case in ("one decode row", "equal lengths"):
         assert decodes[0].mask is None  # the unmasked path was the one checked
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 300])
+def test_sliding_window_matches_attention_written_out_per_sequence(window):
+    """Decode rows of many lengths (grouped, masked, and each reading only its window's blocks), a fresh
+    prompt, a prompt after a prefix hit and a later chunk, each query seeing only its last `window` positions."""
+    rng = torch.Generator().manual_seed(2)
+    decode_lens = torch.randint(1, 200, (20,), generator=rng).tolist()
+    q_lens = [40, *[1] * 10, 23, *[1] * 10, 30]
+    seq_lens = [40, *decode_lens[:10], 71, *decode_lens[10:], 130]
+    query, k_cache, v_cache, meta, tables = batch(q_lens, seq_lens, seed=window)
+    scale = query.shape[-1] ** -0.5
+    got = torch_backend.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    want = naive(query, k_cache, v_cache, q_lens, seq_lens, tables, scale, window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    one = batch([1], [150], seed=3)  # batch 1: the window's blocks alone
+    got = torch_backend.paged_attention(*one[:4], scale, window)
+    torch.testing.assert_close(got, naive(*one[:3], [1], [150], one[4], scale, window), rtol=1e-4, atol=1e-5)
+    compiled_path = torch_backend.compiled_decode(
+        one[0], one[1], one[2], one[3].block_tables, one[3].seq_lens, scale, window
+    )
+    torch.testing.assert_close(compiled_path, got, rtol=1e-4, atol=1e-5)
 
 
 def test_store_kvcache_writes_each_token_to_its_slot_and_skips_padding():

@@ -24,7 +24,7 @@ from tests.attention_batches import make_batch  # noqa: E402
 
 def check_attention(query, k_cache, v_cache, meta, *, atol, rtol, **knobs):
     scale = query.shape[-1] ** -0.5
-    expected = ref.paged_attention(query, k_cache, v_cache, meta, scale)
+    expected = ref.paged_attention(query, k_cache, v_cache, meta, scale, knobs.get("window"))
     got = tk.paged_attention_impl(query, k_cache, v_cache, meta, scale, **knobs)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     assert not torch.isnan(got).any()
@@ -89,6 +89,17 @@ def test_decode(num_splits, group, head_dim, dtype):
     batch = make_batch([1] * len(seq_lens), seq_lens, group=group, head_dim=head_dim, dtype=dtype, seed=group)
     out = check_attention(*batch, num_splits=num_splits, **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
     assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("window", [1, 7, 24])
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_sliding_window(window, num_splits):
+    """Prefills (fresh, after a prefix hit, a later chunk) and decodes, with the window starting inside, at and
+    before a KV tile; decode split across programs as well."""
+    batch = make_batch([19, 1, 5, 1, 9], [19, 70, 37, 5, 41], group=2, head_dim=32, block_size=8, seed=window)
+    check_attention(*batch, block_rows=16, block_n=16, window=window, **FP32_TOL)
+    decode = make_batch([1, 1, 1], [70, 3, 33], group=2, head_dim=32, block_size=8, seed=window + 1)
+    check_attention(*decode, block_n=16, num_splits=num_splits, window=window, **FP32_TOL)
 
 
 def test_decode_default_path():

@@ -18,9 +18,16 @@ __all__ = ["paged_attention", "store_kvcache"]
 
 
 def paged_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """query [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """query [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim].
+    A sliding `window` of W positions is flash-attn's window_size (W - 1 keys before the query, none after)."""
+    window_size = (-1, -1) if window is None else (window - 1, 0)
     if meta.is_decode_only:
         # One token per sequence: the kv-cache kernel also splits long contexts across the SMs.
         out = flash_attn_with_kvcache(
@@ -31,6 +38,7 @@ def paged_attention(
             block_table=meta.block_tables,
             softmax_scale=scale,
             causal=True,
+            window_size=window_size,
         )
         return out.squeeze(1)
     cu_seqlens_k = meta.backend_cache.get("cu_seqlens_k")
@@ -46,5 +54,6 @@ def paged_attention(
         meta.max_seq_len,
         softmax_scale=scale,
         causal=True,
+        window_size=window_size,
         block_table=meta.block_tables,
     )

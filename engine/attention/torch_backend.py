@@ -82,26 +82,50 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return picked.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
-def _decode_plan(meta: AttentionMetadata, rows: list[int], block_size: int, every_row: bool) -> _Decode:
+def _decode_plan(
+    meta: AttentionMetadata, rows: list[int], block_size: int, every_row: bool, window: int | None
+) -> _Decode:
     dev = meta.block_tables.device
     rows_t = None if every_row else torch.tensor(rows, device=dev)
     pick = (lambda t: t) if every_row else (lambda t: t[rows_t])
     lens = [meta.seq_lens_cpu[i] for i in rows]
+    token_idx = None if every_row else meta.query_start_loc[rows_t].long()
+    if window is not None and meta.host_lens_exact and max(lens) > window:
+        return _window_decode_plan(meta, pick, lens, token_idx, block_size, window)
     num_blocks = min(-(-max(lens) // block_size), meta.block_tables.shape[1])
     blocks = pick(meta.block_tables)[:, :num_blocks].clamp(min=0).long()
-    token_idx = None if every_row else meta.query_start_loc[rows_t].long()
     # One length (always so at batch 1): no mask, no padding rows.
     if meta.host_lens_exact and min(lens) == max(lens) > 0:
         return _Decode(token_idx, blocks, lens[0], None, None)
     seq_lens = pick(meta.seq_lens).long()
-    valid = torch.arange(num_blocks * block_size, device=dev)[None, :] < seq_lens[:, None]
-    valid[:, 0] = True  # padding rows (seq_len 0) attend to something finite, then get zeroed
+    positions = torch.arange(num_blocks * block_size, device=dev)[None, :]
+    valid = positions < seq_lens[:, None]
+    if window is not None:
+        valid &= positions >= seq_lens[:, None] - window
+    valid[:, 0] |= seq_lens == 0  # padding rows (seq_len 0) attend to something finite, then get zeroed
     return _Decode(token_idx, blocks, num_blocks * block_size, valid[:, None, None, :], (seq_lens > 0)[:, None, None])
 
 
-def _plan(meta: AttentionMetadata, block_size: int):
-    if "torch" in meta.backend_cache:
-        return meta.backend_cache["torch"]
+def _window_decode_plan(meta, pick, lens: list[int], token_idx, block_size: int, window: int) -> _Decode:
+    """Decode rows of a sliding-window layer: each row reads only the blocks its last `window` positions lie in."""
+    dev = meta.block_tables.device
+    seq_lens = torch.tensor(lens, device=dev)
+    first_block = (seq_lens - window).clamp(min=0) // block_size
+    num_blocks = max(-(-n // block_size) - max(0, n - window) // block_size for n in lens)
+    index = (first_block[:, None] + torch.arange(num_blocks, device=dev)[None, :]).clamp(
+        max=meta.block_tables.shape[1] - 1
+    )
+    blocks = pick(meta.block_tables).gather(1, index).clamp(min=0).long()
+    positions = first_block[:, None] * block_size + torch.arange(num_blocks * block_size, device=dev)[None, :]
+    valid = (positions < seq_lens[:, None]) & (positions >= seq_lens[:, None] - window)
+    return _Decode(token_idx, blocks, num_blocks * block_size, valid[:, None, None, :], None)
+
+
+def _plan(meta: AttentionMetadata, block_size: int, window: int | None):
+    """The step's decode groups and prefills, worked out once per step for each window its layers use."""
+    key = ("torch", window)
+    if key in meta.backend_cache:
+        return meta.backend_cache[key]
     dev = meta.block_tables.device
     starts = meta.query_start_loc.tolist()
     rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1 and meta.seq_lens_cpu[i] > 0]
@@ -110,22 +134,29 @@ def _plan(meta: AttentionMetadata, block_size: int):
         groups = min(MAX_DECODE_GROUPS, -(-len(rows) // DECODE_GROUP_ROWS))
         if groups == 1:
             every_row = len(rows) == meta.num_seqs and starts[-1] == meta.num_seqs
-            decodes.append(_decode_plan(meta, rows, block_size, every_row))
+            decodes.append(_decode_plan(meta, rows, block_size, every_row, window))
         else:
             rows.sort(key=lambda i: meta.seq_lens_cpu[i])
             size = -(-len(rows) // groups)
-            decodes += [_decode_plan(meta, rows[g : g + size], block_size, False) for g in range(0, len(rows), size)]
+            decodes += [
+                _decode_plan(meta, rows[g : g + size], block_size, False, window) for g in range(0, len(rows), size)
+            ]
     prefills = []
     for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         if q_len <= 1 or kv_len == 0:
             continue
-        blocks = meta.block_tables[i, : -(-kv_len // block_size)].long()
+        # A sliding window's first query sees nothing before kv_len - q_len - window + 1: skip those blocks.
+        first = 0 if window is None else max(0, kv_len - q_len - window + 1) // block_size
+        blocks = meta.block_tables[i, first : -(-kv_len // block_size)].long()
         mask = None
-        if q_len != kv_len:  # query j sits at KV position kv_len - q_len + j and sees everything up to it
-            q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)
-            mask = torch.arange(kv_len, device=dev)[None, :] <= q_pos[:, None]
-        prefills.append(_Prefill(starts[i], q_len, kv_len, blocks, mask))
-    meta.backend_cache["torch"] = plan = (decodes, prefills)
+        if q_len != kv_len or window is not None:  # query j sits at KV position kv_len - q_len + j
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)[:, None]
+            kv_pos = torch.arange(first * block_size, kv_len, device=dev)[None, :]
+            mask = kv_pos <= q_pos
+            if window is not None:
+                mask &= kv_pos > q_pos - window
+        prefills.append(_Prefill(starts[i], q_len, kv_len - first * block_size, blocks, mask))
+    meta.backend_cache[key] = plan = (decodes, prefills)
     return plan
 
 
@@ -135,10 +166,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # a sliding-window layer's: each query sees its last `window` positions
 ) -> torch.Tensor:
     if tracing_decode_step():
-        return compiled_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-    decodes, prefills = _plan(meta, k_cache.shape[1])
+        return compiled_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
+    decodes, prefills = _plan(meta, k_cache.shape[1], window)
     if len(decodes) == 1 and decodes[0].token_idx is None and not prefills:
         return _decode(query, k_cache, v_cache, decodes[0], scale)
     out = torch.zeros_like(query)
@@ -174,16 +206,20 @@ def compiled_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode rows (one query token per sequence) from device tensors only: every row reads all of
-    `block_tables`' blocks (-1 entries read block 0), masked to its own length."""
+    `block_tables`' blocks (-1 entries read block 0), masked to its own length (and window)."""
     blocks = block_tables.clamp(min=0).long()
     rows, length = blocks.shape[0], blocks.shape[1] * k_cache.shape[1]
     # Indexing, not `_gather`'s index_select: after the in-place KV write of the same step, inductor
     # copied the whole cache around an index_select (60 copies of 18 MB a step on SmolLM2), not around this.
     k = k_cache[blocks].view(rows, length, *k_cache.shape[2:]).transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
     v = v_cache[blocks].view(rows, length, *v_cache.shape[2:]).transpose(1, 2).to(query.dtype)
-    valid = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None]
+    positions = torch.arange(length, device=query.device)[None, :]
+    valid = positions < seq_lens[:, None]
+    if window is not None:
+        valid &= positions >= seq_lens[:, None] - window
     o = F.scaled_dot_product_attention(
         query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
     )

@@ -198,6 +198,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # feed tl.dot fp32 (interpreter only: its bf16 dot is broken)
+    WINDOW: tl.constexpr,  # a sliding-window layer's window (each query sees its last WINDOW positions); 0: none
 ):
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
     IN_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -236,11 +237,15 @@ def _paged_attention_kernel(
 
     # KV range of this program: causal limit of its last query (never past seq_len; 0 for a
     # padding row), and for split-KV the split's share of it, rounded to whole tiles.
+    # A sliding window starts it at the first key its first query sees, rounded down to a whole tile.
     kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_M)
-    kv_start = 0
+    kv_lo = 0
+    if WINDOW > 0:
+        kv_lo = tl.maximum(seq_len - q_len + q_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    kv_start = kv_lo
     if SPLIT_KV:
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_start = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = kv_lo + split * per_split
         kv_end = tl.minimum(kv_end, kv_start + per_split)
 
     # Online softmax state. m starts finite so that fully masked rows give exp2(-inf - m) = 0
@@ -265,7 +270,10 @@ def _paged_attention_kernel(
         k = _dot_operand(k, IN_DTYPE, UPCAST_DOT)
         v = _dot_operand(v, IN_DTYPE, UPCAST_DOT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((n[None, :] <= pos[:, None]) & n_valid[None, :], s, float("-inf"))
+        seen = (n[None, :] <= pos[:, None]) & n_valid[None, :]
+        if WINDOW > 0:
+            seen = seen & (n[None, :] > pos[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -362,8 +370,9 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    return paged_attention_impl(query, k_cache, v_cache, meta, scale)
+    return paged_attention_impl(query, k_cache, v_cache, meta, scale, window=window)
 
 
 def paged_attention_impl(
@@ -375,6 +384,7 @@ def paged_attention_impl(
     num_splits: int | None = None,
     block_rows: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` with its tuning knobs exposed (for tests and benchmarks).
 
@@ -438,6 +448,7 @@ def paged_attention_impl(
         BLOCK_N=block_n,
         DOT_PRECISION=precision,
         UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
+        WINDOW=window or 0,
         num_warps=num_warps,
         num_stages=2,
     )

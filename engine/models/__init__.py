@@ -4,12 +4,15 @@
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mistral import MinistralForCausalLM, MistralForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "MinistralForCausalLM": MinistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -26,5 +29,6 @@ def model_class(hf_config) -> type[nn.Module]:
             return MODEL_REGISTRY[name]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
-        f"supported: {', '.join(MODEL_REGISTRY)} (Llama, SmolLM2, TinyLlama, Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
+        f"supported: {', '.join(MODEL_REGISTRY)} (Llama, SmolLM2, TinyLlama, Mistral, Ministral, Qwen2/2.5, "
+        "Qwen3 dense, Qwen3-MoE)"
     )

@@ -34,8 +34,35 @@ class ModelFlags:
     mlp_bias: bool  # biases on gate/up and down
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), from transformers' `layer_types` where the config has
+    them (Qwen2/3 with use_sliding_window, Ministral), else `sliding_window` on every layer (Mistral) or none."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * config.num_hidden_layers
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer types {unknown} are not supported by this model family; supported: {LAYER_TYPES}")
+    if "sliding_attention" in types and not window:
+        raise ValueError("the config has sliding-attention layers but no sliding_window; the checkpoint is broken")
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup):
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        tp: TPGroup,
+        sliding_window: int | None = None,
+    ):
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = config.num_key_value_heads or num_heads
@@ -50,7 +77,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
 
     def forward(
         self,
@@ -89,10 +116,20 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, flags: ModelFlags, tp: TPGroup, mlp: nn.Module):
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        flags: ModelFlags,
+        tp: TPGroup,
+        mlp: nn.Module,
+        sliding_window: int | None = None,
+    ):
         """`mlp`: the layer's feed-forward block, called as mlp(x, residual, norm) like DecoderMLP."""
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, flags.qkv_bias, flags.o_bias, flags.qk_norm, tp)
+        self.self_attn = DecoderAttention(
+            config, rotary, flags.qkv_bias, flags.o_bias, flags.qk_norm, tp, sliding_window
+        )
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -110,8 +147,9 @@ class DecoderModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        windows = layer_windows(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, flags, tp, make_mlp(i)) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, flags, tp, make_mlp(i), windows[i]) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
