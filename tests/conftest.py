@@ -68,7 +68,7 @@ COMMON = dict(
 def build_model(folder: Path, family: str) -> Path:
     import transformers
 
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "mistral": 5}[family])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "mistral": 5, "smollm3": 6}[family])
     if family == "llama":
         rope_scaling = {
             "rope_type": "llama3",
@@ -88,6 +88,10 @@ def build_model(folder: Path, family: str) -> Path:
         # Every layer attends through a 12-token window, far shorter than the tests' prompts and replies.
         config = transformers.MistralConfig(**COMMON, sliding_window=12, tie_word_embeddings=False)
         model, dtype, shard = transformers.MistralForCausalLM(config), torch.float32, None
+    elif family == "smollm3":
+        # Layer 1 has no rotary (NoPE), as every fourth layer of the real model
+        config = transformers.SmolLM3Config(**COMMON, no_rope_layers=[1, 0], tie_word_embeddings=True)
+        model, dtype, shard = transformers.SmolLM3ForCausalLM(config), torch.float32, None
     elif family == "qwen3_moe":
         # Experts in layer 0, a dense MLP in layer 1 (mlp_only_layers); 8 experts, 2 a token, renormalized.
         config = transformers.Qwen3MoeConfig(
@@ -123,7 +127,7 @@ def build_model(folder: Path, family: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {f: build_model(root / f, f) for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")}
+    return {f: build_model(root / f, f) for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3")}
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from engine.models.mistral import MinistralForCausalLM, MistralForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 # GGUF's `general.architecture` -> the HF architecture whose config and weight names the file maps to
@@ -29,6 +31,6 @@ def model_class(hf_config) -> type[nn.Module]:
             return MODEL_REGISTRY[name]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
-        f"supported: {', '.join(MODEL_REGISTRY)} (Llama, SmolLM2, TinyLlama, Mistral, Ministral, Qwen2/2.5, "
-        "Qwen3 dense, Qwen3-MoE)"
+        f"supported: {', '.join(MODEL_REGISTRY)} (Llama, SmolLM2, SmolLM3, TinyLlama, Mistral, Ministral, "
+        "Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
     )

@@ -56,7 +56,7 @@ class DecoderAttention(nn.Module):
     def __init__(
         self,
         config,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
@@ -90,13 +90,11 @@ class DecoderAttention(nn.Module):
         """Attention over norm(x + residual); returns its output and x + residual."""
         qkv, residual = self.qkv_proj.normed(x, residual, norm)
         qk, v = qkv.split([self.split[0] + self.split[1], self.split[2]], dim=-1)
-        qk = self.rotary(
-            positions,
-            qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-            self.num_heads,
-            self.q_norm,
-            self.k_norm,
-        )  # Qwen3 normalises each head first
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:  # Qwen3 normalises each head first
+            qk = self.rotary(positions, qk, self.num_heads, self.q_norm, self.k_norm)
+        elif self.q_norm is not None:  # a layer without positions (SmolLM3's NoPE layers)
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta).flatten(1)), residual
@@ -119,7 +117,7 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         flags: ModelFlags,
         tp: TPGroup,
         mlp: nn.Module,
@@ -148,8 +146,11 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         windows = layer_windows(config)
+        # SmolLM3 leaves rotary out of some layers (NoPE): its no_rope_layers holds 1 where a layer has it
+        uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, flags, tp, make_mlp(i), windows[i]) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary if uses_rope[i] else None, flags, tp, make_mlp(i), windows[i])
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
