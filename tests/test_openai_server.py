@@ -1,6 +1,6 @@
-"""The OpenAI-compatible server, driven by the official `openai` client against a real server process."""
+"""The OpenAI-compatible server, driven by the official `openai` client against a real server process. What it
+refuses is tested in test_openai_refusals.py."""
 
-import json
 import threading
 
 import httpx
@@ -8,15 +8,12 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from entrypoints.cli import resolve_api_key  # noqa: E402
-from tests.processes import ServeProcess, wait_until  # noqa: E402
+from tests.bundled_server import DEFAULT_MAX_TOKENS, KEY, MODEL, serve_bundled  # noqa: E402
+from tests.processes import wait_until  # noqa: E402
 
 # Starting the server on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
 pytestmark = pytest.mark.timeout(900)
 
-KEY = "sk-pagoda-test"
-DEFAULT_MAX_TOKENS = 20  # the server's cap for requests that send no max_tokens
-MODEL = "smollm2"
 SYSTEM = (
     "You are Pagoda, a careful assistant that runs on the user's own computer. You answer in one short "
     "sentence, you say so when you do not know, and you never make up facts about the user."
@@ -25,24 +22,7 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def server(bundled_model, tmp_path_factory):
-    srv = ServeProcess(
-        bundled_model,
-        tmp_path_factory.mktemp("serve") / "server.log",
-        "--served-model-name",
-        MODEL,
-        "--api-key",
-        KEY,
-        "--max-num-seqs",
-        "16",
-        "--max-model-len",
-        "2048",
-        "--default-max-tokens",
-        str(DEFAULT_MAX_TOKENS),
-        # float32: its sums come out the same whether a prompt's system prompt was cached by an
-        # earlier test or not, so replies and logprobs can be compared with the reference's exactly
-        "--dtype",
-        "float32",
-    ).wait_ready()
+    srv = serve_bundled(bundled_model, tmp_path_factory.mktemp("serve") / "server.log")
     yield srv
     srv.stop()
 
@@ -193,82 +173,11 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(client, server)
     assert server.metric("vllm:generation_tokens_total") - generated < 200  # far from the 1,500 it asked for
 
 
-@pytest.mark.parametrize(
-    "body, status, code",
-    [
-        ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context_length_exceeded"),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000},
-            400,
-            "context_length_exceeded",
-        ),
-        ({"model": MODEL}, 400, None),
-        ({"model": MODEL, "messages": []}, 400, None),
-        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, None),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
-            400,
-            None,
-        ),
-    ],
-)
-def test_bad_requests_get_openai_style_errors(server, body, status, code):
-    r = httpx.post(
-        f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=30
-    )
-    assert r.status_code == status
-    error = r.json()["error"]
-    assert error["message"] and error["type"]
-    assert error["code"] == code
-
-
-def test_a_malformed_body_is_a_400_not_a_crash(server):
-    r = httpx.post(
-        f"{server.base}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
-        content=b"{not json",
-        timeout=30,
-    )
-    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-
-
 def test_the_client_sees_errors_as_its_own_exceptions(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=chat("hi"))
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model=MODEL, messages=chat("word " * 3000))
-
-
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}])
-@pytest.mark.parametrize(
-    "method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")]
-)
-def test_every_v1_route_wants_the_key(server, headers, method, path):
-    body = {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    r = httpx.request(
-        method, f"{server.base}{path}", headers=headers, json=body if method == "POST" else None, timeout=30
-    )
-    assert r.status_code == 401
-    assert r.json()["error"]["code"] == "invalid_api_key"
-
-
-def test_the_openai_client_with_a_wrong_key_is_refused(server):
-    wrong = openai.OpenAI(base_url=f"{server.base}/v1", api_key="sk-wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        wrong.models.list()
-
-
-def test_an_exposed_server_always_has_a_key(capsys):
-    assert resolve_api_key(None, exposed=False) is None
-    assert resolve_api_key("mine", exposed=True) == "mine"
-    generated = resolve_api_key(None, exposed=True)
-    assert generated and len(generated) > 20
-    assert generated in capsys.readouterr().out  # printed, so the user can hand it to clients
-    assert resolve_api_key(None, exposed=True) != generated
 
 
 def test_metrics_use_vllm_names(server):
@@ -370,17 +279,6 @@ def test_echo_of_token_ids_with_one_new_token_as_lm_eval_sends_it(server, refere
     assert max(lp["top_logprobs"][-1].values()) == pytest.approx(lp["token_logprobs"][-1])  # greedy: the top one
 
 
-@pytest.mark.parametrize("body", [{"logprobs": 21}, {"logprobs": -1}, {"max_tokens": 0}])
-def test_bad_logprobs_requests_are_refused(server, body):
-    r = httpx.post(
-        f"{server.base}/v1/completions",
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=30,
-        json={"model": MODEL, "prompt": "hi", **body},
-    )
-    assert r.status_code == 400 and r.json()["error"]["message"]
-
-
 # ---- penalties, logit_bias, the default max_tokens, the request log -----------------------------------
 def test_penalties_and_logit_bias_give_the_engines_own_reply(client, bundled_model, reference_llm):
     from engine import SamplingParams
@@ -424,29 +322,6 @@ def test_vllms_ignore_eos_and_stop_token_ids_reach_the_engine(client, bundled_mo
         model=MODEL, prompt=ids, temperature=0, max_tokens=64, extra_body={"stop_token_ids": [stop_at]}
     )
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens <= 3
-
-
-@pytest.mark.parametrize(
-    "field, value, words",
-    [
-        ("logit_bias", {"hello": 5}, "token ids"),
-        ("logit_bias", {"99999999": 5}, "outside the vocabulary"),
-        ("logit_bias", {"1": 101}, "from -100 to 100"),
-        ("presence_penalty", 2.5, "less than or equal to 2"),
-        ("frequency_penalty", -3, "greater than or equal to -2"),
-        ("reasoning_effort", "low", "reasoning_effort is for models that think"),
-        ("reasoning_effort", "extreme", "reasoning_effort: Input should be"),
-        ("priority", "high", "valid integer"),
-    ],
-)
-def test_bad_sampling_fields_are_refused_by_name(server, field, value, words):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
-    r = httpx.post(
-        f"{server.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=30
-    )
-    assert r.status_code == 400
-    assert words in r.json()["error"]["message"]
-    assert field in r.json()["error"]["message"] or r.json()["error"]["param"] == field
 
 
 def test_a_request_without_max_tokens_gets_the_servers_default(client, bundled_model):
@@ -499,56 +374,3 @@ def test_the_default_max_tokens_fits_the_context_and_0_means_all_of_it(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--default-max-tokens", "-1"])
     assert "--default-max-tokens must be 0" in capsys.readouterr().err
-
-
-# ---- hardening: sizes, strict types, no 5xx ------------------------------------------------------------
-def post_chat(server, content: bytes | None = None, **fields) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
-    return httpx.post(
-        f"{server.base}/v1/chat/completions",
-        headers=headers,
-        content=content if content is not None else json.dumps(body),
-        timeout=60,
-    )
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("max_tokens", "2"),
-        ("max_tokens", True),
-        ("stream", "yes"),
-        ("temperature", "0.5"),
-        ("seed", 2**64),
-        ("max_tokens", 2.5),
-    ],
-)
-def test_fields_are_typed_strictly_and_named(server, field, value):
-    r = post_chat(server, **{field: value})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
-
-
-@pytest.mark.parametrize(
-    "content, words",
-    [
-        (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid JSON"),
-        (b"[" * 1000 + b"]" * 1000, "not valid JSON"),
-        (b'{"model": "smollm2", "max_tokens": ' + b"9" * 5000 + b', "messages": []}', "not valid JSON"),
-        (b'["a list"]', "must be a JSON object"),
-    ],
-)
-def test_bodies_that_once_gave_500s_are_400s(server, content, words):
-    r = post_chat(server, content)
-    assert r.status_code == 400, r.text
-    assert words in r.json()["error"]["message"]
-
-
-def test_a_body_over_the_limit_is_a_413_and_a_huge_prompt_is_refused_before_tokenizing(server):
-    r = post_chat(server, messages=[{"role": "user", "content": "x" * (5 << 20)}])  # over the 4 MiB default
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    r = post_chat(server, messages=[{"role": "user", "content": "word " * 600_000}])  # 3 MB: under the limit
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert "characters" in r.json()["error"]["message"]  # refused by its length, not by counting its tokens
-    assert post_chat(server).status_code == 200  # and the server still answers

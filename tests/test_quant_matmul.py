@@ -18,14 +18,13 @@ triton = pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from engine.quantization import triton_matmul as qm  # noqa: E402
+from engine.quantization import triton_tiles as qt  # noqa: E402
 from engine.quantization.layout import QuantizedWeight, quantize_int4  # noqa: E402
-from engine.quantization.triton_matmul import (  # noqa: E402
+from engine.quantization.triton_matmul import pack_for_triton, quant_gemv, quant_matmul  # noqa: E402
+from engine.quantization.triton_tiles import (  # noqa: E402
     ROW_BUCKETS,
     Tile,
     choose_quant_tiles,
-    pack_for_triton,
-    quant_gemv,
-    quant_matmul,
     tile_candidates,
     tile_for,
 )
@@ -162,7 +161,7 @@ def test_tile_candidates():
         tiles = tile_candidates(bucket, w)
         assert tiles and all(t.block_k >= 64 and qm.chunk_groups(w, t.block_k) for t in tiles)
         gemv = [t for t in tiles if t.kernel == "gemv"]
-        assert all(t.block_m == bucket and bucket * t.block_n * t.block_k <= qm.MAX_GEMV_TILE for t in gemv)
+        assert all(t.block_m == bucket and bucket * t.block_n * t.block_k <= qt.MAX_GEMV_TILE for t in gemv)
         assert bool(gemv) == (bucket <= 8) and any(t.kernel == "matmul" for t in tiles) == (bucket >= 4)
     assert tile_for({1: "a", 2: "b", 256: "c"}, 2) == "b" and tile_for({256: "c"}, 1000) == "c"
 
@@ -181,7 +180,7 @@ class ScriptedTimer:
 
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(qm, "_CHOICES", {})
+    monkeypatch.setattr(qt, "_CHOICES", {})
 
 
 def small_candidates(bucket, w):
@@ -192,7 +191,7 @@ def small_candidates(bucket, w):
 
 
 def test_choose_takes_the_fastest_agreeing_tile_per_bucket(monkeypatch):
-    monkeypatch.setattr(qm, "tile_candidates", small_candidates)
+    monkeypatch.setattr(qt, "tile_candidates", small_candidates)
     qw = make_weight(4, 16, 64, 32, True)
     w = pack_for_triton(qw, torch.bfloat16)
     timer = ScriptedTimer(lambda t: 1.0 / (t.block_n * t.block_m))  # wider is faster
@@ -205,9 +204,9 @@ def test_choose_takes_the_fastest_agreeing_tile_per_bucket(monkeypatch):
 
 
 def test_choose_never_takes_a_tile_that_disagrees(monkeypatch):
-    monkeypatch.setattr(qm, "tile_candidates", small_candidates)
-    real = qm.run_tile
-    monkeypatch.setattr(qm, "run_tile", lambda x, w, b, tile: real(x, w, b, tile) + (tile.block_n == 4))
+    monkeypatch.setattr(qt, "tile_candidates", small_candidates)
+    real = qt.run_tile
+    monkeypatch.setattr(qt, "run_tile", lambda x, w, b, tile: real(x, w, b, tile) + (tile.block_n == 4))
     qw = make_weight(8, 16, 64, "channel", False)
     choice = choose_quant_tiles(
         qw,
@@ -223,12 +222,12 @@ def test_choose_never_takes_a_tile_that_disagrees(monkeypatch):
 def test_the_engine_module_runs_the_chosen_tiles_for_any_row_count(monkeypatch):
     """TritonQuantMatmul, what a quantized layer holds on a GPU: float32 activations go in as bf16,
     each row count runs its bucket's tile, and the result matches the reference."""
-    from engine.quantization.triton_matmul import TritonQuantMatmul
+    from engine.quantization.triton_tiles import TritonQuantMatmul
 
-    monkeypatch.setattr(qm, "tile_candidates", small_candidates)
-    real = qm.choose_quant_tiles
+    monkeypatch.setattr(qt, "tile_candidates", small_candidates)
+    real = qt.choose_quant_tiles
     monkeypatch.setattr(
-        qm,
+        qt,
         "choose_quant_tiles",
         lambda qw, w, bias, dtype: real(
             qw, w, bias, dtype, ScriptedTimer(lambda t: 1.0 / t.block_n), buckets=(1, 4, 16)
@@ -263,7 +262,7 @@ def launch_every_variant() -> None:
     in a group, fp16) on one GEMV and one GEMM tile."""
     main = pack_for_triton(make_weight(4, 16, 1024, 32, True), torch.bfloat16)
     for tile in sorted({t for b in ROW_BUCKETS for t in tile_candidates(b, main)}):
-        qm.run_tile(randn(min(tile.block_m, 8) if tile.kernel == "gemv" else 20, 1024), main, None, tile)
+        qt.run_tile(randn(min(tile.block_m, 8) if tile.kernel == "gemv" else 20, 1024), main, None, tile)
     for bits, k, group, offset, bias, dtype in [
         (8, 1024, "channel", False, False, torch.bfloat16),
         (4, 1000, 128, True, True, torch.float16),

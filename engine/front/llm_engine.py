@@ -15,7 +15,6 @@ of the model; `close()` stops them (garbage collection and interpreter exit do t
 
 import logging
 from itertools import count
-from pathlib import Path
 
 import torch
 
@@ -24,18 +23,11 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.front.detokenizer import Detokenizer
+from engine.front.model_files import eos_token_ids, open_model
+from engine.front.output_processor import finish_reason, request_output, take_logprobs
 from engine.front.outputs import EngineStats, KVBlock, RequestOutput
 from engine.front.sampling_params import SamplingParams
-from engine.loader import (
-    GGUFCheckpoint,
-    check_not_prequantized,
-    checkpoint_dtype,
-    pick_device,
-    pick_dtype,
-    resolve_gguf,
-    resolve_model_path,
-)
-from engine.quantization.methods import refuse_requantizing
+from engine.loader import GGUFCheckpoint, checkpoint_dtype, pick_device, pick_dtype
 from engine.runner.distributed import check_tensor_parallel
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.sample.structured_output import StructuredOutputs
@@ -62,51 +54,14 @@ def _breaks_the_device(error: BaseException) -> bool:
     )
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
-
-
-def load_tokenizer(path: str):
-    """The folder's tokenizer. A folder without one ended in transformers' advice to install
-    sentencepiece or tiktoken, which would not help: say what is missing."""
-    from transformers import AutoTokenizer
-
-    folder = Path(path)
-    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise ValueError(
-            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the model's "
-            "tokenizer files into it, or load the model from its hub repo"
-        )
-    return AutoTokenizer.from_pretrained(path)
-
-
 class LLMEngine:
     def __init__(self, model: str, **settings):
-        from transformers import AutoConfig
-
         self.config = config = EngineConfig.from_kwargs(str(model), **settings)
-        gguf_path = resolve_gguf(config.model)
-        if gguf_path is not None:
-            # A GGUF file holds config, tokenizer and weights; the runner reads its tensors as they are.
-            path = gguf = GGUFCheckpoint.open(gguf_path)
-            if config.quantization is not None:
-                refuse_requantizing(
-                    config.quantization, ", ".join(sorted(set(gguf.tensor_types().values()))), gguf_path.name
-                )
-            if config.tensor_parallel_size > 1:
-                raise ValueError("GGUF files do not work with tensor_parallel_size > 1 yet; use one device")
-            hf_config, self.tokenizer = gguf.hf_config(), gguf.tokenizer()
-        else:
-            path = resolve_model_path(config.model)
-            hf_config = AutoConfig.from_pretrained(path)
-            check_not_prequantized(hf_config, path)
-            self.tokenizer = None
-        from engine.models import model_class
-
-        model_class(hf_config)  # fail on an unsupported architecture before loading anything
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(path)
+        path, hf_config, self.tokenizer = open_model(config)
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device, quantized=gguf_path is not None or bool(config.quantization))
+        self.dtype = pick_dtype(
+            config.dtype, self.device, quantized=isinstance(path, GGUFCheckpoint) or bool(config.quantization)
+        )
         if config.dtype == "auto":
             log.info(
                 "dtype auto: using %s on %s (checkpoint stores %s)",
@@ -130,7 +85,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens or default_tokens
         )
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = self._eos_token_ids(path, hf_config)
+        self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._request_ids = count()
@@ -175,20 +130,6 @@ class LLMEngine:
     def parameter_bytes(self) -> list[int]:
         """Bytes of model weights each rank holds, rank 0 first: about 1/N of the model each."""
         return [self.model_runner.parameter_bytes(), *self._worker_parameter_bytes]
-
-    def _eos_token_ids(self, path, hf_config) -> set[int]:
-        from transformers import GenerationConfig
-
-        if isinstance(path, GGUFCheckpoint):
-            return set(path.generation_eos_ids())
-        ids = set()
-        try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except OSError:
-            eos = getattr(hf_config, "eos_token_id", None)
-        for value in (eos, self.tokenizer.eos_token_id):
-            ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
-        return ids
 
     # ---- requests -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -328,7 +269,7 @@ class LLMEngine:
         """Take in a launched step's sampled tokens (waiting for them) and advance its requests."""
         tokens = self.model_runner.collect(launched)
         sampled = iter(tokens)
-        logprobs = iter(self._take_logprobs(launched, tokens) if launched.logprobs_plan else ())
+        logprobs = iter(take_logprobs(launched, tokens) if launched.logprobs_plan else ())
         outputs = []
         for item in launched.batch:
             if not item.samples:
@@ -349,78 +290,13 @@ class LLMEngine:
             outputs.append(self._advance(seq, token, token_logprobs))
         return outputs
 
-    @staticmethod
-    def _take_logprobs(launched: LaunchedStep, tokens: list[int]) -> list[dict[int, float]]:
-        """The sampled tokens' logprobs, for the rows that asked (in order), and each request's prompt
-        logprobs from this step's rows, appended to its list (a position it already has, computed again
-        after a preemption, is skipped)."""
-        plan = launched.logprobs_plan
-        if launched.prompt_logprobs is not None:
-            ks = [seq.sampling_params.prompt_logprobs for seq, _, n in plan.prompt_segments for _ in range(n)]
-            rows = iter(launched.prompt_logprobs.dicts(plan.prompt_token_ids.tolist(), ks))
-            for seq, first, n in plan.prompt_segments:
-                for position in range(first, first + n):
-                    row = next(rows)
-                    if position + 1 == len(seq.prompt_logprobs):  # the entry for token position + 1
-                        seq.prompt_logprobs.append(row)
-        if launched.sample_logprobs is None:
-            return []
-        launched_seqs = [item.seq for item in launched.batch if item.samples]
-        rows = plan.sample_rows.tolist()
-        return launched.sample_logprobs.dicts(
-            [tokens[r] for r in rows], [launched_seqs[r].sampling_params.logprobs for r in rows]
-        )
-
     def _advance(self, seq: Sequence, token: int, token_logprobs: dict[int, float] | None = None) -> RequestOutput:
-        params = seq.sampling_params
-        reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = "stop"
-        elif seq.grammar is not None and seq.grammar.finished:  # the reply is complete: nothing more may follow
-            reason = "stop"
-        elif len(seq.token_ids) >= seq.max_len:  # max_tokens, or the context is full
-            reason = "length"
-        if seq.stream_text or params.stop_list:
-            self.detokenizer.update(seq, final=reason is not None)
-        elif reason is not None:  # nobody reads text before the end: decode once, not per token
-            seq.output_text = self.detokenizer.decode(seq.output_token_ids)
-        if params.stop_list:
-            reason = self._apply_stop_strings(seq) or reason
+        reason = finish_reason(seq, token, self.eos_token_ids, self.detokenizer)
         if reason is not None:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
             self.scheduler.remove(seq)
             self.requests.pop(seq.request_id, None)
-        # Hold back text that may turn out to be the start of a stop string.
-        hold = max(len(s) for s in params.stop_list) - 1 if params.stop_list and not reason else 0
-        upto = max(seq.num_emitted_chars, len(seq.output_text) - hold)
-        new_text = seq.output_text[seq.num_emitted_chars : upto]
-        seq.num_emitted_chars = upto
-        first = len(seq.token_ids) == seq.num_prompt_tokens + 1
-        return RequestOutput(
-            seq.request_id,
-            new_text,
-            [token],
-            reason is not None,
-            reason,
-            seq.num_prompt_tokens,
-            seq.num_cached_tokens,
-            seq.output_token_ids if reason else [],
-            None if token_logprobs is None else [token_logprobs],
-            seq.prompt_logprobs if first else None,
-        )
-
-    @staticmethod
-    def _apply_stop_strings(seq: Sequence) -> str | None:
-        """Trim the output at the first stop string, if one has appeared."""
-        text = seq.output_text
-        # Only the new text and what precedes it by a stop string's length can hold a new match.
-        window = max(len(s) for s in seq.sampling_params.stop_list) + 16
-        start = max(0, seq.num_emitted_chars - window)
-        hits = [i for i in (text.find(s, start) for s in seq.sampling_params.stop_list) if i >= 0]
-        if not hits:
-            return None
-        seq.output_text = text[: min(hits)]
-        return "stop"
+        return request_output(seq, token, reason, token_logprobs)
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,7 +1,7 @@
 """Weight-only quantization: the facts of the methods offered (methods.py), the layout quantized weights
-travel in (layout.py), the kernels that multiply by them (kernels.py, kquant.py, triton_matmul.py), the
-chooser that measures those (chooser.py), the modules that hold them (modules.py), and the pass that swaps
-a built model's layers for those modules (passes.py).
+travel in (layout.py), the kernels that multiply by them (kernels.py, kquant.py, triton_matmul.py with its
+measured tiles in triton_tiles.py, tinygemm.py), the chooser that measures those (chooser.py), the modules that
+hold them (modules.py), and the pass that swaps a built model's layers for those modules (passes.py).
 
 The names load on first use (PEP 562), so engine/config.py reads methods.py without PyTorch."""
 

@@ -107,7 +107,7 @@ def candidates(
         KQuantMatmul,
     ]
     if device.type == "cuda":
-        from engine.quantization.triton_matmul import TritonQuantMatmul  # Triton is imported only where a GPU runs
+        from engine.quantization.triton_tiles import TritonQuantMatmul  # Triton is imported only where a GPU runs
 
         kinds.insert(0, TritonQuantMatmul)  # choose_matmul tries it first there
     made = {cls.__name__: lambda w, cls=cls: cls(w, dtype) for cls in kinds if cls.applies(qw, device)}

@@ -21,8 +21,8 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
   multiplies it, so no whole weight is ever expanded. The fallback, and the reference's speed.
 - DenseMatmul: a full-precision weight (a GGUF F16 tensor, say), oneDNN-packed on the CPU.
 
-On NVIDIA GPUs: TritonQuantMatmul (triton_matmul.py), Pagoda's Triton dequant-GEMV and GEMM (or tinygemm where it
-measures faster), any layout.
+On NVIDIA GPUs: TritonQuantMatmul (triton_tiles.py), Pagoda's Triton dequant-GEMV and GEMM (triton_matmul.py; or
+tinygemm, tinygemm.py, where it measures faster), any layout.
 """
 
 from collections.abc import Callable

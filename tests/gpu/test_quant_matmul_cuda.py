@@ -10,18 +10,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from engine.quantization.layout import quantize_int4, quantize_int8  # noqa: E402
-from engine.quantization.triton_matmul import (  # noqa: E402
-    choose_quant_tiles,
-    pack_for_triton,
-    quant_gemv,
-    quant_matmul,
-    reference,
-    run_tile,
-    tile_candidates,
-    tinygemm_applies,
-    tinygemm_matmul,
-    tinygemm_pack,
-)
+from engine.quantization.tinygemm import tinygemm_applies, tinygemm_matmul, tinygemm_pack  # noqa: E402
+from engine.quantization.triton_matmul import pack_for_triton, quant_gemv, quant_matmul  # noqa: E402
+from engine.quantization.triton_tiles import choose_quant_tiles, reference, run_tile, tile_candidates  # noqa: E402
 
 # Qwen3-8B: fused q/k/v (32 + 2 * 8 heads of 128), fused gate/up, and down.
 SHAPES = [(6144, 4096), (24576, 4096), (4096, 12288)]

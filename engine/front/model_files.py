@@ -1,0 +1,70 @@
+"""What a model string opens for the engine: its checkpoint (a GGUF file, or a folder or hub repo), the model's
+config and tokenizer, and the token ids that end a reply. Nothing here loads weights: the runner does."""
+
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.loader import GGUFCheckpoint, check_not_prequantized, resolve_gguf, resolve_model_path
+from engine.quantization.methods import refuse_requantizing
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
+
+
+def load_tokenizer(path: str):
+    """The folder's tokenizer. A folder without one ended in transformers' advice to install
+    sentencepiece or tiktoken, which would not help: say what is missing."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the model's "
+            "tokenizer files into it, or load the model from its hub repo"
+        )
+    return AutoTokenizer.from_pretrained(path)
+
+
+def open_model(config: EngineConfig) -> tuple[Path | GGUFCheckpoint, object, object]:
+    """(checkpoint, Hugging Face config, tokenizer) of the model `config` names. What the checkpoint cannot
+    serve (a GGUF file requantized or split across devices, another tool's quantization, an unsupported
+    architecture) is refused here, before any weight is read."""
+    from transformers import AutoConfig
+
+    gguf_path = resolve_gguf(config.model)
+    if gguf_path is not None:
+        # A GGUF file holds config, tokenizer and weights; the runner reads its tensors as they are.
+        path = gguf = GGUFCheckpoint.open(gguf_path)
+        if config.quantization is not None:
+            refuse_requantizing(
+                config.quantization, ", ".join(sorted(set(gguf.tensor_types().values()))), gguf_path.name
+            )
+        if config.tensor_parallel_size > 1:
+            raise ValueError("GGUF files do not work with tensor_parallel_size > 1 yet; use one device")
+        hf_config, tokenizer = gguf.hf_config(), gguf.tokenizer()
+    else:
+        path = resolve_model_path(config.model)
+        hf_config = AutoConfig.from_pretrained(path)
+        check_not_prequantized(hf_config, path)
+        tokenizer = None
+    from engine.models import model_class
+
+    model_class(hf_config)  # fail on an unsupported architecture before loading anything
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path)
+    return path, hf_config, tokenizer
+
+
+def eos_token_ids(path: Path | GGUFCheckpoint, hf_config, tokenizer) -> set[int]:
+    """Every token id that ends a reply: the generation config's (or the model config's) and the tokenizer's."""
+    from transformers import GenerationConfig
+
+    if isinstance(path, GGUFCheckpoint):
+        return set(path.generation_eos_ids())
+    ids = set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = getattr(hf_config, "eos_token_id", None)
+    for value in (eos, tokenizer.eos_token_id):
+        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+    return ids
