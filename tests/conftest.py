@@ -68,7 +68,9 @@ COMMON = dict(
 def build_model(folder: Path, family: str) -> Path:
     import transformers
 
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "mistral": 5, "smollm3": 6}[family])
+    torch.manual_seed(
+        {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "mistral": 5, "smollm3": 6, "phi3": 7}[family]
+    )
     if family == "llama":
         rope_scaling = {
             "rope_type": "llama3",
@@ -92,6 +94,21 @@ def build_model(folder: Path, family: str) -> Path:
         # Layer 1 has no rotary (NoPE), as every fourth layer of the real model
         config = transformers.SmolLM3Config(**COMMON, no_rope_layers=[1, 0], tie_word_embeddings=True)
         model, dtype, shard = transformers.SmolLM3ForCausalLM(config), torch.float32, None
+    elif family == "phi3":
+        # q/k/v and gate/up fused in the checkpoint, rotary over 3/4 of each head, LongRoPE (its short factors here;
+        # the attention factor from the 512 / 128 context growth)
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.2 * i for i in range(6)],
+            "long_factor": [3.0 + 0.5 * i for i in range(6)],
+            "original_max_position_embeddings": 128,
+        }
+        config = transformers.Phi3Config(
+            **COMMON, original_max_position_embeddings=128, rope_parameters=rope, tie_word_embeddings=False
+        )
+        model, dtype, shard = transformers.Phi3ForCausalLM(config), torch.float32, None
     elif family == "qwen3_moe":
         # Experts in layer 0, a dense MLP in layer 1 (mlp_only_layers); 8 experts, 2 a token, renormalized.
         config = transformers.Qwen3MoeConfig(
@@ -127,7 +144,7 @@ def build_model(folder: Path, family: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {f: build_model(root / f, f) for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3")}
+    return {f: build_model(root / f, f) for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3")}
 
 
 @pytest.fixture(scope="session")

@@ -53,6 +53,43 @@ def test_rotary_equals_transformers_bit_for_bit():
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
+def test_partial_longrope_rotary_equals_transformers_phi3_on_each_side_of_the_pretraining_length():
+    """Phi-4-mini's shape of rotary: 3/4 of each head rotated, LongRoPE. Within the pretraining length (128 here) the
+    short factors, past it the long ones, each position as transformers rotates it in a forward that long."""
+    import transformers
+    from transformers.models.phi3 import modeling_phi3
+
+    from engine.layers.rotary_embedding import rope_parameters
+
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.2 * i for i in range(12)],
+        "long_factor": [3.0 + 0.5 * i for i in range(12)],
+    }
+    config = transformers.Phi3Config(
+        hidden_size=128,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        original_max_position_embeddings=128,
+        rope_parameters={**rope, "original_max_position_embeddings": 128},
+        pad_token_id=0,
+        vocab_size=16,
+    )
+    rotary = RotaryEmbedding(32, 512, rope_parameters(config))
+    hf_rotary = modeling_phi3.Phi3RotaryEmbedding(config)
+    torch.manual_seed(1)
+    for positions in (torch.tensor([0, 3, 77, 127]), torch.tensor([128, 300, 511])):
+        q, k = torch.randn(len(positions), 4, 32), torch.randn(len(positions), 2, 32)
+        got_q, got_k = rotary(positions, torch.cat((q, k), dim=1), 4).split([4, 2], dim=1)
+        cos, sin = hf_rotary(q, positions[None])  # the forward's longest position picks the factors
+        want_q, want_k = modeling_phi3.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        assert torch.equal(got_q[..., 24:], q[..., 24:])  # the last quarter of each head is not rotated
+
+
 @pytest.mark.parametrize("k_eps", [1e-6, 1e-5], ids=["one_eps", "two_eps"])  # real configs share one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_then_rotary_equals_transformers_bit_for_bit(dtype, k_eps):

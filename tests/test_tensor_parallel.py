@@ -20,7 +20,7 @@ from engine import LLM, SamplingParams
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.runner.distributed import TPGroup, check_tensor_parallel
 
-FAMILIES = ["llama", "qwen2", "qwen3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3"]  # phi3: fused q/k/v and gate/up split per rank
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 # A small token budget splits the long prompt into chunks, so steps mix prefill chunks and decodes.
 SETTINGS = dict(dtype="float32", num_kvcache_blocks=64, max_num_batched_tokens=32)

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half form, as Llama and Qwen use), with Llama 3 scaling."""
+"""Rotary position embedding (rotate-half form, as Llama and Qwen use), with Llama 3 and LongRoPE scaling, over the
+whole head or its first `partial_rotary_factor` share (Phi-3/4)."""
 
 import contextlib
 import math
@@ -17,15 +18,39 @@ def rope_parameters(hf_config) -> dict:
         params.update(getattr(hf_config, "rope_scaling", None) or {})
         params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
     params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "longrope":
+        params.setdefault(
+            "original_max_position_embeddings", getattr(hf_config, "original_max_position_embeddings", None)
+        )
+        if params.get("factor") is None:  # Phi-3's rule: the context's growth over its pretraining length
+            params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     return params
 
 
-def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+def rotary_dim(head_dim: int, params: dict) -> int:
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
+def attention_factor(params: dict) -> float:
+    """LongRoPE scales cos and sin by this (the paper's choice, unless the config names one); 1 otherwise."""
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    factor, original = params["factor"], params["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _inv_freq(head_dim: int, params: dict, long: bool = False) -> torch.Tensor:
+    """`head_dim`: the dimensions rotated. `long`: LongRoPE's factors for positions past the pretraining length."""
     base = params["rope_theta"]
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = params["rope_type"]
     if kind == "default":
         return inv_freq
+    if kind == "longrope":
+        factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return inv_freq / factors
     if kind == "linear":
         return inv_freq / params["factor"]
     if kind == "llama3":
@@ -37,7 +62,7 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3, longrope")
 
 
 def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -78,6 +103,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
         self.head_dim, self.max_position, self.params = head_dim, max_position, params
+        self.rotary_dim = rotary_dim(head_dim, params)
         self.init_caches()
         # One instance serves every layer: look up a step's cos/sin once, not once per layer. One
         # tuple, read and replaced whole: a second thread's forward (the compiled decode steps' trace
@@ -89,10 +115,19 @@ class RotaryEmbedding(nn.Module):
         moved with `to_empty` has only uninitialised tables until this runs."""
         with torch.device(device) if device is not None else contextlib.nullcontext():
             positions = torch.arange(self.max_position, dtype=torch.float32)
-            freqs = torch.outer(positions, _inv_freq(self.head_dim, self.params))
+            freqs = torch.outer(positions, _inv_freq(self.rotary_dim, self.params))
+            if self.params["rope_type"] == "longrope":
+                # Positions past the pretraining length take the long factors. transformers switches every position
+                # of a forward once the sequence is that long (keys cached before keep the short ones); vLLM switches
+                # the batch. Per position, a sequence's rotation never changes under it; within the pretraining
+                # length all three agree.
+                original = self.params["original_max_position_embeddings"]
+                freqs[original:] = torch.outer(positions[original:], _inv_freq(self.rotary_dim, self.params, True))
+            scale = attention_factor(self.params)
             emb = torch.cat((freqs, freqs), dim=-1)
-            self.register_buffer("cos_cache", emb.cos(), persistent=False)
-            self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+            self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
+            signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scale
+            self.register_buffer("signed_sin_cache", signed_sin, persistent=False)
 
     def forward(
         self,
@@ -113,6 +148,11 @@ class RotaryEmbedding(nn.Module):
             if step[0] is not positions:
                 step = self._step = (positions, self._lookup(positions, qk.dtype))
             cos_sin = step[1]
+        if self.rotary_dim < self.head_dim:  # the rest of each head passes through unrotated
+            if q_norm is not None:
+                qk = torch.cat((q_norm(qk[:, :num_q_heads]), k_norm(qk[:, num_q_heads:])), dim=1)
+            rotated = self.fn(qk[..., : self.rotary_dim], *cos_sin)
+            return torch.cat((rotated, qk[..., self.rotary_dim :]), dim=-1)
         if q_norm is None:
             return self.fn(qk, *cos_sin)
         return self.norm_fn(qk, q_norm.weight, k_norm.weight, num_q_heads, q_norm.eps, k_norm.eps, *cos_sin)

@@ -176,7 +176,12 @@ def _load_one(model, params, packed, name, tensor, loaded) -> None:
             f"checkpoint tensor {name!r} is quantized ({tensor.source}), but the model's "
             f"{module_name} takes full-precision weights only"
         )
-    if shard is not None:
+    if shard is None and len(getattr(module, "slices", ())) > 1:
+        # A fused projection stored fused (Phi-3's qkv_proj, gate_up_proj): each shard takes its rows
+        pieces = tensor.split([rows for rows, _, _ in module.slices])
+        for index, piece in enumerate(pieces):
+            module.load_shard(param, piece.to(param.dtype), index)
+    elif shard is not None:
         module.load_shard(param, tensor.to(param.dtype), shard)
     elif hasattr(module, "load_weight"):  # split across tensor-parallel ranks: the layer takes its slice
         try:

@@ -5,6 +5,7 @@ from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MinistralForCausalLM, MistralForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -14,6 +15,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MinistralForCausalLM": MinistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -32,5 +34,5 @@ def model_class(hf_config) -> type[nn.Module]:
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
         f"supported: {', '.join(MODEL_REGISTRY)} (Llama, SmolLM2, SmolLM3, TinyLlama, Mistral, Ministral, "
-        "Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
+        "Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
     )
