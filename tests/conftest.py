@@ -69,7 +69,7 @@ def build_model(folder: Path, family: str) -> Path:
     import transformers
 
     torch.manual_seed(
-        {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "mistral": 5, "smollm3": 6, "phi3": 7}[family]
+        {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "mistral": 5, "smollm3": 6, "phi3": 7, "gemma3": 8}[family]
     )
     if family == "llama":
         rope_scaling = {
@@ -109,6 +109,24 @@ def build_model(folder: Path, family: str) -> Path:
             **COMMON, original_max_position_embeddings=128, rope_parameters=rope, tie_word_embeddings=False
         )
         model, dtype, shard = transformers.Phi3ForCausalLM(config), torch.float32, None
+    elif family == "gemma3":
+        # Two sliding layers (W = 10) then a global one, each kind with its rotary (the global one linear-scaled),
+        # queries scaled by query_pre_attn_scalar, logits soft-capped
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        }
+        config = transformers.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3},
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=10,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters=rope,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=False,
+        )
+        model, dtype, shard = transformers.Gemma3ForCausalLM(config), torch.float32, None
     elif family == "qwen3_moe":
         # Experts in layer 0, a dense MLP in layer 1 (mlp_only_layers); 8 experts, 2 a token, renormalized.
         config = transformers.Qwen3MoeConfig(
@@ -144,7 +162,10 @@ def build_model(folder: Path, family: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {f: build_model(root / f, f) for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3")}
+    return {
+        f: build_model(root / f, f)
+        for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3")
+    }
 
 
 @pytest.fixture(scope="session")

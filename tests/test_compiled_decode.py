@@ -16,7 +16,7 @@ from engine.runner import compiled_decode as cd
 from engine.runner.tracing import tracing_decode_step
 from tests.test_parity import hf_greedy
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]  # mistral: a 12-token sliding window
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]  # mistral: a 12-token sliding window; gemma3: mixed
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 

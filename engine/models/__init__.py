@@ -3,6 +3,7 @@
 
 from torch import nn
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MinistralForCausalLM, MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -12,6 +13,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MinistralForCausalLM": MinistralForCausalLM,
@@ -33,6 +35,6 @@ def model_class(hf_config) -> type[nn.Module]:
             return MODEL_REGISTRY[name]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
-        f"supported: {', '.join(MODEL_REGISTRY)} (Llama, SmolLM2, SmolLM3, TinyLlama, Mistral, Ministral, "
-        "Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
+        f"supported: {', '.join(MODEL_REGISTRY)} (Gemma 3 text, Llama, SmolLM2, SmolLM3, TinyLlama, Mistral, "
+        "Ministral, Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
     )
