@@ -87,6 +87,19 @@ def test_the_openai_client_with_a_wrong_key_is_refused(server):
         wrong.models.list()
 
 
+def test_an_image_in_a_message_says_images_are_not_supported_yet(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    message = {"role": "user", "content": [{"type": "text", "text": "What is in it?"}, image]}
+    r = httpx.post(
+        f"{server.base}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "messages": [message]},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("images are not supported yet")
+
+
 def test_an_exposed_server_always_has_a_key(capsys):
     assert resolve_api_key(None, exposed=False) is None
     assert resolve_api_key("mine", exposed=True) == "mine"

@@ -46,7 +46,9 @@ def open_model(config: EngineConfig) -> tuple[Path | GGUFCheckpoint, object, obj
         hf_config = AutoConfig.from_pretrained(path)
         check_not_prequantized(hf_config, path)
         tokenizer = None
-    from engine.models import model_class
+    from engine.models import language_config, model_class
+
+    hf_config = language_config(hf_config)
 
     model_class(hf_config)  # fail on an unsupported architecture before loading anything
     if tokenizer is None:

@@ -81,7 +81,12 @@ def load_tensors(
     # Modules that read their own checkpoint names (a mixture of experts' per-expert tensors, say)
     owners = {n: m for n, m in model.named_modules() if hasattr(m, "load_checkpoint_tensor")}
     loaded: set[str] = set()
+    rename = getattr(model, "checkpoint_name", None)  # a family whose checkpoints name tensors otherwise
     for name, tensor in tensors:
+        if rename is not None:
+            name = rename(name)
+            if name is None:  # a part the engine does not run (a vision tower)
+                continue
         if "rotary_emb.inv_freq" in name:
             continue
         if not (owners and _load_owned(owners, name, tensor, loaded)):

@@ -3,7 +3,7 @@
 
 from torch import nn
 
-from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MinistralForCausalLM, MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -14,6 +14,7 @@ from engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MinistralForCausalLM": MinistralForCausalLM,
@@ -26,6 +27,20 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 # GGUF's `general.architecture` -> the HF architecture whose config and weight names the file maps to
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# Checkpoints with a vision part whose language model the engine serves alone: their config nests its text_config
+TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
+
+
+def language_config(hf_config):
+    """The config the engine builds the model from: a multimodal checkpoint's text_config (keeping the checkpoint's
+    architecture, which names the class that reads its weights), else `hf_config` itself."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not any(a in TEXT_OF_MULTIMODAL for a in architectures) or not hasattr(hf_config, "text_config"):
+        return hf_config
+    text = hf_config.get_text_config()
+    text.architectures = architectures
+    return text
 
 
 def model_class(hf_config) -> type[nn.Module]:

@@ -136,3 +136,25 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if logits is None or self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text part of a Gemma 3 checkpoint that also holds a vision tower (gemma-3-4b-it and larger): the engine
+    serves its language model; the vision tower and projector are not read (images are not supported yet)."""
+
+    # checkpoint prefix -> ours: the hub's checkpoints, then transformers 5's own layout
+    RENAMES = (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+    )
+    VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Our name for a checkpoint tensor; None for the vision part's."""
+        if name.startswith(self.VISION):
+            return None
+        for prefix, ours in self.RENAMES:
+            if name.startswith(prefix):
+                return ours + name[len(prefix) :]
+        return name

@@ -192,6 +192,10 @@ def response_format_constraint(response_format: dict | None) -> StructuredOutput
     return StructuredOutputsParams(json=schema)
 
 
+# Content-part types that carry an image (OpenAI's chat and Responses names)
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
@@ -236,6 +240,13 @@ class ChatMessage(BaseModel):
             return self.content or ""
         parts = []
         for part in self.content:
+            if part.get("type") in IMAGE_PARTS:
+                raise APIError(
+                    400,
+                    "images are not supported yet: Pagoda runs the language part of a model only (its vision part, "
+                    "where the model has one, is not loaded); send the message as text",
+                    param="messages",
+                )
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(
                     400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages"
