@@ -32,7 +32,19 @@ __all__ = [
 DEFAULT_CATALOG = Path(__file__).resolve().parent.parent / "assets" / "catalog.json"
 
 # config.json `architectures` the engine has a model class for (engine/models/__init__.py), and their family.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "mistral",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model; images are not supported yet
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+SUPPORTED_NAMES = "Llama, Mistral, Ministral, SmolLM3, Phi-3/4-mini, Gemma 3, Qwen2/2.5, Qwen3 (dense and MoE)"
 
 _DTYPE_BYTES = {
     "float32": 4,
@@ -85,6 +97,7 @@ class CatalogEntry:
     gguf_type: str = ""  # its quantization as named in the file name, e.g. "Q4_K_M"
     description: str = ""
     size_is_approximate: bool = True
+    num_experts: int = 0  # a mixture of experts' experts per layer (0: a dense model)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -96,6 +109,12 @@ class CatalogEntry:
     def is_gguf(self) -> bool:
         """Served from one GGUF file, whose weights are quantized already (no quantization= at load)."""
         return bool(self.gguf_file)
+
+    @property
+    def quantizable(self) -> bool:
+        """Whether the engine can quantize it at load: not a GGUF (quantized already), not a mixture of experts
+        (the engine does not quantize experts yet)."""
+        return not self.is_gguf and not self.num_experts
 
     @property
     def supported(self) -> bool:
@@ -275,8 +294,7 @@ def entry_from_config(
     notes = []
     if not family:
         notes.append(
-            f"Pagoda's engine cannot run {architecture or 'this architecture'} yet "
-            f"(supported: Llama, Qwen2/2.5, Qwen3 dense)."
+            f"Pagoda's engine cannot run {architecture or 'this architecture'} yet (supported: {SUPPORTED_NAMES})."
         )
     if cfg.get("quantization_config"):
         notes.append("Quantized checkpoint: the estimate assumes unquantized weights.")
@@ -296,6 +314,7 @@ def entry_from_config(
         vocab_size=cfg.get("vocab_size"),
         num_attention_heads=heads,
         tie_word_embeddings=tie,
+        num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
         gated=gated,
         license=license,
         description=" ".join(notes),

@@ -239,7 +239,7 @@ def fit_report(
             verdict = f": does not fit. A context of about {max_context:,} tokens would fit, or pick a smaller model."
         else:
             smaller = ["a smaller model"]
-            if not entry.is_gguf and est.quantization != "int4":
+            if entry.quantizable and est.quantization != "int4":
                 smaller.append("int4 quantization")
             if est.quantization == "none" and dtype_bytes(dtype, entry) > 2:
                 smaller.append("a 16-bit dtype")
@@ -277,7 +277,7 @@ def quantization_advice(
     free_bytes, device_name = _measure(device, free_bytes, device_name)
     on_cpu = device_name.startswith("CPU")
     free = f"{format_gib(free_bytes)} GiB free"
-    kinds = ("none",) if entry.is_gguf else QUANTIZATIONS
+    kinds = QUANTIZATIONS if entry.quantizable else ("none",)
     options = []
     for quant in kinds:
         quantized = entry.is_gguf or quant != "none"

@@ -5,7 +5,14 @@ import sys
 
 import pytest
 
-from app.catalog import CatalogEntry, count_params, entry_for_repo, entry_from_config, load_catalog
+from app.catalog import (
+    SUPPORTED_ARCHITECTURES,
+    CatalogEntry,
+    count_params,
+    entry_for_repo,
+    entry_from_config,
+    load_catalog,
+)
 from app.device_memory import GiB, MiB, available_memory
 from app.memory_estimate import estimate_memory, fit_report, quantization_advice, weights_bytes
 
@@ -27,6 +34,9 @@ REQUESTED = {
     "Qwen/Qwen3-8B-GGUF",
     "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF",
     "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+    "HuggingFaceTB/SmolLM3-3B",
+    "microsoft/Phi-4-mini-instruct",
+    "google/gemma-3-4b-it",
 }
 # GGUF repos: the one file each entry downloads, and its quantization
 GGUF = {
@@ -67,13 +77,10 @@ def test_catalog_has_the_requested_models_once(catalog):
 def test_every_entry_is_consistent(catalog):
     for e in catalog:
         assert e.supported, e.repo_id
-        assert (
-            e.family
-            == {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[e.architecture]
-        )
+        assert e.family == SUPPORTED_ARCHITECTURES[e.architecture]
         assert e.checkpoint_dtype == "bfloat16"
         assert e.num_attention_heads % e.num_key_value_heads == 0, e.repo_id
-        assert e.head_dim * e.num_attention_heads == e.hidden_size or e.family == "qwen3", e.repo_id
+        assert e.head_dim * e.num_attention_heads == e.hidden_size or e.family in ("qwen3", "gemma3"), e.repo_id
         # The parameter count follows from the architecture numbers (tied embeddings counted once).
         counted = count_params(
             hidden_size=e.hidden_size,
@@ -97,7 +104,7 @@ def test_every_entry_is_consistent(catalog):
             low, high = 2 * e.params, 2 * (e.params + e.vocab_size * e.hidden_size) + 30 * MiB
             assert low <= e.download_bytes <= high, e.repo_id
         assert e.size_is_approximate != e.bundled  # the bundled file's size is known exactly
-        assert e.gated == e.repo_id.startswith("meta-llama/"), e.repo_id
+        assert e.gated == e.repo_id.startswith(("meta-llama/", "google/gemma")), e.repo_id
         assert e.license and e.description and e.params_label
         assert e.params_label[:-1].replace(".", "").isdigit() and e.params_label[-1] in "MB"
 
@@ -308,8 +315,17 @@ def test_entry_from_config_fallbacks():
     assert e.head_dim == 64 and e.num_key_value_heads == 32 and e.params == 1_000_000_000
     assert e.checkpoint_dtype == "float32"
 
-    other = entry_from_config("x/mistral", {**QWEN3_06B_CONFIG, "architectures": ["MistralForCausalLM"]}, 10**9)
-    assert not other.supported and "cannot run MistralForCausalLM" in other.description
+    other = entry_from_config("x/falcon", {**QWEN3_06B_CONFIG, "architectures": ["FalconForCausalLM"]}, 10**9)
+    assert not other.supported and "cannot run FalconForCausalLM" in other.description
+    assert "Gemma 3" in other.description  # what it can run instead
+
+    # A mixture of experts: supported, its size from the file (the dense count is far off), and nothing to pick
+    # but full precision, since the engine does not quantize experts yet.
+    moe_config = {**QWEN3_06B_CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128}
+    moe = entry_from_config("x/moe", moe_config, 60 * 10**9)
+    assert moe.supported and moe.num_experts == 128 and moe.params == 30 * 10**9 and not moe.quantizable
+    advice = quantization_advice(moe, 4096, device="cpu", free_bytes=100 * GiB, device_name="CPU")
+    assert [o.quantization for o in advice.options] == ["none"]
 
     wrapped = entry_from_config("x/vl", {"architectures": ["Qwen3ForCausalLM"], "text_config": QWEN3_06B_CONFIG}, 0)
     assert wrapped.num_hidden_layers == 28
