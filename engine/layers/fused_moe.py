@@ -8,6 +8,7 @@ That loop is decided on the host, from the routing, so steps with MoE layers run
 compiled CPU decode step); a fused GPU kernel that decides on the device is the next step for GPUs.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.activation import silu_and_mul
+from engine.quantization.layout import QuantizedWeight
 from engine.runner.distributed import SINGLE, TPGroup
 
 SCORINGS = ("softmax", "sigmoid")
@@ -62,6 +64,31 @@ class TopKRouter(nn.Module):
         return f"experts={r.num_experts}, top_k={r.top_k}, {r.scoring}" + (", renormalized" if r.renormalize else "")
 
 
+def run_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum_k weights[:, k] * expert_mlp(ids[:, k], x), expert by expert over the tokens routed to each (in expert
+    order, as transformers adds them up)."""
+    out = torch.zeros_like(x)
+    # Token-expert pairs sorted by expert: each expert's tokens are then one slice, found with one sync.
+    order = ids.flatten().argsort(stable=True)
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).tolist()
+    tokens, slots = order // ids.shape[1], order % ids.shape[1]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows, k = tokens[start : start + count], slots[start : start + count]
+        start += count
+        y = expert_mlp(expert, x[rows]) * weights[rows, k, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
+
+
 class FusedMoE(nn.Module):
     """The experts of one layer. `forward(x, weights, ids)` is sum_k weights[:, k] * expert_{ids[:, k]}(x)."""
 
@@ -69,37 +96,26 @@ class FusedMoE(nn.Module):
         super().__init__()
         if tp.size > 1:
             raise ValueError("mixture-of-experts models do not work with tensor_parallel_size > 1 yet; use one device")
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self._loaded_parts: set[tuple[str, int, int]] = set()  # (parameter, expert, shard) from per-expert tensors
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        # Token-expert pairs sorted by expert: each expert's tokens are then one slice, found with one sync.
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        top_k = ids.shape[1]
-        tokens, slots = order // top_k, order % top_k
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows, k = tokens[start : start + count], slots[start : start + count]
-            start += count
-            h = silu_and_mul(F.linear(x[rows], self.gate_up_proj[expert]))
-            y = F.linear(h, self.down_proj[expert]) * weights[rows, k, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
+        def expert_mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
+            return F.linear(silu_and_mul(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
+
+        return run_experts(x, weights, ids, self.num_experts, expert_mlp)
 
     # ---- loading ----------------------------------------------------------------------------------------
     _PER_EXPERT = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 
-    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> list[str]:
         """Take one checkpoint tensor named relative to this module: stacked as transformers 5 holds them
         (`gate_up_proj`, `down_proj`), or one expert's as the hub's checkpoints store them
         (`3.gate_proj.weight`). Returns the parameters now complete."""
+        if isinstance(tensor, QuantizedWeight):
+            raise ValueError(f"is quantized ({tensor.source}); these experts take full-precision weights only")
         if name in ("gate_up_proj", "down_proj"):
             param = getattr(self, name)
             if tuple(tensor.shape) != tuple(param.shape):

@@ -44,6 +44,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, and each projection's experts stacked in one tensor
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Not weights of the HF model: Llama 3's rope factors, folded into the config's rope parameters instead.
 _CONFIG_TENSORS = {"rope_freqs.weight"}
@@ -171,6 +176,11 @@ class GGUFCheckpoint:
         settings = {k: (float(v) if k == "rms_norm_eps" else int(v)) for k, v in settings.items()}
         vocab = self.metadata(f"{arch}.vocab_size")
         settings["vocab_size"] = int(vocab) if vocab is not None else len(self._field("tokenizer.ggml.tokens"))
+        if self.metadata(f"{arch}.expert_count") is not None:  # a mixture of experts (qwen3moe)
+            settings["num_experts"] = int(self._field(f"{arch}.expert_count"))
+            settings["num_experts_per_tok"] = int(self._field(f"{arch}.expert_used_count"))
+            settings["moe_intermediate_size"] = int(self._field(f"{arch}.expert_feed_forward_length"))
+            settings["norm_topk_prob"] = True  # llama.cpp renormalises qwen3moe's top-k weights
         config = getattr(transformers, GGUF_ARCHITECTURES[arch].replace("ForCausalLM", "Config"))(**settings)
         config.architectures = [GGUF_ARCHITECTURES[arch]]
         # transformers maps no head size for qwen2/qwen3 (Qwen3Config would fall back to its default of 128)

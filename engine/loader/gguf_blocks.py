@@ -5,6 +5,7 @@ Rows are decoded a slab at a time, so a tensor's decoding needs little beyond th
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -138,16 +139,20 @@ KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # the types kquant.py reads as s
 
 def decode(data: FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
     """One tensor's stored bytes in Pagoda's form: a float tensor of `shape` in its own dtype, or a
-    QuantizedWeight with `shape` [N, K] for a block type, decoded a slab of rows at a time. K-quants stay as
-    stored (a BlockWeight, decoded when asked for), for the kernel that reads them so (quantization/kquant.py)."""
+    QuantizedWeight with `shape` [N, K] for a block type (a stack [E, N, K] of experts' matrices as [E * N, K]),
+    decoded a slab of rows at a time. K-quants stay as stored (a BlockWeight, decoded when asked for), for the
+    kernel that reads them so (quantization/kquant.py)."""
     if type_name in FLOAT_TYPES:
         return data.read(0, data.size).view(FLOAT_TYPES[type_name]).view(shape)
     if type_name not in _DECODERS:
         raise ValueError(f"GGUF type {type_name} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
     block_bytes, block_values, bits, group = QUANT_TYPES[type_name]
-    if len(shape) != 2:
-        raise ValueError(f"a {type_name} tensor of shape {shape} is not a matrix; Pagoda reads quantized matrices only")
-    rows, cols = shape
+    if len(shape) not in (2, 3):
+        raise ValueError(
+            f"a {type_name} tensor of shape {shape} is neither a matrix nor a stack of them (a mixture of experts'); "
+            "Pagoda cannot read it"
+        )
+    rows, cols = math.prod(shape[:-1]), shape[-1]  # a stack of experts' matrices: their rows one after another
     if cols % block_values:
         raise ValueError(
             f"a {type_name} tensor's rows hold whole {block_values}-value blocks, but it has {cols} "

@@ -101,6 +101,7 @@ def load_tensors(
     quantized = {f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "load_quantizable")}
     expected = {n for n in params if not (n == "lm_head.weight" and tied)} | quantized
     missing = sorted(expected - loaded)
+    missing += [f"{n}.{part}" for n, m in owners.items() if hasattr(m, "missing") for part in m.missing()]
     if missing:
         raise ValueError(f"the checkpoint in {source} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -143,10 +144,6 @@ def _load_owned(owners: dict[str, nn.Module], name: str, tensor, loaded: set[str
         owner = owners.get(prefix)
         if owner is None:
             continue
-        if isinstance(tensor, QuantizedWeight):
-            raise ValueError(
-                f"checkpoint tensor {name!r} is quantized ({tensor.source}); {prefix} takes full-precision weights only"
-            )
         try:
             done = owner.load_checkpoint_tensor(".".join(parts[-depth:]), tensor)
         except ValueError as e:

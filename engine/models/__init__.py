@@ -26,7 +26,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 # GGUF's `general.architecture` -> the HF architecture whose config and weight names the file maps to
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
 
 # Checkpoints with a vision part whose language model the engine serves alone: their config nests its text_config
 TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)

@@ -17,6 +17,7 @@ from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.quantization.kernels import DenseMatmul, QuantizedMatmul
 from engine.quantization.methods import DEFAULT_GROUP_SIZE, check_method, head_method
 from engine.quantization.modules import KernelTarget, QuantizedEmbedding, QuantizedLinear
+from engine.quantization.moe import QuantizedFusedMoE
 
 
 def quantize(
@@ -33,7 +34,9 @@ def quantize(
         )
     for name, module in list(model.named_modules()):
         bias = getattr(module, "bias", None)
-        if isinstance(module, ParallelLMHead):
+        if isinstance(module, FusedMoE):  # experts from a GGUF file, which arrive quantized
+            swapped = QuantizedFusedMoE(module.num_experts, module.hidden_size, module.intermediate_size, target)
+        elif isinstance(module, ParallelLMHead):
             swapped = QuantizedLinear(
                 module.embedding_dim, [module.num_embeddings], None, head_method(method), group_size, target
             )

@@ -1,0 +1,82 @@
+"""A mixture of experts' weights as a GGUF file stores them: each projection's experts stacked in one quantized
+[experts * rows, columns] tensor (llama.cpp's ffn_gate_exps, ffn_up_exps, ffn_down_exps), kept in the file's blocks
+or codes. Each expert multiplies through a kernel over its own rows, a view of the stacked tensor (for the K-quants,
+kquant.py's kernel reads the blocks in place), so the experts take their file size in memory.
+
+The kernel is chosen once per projection, on expert 0, by the chooser's measurement; every expert of that
+projection then gets the same kind (they share a shape and a type).
+"""
+
+import torch
+from torch import nn
+
+from engine.layers.activation import silu_and_mul
+from engine.layers.fused_moe import run_experts
+from engine.quantization.chooser import choose_matmul
+from engine.quantization.kernels import QuantizedMatmul
+from engine.quantization.layout import QuantizedWeight
+from engine.quantization.modules import KernelTarget
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class QuantizedFusedMoE(nn.Module):
+    """engine/layers/fused_moe.py's FusedMoE, for weights that arrive quantized: forward(x, weights, ids) alike."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, target: KernelTarget):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.target = target
+        self.pending: dict[str, QuantizedWeight] = {}
+        self.kernels = nn.ModuleDict()  # projection -> a ModuleList of one kernel per expert
+
+    def _shape(self, projection: str) -> tuple[int, int]:
+        """(rows, columns) of one expert's matrix."""
+        if projection == "down_proj":
+            return self.hidden_size, self.intermediate_size
+        return self.intermediate_size, self.hidden_size
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> list[str]:
+        projection = name.removesuffix(".weight")
+        if projection not in PROJECTIONS:
+            raise ValueError(f"is not a stacked expert weight this layer knows ({', '.join(PROJECTIONS)})")
+        rows, cols = self._shape(projection)
+        if not isinstance(tensor, QuantizedWeight):  # an F16/F32 tensor of a GGUF file: [experts, rows, cols]
+            raise ValueError("arrives at full precision; quantized experts take GGUF block types only")
+        if tuple(tensor.shape) != (self.num_experts * rows, cols):
+            raise ValueError(
+                f"has shape {tuple(tensor.shape)}, the model expects {self.num_experts} experts of {(rows, cols)}"
+            )
+        self.pending[projection] = tensor.to(self.target.device)
+        if len(self.pending) == len(PROJECTIONS):
+            self._build()
+        return []
+
+    def _build(self) -> None:
+        for projection, stacked in self.pending.items():
+            rows = self._shape(projection)[0]
+            first = choose_matmul(stacked.rows(0, rows), self.target.device, self.target.dtype)
+            kernels = [first]
+            for expert in range(1, self.num_experts):
+                kernel = type(first)(stacked.rows(expert * rows, rows), self.target.dtype)
+                if isinstance(kernel, QuantizedMatmul):
+                    kernel.dense_from_rows = first.dense_from_rows
+                kernels.append(kernel)
+            self.kernels[projection] = nn.ModuleList(kernels)
+        self.pending = {}
+
+    def missing(self) -> list[str]:
+        """The stacked tensors the checkpoint has not given yet."""
+        return [p for p in PROJECTIONS if p not in self.kernels and p not in self.pending]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (self.kernels[p] for p in PROJECTIONS)
+
+        def expert_mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
+            return down[expert](silu_and_mul(torch.cat((gate[expert](h), up[expert](h)), dim=-1)))
+
+        return run_experts(x, weights, ids, self.num_experts, expert_mlp)
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{p}: {type(self.kernels[p][0]).__name__}" for p in PROJECTIONS if p in self.kernels)
+        return f"experts={self.num_experts}, {kinds}"
