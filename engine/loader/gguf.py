@@ -50,6 +50,19 @@ _LAYER_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Where a family's llama.cpp names mean another HF module than Llama's
+_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# The transformers config class of an HF architecture, where it is not the architecture's name with "Config"
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+# llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000; Gemma 3 27B (62 layers) scales
+# queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
+_GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
 # Not weights of the HF model: Llama 3's rope factors, folded into the config's rope parameters instead.
 _CONFIG_TENSORS = {"rope_freqs.weight"}
 # llama.cpp also ends generation on control tokens with these texts, whatever the file names as EOS
@@ -181,7 +194,12 @@ class GGUFCheckpoint:
             settings["num_experts_per_tok"] = int(self._field(f"{arch}.expert_used_count"))
             settings["moe_intermediate_size"] = int(self._field(f"{arch}.expert_feed_forward_length"))
             settings["norm_topk_prob"] = True  # llama.cpp renormalises qwen3moe's top-k weights
-        config = getattr(transformers, GGUF_ARCHITECTURES[arch].replace("ForCausalLM", "Config"))(**settings)
+        hf_arch = GGUF_ARCHITECTURES[arch]
+        if arch == "gemma3":
+            settings.update(self._gemma3_settings(settings))
+        config = getattr(transformers, _CONFIG_CLASSES.get(hf_arch, hf_arch.replace("ForCausalLM", "Config")))(
+            **settings
+        )
         config.architectures = [GGUF_ARCHITECTURES[arch]]
         # transformers maps no head size for qwen2/qwen3 (Qwen3Config would fall back to its default of 128)
         head_dim = self.metadata(f"{arch}.attention.key_length")
@@ -194,12 +212,32 @@ class GGUFCheckpoint:
                 setattr(config, attr, int(value))
         theta = float(self.metadata(f"{arch}.rope.freq_base", 10000.0))
         rope = self._rope_parameters(theta) or {"rope_type": "default", "rope_theta": theta}
+        if arch == "gemma3":  # the global layers' rotary, and the local layers' own
+            rope = {
+                "full_attention": rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE},
+            }
         if hasattr(config, "rope_parameters"):
             config.rope_parameters = rope
         else:  # transformers 4
             config.rope_theta = rope["rope_theta"]
             config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return config
+
+    def _gemma3_settings(self, settings: dict) -> dict:
+        """What a Gemma 3 file implies beyond the shared metadata, as llama.cpp reads it."""
+        layers, head_dim = settings["num_hidden_layers"], int(self._field("gemma3.attention.key_length"))
+        scalar = (
+            settings["hidden_size"] // settings["num_attention_heads"] if layers == _GEMMA3_27B_LAYERS else head_dim
+        )
+        return {
+            "head_dim": head_dim,
+            "query_pre_attn_scalar": scalar,
+            "sliding_window": int(self._field("gemma3.attention.sliding_window")),
+            "layer_types": [
+                "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention" for i in range(layers)
+            ],
+        }
 
     def tokenizer(self) -> Any:
         """A transformers tokenizer built from the file's vocabulary, with the file's chat template."""
@@ -267,7 +305,7 @@ class GGUFCheckpoint:
                 unsupported.append(f"{t.name} ({type_name})")
             if t.name in _CONFIG_TENSORS:
                 continue
-            hf_name = _hf_name(t.name)
+            hf_name = _hf_name(t.name, self.architecture)
             if hf_name is None:
                 raise ValueError(
                     f"{self.path.name} holds tensor {t.name!r}, which a {self.architecture} model does "
@@ -307,20 +345,23 @@ class GGUFCheckpoint:
                 value = decode(FileBytes(file, t.offset, t.n_bytes), entry.type_name, t.shape)
                 if entry.heads is not None:
                     value = _unpermute_heads(value, entry.heads)
+                if self.architecture == "gemma3" and entry.hf_name.endswith("norm.weight"):
+                    value = value - 1  # convert_hf_to_gguf stores Gemma's norms as 1 + weight
                 yield entry.hf_name, value
                 del value  # not held while the next tensor decodes
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if match is None or match[2] not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture, {})}
+    if match is None or match[2] not in names:
         return None
-    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{suffix}"
+    return f"model.layers.{match[1]}.{names[match[2]]}.{suffix}"
 
 
 def _unpermute_heads(value: torch.Tensor | QuantizedWeight, heads: int) -> torch.Tensor | QuantizedWeight:

@@ -27,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 # GGUF's `general.architecture` -> the HF architecture whose config and weight names the file maps to
 GGUF_ARCHITECTURES = {
+    "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
