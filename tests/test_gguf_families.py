@@ -126,8 +126,9 @@ def write_gemma3_gguf(path: Path, model, tokenizer_folder: Path) -> Path:
     return path
 
 
-def with_file_weights(model, path: Path, layer_names: dict[str, str]):
-    """`model` holding the file's weights as gguf-py dequantizes them (Gemma's norms back from 1 + weight)."""
+def with_file_weights(model, path: Path, layer_names: dict[str, str], norm_offset: float = 0.0):
+    """`model` holding the file's weights as gguf-py dequantizes them; `norm_offset` is taken off the norms (Gemma's
+    files store 1 + weight)."""
     reader = gguf.GGUFReader(path)
     stored = {t.name: t for t in reader.tensors}
     state = {}
@@ -135,18 +136,105 @@ def with_file_weights(model, path: Path, layer_names: dict[str, str]):
         t = stored[gguf_name(name, layer_names)]
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
-        state[name] = w - 1 if name.endswith("norm.weight") else w
+        state[name] = w - norm_offset if name.endswith("norm.weight") else w
     model.load_state_dict(state)
     return model
 
 
 def test_gemma3_file_gives_transformers_tokens(tokenizer_folder, tmp_path, exact_kernels):
     path = write_gemma3_gguf(tmp_path / "gemma3.gguf", gemma3_model(), tokenizer_folder)
-    reference = with_file_weights(gemma3_model(), path, GEMMA3_NAMES)
+    reference = with_file_weights(gemma3_model(), path, GEMMA3_NAMES, norm_offset=1.0)
     llm = make_llm(path)
     config = llm.model_runner.hf_config
     assert type(config).__name__ == "Gemma3TextConfig" and config.query_pre_attn_scalar == 16
     assert [layer.self_attn.attn.sliding_window for layer in llm.model_runner.model.model.layers] == [8] * 5 + [None]
     prompts = [prompt_ids(1, 5), prompt_ids(2, 30)]  # the second far longer than the window
+    for prompt, result in zip(prompts, greedy(llm, prompts, max_tokens=24, k=1)):
+        assert result["token_ids"] == hf_greedy(reference, prompt, 24)
+
+
+# ---- Phi-3 / Phi-4-mini ---------------------------------------------------------------------------------------------
+
+PHI3_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+SHORT, LONG = [1.0 + 0.2 * i for i in range(6)], [3.0 + 0.5 * i for i in range(6)]
+
+
+def phi3_model():
+    """Rotary over 12 of each head's 16 dimensions, LongRoPE over a 128-token pretraining length."""
+    torch.manual_seed(32)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": SHORT,
+        "long_factor": LONG,
+        "original_max_position_embeddings": 128,
+    }
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=128,
+        rope_parameters=rope,
+        eos_token_id=2,
+        bos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Phi3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+    return model.eval()
+
+
+def write_phi3_gguf(path: Path, model, tokenizer_folder: Path) -> Path:
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(12)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_scaling_orig_ctx_len(128)
+    writer.add_vocab_size(VOCAB)
+    tokenizer_metadata(writer, tokenizer_folder)
+    writer.add_tensor("rope_factors_short.weight", np.array(SHORT, dtype=np.float32), raw_dtype=T.F32)
+    writer.add_tensor("rope_factors_long.weight", np.array(LONG, dtype=np.float32), raw_dtype=T.F32)
+    for i, (name, p) in enumerate(model.state_dict().items()):
+        w = p.detach().float().numpy()
+        data, qtype = (w.astype(np.float32), T.F32) if w.ndim == 1 else encode(w, "Q8_0", seed=i)
+        writer.add_tensor(gguf_name(name, PHI3_NAMES), data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_phi3_file_gives_transformers_tokens(tokenizer_folder, tmp_path, exact_kernels):
+    path = write_phi3_gguf(tmp_path / "phi3.gguf", phi3_model(), tokenizer_folder)
+    reference = with_file_weights(phi3_model(), path, PHI3_NAMES)
+    llm = make_llm(path)
+    rope = llm.model_runner.hf_config.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.75
+    assert rope["short_factor"] == pytest.approx(SHORT) and rope["long_factor"] == pytest.approx(LONG)
+    prompts = [prompt_ids(3, 5), prompt_ids(4, 30)]
     for prompt, result in zip(prompts, greedy(llm, prompts, max_tokens=24, k=1)):
         assert result["token_ids"] == hf_greedy(reference, prompt, 24)

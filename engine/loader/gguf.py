@@ -52,6 +52,7 @@ _LAYER_NAMES = {
 }
 # Where a family's llama.cpp names mean another HF module than Llama's
 _ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # stored fused, as Phi-3 keeps them
     "gemma3": {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_attention_norm": "post_attention_layernorm",
@@ -64,7 +65,8 @@ _CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 # queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
 _GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
 # Not weights of the HF model: Llama 3's rope factors, folded into the config's rope parameters instead.
-_CONFIG_TENSORS = {"rope_freqs.weight"}
+# and Phi-3's LongRoPE factors
+_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # llama.cpp also ends generation on control tokens with these texts, whatever the file names as EOS
 # (an instruct model's GGUF often names only one of its end-of-turn tokens).
 _END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>")
@@ -110,9 +112,10 @@ class GGUFCheckpoint:
             for t in reader.tensors
         ]
         self._gguf_names = {t.name for t in self._tensors}
-        self._rope_freqs = next(
-            (np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name == "rope_freqs.weight"), None
-        )
+        self._config_tensors = {
+            t.name: np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name in _CONFIG_TENSORS
+        }
+        self._rope_freqs = self._config_tensors.get("rope_freqs.weight")
         self.architecture: str = self._field("general.architecture")
         if self.architecture not in GGUF_ARCHITECTURES:
             raise ValueError(
@@ -212,6 +215,8 @@ class GGUFCheckpoint:
                 setattr(config, attr, int(value))
         theta = float(self.metadata(f"{arch}.rope.freq_base", 10000.0))
         rope = self._rope_parameters(theta) or {"rope_type": "default", "rope_theta": theta}
+        if arch == "phi3":
+            rope = self._phi3_rope(theta, config)
         if arch == "gemma3":  # the global layers' rotary, and the local layers' own
             rope = {
                 "full_attention": rope,
@@ -223,6 +228,28 @@ class GGUFCheckpoint:
             config.rope_theta = rope["rope_theta"]
             config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return config
+
+    def _phi3_rope(self, theta: float, config) -> dict:
+        """Phi-3's rotary as llama.cpp keeps it: over `rope.dimension_count` of each head, with LongRoPE's factors
+        as tensors (rope_factors_short, rope_factors_long) and the pretraining length in the metadata."""
+        head_dim = config.hidden_size // config.num_attention_heads
+        rotary = int(self.metadata("phi3.rope.dimension_count", head_dim))
+        rope = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotary / head_dim}
+        short, long = (self._config_tensors.get(f"rope_factors_{k}.weight") for k in ("short", "long"))
+        if short is None:
+            return rope
+        original = int(self._field("phi3.rope.scaling.original_context_length"))
+        config.original_max_position_embeddings = original
+        attention_factor = self.metadata("phi3.rope.scaling.attn_factor")
+        return {
+            **rope,
+            "rope_type": "longrope",
+            "short_factor": short.tolist(),
+            "long_factor": (long if long is not None else short).tolist(),
+            "original_max_position_embeddings": original,
+            "factor": config.max_position_embeddings / original,
+            **({"attention_factor": float(attention_factor)} if attention_factor is not None else {}),
+        }
 
     def _gemma3_settings(self, settings: dict) -> dict:
         """What a Gemma 3 file implies beyond the shared metadata, as llama.cpp reads it."""

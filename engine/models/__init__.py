@@ -29,6 +29,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",

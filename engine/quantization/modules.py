@@ -87,6 +87,14 @@ class QuantizedLinear(nn.Module):
 
     def load_quantizable(self, loaded: torch.Tensor | QuantizedWeight, shard: int | None) -> None:
         """Take one checkpoint shard of the weight (the whole weight when `shard` is None)."""
+        if shard is None and len(self.shard_rows) > 1 and tuple(loaded.shape) == (self.out_features, self.in_features):
+            # a fused projection stored fused (Phi-3's qkv_proj, gate_up_proj): each shard takes its rows
+            start = 0
+            for index, rows in enumerate(self.shard_rows):
+                part = loaded.rows(start, rows) if isinstance(loaded, QuantizedWeight) else loaded[start : start + rows]
+                self.load_quantizable(part, index)
+                start += rows
+            return
         index = 0 if shard is None else shard
         rows = self.out_features if shard is None else self.shard_rows[index]
         if tuple(loaded.shape) != (rows, self.in_features):
