@@ -17,15 +17,8 @@ import pytest
 
 from app.chat import stream_reply
 from app.chat_settings import ChatSettings
-from app.remote import (
-    RemoteClient,
-    RemoteError,
-    connect,
-    parse_prometheus,
-    parse_usage,
-    split_base_url,
-    summarize_metrics,
-)
+from app.remote import RemoteClient, RemoteError, connect, parse_usage, split_base_url
+from app.remote_metrics import parse_prometheus, summarize_metrics
 from tests.app.app_process import AppProcess, reply_text
 from tests.processes import ServeProcess, free_port, wait_until
 
