@@ -37,7 +37,7 @@ from app.remote_metrics import parse_prometheus, summarize_metrics
 from app.visualizer import render_remote_notice
 
 if TYPE_CHECKING:
-    from app.store import Message
+    from app.store_records import Message
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0  # between two streamed chunks: a busy server may queue a request for a while

@@ -28,7 +28,8 @@ from app.page import user_error
 from app.page.chat_tab import SLIDERS
 from app.remote import RemoteError
 from app.sessions import Replies, Session, Sessions
-from app.store import NEW_CHAT_TITLE, ConversationStore, NotFound
+from app.store import ConversationStore
+from app.store_records import NEW_CHAT_TITLE, NotFound
 from engine import EngineFailed
 
 log = logging.getLogger("pagoda")
