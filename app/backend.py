@@ -20,7 +20,7 @@ from engine import EngineThread, RequestStream, SamplingParams, StructuredOutput
 from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 
 if TYPE_CHECKING:
-    from app.store import Message
+    from app.store_records import Message
 
 MIN_REPLY_ROOM = 64  # tokens of room a chat needs for its reply before it is refused as too long
 

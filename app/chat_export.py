@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from app.markdown_text import close_open_fence
 
 if TYPE_CHECKING:
-    from app.store import Conversation, Message
+    from app.store_records import Conversation, Message
 
 __all__ = ["EXPORT_FORMAT", "chat_markdown", "chat_json"]
 

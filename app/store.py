@@ -14,6 +14,9 @@ own locking (with a busy timeout) serialises them.
 ``update_message``, which runs once per streamed token (the ``add_message`` that started the
 reply has already bumped it). Within one database ``updated`` is strictly increasing, so the
 chat touched last is always first in ``list()``.
+
+The records it returns, and the checks a caller's value passes first, are in app/store_records.py; the
+tables and their migrations in app/store_schema.py.
 """
 
 from __future__ import annotations
@@ -26,11 +29,21 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app.chat_export import EXPORT_FORMAT, chat_json, chat_markdown
+from app.store_records import (
+    NEW_CHAT_TITLE,
+    ROLES,
+    Conversation,
+    Message,
+    NotFound,
+    Preset,
+    clean_title,
+    timestamp,
+    to_json,
+)
 from app.store_schema import DEFAULT_PRESETS, SCHEMA_VERSION, SchemaError, migrate
 
 __all__ = [
@@ -47,46 +60,7 @@ __all__ = [
     "default_db_path",
 ]
 
-ROLES = ("system", "user", "assistant")
-NEW_CHAT_TITLE = "New chat"  # a chat's title until its first message (or a rename) gives it one
 DB_NAME = "pagoda.db"
-
-
-class NotFound(KeyError, ValueError):
-    """An unknown conversation, message or preset. Both a KeyError and a ValueError."""
-
-    def __str__(self) -> str:  # KeyError would show the message in quotes
-        return str(self.args[0]) if self.args else ""
-
-
-@dataclass
-class Conversation:
-    id: int
-    title: str
-    system_prompt: str
-    settings: dict
-    created: float
-    updated: float
-
-
-@dataclass
-class Message:
-    id: int
-    conversation_id: int
-    role: str
-    content: str
-    meta: dict
-    created: float
-
-    def as_chat(self) -> dict[str, str]:
-        """The ``{"role", "content"}`` dict that chat templates and gr.Chatbot take."""
-        return {"role": self.role, "content": self.content}
-
-
-@dataclass
-class Preset:
-    name: str
-    system_prompt: str
 
 
 def default_db_path() -> Path:
@@ -104,31 +78,6 @@ def _contains(haystack: str | None, needle: str | None) -> bool:
     if haystack is None or needle is None:
         return False
     return needle in haystack.casefold()
-
-
-def _to_json(value: dict | None, what: str) -> str:
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a dict (JSON object), got {type(value).__name__}.")
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must hold only JSON values (str, int, float, bool, None, list, dict): {e}") from None
-
-
-def _timestamp(value: Any, what: str) -> float:
-    if value is None:
-        return time.time()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a number of seconds since the epoch, got {value!r}.")
-    return float(value)
-
-
-def _clean_title(title: str) -> str:
-    if not isinstance(title, str) or not title.strip():
-        raise ValueError("A chat title cannot be empty: give it at least one visible character.")
-    return " ".join(title.split())
 
 
 class ConversationStore:
@@ -223,10 +172,10 @@ class ConversationStore:
         self, title: str = NEW_CHAT_TITLE, system_prompt: str = "", settings: dict | None = None
     ) -> Conversation:
         """Start a new, empty chat."""
-        title = _clean_title(title)
+        title = clean_title(title)
         if not isinstance(system_prompt, str):
             raise ValueError('system_prompt must be a string (use "" for none).')
-        settings_json = _to_json(settings, "settings")
+        settings_json = to_json(settings, "settings")
         with self._write() as conn:
             now = self._stamp(conn)
             cur = conn.execute(
@@ -294,7 +243,7 @@ class ConversationStore:
 
     def rename(self, conversation_id: int, title: str) -> None:
         """Give a chat a new title (whitespace runs collapse to one space)."""
-        title = _clean_title(title)
+        title = clean_title(title)
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
             conn.execute(
@@ -312,7 +261,7 @@ class ConversationStore:
         """Replace a chat's system prompt and/or settings (None leaves that field as it is)."""
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError('system_prompt must be a string (use "" for none).')
-        settings_json = None if settings is None else _to_json(settings, "settings")
+        settings_json = None if settings is None else to_json(settings, "settings")
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
             if system_prompt is None and settings_json is None:
@@ -331,7 +280,7 @@ class ConversationStore:
             raise ValueError(f"Unknown role {role!r}: use one of {', '.join(ROLES)}.")
         if not isinstance(content, str):
             raise ValueError(f"Message content must be a string, got {type(content).__name__}.")
-        meta_json = _to_json(meta, "meta")
+        meta_json = to_json(meta, "meta")
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
             now = self._stamp(conn)
@@ -346,7 +295,7 @@ class ConversationStore:
         """Replace a message's content (and its meta, if given). Committed before it returns."""
         if not isinstance(content, str):
             raise ValueError(f"Message content must be a string, got {type(content).__name__}.")
-        meta_json = None if meta is None else _to_json(meta, "meta")
+        meta_json = None if meta is None else to_json(meta, "meta")
         with self._write() as conn:
             cur = conn.execute(
                 "UPDATE messages SET content = ?, meta = coalesce(?, meta) WHERE id = ?",
@@ -473,11 +422,11 @@ class ConversationStore:
         raw_msgs: Any = data.get("messages", [])
         if not isinstance(raw_msgs, builtins.list) or not all(isinstance(m, dict) for m in raw_msgs):
             raise ValueError('"messages" must be a list of objects with role and content.')
-        title = _clean_title(data.get("title", ""))
+        title = clean_title(data.get("title", ""))
         system_prompt = data.get("system_prompt", "")
         if not isinstance(system_prompt, str):
             raise ValueError('"system_prompt" must be a string.')
-        settings_json = _to_json(data.get("settings", {}), "settings")
+        settings_json = to_json(data.get("settings", {}), "settings")
         rows = []
         for i, m in enumerate(raw_msgs):
             if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
@@ -486,11 +435,11 @@ class ConversationStore:
                 (
                     m["role"],
                     m["content"],
-                    _to_json(m.get("meta", {}), f"message {i} meta"),
-                    _timestamp(m.get("created"), f"message {i} created"),
+                    to_json(m.get("meta", {}), f"message {i} meta"),
+                    timestamp(m.get("created"), f"message {i} created"),
                 )
             )
-        created = _timestamp(data.get("created"), "created")
+        created = timestamp(data.get("created"), "created")
         with self._write() as conn:
             now = self._stamp(conn)
             cur = conn.execute(

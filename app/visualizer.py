@@ -314,7 +314,7 @@ def _find(rows, *suffixes):
     return None
 
 
-# Pagoda's names for what app.remote.summarize_metrics finds in a server's /metrics, as the table shows them.
+# Pagoda's names for what app.remote_metrics.summarize_metrics finds in a server's /metrics, as the table shows them.
 REMOTE_LABELS = {
     "prefix_cache_queries": "prefix cache queries (tokens)",
     "prefix_cache_hits": "prefix cache hits (tokens)",
@@ -332,7 +332,7 @@ def _percent(v) -> str:
 def render_remote_notice(metrics: dict | None, source: str = "") -> str:
     """What the KV panel shows for a remote OpenAI-compatible server: no blocks, only its metrics.
 
-    metrics: app.remote.summarize_metrics's dict (any flat or nested dict of numbers is shown as a
+    metrics: app.remote_metrics.summarize_metrics's dict (any flat or nested dict of numbers is shown as a
     table); None or {} when the server has none. source: "model at url", shown in the notice."""
     rows = _flatten(metrics) if isinstance(metrics, dict) else []
     where = f" ({_ascii(escape(source))})" if source else ""

@@ -1,5 +1,5 @@
-"""In a real browser, as test_browser.py (whose app process, browser and helpers these share): what a new user
-reported in issue 28, item 5."""
+"""In a real browser (tests/app/browser_session.py, whose app process, browser and helpers these share): what a new
+user reported in issue 28, item 5."""
 
 import json
 import re
@@ -10,11 +10,15 @@ import httpx
 import pytest
 
 from app.store import ConversationStore
-from tests.app import test_browser
-from tests.app.test_browser import send, start_new_chat, wait_for_js, wait_idle
+from tests.app import browser_session
+from tests.app.browser_session import send, start_new_chat, sync_api, wait_for_js, wait_idle
 
-# test_browser's fixtures: its app process and browser, a tab on the app, the app's log after a failed test
-session, open_page, app_log_on_failure = test_browser.session, test_browser.open_page, test_browser.app_log_on_failure
+# browser_session's fixtures: an app process and a browser, a tab on the app, the app's log after a failed test
+session, open_page, app_log_on_failure = (
+    browser_session.session,
+    browser_session.open_page,
+    browser_session.app_log_on_failure,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -86,7 +90,7 @@ def test_export_right_after_a_switch_or_a_rename_is_the_chat_on_screen_with_its_
     assert name == f"{titles[0]}.md" and text.startswith(f"# {titles[0]}\n")
     name, text = export(page, "Export JSON")
     assert json.loads(text)["title"] == titles[0]
-    test_browser.sync_api.expect(page.get_by_label("Title", exact=True)).to_have_value(titles[0])  # it is on screen
+    sync_api.expect(page.get_by_label("Title", exact=True)).to_have_value(titles[0])  # it is on screen
     renamed = titles[0] + " renamed"
     rename(page, renamed)
     name, text = export(page, "Export Markdown")
@@ -117,10 +121,10 @@ def test_a_system_prompt_typed_then_left_before_sending_is_kept_and_the_meter_co
     )
     wait_for_js(page, counts_it, timeout=20000)  # counted as it is typed
     page.locator(f'#chat-list input[value="{other}"]').click()  # at once, before sending anything
-    test_browser.sync_api.expect(box).to_have_value("")
+    sync_api.expect(box).to_have_value("")
     assert meter_count(page) == before  # the other chat's meter: its prompt is empty too
     page.locator(f'#chat-list input[value="{chat}"]').click()
-    test_browser.sync_api.expect(box).to_have_value(prompt)
+    sync_api.expect(box).to_have_value(prompt)
     wait_for_js(page, counts_it, timeout=20000)
     assert [c["system_prompt"] for c in client.predict(api_name="/conversations") if c["id"] == chat] == [prompt]
 
@@ -152,7 +156,7 @@ def test_the_title_field_reads_the_title_the_first_message_gives(session, open_p
     page.get_by_text("Rename or delete").click()
     start_new_chat(page, "How far can a lighthouse beam reach?")
     title = page.get_by_label("Title", exact=True)
-    test_browser.sync_api.expect(title).to_have_value("How far can a lighthouse beam reach?", timeout=10000)
+    sync_api.expect(title).to_have_value("How far can a lighthouse beam reach?", timeout=10000)
     assert client.predict(api_name="/engine_stats")["num_running"] == 1  # while the reply still streams
     page.keyboard.press("Escape")
     wait_idle(client)
@@ -197,7 +201,7 @@ def test_a_title_typed_right_after_new_chat_stays_in_the_field(session, open_pag
     page.wait_for_timeout(1500)  # the opening, and a few timer ticks
     send(page, "How far can a lighthouse beam reach?")
     page.wait_for_timeout(1500)  # the first message titles the chat; the timer sends titles
-    test_browser.sync_api.expect(title).to_have_value("Lighthouses")
+    sync_api.expect(title).to_have_value("Lighthouses")
     page.get_by_role("button", name="Rename", exact=True).click()
     wait_for_js(page, "() => document.querySelector('#chat-list').innerText.includes('Lighthouses')", timeout=20000)
     page.keyboard.press("Escape")

@@ -10,8 +10,9 @@ from markdown_it import MarkdownIt
 from app.backend import ReplyDelta, meter_text
 from app.chat import ReplyTask
 from app.model_host import ModelHost
+from app.reply_events import UNCHANGED
 from app.store import ConversationStore
-from app.ui import UNCHANGED, PagodaUI
+from app.ui import PagodaUI
 from tests.processes import wait_until
 
 STOPPED_META = {

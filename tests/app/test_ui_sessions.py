@@ -8,13 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-import app.ui
+import app.reply_events
 from app.backend import ReplyDelta
 from app.chat_settings import ChatSettings
 from app.model_host import ModelHost
+from app.reply_events import UNCHANGED
 from app.sessions import Replies, Sessions
 from app.store import ConversationStore
-from app.ui import UNCHANGED, PagodaUI, slider_values
+from app.ui import PagodaUI, slider_values
 from tests.processes import wait_until
 
 
@@ -150,8 +151,8 @@ def start_reply(ui: PagodaUI, conversation_id: int, page: SimpleNamespace):
 
 
 def test_an_ended_page_aborts_only_the_replies_it_started_that_nobody_watches(tmp_path, monkeypatch):
-    monkeypatch.setattr(app.ui, "UNLOAD_GRACE_S", 0.05)
-    monkeypatch.setattr(app.ui, "UNWATCHED_S", 30.0)  # "watched" stays true however slow the machine is
+    monkeypatch.setattr(app.reply_events, "UNLOAD_GRACE_S", 0.05)
+    monkeypatch.setattr(app.reply_events, "UNWATCHED_S", 30.0)  # "watched" stays true however slow the machine is
     host = ModelHost()
     host.backend = EndlessBackend()
     ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)

@@ -8,8 +8,9 @@ import gradio as gr
 
 from app.chat import Turn
 from app.model_host import ModelHost
+from app.reply_events import UNCHANGED
 from app.store import ConversationStore
-from app.ui import UNCHANGED, PagodaUI
+from app.ui import PagodaUI
 from tests.processes import wait_until
 
 
