@@ -28,6 +28,9 @@ class Session:
     # The chat whose title the user typed in the Title field, when it is `asked_for`: what they type is theirs
     # until Rename, and neither that chat's opening nor the title its first message gives may replace it
     title_typed_for: int | None = None
+    # The chat whose title the page put in the Title field itself, at New chat's click (in the browser, before the
+    # server answers): its opening sends none, which could only land over what the user began to type since
+    title_preset: int | None = None
 
 
 class Sessions:

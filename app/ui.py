@@ -79,8 +79,12 @@ class PagodaUI(ReplyEvents):
         typed = False
         if request is not None:
             with self.sessions.edit(request.session_hash) as session:
+                # The page has this chat's title already: it opened it a moment ago (a page's first opening can come
+                # twice), or New chat's click put it there. Sent again, it could land over what is typed meanwhile.
+                shown = session.viewing == conv.id and session.title_sent == (conv.id, conv.title)
+                typed = session.title_typed_for == conv.id or session.title_preset == conv.id or shown
                 session.viewing, session.title_sent = conv.id, (conv.id, conv.title)
-                typed = session.title_typed_for == conv.id
+                session.title_preset = None
         think, json_output, json_schema = self.chat_options(conversation_id)
         # A title typed while the chat opened (right after New chat) stays: it was overwritten with "New chat"
         title = gr.update() if typed else conv.title
@@ -102,7 +106,7 @@ class PagodaUI(ReplyEvents):
         if request is not None:
             with self.sessions.edit(request.session_hash) as session:
                 session.asked_for = None if conversation_id is None else int(conversation_id)
-                session.title_typed_for = None
+                session.title_typed_for = session.title_preset = None
 
     def title_typed(self, request: gr.Request = None) -> None:
         """The user typed in the Title field: neither the opening of the chat they asked for nor the title its
@@ -151,6 +155,9 @@ class PagodaUI(ReplyEvents):
         another empty "New chat")."""
         conv = self.store.empty_chat(system_prompt or "")
         self.asked_for_chat(conv.id, request)
+        if request is not None:  # the page showed its title at the click (wire_sidebar)
+            with self.sessions.edit(request.session_hash) as session:
+                session.title_preset = conv.id
         return gr.update(choices=self.conversation_choices(query), value=conv.id)
 
     def delete_chat(self, conversation_id):

@@ -1,11 +1,13 @@
 """The sidebar: New chat, the search box, the chat list, and rename or delete the open chat."""
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import gradio as gr
 
 from app.page import user_error
+from app.store_records import NEW_CHAT_TITLE
 
 if TYPE_CHECKING:
     from app.ui import PagodaUI
@@ -54,6 +56,9 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     bar.title.input(ui.title_typed, None, None, show_progress="hidden", api_visibility="private")
     bar.search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), bar.search, bar.conversations)
     bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat")
+    # The Title field shows the new chat's title at the click, in the browser: the user may type in it at once, and
+    # the chat's opening, which comes later, leaves it alone (PagodaUI.open)
+    bar.new_btn.click(None, None, bar.title, js=f"() => {json.dumps(NEW_CHAT_TITLE)}", show_progress="hidden")
 
     def rename(chosen, opened, title, request: gr.Request):
         cid = chosen if chosen is not None else opened

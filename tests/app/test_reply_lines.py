@@ -294,3 +294,10 @@ def test_a_title_typed_right_after_new_chat_is_not_overwritten(tmp_path):
     assert ui.open(other, page)[-4] == "Other"
     ui.asked_for_chat(chat, page)
     assert ui.open(chat, page)[-4] == "How far can a lighthouse beam be seen at…"
+    # New chat's click showed "New chat" in the field: its opening sends no title over what may be typed by then
+    fresh = ui.new_chat("", "", page)["value"]
+    assert ui.open(fresh, page)[-4] == gr.update()
+    assert ui.open(fresh, page)[-4] == gr.update()  # opened twice (a page's first opening can be): the page has it
+    ui.asked_for_chat(other, page)
+    assert ui.open(other, page)[-4] == "Other"
+    assert ui.open(fresh, page)[-4] == "New chat"  # back to it: the field follows the chat
