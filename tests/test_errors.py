@@ -54,7 +54,8 @@ def test_unsupported_architecture(tmp_path, tiny_llama):
     config["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM"
+        ValueError,
+        match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: .*LlamaForCausalLM.*Gemma 3",
     ):
         LLM(str(folder), dtype="float32", num_kvcache_blocks=8)
 
