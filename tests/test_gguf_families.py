@@ -45,6 +45,18 @@ def gguf_name(hf_name: str, layer_names: dict[str, str]) -> str:
     return f"blk.{layer}.{layer_names[part]}.{suffix}"
 
 
+def new_writer(path: Path, architecture: str, config) -> gguf.GGUFWriter:
+    """A GGUF writer with the metadata every architecture's file has."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    return writer
+
+
 @pytest.fixture(scope="module")
 def tokenizer_folder(tmp_path_factory) -> Path:
     from tests.conftest import build_tokenizer
@@ -96,13 +108,7 @@ def gemma3_model():
 
 def write_gemma3_gguf(path: Path, model, tokenizer_folder: Path) -> Path:
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = new_writer(path, "gemma3", config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -202,13 +208,7 @@ def phi3_model():
 
 def write_phi3_gguf(path: Path, model, tokenizer_folder: Path) -> Path:
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = new_writer(path, "phi3", config)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(12)
     writer.add_rope_freq_base(10000.0)

@@ -27,6 +27,7 @@ from tests.test_gguf_engine import (
     prompt_ids,
     tokenizer_metadata,
 )
+from tests.test_gguf_families import new_writer
 from tests.test_parity import hf_greedy
 
 EXPERTS, PER_TOKEN, MOE_INTERMEDIATE = 8, 2, 256
@@ -63,16 +64,10 @@ def write_moe_gguf(path: Path, model, expert_type: str, tokenizer_folder: Path) 
     """The model as convert_hf_to_gguf writes a qwen3moe file: attention and head in Q8_0, experts in `expert_type`,
     the router and norms in F32."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer = new_writer(path, "qwen3moe", config)
     writer.add_expert_count(EXPERTS)
     writer.add_expert_used_count(PER_TOKEN)
     writer.add_expert_feed_forward_length(MOE_INTERMEDIATE)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(SIZES["vocab_size"])
