@@ -6,7 +6,7 @@ both registries change their state only under a lock. A Session handed out by `S
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -31,6 +31,9 @@ class Session:
     # The chat whose title the page put in the Title field itself, at New chat's click (in the browser, before the
     # server answers): its opening sends none, which could only land over what the user began to type since
     title_preset: int | None = None
+    # The page's Rename clicks the server has carried out. The page numbers each click as it sends it, and an Export
+    # waits for the Renames clicked before it: the two requests may reach the server in either order.
+    renames_done: int = 0
 
 
 class Sessions:
@@ -38,6 +41,7 @@ class Sessions:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._edited = threading.Condition(self._lock)
         self._sessions: dict[str, Session] = {}
 
     @contextmanager
@@ -47,6 +51,13 @@ class Sessions:
         Keep the block short: every page's events wait on it."""
         with self._lock:
             yield self._sessions.setdefault(session_hash, Session())
+            self._edited.notify_all()
+
+    def wait_until(self, session_hash: str, ready: Callable[[Session], bool], timeout: float) -> bool:
+        """Wait until an edit makes `ready(session)` true (a page not seen yet counts as a new Session); False
+        if `timeout` seconds pass first."""
+        with self._lock:
+            return self._edited.wait_for(lambda: ready(self._sessions.get(session_hash) or Session()), timeout)
 
     def get(self, session_hash: str) -> Session | None:
         """A copy of the session as it is now; None for a page that has not opened (or has ended)."""

@@ -172,10 +172,33 @@ class PagodaUI(ReplyEvents):
         choices = self.conversation_choices()
         return gr.update(choices=choices, value=choices[0][1] if choices else None)
 
-    def export(self, conversation_id, kind: str) -> str:
-        """The chat as it is stored now, as a Markdown ("md") or JSON file named after its title."""
+    def rename(self, conversation_id, title: str, number: int = 0, request: gr.Request = None):
+        """Rename the chat; `number` counts the page's Rename clicks, this one included (see `export`)."""
+        try:
+            if conversation_id is None:
+                raise user_error("Open a chat to rename it.")
+            try:
+                self.store.rename(int(conversation_id), title)
+            except ValueError as e:  # an empty title
+                raise user_error(str(e)) from None
+            self.asked_for_chat(conversation_id, request)  # the field holds the chat's title again: it follows the chat
+        finally:  # done, or refused: an Export that waits on it goes on
+            if request is not None:
+                with self.sessions.edit(request.session_hash) as session:
+                    session.renames_done = max(session.renames_done, int(number or 0))
+        return gr.update(choices=self.conversation_choices(), value=int(conversation_id))
+
+    def export(self, conversation_id, kind: str, renames_before: int = 0, request: gr.Request = None) -> str:
+        """The chat as it is stored now, as a Markdown ("md") or JSON file named after its title.
+
+        `renames_before`: the page's Rename clicks before this Export. Their requests may reach the server after
+        this one, and the file must have the title the user just gave, so it waits for them (a while at most)."""
         if conversation_id is None:
             raise user_error("Open a chat to export it.")
+        if request is not None and renames_before:
+            self.sessions.wait_until(
+                request.session_hash, lambda session: session.renames_done >= int(renames_before), timeout=10.0
+            )
         conversation_id = int(conversation_id)
         title = self.store.get(conversation_id).title
         safe = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in title).strip() or "chat"

@@ -8,7 +8,7 @@ import gradio as gr
 
 from app.chat_settings import ChatSettings
 from app.page import user_error
-from app.page.sidebar import SAME_AS_RENAME
+from app.page.sidebar import RENAMES_SO_FAR_JS
 
 if TYPE_CHECKING:
     from app.page.sidebar import Sidebar
@@ -221,16 +221,19 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     # after a switch (the chat still opening) or a rename downloaded the chat before, or the old title. The list's
     # choice is read as the page has it (no preprocessing), as its own change does; `current` lags it by an event.
     def export(kind: str):
-        return lambda chosen, opened: ui.export(chosen if chosen is not None else opened, kind)
+        def made(chosen, opened, renames, request: gr.Request):
+            return ui.export(chosen if chosen is not None else opened, kind, renames, request)
+
+        return made
 
     for button, kind in ((tab.md_btn, "md"), (tab.json_btn, "json")):
         button.click(
             export(kind),
-            [bar.conversations, bar.current],
+            [bar.conversations, bar.current, bar.renames],
             tab.export_file,
+            js=RENAMES_SO_FAR_JS,
             preprocess=False,
             show_progress="hidden",
-            **SAME_AS_RENAME,
         ).then(None, tab.export_file, None, js=DOWNLOAD_JS)
 
     drop = tab.drop_btn.click(ui.drop_oldest_and_answer, reply_inputs, reply_outputs, **quiet)

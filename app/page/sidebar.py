@@ -6,14 +6,17 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from app.page import user_error
 from app.store_records import NEW_CHAT_TITLE
 
 if TYPE_CHECKING:
     from app.ui import PagodaUI
 
-# Rename and Export take turns, in the order they were clicked: an Export right after a Rename has the new title.
-SAME_AS_RENAME = dict(concurrency_id="rename-export", concurrency_limit=1)
+# The page numbers its Rename clicks (window.pagodaRenames) and sends the count with each Rename and Export: an
+# Export waits for the Renames clicked before it (PagodaUI.export), whichever request reaches the server first.
+COUNT_RENAME_JS = (
+    "(chosen, opened, title) => [chosen, opened, title, (window.pagodaRenames = (window.pagodaRenames || 0) + 1)]"
+)
+RENAMES_SO_FAR_JS = "(chosen, opened) => [chosen, opened, window.pagodaRenames || 0]"
 
 
 @dataclass
@@ -25,6 +28,7 @@ class Sidebar:
     title: gr.Textbox
     rename_btn: gr.Button
     delete_btn: gr.Button
+    renames: gr.Number  # carries the page's count of Rename clicks (set by COUNT_RENAME_JS, RENAMES_SO_FAR_JS)
 
 
 def render_sidebar(ui: "PagodaUI") -> Sidebar:
@@ -39,7 +43,8 @@ def render_sidebar(ui: "PagodaUI") -> Sidebar:
         with gr.Row():
             rename_btn = gr.Button("Rename", size="sm")
             delete_btn = gr.Button("Delete", size="sm", variant="stop")
-    return Sidebar(new_btn, search, conversations, current, title, rename_btn, delete_btn)
+    renames = gr.Number(visible=False, precision=0)
+    return Sidebar(new_btn, search, conversations, current, title, rename_btn, delete_btn, renames)
 
 
 def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
@@ -60,17 +65,16 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     # the chat's opening, which comes later, leaves it alone (PagodaUI.open)
     bar.new_btn.click(None, None, bar.title, js=f"() => {json.dumps(NEW_CHAT_TITLE)}", show_progress="hidden")
 
-    def rename(chosen, opened, title, request: gr.Request):
-        cid = chosen if chosen is not None else opened
-        if cid is None:
-            raise user_error("Open a chat to rename it.")
-        ui.store.rename(int(cid), title)
-        ui.asked_for_chat(cid, request)  # the field holds the chat's title again: it follows the chat
-        return gr.update(choices=ui.conversation_choices(), value=cid)
-
     # The chat chosen in the list, read as the page has it (as its change does): `current` follows it an event later
+    def rename(chosen, opened, title, number, request: gr.Request):
+        return ui.rename(chosen if chosen is not None else opened, title, number, request)
+
     bar.rename_btn.click(
-        rename, [bar.conversations, bar.current, bar.title], bar.conversations, preprocess=False, **SAME_AS_RENAME
+        rename,
+        [bar.conversations, bar.current, bar.title, bar.renames],
+        bar.conversations,
+        js=COUNT_RENAME_JS,
+        preprocess=False,
     )
 
     # Deleting cannot be undone, so the browser asks first; a "no" sends no chat id.

@@ -2,7 +2,6 @@
 its Cancel and Delete button; the load form's estimate and its word for a path that does not exist."""
 
 import os
-import time
 
 import pytest
 
@@ -82,10 +81,13 @@ def test_models_tab_cancel_and_delete_are_buttons_on_each_row(session, hub_app):
         assert big.get_by_role("button", name="Cancel").count() == 0  # nothing left to cancel
         assert page.locator(".model-row").filter(has_text="pagoda-test/big-chat").count() == 0
 
-        asked = []
-        page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        asked = []  # the browser asks first; the answer is no
+        page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
         small.get_by_role("button", name="Delete").click()
-        time.sleep(2)  # a refused delete changes nothing, so there is nothing to wait for
+        for _ in range(200):  # the handler runs while Playwright waits (20 s at most)
+            if asked:
+                break
+            page.wait_for_timeout(100)
         assert asked and "pagoda-test/small-chat" in asked[0]
         assert (cache / "models--pagoda-test--small-chat").exists() and small.count() == 1
         page.once("dialog", lambda d: d.accept())

@@ -1,7 +1,12 @@
 """The Export buttons' files: each holds the chat it was made for, whichever chats are exported after it."""
 
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
 
 from app.model_host import ModelHost
 from app.store import ConversationStore
@@ -34,4 +39,27 @@ def test_each_chats_export_files_hold_that_chat_and_no_other(tmp_path):
         assert md.startswith(f"# {store.get(chat.id).title}\n") and f"{name} question?" in md
         assert not any(f"{other} question?" in md for other in chats if other != name)
     assert Path(files["Gamma"][1]).name == "Gamma.json"
+    store.close()
+
+
+def test_an_export_clicked_after_a_rename_waits_for_it_whichever_request_arrives_first(tmp_path):
+    """Rename and Export reach the server as two requests, in either order (CI saw the Export first, and the file had
+    the old title): the page numbers its Renames, and an Export waits for those clicked before it."""
+    store = ConversationStore(tmp_path / "chats.db")
+    ui = PagodaUI(store, ModelHost())
+    chat = store.create().id
+    page = SimpleNamespace(session_hash="page-1")
+    files = []
+    export = threading.Thread(target=lambda: files.append(ui.export(chat, "json", renames_before=1, request=page)))
+    export.start()  # the Export request came first
+    export.join(timeout=0.3)
+    assert export.is_alive(), "the Export did not wait for the Rename clicked before it"
+    ui.rename(chat, "Lighthouses", number=1, request=page)
+    export.join(timeout=10)
+    assert json.loads(Path(files[0]).read_text(encoding="utf-8"))["title"] == "Lighthouses"
+    assert Path(files[0]).name == "Lighthouses.json"
+    # A Rename refused (an empty title) still lets the Export clicked after it go on, with the title unchanged
+    with pytest.raises(gr.Error, match="cannot be empty"):
+        ui.rename(chat, "  ", number=2, request=page)
+    assert Path(ui.export(chat, "md", renames_before=2, request=page)).name == "Lighthouses.md"
     store.close()
