@@ -69,7 +69,17 @@ def build_model(folder: Path, family: str) -> Path:
     import transformers
 
     torch.manual_seed(
-        {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "mistral": 5, "smollm3": 6, "phi3": 7, "gemma3": 8}[family]
+        {
+            "llama": 1,
+            "qwen2": 2,
+            "qwen3": 3,
+            "qwen3_moe": 4,
+            "mistral": 5,
+            "smollm3": 6,
+            "phi3": 7,
+            "gemma3": 8,
+            "gpt_oss": 9,
+        }[family]
     )
     if family == "llama":
         rope_scaling = {
@@ -127,6 +137,30 @@ def build_model(folder: Path, family: str) -> Path:
             tie_word_embeddings=False,
         )
         model, dtype, shard = transformers.Gemma3ForCausalLM(config), torch.float32, None
+    elif family == "gpt_oss":
+        # A 10-token window on layer 0 and full attention on layer 1, attention sinks, YaRN (factor 8 over a
+        # 64-token pretraining length), 8 biased experts (2 a token) with the clamped SwiGLU
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        }
+        config = transformers.GptOssConfig(
+            **{**COMMON, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=10,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=rope,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        )
+        model, dtype, shard = transformers.GptOssForCausalLM(config), torch.float32, None
     elif family == "qwen3_moe":
         # Experts in layer 0, a dense MLP in layer 1 (mlp_only_layers); 8 experts, 2 a token, renormalized.
         config = transformers.Qwen3MoeConfig(
@@ -164,7 +198,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {
         f: build_model(root / f, f)
-        for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3")
+        for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3", "gpt_oss")
     }
 
 

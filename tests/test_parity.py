@@ -10,7 +10,7 @@ import torch
 
 from engine import SamplingParams
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3", "gpt_oss"]
 
 
 class LogitRecorder:

@@ -19,6 +19,10 @@ class AttentionBackend:
     paged_attention: Callable
 
 
+# The backends whose paged_attention takes attention sinks (`sinks=`, a logit per head: gpt-oss)
+SINK_BACKENDS = ("torch",)
+
+
 @functools.cache
 def importable(package: str) -> bool:
     """Whether `package` imports (a flash-attn built for another torch fails here, not mid-step)."""
@@ -56,13 +60,22 @@ def flash_attn_unusable(device: torch.device, dtype: torch.dtype, block_size: in
     return None
 
 
-def select_backend(requested: str, device: torch.device, dtype: torch.dtype, block_size: int) -> AttentionBackend:
+def select_backend(
+    requested: str, device: torch.device, dtype: torch.dtype, block_size: int, sinks: bool = False
+) -> AttentionBackend:
     """`auto` takes flash-attn's kernels on CUDA where they apply (package installed, half precision,
     blocks of a multiple of 256 tokens), else Triton kernels on CUDA when Triton is installed, else
-    the torch reference."""
+    the torch reference. `sinks`: the model's attention has sinks, which only SINK_BACKENDS compute."""
     name = requested
+    if requested != "auto" and sinks and requested not in SINK_BACKENDS:
+        raise ValueError(
+            f"attention_backend={requested!r} does not compute attention sinks yet, which this model's attention "
+            f"has; use {' or '.join(repr(b) for b in SINK_BACKENDS)} (or 'auto')"
+        )
     if requested == "auto":
-        if flash_attn_unusable(device, dtype, block_size) is None:
+        if sinks:
+            name = "torch"
+        elif flash_attn_unusable(device, dtype, block_size) is None:
             name = "flash-attn"
         else:
             name = "triton" if device.type == "cuda" and triton_available() else "torch"

@@ -160,6 +160,33 @@ def _plan(meta: AttentionMetadata, block_size: int, window: int | None):
     return plan
 
 
+def attend(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, Hkv, Lk, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # bool, broadcastable to [B, H, Lq, Lk]; None: causal (`causal`) or every key
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA. With `sinks` (a logit per head, gpt-oss), each head's softmax also counts exp(sink) in its
+    denominator: an extra key of zeros takes the sink as its score, and its value (zeros) adds nothing."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=True
+        )
+    (batch, heads, q_len, _), k_len = q.shape, k.shape[2]
+    if mask is None:
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)
+        if causal:
+            mask = mask.tril(k_len - q_len)
+    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+    bias = torch.cat((bias.expand(batch, heads, q_len, k_len), sink), dim=-1)
+    k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -167,35 +194,37 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,  # a sliding-window layer's: each query sees its last `window` positions
+    sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (gpt-oss): see `attend`
 ) -> torch.Tensor:
     if tracing_decode_step():
-        return compiled_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
+        return compiled_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, sinks)
     decodes, prefills = _plan(meta, k_cache.shape[1], window)
     if len(decodes) == 1 and decodes[0].token_idx is None and not prefills:
-        return _decode(query, k_cache, v_cache, decodes[0], scale)
+        return _decode(query, k_cache, v_cache, decodes[0], scale, sinks)
     out = torch.zeros_like(query)
     for d in decodes:
-        out.index_copy_(0, d.token_idx, _decode(query[d.token_idx], k_cache, v_cache, d, scale))
+        out.index_copy_(0, d.token_idx, _decode(query[d.token_idx], k_cache, v_cache, d, scale, sinks))
     for p in prefills:
         # 4-D inputs: with 3-D ones, SDPA on CPU falls back to its unfused path, 3-4x slower.
         q = query[p.start : p.start + p.q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
         k = _gather(k_cache, p.blocks)[: p.kv_len].transpose(0, 1)[None].to(q.dtype)
         v = _gather(v_cache, p.blocks)[: p.kv_len].transpose(0, 1)[None].to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
-        )
+        o = attend(q, k, v, p.mask, scale, sinks, causal=True)
         out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     return out
 
 
 def _decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Decode, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: _Decode,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k = _gather(k_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
     v = _gather(v_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)
-    o = F.scaled_dot_product_attention(
-        query.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True
-    ).squeeze(2)
+    o = attend(query.unsqueeze(2), k, v, plan.mask, scale, sinks).squeeze(2)
     return o if plan.live is None else torch.where(plan.live, o, 0.0)
 
 
@@ -207,6 +236,7 @@ def compiled_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode rows (one query token per sequence) from device tensors only: every row reads all of
     `block_tables`' blocks (-1 entries read block 0), masked to its own length (and window)."""
@@ -220,7 +250,4 @@ def compiled_decode(
     valid = positions < seq_lens[:, None]
     if window is not None:
         valid &= positions >= seq_lens[:, None] - window
-    o = F.scaled_dot_product_attention(
-        query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    return o.squeeze(2)
+    return attend(query.unsqueeze(2), k, v, valid[:, None, None, :], scale, sinks).squeeze(2)

@@ -39,17 +39,18 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    """Router logits x W^T, scored and cut to the top k. Computed in float32, as transformers does, and the
-    weights handed back in the activations' dtype."""
+    """Router logits x W^T (+ b with `bias`, gpt-oss), scored and cut to the top k. Computed in float32, as
+    transformers does, and the weights handed back in the activations' dtype."""
 
-    def __init__(self, hidden_size: int, routing: Routing):
+    def __init__(self, hidden_size: int, routing: Routing, bias: bool = False):
         super().__init__()
         self.routing = routing
         self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(routing.num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, k] in x's dtype, expert ids [tokens, k])."""
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)
         if self.routing.scoring == "softmax":
             scores = logits.softmax(dim=-1, dtype=torch.float32)
         else:
@@ -89,7 +90,12 @@ def run_experts(
     return out
 
 
-class FusedMoE(nn.Module):
+class Experts(nn.Module):
+    """What every family's experts module is (FusedMoE, gpt-oss's): passes that do not cover experts yet (weight
+    quantization) look for it."""
+
+
+class FusedMoE(Experts):
     """The experts of one layer. `forward(x, weights, ids)` is sum_k weights[:, k] * expert_{ids[:, k]}(x)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE):

@@ -1,5 +1,5 @@
-"""Rotary position embedding (rotate-half form, as Llama and Qwen use), with Llama 3 and LongRoPE scaling, over the
-whole head or its first `partial_rotary_factor` share (Phi-3/4)."""
+"""Rotary position embedding (rotate-half form, as Llama and Qwen use), with Llama 3, LongRoPE and YaRN scaling, over
+the whole head or its first `partial_rotary_factor` share (Phi-3/4)."""
 
 import contextlib
 import math
@@ -18,11 +18,11 @@ def rope_parameters(hf_config) -> dict:
         params.update(getattr(hf_config, "rope_scaling", None) or {})
         params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
     params.setdefault("rope_type", params.get("type", "default"))
-    if params["rope_type"] == "longrope":
+    if params["rope_type"] in ("longrope", "yarn"):
         params.setdefault(
             "original_max_position_embeddings", getattr(hf_config, "original_max_position_embeddings", None)
         )
-        if params.get("factor") is None:  # Phi-3's rule: the context's growth over its pretraining length
+        if params.get("factor") is None:  # Phi-3's (and YaRN's) rule: the context's growth over its pretraining length
             params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     return params
 
@@ -32,13 +32,42 @@ def rotary_dim(head_dim: int, params: dict) -> int:
 
 
 def attention_factor(params: dict) -> float:
-    """LongRoPE scales cos and sin by this (the paper's choice, unless the config names one); 1 otherwise."""
-    if params["rope_type"] != "longrope":
+    """LongRoPE and YaRN scale cos and sin by this (their paper's choice, unless the config names one); 1 otherwise."""
+    if params["rope_type"] not in ("longrope", "yarn"):
         return 1.0
     if params.get("attention_factor") is not None:
         return params["attention_factor"]
-    factor, original = params["factor"], params["original_max_position_embeddings"]
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factor = params["factor"]
+    if params["rope_type"] == "longrope":
+        original = params["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):  # DeepSeek's variant
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, params: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the pretraining length are interpolated by
+    `factor`, those turning more than `beta_fast` times are kept, and a linear ramp blends the ones between."""
+    base, factor = params["rope_theta"], params["factor"]
+    original = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def _inv_freq(head_dim: int, params: dict, long: bool = False) -> torch.Tensor:
@@ -53,6 +82,8 @@ def _inv_freq(head_dim: int, params: dict, long: bool = False) -> torch.Tensor:
         return inv_freq / factors
     if kind == "linear":
         return inv_freq / params["factor"]
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, params)
     if kind == "llama3":
         factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
         old_len = params["original_max_position_embeddings"]
@@ -62,7 +93,7 @@ def _inv_freq(head_dim: int, params: dict, long: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3, longrope")
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3, longrope, yarn")
 
 
 def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

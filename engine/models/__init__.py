@@ -4,6 +4,7 @@
 from torch import nn
 
 from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MinistralForCausalLM, MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -15,6 +16,7 @@ from engine.models.smollm3 import SmolLM3ForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MinistralForCausalLM": MinistralForCausalLM,
@@ -57,6 +59,6 @@ def model_class(hf_config) -> type[nn.Module]:
             return MODEL_REGISTRY[name]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
-        f"supported: {', '.join(MODEL_REGISTRY)} (Gemma 3 text, Llama, SmolLM2, SmolLM3, TinyLlama, Mistral, "
+        f"supported: {', '.join(MODEL_REGISTRY)} (Gemma 3 text, gpt-oss, Llama, SmolLM2, SmolLM3, TinyLlama, Mistral, "
         "Ministral, Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
     )

@@ -32,6 +32,7 @@ class ModelFlags:
     o_bias: bool  # a bias on the attention's output projection
     qk_norm: bool  # RMSNorm over each head of q and k before rotary (Qwen3)
     mlp_bias: bool  # biases on gate/up and down
+    attention_sinks: bool = False  # a learned logit per head in each attention softmax's denominator (gpt-oss)
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -62,6 +63,7 @@ class DecoderAttention(nn.Module):
         qk_norm: bool,
         tp: TPGroup,
         sliding_window: int | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         num_heads = config.num_attention_heads
@@ -77,7 +79,9 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window, sinks
+        )
 
     def forward(
         self,
@@ -126,7 +130,7 @@ class DecoderLayer(nn.Module):
         """`mlp`: the layer's feed-forward block, called as mlp(x, residual, norm) like DecoderMLP."""
         super().__init__()
         self.self_attn = DecoderAttention(
-            config, rotary, flags.qkv_bias, flags.o_bias, flags.qk_norm, tp, sliding_window
+            config, rotary, flags.qkv_bias, flags.o_bias, flags.qk_norm, tp, sliding_window, flags.attention_sinks
         )
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.fused_moe import FusedMoE
+from engine.layers.fused_moe import Experts, FusedMoE
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.quantization.kernels import DenseMatmul, QuantizedMatmul
 from engine.quantization.methods import DEFAULT_GROUP_SIZE, check_method, head_method
@@ -27,7 +27,7 @@ def quantize(
     they are and takes quantized ones (a GGUF file's) as they come. Each linear layer builds its
     kernels for `target` as soon as its tensors have loaded."""
     check_method(method)
-    if method is not None and any(isinstance(m, FusedMoE) for m in model.modules()):
+    if method is not None and any(isinstance(m, Experts) for m in model.modules()):
         raise ValueError(
             f"quantization={method!r} does not cover mixture-of-experts layers yet, which hold most of this "
             "model's weights; load it without quantization"

@@ -170,7 +170,8 @@ class ModelRunner:
     def _bind_attention_backend(self) -> tuple[list[Attention], AttentionBackend]:
         """The model's attention layers, each set to run the configured backend's kernels."""
         attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = select_backend(self.config.attention_backend, self.device, self.dtype, self.block_size)
+        sinks = any(layer.sinks is not None for layer in attention_layers)
+        backend = select_backend(self.config.attention_backend, self.device, self.dtype, self.block_size, sinks)
         for layer in attention_layers:
             layer.backend = backend
         return attention_layers, backend

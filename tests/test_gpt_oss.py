@@ -1,0 +1,87 @@
+"""gpt-oss (engine/models/gpt_oss.py) beyond the greedy parity of tests/test_parity.py: its YaRN rotary, the engine's
+paths parity does not take (a prefix-cache hit over the sliding layer, preemption), which attention backends can
+compute its sinks, and the checkpoints and passes it refuses, each with a message that says what to do."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.attention import select_backend
+from engine.layers.rotary_embedding import _inv_freq, attention_factor, rope_parameters
+from tests.test_parity import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(truncate):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    rope = {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "rope_theta": 150000.0,
+        "truncate": truncate,
+    }
+    config = GptOssConfig(
+        hidden_size=64, num_attention_heads=4, head_dim=64, max_position_embeddings=131072, rope_parameters=rope
+    )
+    expected, factor = _compute_yarn_parameters(config)
+    params = rope_parameters(config)
+    assert torch.equal(_inv_freq(64, params), expected)
+    assert attention_factor(params) == pytest.approx(factor)
+
+
+def test_a_prefix_cache_hit_and_preemption_keep_transformers_tokens(
+    tiny_models, make_llm, hf_model, random_prompt, monkeypatch
+):
+    path = tiny_models["gpt_oss"]
+    model = hf_model(path)
+    llm = make_llm(path, num_kvcache_blocks=12)  # 4 requests of up to 78 tokens need 20 blocks of 16
+    system = random_prompt(40, 60)
+    llm.generate([system + random_prompt(5, 61)], GREEDY, use_tqdm=False)
+    second = system + random_prompt(9, 62)
+    hit = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert hit["num_cached_tokens"] >= 32, "the shared 40-token prefix should have come from the cache"
+    assert hit["token_ids"] == hf_greedy(model, second, 48)
+
+    preempted = []
+    preempt = llm.scheduler._preempt
+    monkeypatch.setattr(llm.scheduler, "_preempt", lambda seq: (preempted.append(seq.request_id), preempt(seq)))
+    prompts = [random_prompt(n, 70 + n) for n in (30, 12, 25, 5)]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert preempted, "the cache was meant to be too small for every request at once"
+    for prompt, result in zip(prompts, results):
+        assert result["token_ids"] == hf_greedy(model, prompt, 48)
+
+
+def test_attention_sinks_take_a_backend_that_computes_them():
+    cuda = torch.device("cuda")  # only chosen here, never used: the choice needs no GPU
+    assert select_backend("auto", cuda, torch.bfloat16, 256, sinks=True).name == "torch"
+    for backend in ("triton", "flash-attn"):
+        with pytest.raises(ValueError, match="does not compute attention sinks yet.*'torch'"):
+            select_backend(backend, cuda, torch.bfloat16, 256, sinks=True)
+
+
+def test_the_model_shows_its_sinks_window_and_experts(tiny_models, make_llm):
+    shown = str(make_llm(tiny_models["gpt_oss"]).model_runner.model)
+    assert "sliding_window=10, sinks" in shown and "experts=8, hidden=64, intermediate=32, swiglu_limit=7.0" in shown
+
+
+def test_mxfp4_checkpoints_and_quantizing_are_refused_with_what_to_do(tiny_models, make_llm, tmp_path):
+    with pytest.raises(ValueError, match="does not cover mixture-of-experts layers yet"):
+        make_llm(tiny_models["gpt_oss"], quantization="int8")
+    # OpenAI's own checkpoints: experts in MXFP4, as their config says
+    mxfp4 = shutil.copytree(tiny_models["gpt_oss"], tmp_path / "gpt-oss-mxfp4")
+    config = json.loads((mxfp4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="already quantized with mxfp4.*full-precision checkpoint"):
+        make_llm(mxfp4)
