@@ -55,8 +55,12 @@ def launch_everything() -> None:
     query, k_cache, v_cache, meta = make_batch([1, 1], [40, 17], **shape)
     triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, num_splits=1)  # decode
     triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, num_splits=16)  # split decode, merged
+    sinks = torch.zeros(16)  # gpt-oss's: in the kernel, and in the merge
+    triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, num_splits=1, window=128, sinks=sinks)
+    triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, num_splits=16, sinks=sinks)
     query, k_cache, v_cache, meta = make_batch([5, 12], [40, 12], **shape)  # prefill, one with a cached prefix
     triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1)
+    triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, window=128, sinks=sinks)
     key, value = bf16(3, 8, 128), bf16(3, 8, 128)
     triton_kernels.store_kvcache(key, value, k_cache, v_cache, torch.tensor([0, -1, 37]))
 

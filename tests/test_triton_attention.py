@@ -24,7 +24,7 @@ from tests.attention_batches import make_batch  # noqa: E402
 
 def check_attention(query, k_cache, v_cache, meta, *, atol, rtol, **knobs):
     scale = query.shape[-1] ** -0.5
-    expected = ref.paged_attention(query, k_cache, v_cache, meta, scale, knobs.get("window"))
+    expected = ref.paged_attention(query, k_cache, v_cache, meta, scale, knobs.get("window"), knobs.get("sinks"))
     got = tk.paged_attention_impl(query, k_cache, v_cache, meta, scale, **knobs)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     assert not torch.isnan(got).any()
@@ -100,6 +100,18 @@ def test_sliding_window(window, num_splits):
     check_attention(*batch, block_rows=16, block_n=16, window=window, **FP32_TOL)
     decode = make_batch([1, 1, 1], [70, 3, 33], group=2, head_dim=32, block_size=8, seed=window + 1)
     check_attention(*decode, block_n=16, num_splits=num_splits, window=window, **FP32_TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_sinks(num_splits, window):
+    """gpt-oss's sinks join each head's softmax denominator: in the kernel, or in the merge of a split decode.
+    Sinks large enough to take most of the weight (a head attending to almost nothing), and padding rows."""
+    sinks = torch.tensor([4.0, -1.0, 0.5, 9.0])
+    batch = make_batch([1, 6, 1, 1, 12], [29, 6, 0, 45, 30], group=2, num_kv_heads=2, head_dim=32, seed=31)
+    check_attention(*batch, block_rows=16, block_n=16, window=window, sinks=sinks, **FP32_TOL)
+    decode = make_batch([1, 1, 1], [70, 0, 33], group=2, num_kv_heads=2, head_dim=32, block_size=8, seed=32)
+    check_attention(*decode, block_n=16, num_splits=num_splits, window=window, sinks=sinks, **FP32_TOL)
 
 
 def test_decode_default_path():

@@ -20,7 +20,7 @@ class AttentionBackend:
 
 
 # The backends whose paged_attention takes attention sinks (`sinks=`, a logit per head: gpt-oss)
-SINK_BACKENDS = ("torch",)
+SINK_BACKENDS = ("torch", "triton")
 
 
 @functools.cache
@@ -73,8 +73,8 @@ def select_backend(
             f"has; use {' or '.join(repr(b) for b in SINK_BACKENDS)} (or 'auto')"
         )
     if requested == "auto":
-        if sinks:
-            name = "torch"
+        if sinks:  # flash-attn 2 has no sinks
+            name = "triton" if device.type == "cuda" and triton_available() else "torch"
         elif flash_attn_unusable(device, dtype, block_size) is None:
             name = "flash-attn"
         else:

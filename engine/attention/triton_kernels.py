@@ -174,6 +174,7 @@ def _paged_attention_kernel(
     v_cache_ptr,
     out_ptr,  # SPLIT_KV: fp32 [num_seqs, num_heads, NUM_SPLITS, BLOCK_D]; else like q
     lse_ptr,  # SPLIT_KV: fp32 [num_seqs, num_heads, NUM_SPLITS]; else unused
+    sinks_ptr,  # HAS_SINKS: fp32 [num_heads], each head's sink logit in base 2; else unused
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -199,6 +200,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # feed tl.dot fp32 (interpreter only: its bf16 dot is broken)
     WINDOW: tl.constexpr,  # a sliding-window layer's window (each query sees its last WINDOW positions); 0: none
+    HAS_SINKS: tl.constexpr,  # attention sinks (gpt-oss): added to the softmax's denominator here, or in the merge
 ):
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
     IN_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -283,6 +285,12 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS and not SPLIT_KV:  # the sink joins the denominator (a split's partial leaves it to the merge)
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0)
+        m_all = tl.maximum(m_i, sink)
+        keep = tl.exp2(m_i - m_all)
+        acc = acc * keep[:, None]
+        l_i = l_i * keep + tl.exp2(sink - m_all)
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SPLIT_KV:
@@ -305,6 +313,7 @@ def _merge_splits_kernel(
     part_out_ptr,  # fp32 [num_seqs, num_heads, NUM_SPLITS, BLOCK_D]
     part_lse_ptr,  # fp32 [num_seqs, num_heads, NUM_SPLITS]
     out_ptr,
+    sinks_ptr,  # HAS_SINKS: fp32 [num_heads] in base 2; else unused
     query_start_loc_ptr,
     stride_ot,
     stride_oh,
@@ -313,6 +322,7 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -326,8 +336,13 @@ def _merge_splits_kernel(
     o = tl.load(part_out_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
     # Floor the max so an all-empty row (seq_len 0) gives weights exp2(-inf) = 0, not NaN.
     m = tl.maximum(tl.max(lse, 0), -1.0e30)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        m = tl.maximum(m, sink)
     w = tl.exp2(lse - m)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
@@ -371,8 +386,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (gpt-oss)
 ) -> torch.Tensor:
-    return paged_attention_impl(query, k_cache, v_cache, meta, scale, window=window)
+    return paged_attention_impl(query, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
 
 
 def paged_attention_impl(
@@ -385,6 +401,7 @@ def paged_attention_impl(
     block_rows: int | None = None,
     block_n: int | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` with its tuning knobs exposed (for tests and benchmarks).
 
@@ -449,6 +466,7 @@ def paged_attention_impl(
         DOT_PRECISION=precision,
         UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
         WINDOW=window or 0,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=2,
     )
@@ -466,20 +484,25 @@ def paged_attention_impl(
         k_cache.stride(2),
         block_tables.stride(0),
     )
+    # The kernels' softmax runs in base 2: so do the sinks
+    sinks2 = out if sinks is None else sinks.float() * _LOG2E
     if not split:
         grid = (num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, block_m))
-        _paged_attention_kernel[grid](query, k_cache, v_cache, out, out, *args, SPLIT_KV=False, NUM_SPLITS=1, **common)
+        _paged_attention_kernel[grid](
+            query, k_cache, v_cache, out, out, sinks2, *args, SPLIT_KV=False, NUM_SPLITS=1, **common
+        )
         return out
 
     part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
     part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, part_out, part_lse, *args, SPLIT_KV=True, NUM_SPLITS=num_splits, **common
+        query, k_cache, v_cache, part_out, part_lse, sinks2, *args, SPLIT_KV=True, NUM_SPLITS=num_splits, **common
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out,
         part_lse,
         out,
+        sinks2,
         meta.query_start_loc,
         out.stride(0),
         out.stride(1),
@@ -488,6 +511,7 @@ def paged_attention_impl(
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HAS_SINKS=sinks is not None,
         num_warps=4,
     )
     return out
