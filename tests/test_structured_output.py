@@ -248,3 +248,56 @@ def test_llguidance_panics_are_said_plainly():
         "the constraint does not compile: 1(7): unknown name: 'foo'\n  1 | start: foo"
     )
     assert len(compile_error_message("x" * 1_000_000)) < 1100  # a whole grammar once went into one message
+
+
+def test_a_constraint_compiles_once_and_each_request_gets_its_own_matcher(tiny_qwen2, make_llm):
+    """The cache kept the grammar's text and built the matcher (the slow part) again for every request."""
+    llm = make_llm(tiny_qwen2)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"]}
+    params = [
+        SamplingParams(temperature=0.9, seed=seed, max_tokens=40, structured_outputs=constrained(json=schema))
+        for seed in (3, 4)
+    ]
+    outs = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    for out in outs:  # each matcher followed its own reply: a shared one would have refused the second's tokens
+        jsonschema.validate(json.loads(out["text"]), schema)
+    assert llm.structured_outputs.compiles == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_constraint_compiling_does_not_stop_other_streams(tiny_qwen2, monkeypatch):
+    """EngineThread.submit compiled under the lock every step waits on: a 4,000-property schema (seconds to
+    compile) stalled every stream of the server. Here the compile is held until another stream has ended."""
+    import threading
+
+    from engine import EngineThread
+
+    served = EngineThread.load(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=64)
+    try:
+        compiler = served.engine.structured_outputs
+        compiling, release, held_to_the_end = threading.Event(), threading.Event(), threading.Event()
+        compile_now = compiler._compile
+
+        def held_compile(params):
+            compiling.set()
+            if not release.wait(60):
+                held_to_the_end.set()  # never released: the other stream could not end meanwhile
+            return compile_now(params)
+
+        monkeypatch.setattr(compiler, "_compile", held_compile)
+        constrained_out = []
+        json_request = SamplingParams(max_tokens=20, structured_outputs=constrained(json_object=True))
+        submitter = threading.Thread(
+            target=lambda: constrained_out.extend(served.submit([5, 6, 7], json_request)), daemon=True
+        )
+        submitter.start()
+        assert compiling.wait(60)
+        free = list(served.submit([8, 9, 10], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+        assert free[-1].finished and len(free[-1].token_ids) == 12
+        assert not held_to_the_end.is_set(), "the stream could only end once the compile had given up waiting"
+        release.set()
+        submitter.join(120)
+        assert constrained_out and constrained_out[-1].finished
+    finally:
+        release.set()
+        served.shutdown()

@@ -107,6 +107,8 @@ class EngineThread:
         urgent (LLMEngine.add_request)."""
         request_id = f"chat-{next(self._ids)}"
         stream = _Channel()
+        # Compiled before the lock, which every stream's step waits on: a large schema takes seconds
+        grammar = self.engine.compile_constraint(params) if params is not None else None
         with self._lock:  # checked under the lock: a request is either refused or seen by shutdown()
             if self.error is not None:
                 raise EngineFailed(
@@ -115,7 +117,7 @@ class EngineThread:
                 )
             if self._stop:
                 raise RuntimeError("the engine thread has stopped; load the model again")
-            self.engine.add_request(prompt, params, request_id, priority)
+            self.engine.add_request(prompt, params, request_id, priority, grammar)
             self._streams[request_id] = stream
         self._wake.set()
         return RequestStream(self, request_id, stream)

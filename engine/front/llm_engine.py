@@ -30,7 +30,7 @@ from engine.front.sampling_params import SamplingParams
 from engine.loader import GGUFCheckpoint, checkpoint_dtype, pick_device, pick_dtype
 from engine.runner.distributed import check_tensor_parallel
 from engine.runner.model_runner import LaunchedStep, ModelRunner
-from engine.sample.structured_output import StructuredOutputs
+from engine.sample.structured_output import Grammar, StructuredOutputs
 
 log = logging.getLogger("engine")
 
@@ -169,9 +169,11 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        grammar: Grammar | None = None,
     ) -> str:
         """Queue a request and return its id. Invalid requests raise and change nothing. `priority`: vLLM's,
-        lower is more urgent; a step serves only the most urgent requests present (engine/core/scheduler.py)."""
+        lower is more urgent; a step serves only the most urgent requests present (engine/core/scheduler.py).
+        `grammar`: the request's constraint compiled beforehand (`compile_constraint`), else compiled here."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int (lower is more urgent; 0 is the default), got {priority!r}")
         sampling_params = sampling_params or SamplingParams()
@@ -190,13 +192,22 @@ class LLMEngine:
         )
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
-        if sampling_params.structured_outputs is not None:
-            seq.grammar = self.structured_outputs.grammar(sampling_params.structured_outputs)
+        if grammar is not None:
+            seq.grammar = grammar
+        elif sampling_params.structured_outputs is not None:
+            seq.grammar = self.compile_constraint(sampling_params)
         if sampling_params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
+
+    def compile_constraint(self, sampling_params: SamplingParams) -> Grammar | None:
+        """The request's structured-output constraint as a fresh matcher (None without one). Safe to call from any
+        thread while the engine steps: a large constraint takes a second or more to compile the first time."""
+        if sampling_params.structured_outputs is None:
+            return None
+        return self.structured_outputs.grammar(sampling_params.structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks. False if it is unknown or already finished."""

@@ -96,66 +96,74 @@ def compile_error_message(error: str) -> str:
 
 class StructuredOutputs:
     """One engine's constraint compiler: the model's vocabulary as llguidance sees it (built on first
-    use, about 0.3 s) and a cache of compiled grammars."""
+    use, about 0.3 s) and a cache of compiled matchers.
+
+    Compiling is slow for a large constraint (a 4,000-property schema: about 1 s), and thread-safe: EngineThread
+    compiles in the caller's thread, outside its lock, so that the engine steps on meanwhile. Each request gets a
+    copy of the compiled matcher (microseconds); a server's clients repeat a few schemas."""
+
+    CACHED = 64
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
         self.hf_tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self._tokenizer = None
-        self._compiled: dict[str, str] = {}  # StructuredOutputsParams.key() -> grammar, the newest last
-
-    def _grammar(self, params: StructuredOutputsParams) -> str:
-        key = params.key()
-        grammar = self._compiled.pop(key, None) or self._compile(params)
-        self._compiled[key] = grammar
-        if len(self._compiled) > 64:  # a server's clients repeat a few schemas: keep the recent ones
-            del self._compiled[next(iter(self._compiled))]
-        return grammar
+        self._lock = threading.Lock()  # guards the cache and the tokenizer's first build, never a compile
+        self._compiled: dict[str, object] = {}  # StructuredOutputsParams.key() -> unused matcher, the newest last
+        self.compiles = 0  # constraints compiled (not taken from the cache)
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance.hf
-            from transformers import PreTrainedTokenizerFast
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._build_tokenizer()
+            return self._tokenizer
 
-            if not isinstance(self.hf_tokenizer, PreTrainedTokenizerFast):
-                raise ValueError(
-                    "structured outputs need a fast (Rust) tokenizer, and this model's is "
-                    f"{type(self.hf_tokenizer).__name__}; load a model with a tokenizer.json"
-                )
-            # the model's end-of-reply ids that the tokenizer spells (a config may name others)
-            eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)] or None
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
-        return self._tokenizer
+    def _build_tokenizer(self):
+        import llguidance.hf
+        from transformers import PreTrainedTokenizerFast
 
-    def _compile(self, params: StructuredOutputsParams) -> str:
-        import llguidance
-
-        try:
-            grammar = grammar_text(params)
-        except ValueError as e:
-            raise ValueError(f"structured_outputs: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise ValueError(f"structured_outputs: {compile_error_message(error)}")
-        return grammar
+        if not isinstance(self.hf_tokenizer, PreTrainedTokenizerFast):
+            raise ValueError(
+                "structured outputs need a fast (Rust) tokenizer, and this model's is "
+                f"{type(self.hf_tokenizer).__name__}; load a model with a tokenizer.json"
+            )
+        # the model's end-of-reply ids that the tokenizer spells (a config may name others)
+        eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)] or None
+        return llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
 
     def grammar(self, params: StructuredOutputsParams) -> "Grammar":
         """A fresh matcher for one request; raises ValueError, naming the problem, for a constraint that
         does not compile (an invalid schema, regex or grammar) or is too large."""
-        if params.grammar is not None and (rules := len(_RULE.findall(params.grammar))) > MAX_GRAMMAR_RULES:
-            raise ValueError(
-                f"structured_outputs: the grammar has {rules:,} rules, more than the "
-                f"{MAX_GRAMMAR_RULES:,} Pagoda compiles; give a smaller grammar"
-            )
-        return _on_a_deep_stack(lambda: self._matcher(params))
+        key = params.key()
+        with self._lock:
+            compiled = self._compiled.pop(key, None)
+            if compiled is not None:
+                self._compiled[key] = compiled  # now the newest
+        if compiled is None:
+            if params.grammar is not None and (rules := len(_RULE.findall(params.grammar))) > MAX_GRAMMAR_RULES:
+                raise ValueError(
+                    f"structured_outputs: the grammar has {rules:,} rules, more than the "
+                    f"{MAX_GRAMMAR_RULES:,} Pagoda compiles; give a smaller grammar"
+                )
+            compiled = _on_a_deep_stack(lambda: self._compile(params))
+            with self._lock:
+                self.compiles += 1
+                self._compiled[key] = compiled
+                if len(self._compiled) > self.CACHED:
+                    del self._compiled[next(iter(self._compiled))]
+        return Grammar(compiled.deep_copy(), self.eos_token_ids)
 
-    def _matcher(self, params: StructuredOutputsParams) -> "Grammar":
+    def _compile(self, params: StructuredOutputsParams):
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer, self._grammar(params), log_level=0)
+        try:
+            text = grammar_text(params)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {compile_error_message(matcher.get_error())}")
-        return Grammar(matcher, self.eos_token_ids)
+        return matcher
 
 
 class Grammar:

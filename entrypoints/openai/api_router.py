@@ -24,7 +24,6 @@ from entrypoints.openai.protocol import (
 )
 from entrypoints.openai.serving import (
     BACKGROUND_PRIORITY,
-    TOOLS_DROPPED_HEADER,
     Echo,
     ModelSource,
     ServedModel,
@@ -121,8 +120,8 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
         model = served(body.model)
         if "priority" not in body.model_fields_set and body.looks_like_a_background_task:
             body.priority = BACKGROUND_PRIORITY  # out of the way of the user's visible chats
-        token_ids, plan, dropped = await chat_prompt(model.engine, body)
-        if dropped:
+        prompt = await chat_prompt(model.engine, body)
+        if dropped := prompt.tools_dropped:
             client = (request.client.host if request.client else "?", request.headers.get("user-agent", ""))
             if (client, dropped.split(":")[0]) not in told_of_dropped_tools:  # once per client and reason
                 told_of_dropped_tools.add((client, dropped.split(":")[0]))
@@ -132,12 +131,12 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
             request,
             model,
             body,
-            token_ids,
+            prompt.token_ids,
             max_tokens,
             default_max_tokens,
             chat=True,
-            tools=plan,
-            headers={TOOLS_DROPPED_HEADER: dropped} if dropped else None,
+            tools=prompt.tools,
+            headers=prompt.headers(),
         )
 
     @router.post("/completions", openapi_extra=openapi_body(CompletionBody))

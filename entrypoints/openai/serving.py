@@ -75,13 +75,29 @@ BACKGROUND_PRIORITY = 1
 
 # A response whose request's tools were left out (tool_choice auto) says why in this header.
 TOOLS_DROPPED_HEADER = "X-Pagoda-Tools-Dropped"
+# A response whose request set something this model has no use for (reasoning_effort on a model that does not
+# think, as a client's default sends it on every chat) names it and why in this header: refused, every chat broke.
+IGNORED_HEADER = "X-Pagoda-Ignored"
 # Tools with tool_choice auto are left out when their description would take more than this share of the
 # context: Open WebUI sends 36 by default, about 7k tokens, which leaves an 8k model no room for the chat.
 TOOLS_MAX_SHARE = 0.5
 
 
-async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> tuple[list[int], ToolPlan | None, str]:
-    """The chat's prompt ids, its tool plan, and why its tools were left out ("" when they were not).
+@dataclass
+class ChatPrompt:
+    token_ids: list[int]
+    tools: ToolPlan | None
+    tools_dropped: str = ""  # why the request's tools were left out
+    ignored: str = ""  # the request's settings this model has no use for, and why
+
+    def headers(self) -> dict[str, str] | None:
+        """What the response says of the two, in headers (None: nothing to say)."""
+        headers = {TOOLS_DROPPED_HEADER: self.tools_dropped, IGNORED_HEADER: self.ignored}
+        return {name: value for name, value in headers.items() if value} or None
+
+
+async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> ChatPrompt:
+    """The chat's prompt ids, its tool plan, why its tools were left out and what it set that was ignored.
 
     Tools with tool_choice auto (or none given, as Open WebUI sends them on every chat) are left out
     when the template has no place for them or they would take too much of the context: refusing them
@@ -91,15 +107,12 @@ async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> tuple[l
     chat_template = engine.tokenizer.chat_template
     knows_tools = template_knows_tools(chat_template)
     template_kwargs = dict(body.chat_template_kwargs or {})
+    ignored = ""
     if body.reasoning_effort is not None:
-        if not template_thinks(chat_template):
-            raise APIError(
-                400,
-                "reasoning_effort is for models that think (Qwen3, DeepSeek-R1 distills), and this "
-                "one does not: leave it out",
-                param="reasoning_effort",
-            )
-        template_kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
+        if template_thinks(chat_template):
+            template_kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
+        else:
+            ignored = "reasoning_effort: this model does not think"
     dropped = ""
     if plan is not None and plan.mode == "auto" and not knows_tools:
         plan, dropped = None, "the model's chat template has no tool support"
@@ -120,7 +133,7 @@ async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> tuple[l
                 f"the tools take {cost:,} tokens, more than {TOOLS_MAX_SHARE:.0%} of the model's "
                 f"{engine.max_model_len:,}-token context"
             )
-    return token_ids, plan, dropped
+    return ChatPrompt(token_ids, plan, dropped, ignored)
 
 
 def encode_chat(engine: EngineThread, messages: list[dict], **template_kwargs) -> list[int]:
