@@ -355,7 +355,15 @@ def test_each_request_gets_a_log_line_with_its_tokens(client, server):
     )
     assert wait_until(lambda: logged(streamed), timeout=10), server.log.read_text()[-2000:]
     assert u.prompt_tokens_details.cached_tokens > 0  # the second time, its prompt came from the cache
-    assert wait_until(lambda: logged("POST /v1/chat/completions 401 · "), timeout=10)
+    # A refusal's line says why (it said only "400", and the user had to guess which field)
+    assert wait_until(lambda: logged("POST /v1/chat/completions 401 · a valid API key is required"), timeout=10)
+    httpx.post(
+        f"{server.base}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "messages": messages, "think": 3},
+        timeout=30,
+    )
+    assert wait_until(lambda: logged('POST /v1/chat/completions 400 · think must be true, false, "low"'), timeout=10)
 
 
 def test_the_default_max_tokens_fits_the_context_and_0_means_all_of_it(capsys):

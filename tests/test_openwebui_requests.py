@@ -1,5 +1,5 @@
 """Open WebUI's request shapes: every chat carries its 36 built-in tools (about 26,000 characters) with no
-tool_choice, and its title, tag and follow-up tasks come without max_tokens. Replayed against a tiny Qwen3 on
+tool_choice, and its tag and follow-up tasks come without max_tokens. Replayed against a tiny Qwen3 on
 Qwen3's real chat template (which has a place for tools) and the bundled SmolLM2 (which has none)."""
 
 import json
@@ -237,3 +237,53 @@ def test_a_non_streaming_request_whose_client_times_out_stops_generating(qwen3):
     generated = qwen3.metric("vllm:generation_tokens_total")
     time.sleep(1)
     assert 0 < generated == qwen3.metric("vllm:generation_tokens_total")
+
+
+def test_ollamas_names_for_the_apis_fields_are_taken(qwen3, smollm2):
+    """Open WebUI sends the options a user sets under Ollama's names, also to OpenAI-compatible servers: they were
+    ignored without a word. Each reply equals the one asked for under this API's own name."""
+    ask = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12}
+    same = [
+        ({"repeat_penalty": 1.5}, {"repetition_penalty": 1.5}),
+        ({"num_predict": 5, "max_tokens": None}, {"max_tokens": 5}),
+        ({"format": "json"}, {"response_format": {"type": "json_object"}}),
+        (
+            {"format": {"type": "object", "properties": {"n": {"type": "integer"}}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "n",
+                        "schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
+                    },
+                }
+            },
+        ),
+    ]
+    for ollama, ours in same:
+        theirs = post(smollm2, **{k: v for k, v in {**ask, **ollama}.items() if v is not None}).json()
+        assert theirs["choices"][0]["message"] == post(smollm2, **{**ask, **ours}).json()["choices"][0]["message"]
+    prompts = {
+        name: post(qwen3, **{**ask, "max_tokens": 1, **fields}).json()["usage"]["prompt_tokens"]
+        for name, fields in (
+            ("think off", {"think": False}),
+            ("effort none", {"reasoning_effort": "none"}),
+            ("think on", {"think": True}),
+        )
+    }
+    assert prompts["think off"] == prompts["effort none"] > prompts["think on"]  # Qwen3's empty think block
+    # Both names at once, a value Ollama would not take, and its sampler options Pagoda does not have: refused
+    for fields, words in (
+        ({"repeat_penalty": 1.2, "repetition_penalty": 1.1}, "repeat_penalty is Ollama's name for repetition_penalty"),
+        ({"format": "yaml"}, 'format must be "json" or a JSON schema'),
+        ({"mirostat": 2}, "mirostat (Ollama's sampler option) is not supported"),
+    ):
+        refused = post(smollm2, **{**ask, **fields})
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+    # Its runtime options are the server's to set: ignored, and the response says so
+    ignored = post(smollm2, **{**ask, "num_ctx": 4096, "keep_alive": "5m", "think": True})
+    assert ignored.status_code == 200
+    assert ignored.headers["X-Pagoda-Ignored"] == (
+        "num_ctx: the context is set when the model loads (--max-model-len); "
+        "keep_alive: the model stays loaded until the server stops; reasoning_effort: this model does not think"
+    )

@@ -12,6 +12,7 @@ import secrets
 import anyio
 from fastapi import APIRouter, Request
 
+from entrypoints.openai import request_log
 from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
 from entrypoints.openai.protocol import (
     APIError,
@@ -24,6 +25,7 @@ from entrypoints.openai.protocol import (
 )
 from entrypoints.openai.serving import (
     BACKGROUND_PRIORITY,
+    IGNORED_HEADER,
     Echo,
     ModelSource,
     ServedModel,
@@ -70,6 +72,7 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
                     raise key_required()
                 return await route(request, *args, **kwargs)
             except APIError as e:
+                request_log.record_error(request, e.message)
                 return e.response()
             except Exception as e:  # a bug of ours: still OpenAI's error shape, and the traceback in the log
                 log.exception("%s %s failed", request.method, request.url.path)
@@ -158,8 +161,9 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
             token_ids = list(prompt)
         # Token ids are decoded for the echo once the engine has accepted them (in `complete`)
         echo = Echo(prompt if isinstance(prompt, str) else None, token_ids, only=body.echo_only) if body.echo else None
+        ignored = {IGNORED_HEADER: "; ".join(body.ignored)} if body.ignored else None
         return await complete(
-            request, model, body, token_ids, body.max_tokens, default_max_tokens, chat=False, echo=echo
+            request, model, body, token_ids, body.max_tokens, default_max_tokens, chat=False, echo=echo, headers=ignored
         )
 
     return router

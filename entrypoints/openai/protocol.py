@@ -9,7 +9,7 @@ from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from engine.front.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams, StructuredOutputsParams
 from entrypoints.openai.limits import MAX_REQUEST_BYTES
@@ -25,6 +25,31 @@ REFUSED_FIELDS = {
     "web_search_options": "web search is not supported: Pagoda runs offline; leave it out",
     "best_of": "best_of is not supported: Pagoda returns one choice per request",
     "use_beam_search": "beam search is not supported; sample instead",
+    # Ollama's sampling options that Pagoda's sampler does not have
+    **{
+        name: f"{name} (Ollama's sampler option) is not supported; leave it out"
+        for name in (
+            "mirostat",
+            "mirostat_eta",
+            "mirostat_tau",
+            "tfs_z",
+            "typical_p",
+            "repeat_last_n",
+            "penalize_newline",
+        )
+    },
+}
+# Ollama's runtime options, as Open WebUI sends them: they do not change a reply, and here the server's own settings
+# decide them, so they are ignored and the response says so (X-Pagoda-Ignored)
+OLLAMA_RUNTIME_FIELDS = {
+    "num_ctx": "the context is set when the model loads (--max-model-len)",
+    "keep_alive": "the model stays loaded until the server stops",
+    "num_thread": "the server sets its threads",
+    "num_gpu": "the server places the model",
+    "num_batch": "the server batches requests itself",
+    "num_keep": "Pagoda never drops the start of a prompt",
+    "use_mmap": "the server loads the model",
+    "use_mlock": "the server loads the model",
 }
 # vLLM's older names for structured_outputs' fields
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -79,16 +104,61 @@ class RequestBody(BaseModel):
     response_format: dict | None = None
     # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
     structured_outputs: dict | None = None
+    # What the request set that does not apply here, each with why ("num_ctx: ..."): said in X-Pagoda-Ignored
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def ignored(self) -> list[str]:
+        return self._ignored
 
     def check_supported(self) -> None:
         """Fields Pagoda would otherwise ignore: refuse them rather than answer something else."""
         for name in self.model_extra or {}:
             if name in REFUSED_FIELDS:
                 raise APIError(400, REFUSED_FIELDS[name], param=name)
+        self.take_ollama_fields()
         if self.n != 1:
             raise APIError(
                 400, "n must be 1: Pagoda returns one choice per request; send several requests instead", param="n"
             )
+
+    def take_ollama_fields(self) -> None:
+        """Ollama's names for fields this API has (Open WebUI sends them as a user set them): `repeat_penalty`,
+        `num_predict`, `format` ("json" or a schema) and `think`. Sent under both names, they are refused."""
+        extra = self.model_extra or {}
+
+        def adopt(ollama: str, ours: str, value) -> None:
+            if ours in self.model_fields_set or (ours == "response_format" and self.structured_outputs):
+                raise APIError(400, f"{ollama} is Ollama's name for {ours}: send one of them", param=ollama)
+            setattr(self, ours, value)
+
+        if "repeat_penalty" in extra:
+            value = extra["repeat_penalty"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise APIError(400, f"repeat_penalty must be a number above 0, got {value!r}", param="repeat_penalty")
+            adopt("repeat_penalty", "repetition_penalty", float(value))
+        if extra.get("num_predict") not in (None, -1):  # -1: Ollama's "no limit"
+            value = extra["num_predict"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise APIError(400, f"num_predict must be a positive integer, got {value!r}", param="num_predict")
+            adopt("num_predict", "max_tokens", value)
+        if extra.get("format") not in (None, ""):
+            value = extra["format"]
+            if value == "json":
+                adopt("format", "response_format", {"type": "json_object"})
+            elif isinstance(value, dict):
+                adopt("format", "response_format", {"type": "json_schema", "json_schema": {"schema": value}})
+            else:
+                raise APIError(400, f'format must be "json" or a JSON schema, got {value!r}', param="format")
+        if extra.get("think") is not None:
+            value = extra["think"]
+            levels = {True: "medium", False: "none", "low": "low", "medium": "medium", "high": "high"}
+            if not isinstance(value, (bool, str)) or value not in levels:
+                raise APIError(
+                    400, f'think must be true, false, "low", "medium" or "high", got {value!r}', param="think"
+                )
+            adopt("think", "reasoning_effort", levels[value])
+        self._ignored += [f"{name}: {why}" for name, why in OLLAMA_RUNTIME_FIELDS.items() if name in extra]
 
     def constraint(self) -> StructuredOutputsParams | None:
         """What the reply must match: response_format, structured_outputs or vLLM's guided_* fields."""

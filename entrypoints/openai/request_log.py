@@ -1,8 +1,9 @@
 """One log line per API request, at info level, as vLLM's and llama.cpp's servers write:
 
     POST /v1/chat/completions 200 · prompt 812 tokens (768 cached) · completion 64 tokens · 3.21 s
+    POST /v1/chat/completions 400 · think must be true, false, "low", "medium" or "high", got 3 · 0.01 s
 
-so a user sees what a client sent and what failed. The line is written when the response's last
+so a user sees what a client sent and what failed, and why. The line is written when the response's last
 byte is sent (a stream's end), or when the client leaves first.
 """
 
@@ -14,6 +15,8 @@ from fastapi import Request
 log = logging.getLogger("pagoda.api")
 
 _STATE_KEY = "pagoda_reply"
+_ERROR_KEY = "pagoda_error"
+MAX_REASON_CHARS = 300  # a refused 1 MB grammar must not become a 1 MB log line
 
 
 def record(request: Request, reply) -> None:
@@ -21,8 +24,15 @@ def record(request: Request, reply) -> None:
     setattr(request.state, _STATE_KEY, reply)
 
 
-def line(method: str, path: str, status: int | str, reply, seconds: float) -> str:
+def record_error(request: Request, message: str) -> None:
+    """Why the request was refused, for its line."""
+    setattr(request.state, _ERROR_KEY, message)
+
+
+def line(method: str, path: str, status: int | str, reply, seconds: float, error: str | None = None) -> str:
     parts = [f"{method} {path} {status}"]
+    if error:
+        parts.append(error if len(error) <= MAX_REASON_CHARS else error[:MAX_REASON_CHARS] + " ...")
     if reply is not None:
         parts += [
             f"prompt {reply.prompt_tokens} tokens ({reply.cached_tokens} cached)",
@@ -50,7 +60,8 @@ class RequestLog:
         def write(outcome: int | str) -> None:
             nonlocal logged
             logged = True
-            log.info(line(scope["method"], scope["path"], outcome, state.get(_STATE_KEY), time.perf_counter() - start))
+            took = time.perf_counter() - start
+            log.info(line(scope["method"], scope["path"], outcome, state.get(_STATE_KEY), took, state.get(_ERROR_KEY)))
 
         async def send_and_log(message) -> None:
             nonlocal status

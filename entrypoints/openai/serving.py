@@ -107,12 +107,12 @@ async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> ChatPro
     chat_template = engine.tokenizer.chat_template
     knows_tools = template_knows_tools(chat_template)
     template_kwargs = dict(body.chat_template_kwargs or {})
-    ignored = ""
+    ignored = list(body.ignored)
     if body.reasoning_effort is not None:
         if template_thinks(chat_template):
             template_kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
         else:
-            ignored = "reasoning_effort: this model does not think"
+            ignored.append("reasoning_effort: this model does not think")
     dropped = ""
     if plan is not None and plan.mode == "auto" and not knows_tools:
         plan, dropped = None, "the model's chat template has no tool support"
@@ -133,7 +133,7 @@ async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> ChatPro
                 f"the tools take {cost:,} tokens, more than {TOOLS_MAX_SHARE:.0%} of the model's "
                 f"{engine.max_model_len:,}-token context"
             )
-    return ChatPrompt(token_ids, plan, dropped, ignored)
+    return ChatPrompt(token_ids, plan, dropped, "; ".join(ignored))
 
 
 def encode_chat(engine: EngineThread, messages: list[dict], **template_kwargs) -> list[int]:
