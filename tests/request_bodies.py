@@ -212,6 +212,12 @@ CHAT = {
         st.sampled_from(["enable_thinking", "tools", "messages", "x"]) | short_text, junk, max_size=3
     ),
     "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high"]),
+    # Ollama's names, as Open WebUI sends them
+    "repeat_penalty": st.floats(0.5, 2.0),
+    "num_predict": st.integers(-1, MAX_TOKENS),
+    "format": st.just("json") | st.just({"type": "object"}),
+    "think": st.booleans() | st.sampled_from(["low", "medium", "high"]),
+    "num_ctx": st.integers(1, 1 << 20),
 }
 COMPLETION = {
     **COMMON,
