@@ -153,6 +153,23 @@ def test_required_and_named_tool_calls_have_valid_arguments(client, choice):
         check_calls(message.tool_calls, ["add"] if isinstance(choice, dict) else None)
 
 
+def test_a_tool_without_parameters_is_called_with_no_arguments(client):
+    """It got `{"type": "object", "properties": {}}` back as its arguments: the schema, written out."""
+    now = {"type": "function", "function": {"name": "now", "description": "The time now"}}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What time is it?"}],
+            tools=[now],
+            tool_choice={"type": "function", "function": {"name": "now"}},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=60,
+        )
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].message.tool_calls[0].function.arguments == "{}"
+
+
 def test_parallel_tool_calls_false_gives_one_call(client):
     for seed in range(3):
         r = client.chat.completions.create(

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from entrypoints.openai.protocol import APIError
-from entrypoints.openai.tool_calls import ToolCallStream, plan_tools, prompt_messages
+from entrypoints.openai.tool_calls import MAX_INTEGER, ToolCallStream, closed_arguments, plan_tools, prompt_messages
 
 WEATHER = {
     "type": "function",
@@ -97,7 +97,38 @@ def test_a_named_call_streams_its_arguments_as_written(piece):
     assert content == "" and len(calls) == 1
     assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 4, "b": 5}'}
     assert streamed == [{"id": calls[0]["id"], "name": "add", "arguments": '{"a": 4, "b": 5}'}]
-    assert plan.constraint().json == ADD["function"]["parameters"]
+    bounded = {"type": "integer", "minimum": -MAX_INTEGER, "maximum": MAX_INTEGER}
+    assert plan.constraint().json == {
+        "type": "object",
+        "properties": {"a": bounded, "b": bounded},
+        "additionalProperties": False,
+    }
+
+
+def test_call_arguments_take_only_the_declared_properties_and_integers_end():
+    """A model invented properties, a parameterless tool got a schema back as its arguments, and an unbounded
+    integer ran to max_tokens. What the schema says itself stays."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "when": {"type": "object", "properties": {"day": {"type": "integer", "minimum": 1, "maximum": 31}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer"}}}},
+            "extra": {"type": "object", "additionalProperties": {"type": "string"}},
+            "pick": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        },
+    }
+    closed = closed_arguments(schema)
+    assert closed["additionalProperties"] is False and schema.get("additionalProperties") is None  # a copy
+    assert closed["properties"]["when"]["additionalProperties"] is False
+    assert closed["properties"]["when"]["properties"]["day"] == {"type": "integer", "minimum": 1, "maximum": 31}
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["properties"]["n"]["maximum"] == MAX_INTEGER
+    assert closed["properties"]["extra"]["additionalProperties"] == {"type": "string"}
+    assert closed["properties"]["pick"]["anyOf"][0]["minimum"] == -MAX_INTEGER
+    now = plan_tools(
+        [{"type": "function", "function": {"name": "now"}}], {"type": "function", "function": {"name": "now"}}, True
+    )
+    assert now.constraint().json == {"type": "object", "properties": {}, "additionalProperties": False}  # only {}
 
 
 def test_required_calls_come_from_the_constrained_array_and_parallel_false_keeps_one():

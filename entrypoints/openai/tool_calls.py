@@ -73,6 +73,38 @@ def parse_tools(tools: list[dict]) -> list[Tool]:
     return parsed
 
 
+# An integer argument without bounds is held to this many digits: unbounded, a small model wrote digits until
+# max_tokens, and the call never ended
+MAX_INTEGER = 10**15 - 1
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def closed_arguments(schema):
+    """A tool's parameter schema as a constrained call is held to it: an object takes only the properties it
+    declares unless it says otherwise (without this a model invented properties, and a tool without parameters
+    got `{"type": "object", "properties": {}}` back as its arguments), and an integer without bounds has at most
+    15 digits. The template still shows the tool's schema as sent."""
+    if isinstance(schema, list):
+        return [closed_arguments(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {
+        key: closed_arguments(value) if key in ("items", "additionalProperties", *_SUBSCHEMA_LISTS) else value
+        for key, value in schema.items()
+    }
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            closed[key] = {name: closed_arguments(sub) for name, sub in schema[key].items()}
+    is_object = schema.get("type") == "object" or "properties" in schema
+    if is_object and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys():
+        closed["additionalProperties"] = False
+    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    if schema.get("type") == "integer" and not any(b in schema for b in bounds):
+        closed.update(minimum=-MAX_INTEGER, maximum=MAX_INTEGER)
+    return closed
+
+
 @dataclass
 class ToolPlan:
     """How one request treats tools: "none", "auto", "required" or "named" (then `name`)."""
@@ -88,13 +120,15 @@ class ToolPlan:
     def constraint(self) -> StructuredOutputsParams | None:
         """The shape a "required" or named reply is held to; None for "auto" and "none"."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=next(t for t in self.tools if t.name == self.name).parameters)
+            return StructuredOutputsParams(
+                json=closed_arguments(next(t for t in self.tools if t.name == self.name).parameters)
+            )
         if self.mode != "required":
             return None
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+                "properties": {"name": {"const": t.name}, "parameters": closed_arguments(t.parameters)},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
