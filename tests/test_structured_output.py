@@ -301,3 +301,33 @@ def test_a_constraint_compiling_does_not_stop_other_streams(tiny_qwen2, monkeypa
     finally:
         release.set()
         served.shutdown()
+
+
+def test_a_constraint_that_fails_mid_reply_ends_in_an_error_not_a_stop(tiny_qwen2, make_llm):
+    """llguidance gave up mid-reply (a limit of its parser) or the constraint could not go on: the reply ended with
+    finish_reason "stop" and broke the constraint ("o", "{"), and the log got the whole grammar on one line."""
+    llm = make_llm(tiny_qwen2)
+    failing = {
+        "choice": constrained(choice=[f"option number {i}" for i in range(2010)]),  # a parser row over 2,000 items
+        "grammar": constrained(grammar='start: "a" start'),  # right recursion past the parser's 50,000 items
+    }
+    for name, constraint in failing.items():
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, structured_outputs=constraint), use_tqdm=False)
+        out = out[0]
+        assert out["finish_reason"] == "error", (name, out)
+        assert out["error"].startswith("the reply could not follow its constraint: ") and "<state>" not in out["error"]
+        assert len(out["error"]) < 1100
+    ok = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, structured_outputs=constrained(choice=["yes", "no"])))
+    assert ok[0]["finish_reason"] == "stop" and ok[0]["error"] is None
+
+
+def test_through_the_engine_thread_a_failed_constraint_raises_what_went_wrong(tiny_qwen2):
+    from engine import EngineThread, RequestFailed
+
+    served = EngineThread.load(str(tiny_qwen2), dtype="float32", num_kvcache_blocks=64)
+    try:
+        params = SamplingParams(max_tokens=30, structured_outputs=constrained(grammar='start: "a" start'))
+        with pytest.raises(RequestFailed, match="the reply could not follow its constraint: parser error"):
+            list(served.submit([5, 6, 7], params))
+    finally:
+        served.shutdown()

@@ -187,7 +187,8 @@ class EngineThread:
                             self._streams.pop(out.request_id, None)
                 for out, stream in streams:
                     if stream is not None:
-                        stream.put(out)
+                        # A reply that broke off (its constraint failed) ends as an error the caller sees
+                        stream.put(out if out.finish_reason != "error" else RequestFailed(out.error or "it failed"))
                         if out.finished:
                             stream.put(_DONE)
                 if outputs is None:

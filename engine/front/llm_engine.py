@@ -427,6 +427,7 @@ class LLMEngine:
                 "num_cached_tokens": s.num_cached_tokens,
                 "logprobs": s.output_logprobs,
                 "prompt_logprobs": s.prompt_logprobs,
+                "error": s.grammar.failure if s.finish_reason == "error" else None,
             }
             for s in seqs
         ]

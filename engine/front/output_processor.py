@@ -31,12 +31,15 @@ def take_logprobs(launched: LaunchedStep, tokens: list[int]) -> list[dict[int, f
 
 
 def finish_reason(seq: Sequence, token: int, eos_token_ids: set[int], detokenizer: Detokenizer) -> str | None:
-    """Why `seq` ends with `token` (its last token id): "stop", "length", or None while it goes on. Its text
+    """Why `seq` ends with `token` (its last token id): "stop", "length", "error" (its constraint failed:
+    `Grammar.failure` says why), or None while it goes on. Its text
     is brought up to date on the way (trimmed at a stop string), or decoded once at the end if nobody reads
     it before."""
     params = seq.sampling_params
     reason = None
-    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+    if seq.grammar is not None and seq.grammar.failure:  # before the end token a failed constraint forces
+        reason = "error"
+    elif (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
         reason = "stop"
     elif seq.grammar is not None and seq.grammar.finished:  # the reply is complete: nothing more may follow
         reason = "stop"
@@ -73,6 +76,7 @@ def request_output(
         seq.output_token_ids if reason else [],
         None if token_logprobs is None else [token_logprobs],
         seq.prompt_logprobs if first else None,
+        seq.grammar.failure if reason == "error" else None,
     )
 
 

@@ -23,6 +23,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     # SamplingParams.prompt_logprobs: None, then one dict per prompt token; in the request's first output only
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # why the request failed (finish_reason "error": its constraint could not be followed)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,9 @@ def _on_a_deep_stack(build: Callable[[], object]) -> object:
     return outcome["value"]
 
 
+MAX_ERROR_CHARS = 1000
+
+
 def compile_error_message(error: str) -> str:
     """llguidance's error as a client can act on it: without a Rust backtrace, bounded, and a panic of its compiler
     said plainly."""
@@ -87,8 +90,7 @@ def compile_error_message(error: str) -> str:
             "the constraint is too large: it compiles to more than 65,000 grammar symbols, llguidance's limit; "
             "give fewer choices, properties or rules"
         )
-    text = error.split("<backtrace>")[0].strip() or "unknown error"
-    text = text if len(text) <= 1000 else text[:1000] + " ..."
+    text = bounded(error, one_line=False) or "unknown error"
     if text.startswith("panic:"):
         return f"the constraint could not be compiled (llguidance failed: {text.removeprefix('panic:').strip()})"
     return f"the constraint does not compile: {text}"
@@ -171,16 +173,37 @@ class Grammar:
 
     def __init__(self, matcher, eos_token_ids: list[int]):
         self.matcher, self.eos_token_ids = matcher, eos_token_ids
+        self.dead_end = False  # it allowed no token at all: the reply cannot be completed (fill_bitmask)
 
     @property
     def finished(self) -> bool:
         """The reply is complete: nothing may follow (it has taken the end of the reply, or failed)."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        return self.dead_end or self.matcher.is_stopped() or self.matcher.is_error()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the reply could not follow the constraint (None: it did, so far). Such a reply ended with "stop"
+        and broke the constraint ("{", "choice"), and the client took it for a valid one."""
+        if self.matcher.is_error():
+            return "the reply could not follow its constraint: " + bounded(self.matcher.get_error())
+        if self.dead_end:
+            return "the constraint allows no way to go on from here (it cannot be completed); check that it can end"
+        return None
 
     def consume(self, token: int, request_id: str) -> None:
         """Take the request's sampled token (which its mask allowed)."""
         if not self.matcher.consume_token(token) and self.matcher.is_error():
-            log.warning("request %s: the constraint refused token %d: %s", request_id, token, self.matcher.get_error())
+            log.warning(
+                "request %s: the constraint refused token %d: %s", request_id, token, bounded(self.matcher.get_error())
+            )
+
+
+def bounded(error: str, one_line: bool = True) -> str:
+    """llguidance's error in at most MAX_ERROR_CHARS (one error held a whole 1 MB grammar), without the parser's
+    state and grammar, or a backtrace; `one_line`: its whitespace runs as single spaces (for the log)."""
+    text = re.split("<backtrace>|<state>", error)[0].strip()
+    text = " ".join(text.split()) if one_line else text
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " ..."
 
 
 @lru_cache(maxsize=1)
@@ -207,6 +230,8 @@ def fill_bitmask(grammars: list[Grammar], vocab_size: int, parallel: bool = Fals
             lt.fill_next_token_bitmask(matcher, bitmask, row)
     mask = bitmask.numpy()
     for row in np.flatnonzero(~mask.any(axis=1)):  # nothing allowed: end the reply rather than sample at random
+        if not grammars[row].finished:  # and say why, unless it ended as it should
+            grammars[row].dead_end = True
         for eos in grammars[row].eos_token_ids:
             mask[row, eos // 32] |= np.array(1 << (eos % 32), np.uint32).view(np.int32)
     return mask
