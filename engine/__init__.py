@@ -10,6 +10,7 @@ _HOMES = {
     "EngineFailed": "engine.front.engine_thread",
     "EngineThread": "engine.front.engine_thread",
     "RequestFailed": "engine.front.engine_thread",
+    "ConstraintFailed": "engine.front.engine_thread",
     "RequestStream": "engine.front.engine_thread",
     "LLM": "engine.front.llm_engine",
     "LLMEngine": "engine.front.llm_engine",
@@ -27,6 +28,7 @@ __all__ = [
     "EngineStats",
     "KVBlock",
     "RequestFailed",
+    "ConstraintFailed",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
@@ -34,7 +36,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.front.engine_thread import EngineFailed, EngineThread, RequestFailed, RequestStream
+    from engine.front.engine_thread import ConstraintFailed, EngineFailed, EngineThread, RequestFailed, RequestStream
     from engine.front.llm_engine import LLM, LLMEngine
     from engine.front.outputs import EngineStats, KVBlock, RequestOutput
     from engine.front.sampling_params import SamplingParams, StructuredOutputsParams

@@ -130,6 +130,9 @@ def test_bad_logprobs_requests_are_refused(server, body):
         ("presence_penalty", 2.5, "less than or equal to 2"),
         ("frequency_penalty", -3, "greater than or equal to -2"),
         ("reasoning_effort", "extreme", "reasoning_effort: Input should be"),
+        ("prompt_logprobs", 1, "for a prompt's logprobs send it to /v1/completions with echo"),
+        ("stop_token_ids", [99999999], "stop_token_ids names token ids [99999999] outside the vocabulary"),
+        ("stop_token_ids", [-1], "outside the vocabulary"),
         ("priority", "high", "valid integer"),
     ],
 )
@@ -175,7 +178,13 @@ def test_fields_are_typed_strictly_and_named(server, field, value):
     "content, words",
     [
         (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid JSON"),
-        (b"[" * 1000 + b"]" * 1000, "not valid JSON"),
+        (b"[" * 1000 + b"]" * 1000, "nests too deeply"),
+        # valid JSON, 200 levels deep: it was called "not valid JSON"
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+            b'"json_schema": {"schema": ' + b'{"a": ' * 200 + b"1" + b"}" * 200 + b"}}}",
+            "nests too deeply (more than about 200 levels)",
+        ),
         (b'{"model": "smollm2", "max_tokens": ' + b"9" * 5000 + b', "messages": []}', "not valid JSON"),
         (b'["a list"]', "must be a JSON object"),
     ],

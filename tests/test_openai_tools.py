@@ -271,6 +271,36 @@ def test_bad_constraints_and_tools_get_a_400_that_names_the_problem(server, body
     assert message in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "response_format",
+        ),
+        ({"structured_outputs": {"grammar": 'start: "a" missing_rule'}}, "structured_outputs"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ],
+)
+def test_a_constraint_that_does_not_compile_names_the_field_it_came_in(server, body, field):
+    """`param` was null: a client with several constraint fields could not tell which one was wrong."""
+    r = httpx.post(
+        f"{server.url}/chat/completions", timeout=60, json={"model": MODEL, "messages": ASK, "max_tokens": 5, **body}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_constraint_that_fails_mid_reply_is_the_requests_error_not_a_stop(server):
+    """It ended with finish_reason "stop" and output that broke it; then (the fuzz suite found) with a 500."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "structured_outputs": {"grammar": "start: start"}}
+    r = httpx.post(f"{server.url}/chat/completions", timeout=60, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert r.json()["error"]["message"].startswith("the reply could not follow its constraint")
+    streamed = httpx.post(f"{server.url}/chat/completions", timeout=60, json={**body, "stream": True}).text
+    assert '"type": "invalid_request_error"' in streamed and "could not follow its constraint" in streamed
+    assert streamed.rstrip().endswith("data: [DONE]")
+
+
 def test_models_retrieve_and_an_unknown_model(client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):

@@ -39,6 +39,11 @@ class RequestFailed(RuntimeError):
     """This request's step raised in the engine, which aborted the request and serves on: send it again."""
 
 
+class ConstraintFailed(RequestFailed):
+    """The request's structured-output constraint could not be followed mid-reply (llguidance's parser limits, or
+    no way on): the request's own doing, so sending it again gives the same; change the constraint."""
+
+
 class EngineThread:
     """Everything a server or the app needs of a loaded model; callers never reach into `engine`
     (which tests and benchmarks may read), since only this thread may touch it between steps."""
@@ -188,7 +193,7 @@ class EngineThread:
                 for out, stream in streams:
                     if stream is not None:
                         # A reply that broke off (its constraint failed) ends as an error the caller sees
-                        stream.put(out if out.finish_reason != "error" else RequestFailed(out.error or "it failed"))
+                        stream.put(out if out.finish_reason != "error" else ConstraintFailed(out.error or "it failed"))
                         if out.finished:
                             stream.put(_DONE)
                 if outputs is None:

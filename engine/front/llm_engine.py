@@ -180,9 +180,13 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         vocab = self.model_runner.vocab_size
-        outside = [t for t in sampling_params.logit_bias or {} if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary (0..{vocab - 1})")
+        for field, ids in (
+            ("logit_bias", sampling_params.logit_bias or {}),
+            ("stop_token_ids", sampling_params.stop_token_ids),
+        ):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise ValueError(f"{field} names token ids {outside[:5]} outside the vocabulary (0..{vocab - 1})")
         seq = Sequence(
             self.encode_prompt(prompt),
             sampling_params,

@@ -25,6 +25,10 @@ REFUSED_FIELDS = {
     "web_search_options": "web search is not supported: Pagoda runs offline; leave it out",
     "best_of": "best_of is not supported: Pagoda returns one choice per request",
     "use_beam_search": "beam search is not supported; sample instead",
+    "prompt_logprobs": (
+        "prompt_logprobs is not supported on this route; for a prompt's logprobs send it to /v1/completions with "
+        "echo: true and logprobs"
+    ),
     # Ollama's sampling options that Pagoda's sampler does not have
     **{
         name: f"{name} (Ollama's sampler option) is not supported; leave it out"
@@ -160,21 +164,24 @@ class RequestBody(BaseModel):
             adopt("think", "reasoning_effort", levels[value])
         self._ignored += [f"{name}: {why}" for name, why in OLLAMA_RUNTIME_FIELDS.items() if name in extra]
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """What the reply must match: response_format, structured_outputs or vLLM's guided_* fields."""
-        given = {
-            name: value
-            for name, value in (self.model_extra or {}).items()
-            if name in GUIDED_FIELDS and value is not None
-        }
-        asked = [
+    def constraint_fields(self) -> list[str]:
+        """The fields that ask for a constraint on the reply (one, or the request is refused)."""
+        guided = [
+            name for name, value in (self.model_extra or {}).items() if name in GUIDED_FIELDS and value is not None
+        ]
+        return [
             name
             for name, value in (
                 ("response_format", self.response_format is not None and self.response_format.get("type") != "text"),
                 ("structured_outputs", self.structured_outputs),
             )
             if value
-        ] + list(given)
+        ] + guided
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the reply must match: response_format, structured_outputs or vLLM's guided_* fields."""
+        asked = self.constraint_fields()
+        given = {name: self.model_extra[name] for name in asked if name in GUIDED_FIELDS}
         if len(asked) > 1:
             raise APIError(400, f"{' and '.join(asked)} both constrain the reply; send one of them", param=asked[1])
         try:
@@ -456,6 +463,8 @@ async def parse_body(request: Request, kind: type[RequestBody], limit: int = MAX
         body = kind.model_validate_json(raw, strict=True)
     except ValidationError as e:
         first = e.errors()[0]
+        if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:
+            raise APIError(400, "the request body nests too deeply (more than about 200 levels); flatten it") from None
         if first["type"] == "json_invalid":
             raise APIError(
                 400, f"the request body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})"

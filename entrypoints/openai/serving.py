@@ -13,7 +13,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine import EngineThread, RequestFailed, RequestStream, SamplingParams
+from engine import ConstraintFailed, EngineThread, RequestFailed, RequestStream, SamplingParams
 from entrypoints.openai import request_log
 from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from entrypoints.openai.protocol import (
@@ -233,7 +233,10 @@ async def complete(
     try:
         stream = await anyio.to_thread.run_sync(engine.submit, token_ids, params, body.priority)
     except (ValueError, TypeError) as e:
-        raise APIError(400, str(e)) from None
+        message = str(e)
+        if not message.startswith("structured_outputs:"):
+            raise APIError(400, message) from None
+        raise APIError(400, message, param=constraint_field(body, tools)) from None  # it did not compile
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
     if echo is not None and echo.text is None:
@@ -277,8 +280,22 @@ async def complete(
                 stream.cancel()
                 return JSONResponse({}, status_code=499)
     except RequestFailed as e:
-        raise APIError(500, str(e), type="server_error") from None
+        raise failure(e, constraint_field(body, tools)) from None
     return JSONResponse(reply.whole("".join(text)), headers=headers)
+
+
+def constraint_field(body: RequestBody, tools: ToolPlan | None) -> str | None:
+    """The field the request's constraint came in (for an error's `param`)."""
+    fields = ["tools"] if tools and tools.constraint() else body.constraint_fields()
+    return fields[0] if fields else None
+
+
+def failure(error: RequestFailed, param: str | None = None) -> APIError:
+    """A request that failed mid-reply: its constraint could not be followed (the request's doing: a 400), or the
+    engine failed its step (a 500: send it again)."""
+    if isinstance(error, ConstraintFailed):
+        return APIError(400, str(error), param=param)
+    return APIError(500, str(error), type="server_error")
 
 
 class Reply:
@@ -447,7 +464,7 @@ class Reply:
                 async for chunk in chunks:
                     yield event(chunk)
         except RequestFailed as e:  # headers are sent: the error goes in the stream, as OpenAI's does
-            yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body())}\n\n"
+            yield f"data: {json.dumps(failure(e).body())}\n\n"
             yield "data: [DONE]\n\n"
             return
         if include_usage:
