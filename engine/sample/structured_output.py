@@ -162,6 +162,10 @@ class StructuredOutputs:
             text = grammar_text(params)
         except ValueError as e:
             raise ValueError(f"structured_outputs: {e}") from None
+        # Validated first, as before the cache: the matcher is built only from a grammar llguidance accepts
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error:
+            raise ValueError(f"structured_outputs: {compile_error_message(error)}")
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {compile_error_message(matcher.get_error())}")
