@@ -90,7 +90,7 @@ def guarded(policy: AccessPolicy) -> dict:
 def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | None, max_request_bytes: int) -> None:
     """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
     from entrypoints.openai.api_router import create_router
-    from entrypoints.openai.protocol import APIError
+    from entrypoints.openai.errors import APIError
     from entrypoints.openai.server import create_metrics_router
     from entrypoints.openai.serving import ServedModel
 

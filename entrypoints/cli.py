@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from engine import EngineThread
+    from entrypoints.graceful_server import GracefulServer
     from entrypoints.openai.server import create_app
 
     sock = bind(args.host, args.port)
@@ -181,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or name
     policy = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.cors_origins)
     app = create_app(engine, name, api_key, policy, args.default_max_tokens or None, args.max_request_bytes, exposed)
-    # After the grace period uvicorn cancels the requests still running, which aborts their generation.
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_grace))
+    server = GracefulServer(uvicorn.Config(app, log_level="warning"), engine, args.shutdown_grace)
     print(f"Serving {name} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     try:
         server.run(sockets=[sock])

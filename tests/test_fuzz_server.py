@@ -24,7 +24,8 @@ MAX_REQUEST_BYTES = 64 * 1024  # small, so that the 413 case is cheap to send
 FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
 
-def serve(model, log) -> ServeProcess:
+def serve(model, log, *more: str) -> ServeProcess:
+    """The fuzz's server; `more`: flags that replace its settings."""
     return ServeProcess(
         model,
         log,
@@ -40,6 +41,7 @@ def serve(model, log) -> ServeProcess:
         "64",
         "--max-request-bytes",
         str(MAX_REQUEST_BYTES),
+        *more,
     ).wait_ready()
 
 
@@ -298,6 +300,74 @@ def test_echo_of_token_ids_outside_the_vocabulary(client, tiny_llama, prompt):
 @settings(FUZZ, max_examples=120)
 def test_chat_bodies_with_tools_and_thinking_template(qwen3_client, body):
     post(qwen3_client, "/v1/chat/completions", body)
+
+
+# ---- the requests a hostile client sent (issue 39), replayed --------------------------------------------
+def schema_of(count: int, required: bool = True) -> dict:
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(count)}}
+    return {**schema, "required": list(schema["properties"])} if required else schema
+
+
+def as_response_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+NAMED = {"type": "function", "function": {"name": "measure"}}
+HIDDEN_SHAPES = {
+    # (the request's constraint, what the answer must be: "ok", or a 400 whose message starts with it)
+    "4,000 properties": (as_response_format(schema_of(4000)), "ok"),
+    "16,000 properties": (as_response_format(schema_of(16000)), "ok"),  # a 400 whose message was a Rust panic
+    "4,000 optional properties": (as_response_format(schema_of(4000, False)), "the reply could not follow"),
+    "50,000 choices": ({"structured_outputs": {"choice": [f"c{i}" for i in range(50000)]}}, "the reply could not"),
+    "2,010 choices": ({"guided_choice": [f"option number {i}" for i in range(2010)]}, "the reply could not follow"),
+    "a grammar that never ends": ({"structured_outputs": {"grammar": 'root ::= "a" root'}}, "the reply could not"),
+    "a schema that is only itself": ({"guided_json": {"$ref": "#"}}, "structured_outputs: no reply can follow"),
+    "a tool without parameters": ({"tools": [NAMED], "tool_choice": NAMED}, "ok"),
+    "a tool with a float": (
+        {
+            "tools": [
+                {**NAMED, "function": {**NAMED["function"], "parameters": {"properties": {"x": {"type": "number"}}}}}
+            ],
+            "tool_choice": NAMED,
+        },
+        "ok",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def roomy_client(tiny_llama, tmp_path_factory):
+    """The fuzz server's model, with room for the replayed requests: the server's default body limit, and a
+    context that holds a tool's description."""
+    log = tmp_path_factory.mktemp("fuzz-roomy") / "server.log"
+    srv = serve(
+        tiny_llama, log, "--max-request-bytes", str(4 << 20), "--max-model-len", "1024", "--num-kvcache-blocks", "256"
+    )
+    with httpx.Client(base_url=srv.base, timeout=120) as client:
+        yield client
+    srv.stop()
+
+
+@pytest.mark.parametrize("name", HIDDEN_SHAPES)
+def test_the_hidden_shape_requests_end_in_a_whole_reply_or_a_visible_error(roomy_client, name):
+    """They froze every stream while they compiled, ended with finish_reason "stop" and output that broke the
+    constraint, answered a Rust backtrace, or ran to max_tokens without ending."""
+    constraint, expected = HIDDEN_SHAPES[name]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, **constraint}
+    for stream in (False, True):
+        response = post(roomy_client, "/v1/chat/completions", {**body, "stream": stream})
+        if expected != "ok":
+            message = response.json()["error"]["message"] if not stream else response.text
+            assert response.status_code == 400 if not stream else expected in message, response.text[:500]
+            assert expected in message and "backtrace" not in message and "<state>" not in message, message[:500]
+            continue
+        assert response.status_code == 200, response.text[:500]
+        if not stream:
+            choice = response.json()["choices"][0]
+            if "tools" in constraint:  # a call whose arguments end: {} for no parameters, a number that stops
+                assert choice["finish_reason"] == "tool_calls", choice
+                arguments = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+                assert arguments == {} if name == "a tool without parameters" else set(arguments) <= {"x"}
 
 
 # ---- (c) afterwards ----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Tools and structured output through /v1, on the bundled SmolLM2 served from its GGUF, driven by the official
-`openai` client and by LangChain. The model is far too small to follow a schema or call a tool unaided, so
-every valid reply here is constrained decoding's doing."""
+`openai` client, LangChain, instructor and pydantic-ai. The model is far too small to follow a schema or call a
+tool unaided, so every valid reply here is constrained decoding's doing."""
 
 import json
 
@@ -291,8 +291,13 @@ def test_a_constraint_that_does_not_compile_names_the_field_it_came_in(server, b
 
 
 def test_a_constraint_that_fails_mid_reply_is_the_requests_error_not_a_stop(server):
-    """It ended with finish_reason "stop" and output that broke it; then (the fuzz suite found) with a 500."""
-    body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "structured_outputs": {"grammar": "start: start"}}
+    """It ended with finish_reason "stop" and output that broke it; then (the fuzz suite found) with a 500. One that
+    allows no reply at all is refused before it is queued."""
+    never = {"model": MODEL, "messages": ASK, "max_tokens": 20, "structured_outputs": {"grammar": "start: start"}}
+    r = httpx.post(f"{server.url}/chat/completions", timeout=60, json=never)
+    assert r.status_code == 400 and "from its first token" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "structured_outputs"
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 30, "structured_outputs": {"grammar": 'start: "a" start'}}
     r = httpx.post(f"{server.url}/chat/completions", timeout=60, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
     assert r.json()["error"]["message"].startswith("the reply could not follow its constraint")
@@ -340,6 +345,101 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     for method in ("json_schema", "function_calling"):
         person = llm.with_structured_output(Person, method=method).invoke("Invent a person.")
         assert isinstance(person, Person)
+
+
+def test_a_required_reply_stops_at_a_repeated_call(client):
+    """The bundled model called add(2, 3) again and again, up to the cap of 8, and the reply ran to max_tokens."""
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is 2 + 3?"}],
+        tools=[ADD],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=150,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and [json.loads(c.function.arguments) for c in calls] == [
+        {"a": 2, "b": 3}
+    ]
+    assert r.usage.completion_tokens < 60  # the call, and the repeat that stopped it
+
+
+def test_a_required_reply_cut_after_complete_calls_gives_those_calls(client):
+    """max_tokens ends the reply inside a call: the complete calls come back, with finish_reason "tool_calls"."""
+    for stream in (False, True):
+        kwargs = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Add 1 and 2, and 3 and 4."}],
+            tools=[ADD],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=60,
+        )
+        if stream:
+            events = list(client.chat.completions.create(**kwargs, stream=True))
+            finish = [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason]
+            calls = [
+                c for e in events if e.choices and e.choices[0].delta.tool_calls for c in e.choices[0].delta.tool_calls
+            ]
+            assert finish == ["tool_calls"] and len(calls) >= 2
+        else:
+            r = client.chat.completions.create(**kwargs)
+            assert r.usage.completion_tokens == 60 and r.choices[0].finish_reason == "tool_calls"
+            calls = r.choices[0].message.tool_calls
+            assert len(calls) >= 2
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["add"])
+
+
+def test_instructor_extracts_through_a_named_tool_and_a_json_schema(server):
+    """instructor's TOOLS mode names its tool; a float field once ran to max_tokens as 9.99999..."""
+    import instructor
+
+    class User(BaseModel):
+        name: str
+        age: int
+
+    class Rating(BaseModel):
+        value: float
+
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        patched = instructor.from_openai(openai.OpenAI(base_url=server.url, api_key="none", timeout=300), mode=mode)
+        ask = dict(model=MODEL, temperature=0, max_tokens=100, max_retries=0)
+        user = patched.chat.completions.create(
+            response_model=User,
+            messages=[{"role": "user", "content": "John Smith is 31 years old. Extract the user."}],
+            **ask,
+        )
+        assert isinstance(user, User) and user.age == 31, (mode, user)
+        rating = patched.chat.completions.create(
+            response_model=Rating, messages=[{"role": "user", "content": "Rate the movie Titanic from 0 to 10."}], **ask
+        )
+        assert isinstance(rating, Rating), (mode, rating)
+
+
+def test_pydantic_ai_calls_the_tool_then_gives_its_output(server):
+    """pydantic-ai holds the reply to tool calls (tool_choice "required", its output as a `final_result` tool)."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    provider = OpenAIProvider(base_url=server.url, api_key="none")
+    agent = Agent(OpenAIChatModel(MODEL, provider=provider), output_type=int)
+    calls = []
+
+    @agent.tool_plain
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    result = agent.run_sync(
+        "Add 2 and 3 with the add tool, then report the sum with final_result.",
+        model_settings={"max_tokens": 200, "temperature": 0},
+        usage_limits=UsageLimits(request_limit=5),
+    )
+    assert result.output == 5 and calls == [(2, 3)]
 
 
 def test_openapi_documents_the_request_bodies(server):

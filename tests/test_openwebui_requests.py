@@ -218,6 +218,19 @@ def test_reasoning_effort_is_the_thinking_switch_where_the_model_thinks(qwen3, s
         assert ignored.headers["X-Pagoda-Ignored"] == "reasoning_effort: this model does not think"
 
 
+def test_strict_tools_with_tool_choice_auto_say_their_calls_are_not_held(qwen3):
+    """`strict` was ignored without a word (the OpenAI Agents SDK and pydantic-ai mark their tools strict). With
+    "required" or a named tool the calls are held to their schemas anyway, so only "auto" says so."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in openwebui_tools()[:2]]
+    ask = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=1, tools=strict)
+    auto = post(qwen3, **ask)
+    assert auto.status_code == 200 and 'strict: with tool_choice "auto"' in auto.headers["X-Pagoda-Ignored"]
+    held = post(qwen3, **ask, tool_choice="required")
+    assert held.status_code == 200 and "X-Pagoda-Ignored" not in held.headers
+    loose = [{"type": "function", "function": {**t["function"], "strict": False}} for t in strict]
+    assert "X-Pagoda-Ignored" not in post(qwen3, **{**ask, "tools": loose}).headers
+
+
 def test_a_non_streaming_request_whose_client_times_out_stops_generating(qwen3):
     """Open WebUI's background tasks are not streamed: a client that gives up must not leave its request
     running (a stream's disconnect is tested in tests/test_openai_server.py)."""

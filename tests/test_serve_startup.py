@@ -8,8 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import pytest
 
 from tests.processes import REPO, ServeProcess, free_port, wait_until
@@ -60,9 +62,13 @@ def test_a_busy_port_is_said_before_the_model_loads(tiny_llama):
     assert "Serving" not in run.stdout
 
 
-def test_sigterm_aborts_a_stream_nobody_reads_after_the_grace_period(bundled_model, tmp_path):
+def test_sigterm_ends_a_read_stream_with_a_last_event_and_a_stream_nobody_reads_after_the_grace_period(
+    bundled_model, tmp_path
+):
     """SIGTERM once waited for every open generation: 83 s for one stream, for ever for a client that never
-    reads. The bundled model writes 1,900 tokens in well over 10 s on a 2-core machine."""
+    reads. Then it cut the streams still running, so a client saw its reply stop with no finish and no [DONE].
+    Now a stream still running after the grace period ends with a 503 error event and [DONE], and one nobody
+    reads cannot hold the shutdown. The bundled model writes 1,900 tokens in well over 10 s on 2 cores."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(bundled_model)
@@ -78,25 +84,37 @@ def test_sigterm_aborts_a_stream_nobody_reads_after_the_grace_period(bundled_mod
         "smollm2",
     ).wait_ready(timeout=600)
     try:
-        body = json.dumps(
-            {
-                "model": "smollm2",
-                "prompt": "Once upon a time",
-                "max_tokens": 1900,
-                "stream": True,
-                "logit_bias": {str(t): -100 for t in stops},
-            }
-        ).encode()
+        request = {
+            "model": "smollm2",
+            "prompt": "Once upon a time",
+            "max_tokens": 1900,
+            "stream": True,
+            "logit_bias": {str(t): -100 for t in stops},
+        }
+        body = json.dumps(request).encode()
         quiet = socket.create_connection(("127.0.0.1", srv.port))  # sends, and never reads a byte back
         quiet.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
-        assert wait_until(lambda: srv.metric("vllm:generation_tokens_total") > 0, timeout=60)
+        lines: list[str] = []
+
+        def read() -> None:
+            with httpx.stream("POST", f"http://127.0.0.1:{srv.port}/v1/completions", json=request, timeout=60) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert wait_until(lambda: len(lines) > 3, timeout=60)
         start = time.perf_counter()
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(60)
-        assert time.perf_counter() - start < 10  # the 2 s grace, then the abort and the engine's shutdown
+        assert time.perf_counter() - start < 10  # the 2 s grace, the last events, then the engine's shutdown
+        reader.join(10)
         quiet.close()
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        last = json.loads(lines[-2].removeprefix("data: "))
+        assert last["error"]["code"] == "server_shutting_down" and "shutting down" in last["error"]["message"], last
+        assert all(json.loads(line[6:])["choices"][0]["finish_reason"] is None for line in lines[:-2])
     finally:
         srv.stop()

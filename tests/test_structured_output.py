@@ -169,6 +169,7 @@ def test_preempted_and_async_constrained_requests_still_match(tiny_qwen2, random
         (dict(regex="a(b"), "unclosed group"),
         (dict(grammar='start: "a" undefined_rule'), "undefined_rule"),
         (dict(json="{not json"), "not valid JSON"),
+        (dict(json={"$ref": "#"}), "no reply can follow this constraint from its first token"),  # it failed once queued
     ],
 )
 def test_an_invalid_constraint_is_refused_with_its_reason_and_changes_nothing(tiny_qwen2, make_llm, constraint, named):

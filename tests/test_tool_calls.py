@@ -5,8 +5,15 @@ import json
 
 import pytest
 
-from entrypoints.openai.protocol import APIError
-from entrypoints.openai.tool_calls import MAX_INTEGER, ToolCallStream, closed_arguments, plan_tools, prompt_messages
+from entrypoints.openai.errors import APIError
+from entrypoints.openai.tool_calls import (
+    MAX_INTEGER,
+    NUMBER_STEP,
+    ToolCallStream,
+    closed_arguments,
+    plan_tools,
+    prompt_messages,
+)
 
 WEATHER = {
     "type": "function",
@@ -125,10 +132,20 @@ def test_call_arguments_take_only_the_declared_properties_and_integers_end():
     assert closed["properties"]["tags"]["items"]["properties"]["n"]["maximum"] == MAX_INTEGER
     assert closed["properties"]["extra"]["additionalProperties"] == {"type": "string"}
     assert closed["properties"]["pick"]["anyOf"][0]["minimum"] == -MAX_INTEGER
+    # a decimal number ends too (instructor's `value: float` ran to max_tokens as 9.99999...), and a bound the
+    # schema sets on one side stays while the other side gets one
+    number = closed_arguments({"type": "number", "minimum": 0})
+    assert number == {"type": "number", "minimum": 0, "maximum": MAX_INTEGER, "multipleOf": NUMBER_STEP}
+    assert closed_arguments({"type": "number", "multipleOf": 0.5})["multipleOf"] == 0.5
     now = plan_tools(
         [{"type": "function", "function": {"name": "now"}}], {"type": "function", "function": {"name": "now"}}, True
     )
     assert now.constraint().json == {"type": "object", "properties": {}, "additionalProperties": False}  # only {}
+    # parameters without "type" are still an object (JSON Schema would let a bare number through: one ran on)
+    untyped = {"type": "function", "function": {"name": "m", "parameters": {"properties": {"x": {"type": "number"}}}}}
+    held = plan_tools([untyped], {"type": "function", "function": {"name": "m"}}, True).constraint().json
+    assert held["type"] == "object" and held["additionalProperties"] is False
+    assert plan_tools([untyped], "required", True).constraint().json["items"]["properties"]["parameters"] == held
 
 
 def test_required_calls_come_from_the_constrained_array_and_parallel_false_keeps_one():
@@ -145,6 +162,26 @@ def test_required_calls_come_from_the_constrained_array_and_parallel_false_keeps
     assert [c["function"]["name"] for c in calls] == ["add"]
     names = [item["properties"]["name"]["const"] for item in one.constraint().json["items"]["anyOf"]]
     assert names == ["get_weather", "add"]
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1000])
+def test_a_required_reply_that_repeats_a_call_is_complete_and_the_repeat_is_left_out(piece):
+    """The bundled model called add(2, 3) again and again up to the cap, so the reply ran to max_tokens."""
+    stream = ToolCallStream(plan_tools([WEATHER, ADD], "required", True))
+    add, weather = (
+        '{"name": "add", "parameters": {"a": 2, "b": 3}}',
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+    )
+    text = f"[{add}, {weather}, {add}, "
+    fed = ""
+    for at in range(0, len(text), piece):
+        stream.feed(text[at : at + piece])
+        fed += text[at : at + piece]
+        # known as soon as the repeat is whole, not before
+        assert stream.repeating == (fed.count(add) == 2)
+    assert stream.repeating
+    _, deltas = stream.finish()
+    assert [c["function"]["name"] for c in stream.calls] == ["add", "get_weather"] and len(deltas) == 2
 
 
 @pytest.mark.parametrize(

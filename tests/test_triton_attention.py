@@ -176,7 +176,7 @@ def test_store_then_attend_roundtrip():
 @triton.jit
 def _row_offset_probe(rows_ptr, out_ptr, row_stride, N: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(out_ptr + i, tk._row_offset(tl.load(rows_ptr + i), row_stride))
+    tl.store(out_ptr + i, tk.row_offset(tl.load(rows_ptr + i), row_stride))
 
 
 @pytest.mark.parametrize("row_dtype", [torch.int32, torch.int64])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.triton_kernels import store_kvcache
+from engine.attention.triton_store import store_kvcache
 
 __all__ = ["paged_attention", "store_kvcache"]
 

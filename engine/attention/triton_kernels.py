@@ -1,4 +1,4 @@
-"""Paged attention and KV-cache writes as Triton kernels.
+"""Paged attention as Triton kernels (the cache writes they read: triton_store.py).
 
 Computes exactly what ``engine.attention.torch_backend`` computes (that module is the reference and
 the tests compare against it); see ``AttentionMetadata`` for the contract. In short:
@@ -14,10 +14,6 @@ the tests compare against it); see ``AttentionMetadata`` for the contract. In sh
 * ``seq_lens[i] == 0`` marks a padding row (CUDA-graph batches): its output is zeros.
 
 Kernels:
-
-``_store_kvcache_kernel``
-    One program per new token; scatters its K and V rows to ``slot_mapping[t]``, or does nothing
-    when the slot is negative (a padded token).
 
 ``_paged_attention_kernel``
     Flash attention over paged KV. Grid ``(num_seqs, num_kv_heads, cdiv(max_query_len, BLOCK_M))``.
@@ -54,102 +50,11 @@ import triton
 import triton.language as tl
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.triton_store import check_cache, row_offset, store_kvcache
+
+__all__ = ["paged_attention", "paged_attention_impl", "store_kvcache"]  # the backend: store, then attend
 
 _LOG2E = 1.4426950408889634
-
-
-# --------------------------------------------------------------------------------------------
-# KV-cache writes
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _row_offset(row, row_stride):
-    """Element offset of cache row ``row``. Computed in int64: a cache can hold more than 2**31
-    elements, and ``slot * row_stride`` would silently wrap in int32."""
-    return row.to(tl.int64) * row_stride
-
-
-@triton.jit
-def _store_kvcache_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    cache_row_stride,  # elements per slot: num_kv_heads * head_dim (cache is contiguous)
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)
-    if slot < 0:  # padded token: write nothing
-        return
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-    # key/value may be strided views (e.g. slices of a fused qkv projection); head_dim is unit-stride.
-    tok = token.to(tl.int64)
-    k = tl.load(key_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(value_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    dst = _row_offset(slot, cache_row_stride) + h[:, None] * HEAD_DIM + d[None, :]
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
-    """The kernels index the cache as contiguous [num_blocks, block_size, num_kv_heads, head_dim]."""
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV cache must be contiguous")
-    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"K cache {tuple(k_cache.shape)} and V cache {tuple(v_cache.shape)} must be equal and end in "
-            f"(num_kv_heads, head_dim) = ({num_kv_heads}, {head_dim})"
-        )
-
-
-def store_kvcache(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = padded token
-) -> None:
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
-    if value.shape != key.shape or slot_mapping.shape != (num_tokens,):
-        raise ValueError(
-            f"store_kvcache: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
-            f"{tuple(slot_mapping.shape)} must describe the same {num_tokens} tokens"
-        )
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1:
-        value = value.contiguous()
-    _store_kvcache_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        num_kv_heads * head_dim,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,7 +169,7 @@ def _paged_attention_kernel(
         # Gather: each key's page comes from the block table (int64 before scaling by the
         # block stride: the cache can exceed 2**31 elements).
         page = tl.load(table + n // PAGE_SIZE, mask=n_valid, other=0)
-        kv_off = _row_offset(page, stride_cb) + (n % PAGE_SIZE) * stride_cs + head_off
+        kv_off = row_offset(page, stride_cb) + (n % PAGE_SIZE) * stride_cs + head_off
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -410,7 +315,7 @@ def paged_attention_impl(
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    check_cache(k_cache, v_cache, num_kv_heads, head_dim)
     if num_heads % num_kv_heads:
         raise ValueError(f"paged_attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     num_seqs = meta.num_seqs

@@ -127,21 +127,25 @@ class EngineThread:
         self._wake.set()
         return RequestStream(self, request_id, stream)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, error: RequestFailed | None = None) -> None:
+        """Stop a request. Its stream ends with finish_reason "abort", or raises `error` to its reader (who
+        then knows why, where an abort reads as a reply cut short on purpose)."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
             aborted = self.engine.abort_request(request_id)
         if stream is not None:
-            if aborted:
+            if error is not None:
+                stream.put(error)
+            elif aborted:
                 stream.put(RequestOutput(request_id, "", [], True, "abort"))
             stream.put(_DONE)
 
-    def abort_all(self) -> None:
-        """Abort every request in flight (their streams end with finish_reason "abort")."""
+    def abort_all(self, error: RequestFailed | None = None) -> None:
+        """Abort every request in flight (their streams end as `abort` says)."""
         with self._lock:
             request_ids = list(self._streams)
         for request_id in request_ids:
-            self.abort(request_id)
+            self.abort(request_id, error)
 
     def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
         """LLMEngine.prefill_progress, read without the lock: a page polls it several times a second, and

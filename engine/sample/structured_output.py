@@ -169,6 +169,16 @@ class StructuredOutputs:
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {compile_error_message(matcher.get_error())}")
+        # The first token's mask, on a copy: a constraint that fails there (`{"$ref": "#"}` allows no reply at all;
+        # 2,010 choices pass a limit of the parser) is refused now, before the request is queued, rather than at its
+        # first step. Once per constraint: the compiled matcher is cached.
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ValueError(
+                f"structured_outputs: no reply can follow this constraint from its first token "
+                f"({bounded(probe.get_error())}); check that some value satisfies it, or make it simpler"
+            )
         return matcher
 
 

@@ -13,20 +13,19 @@ import anyio
 from fastapi import APIRouter, Request
 
 from entrypoints.openai import request_log
+from entrypoints.openai.body_reader import openapi_body, parse_body
+from entrypoints.openai.errors import APIError
 from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
 from entrypoints.openai.protocol import (
-    APIError,
     ChatCompletionBody,
     CompletionBody,
     ModelCard,
     ModelList,
-    openapi_body,
-    parse_body,
 )
+from entrypoints.openai.reply import Echo
 from entrypoints.openai.serving import (
     BACKGROUND_PRIORITY,
     IGNORED_HEADER,
-    Echo,
     ModelSource,
     ServedModel,
     chat_prompt,

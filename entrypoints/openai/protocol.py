@@ -1,18 +1,17 @@
-"""OpenAI's request bodies, response objects and error shape, as Pagoda takes and gives them.
+"""OpenAI's request bodies and response objects, as Pagoda takes and gives them (the error shape: errors.py).
 
 The fields are OpenAI's, plus vLLM's `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` and
-`priority`. A field
-Pagoda cannot honour is refused with a 400 that names it, never silently ignored.
+`priority`, and Ollama's names for some of them (ollama_fields.py). A field Pagoda cannot honour is refused with
+a 400 that names it, never silently ignored.
 """
 
 from typing import Literal
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from engine.front.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams, StructuredOutputsParams
-from entrypoints.openai.limits import MAX_REQUEST_BYTES
+from entrypoints.openai.errors import APIError
+from entrypoints.openai.ollama_fields import OLLAMA_SAMPLER_FIELDS, adopt_ollama_fields
 
 # Fields of OpenAI's (or vLLM's) that would change the reply and that Pagoda does not do: refused by name
 # rather than ignored. Other unknown fields (`user`, `metadata`, `store`, ...) change nothing here.
@@ -25,59 +24,14 @@ REFUSED_FIELDS = {
     "web_search_options": "web search is not supported: Pagoda runs offline; leave it out",
     "best_of": "best_of is not supported: Pagoda returns one choice per request",
     "use_beam_search": "beam search is not supported; sample instead",
+    **OLLAMA_SAMPLER_FIELDS,
     "prompt_logprobs": (
         "prompt_logprobs is not supported on this route; for a prompt's logprobs send it to /v1/completions with "
         "echo: true and logprobs"
     ),
-    # Ollama's sampling options that Pagoda's sampler does not have
-    **{
-        name: f"{name} (Ollama's sampler option) is not supported; leave it out"
-        for name in (
-            "mirostat",
-            "mirostat_eta",
-            "mirostat_tau",
-            "tfs_z",
-            "typical_p",
-            "repeat_last_n",
-            "penalize_newline",
-        )
-    },
-}
-# Ollama's runtime options, as Open WebUI sends them: they do not change a reply, and here the server's own settings
-# decide them, so they are ignored and the response says so (X-Pagoda-Ignored)
-OLLAMA_RUNTIME_FIELDS = {
-    "num_ctx": "the context is set when the model loads (--max-model-len)",
-    "keep_alive": "the model stays loaded until the server stops",
-    "num_thread": "the server sets its threads",
-    "num_gpu": "the server places the model",
-    "num_batch": "the server batches requests itself",
-    "num_keep": "Pagoda never drops the start of a prompt",
-    "use_mmap": "the server loads the model",
-    "use_mlock": "the server loads the model",
 }
 # vLLM's older names for structured_outputs' fields
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class RequestBody(BaseModel):
@@ -120,49 +74,11 @@ class RequestBody(BaseModel):
         for name in self.model_extra or {}:
             if name in REFUSED_FIELDS:
                 raise APIError(400, REFUSED_FIELDS[name], param=name)
-        self.take_ollama_fields()
+        adopt_ollama_fields(self)
         if self.n != 1:
             raise APIError(
                 400, "n must be 1: Pagoda returns one choice per request; send several requests instead", param="n"
             )
-
-    def take_ollama_fields(self) -> None:
-        """Ollama's names for fields this API has (Open WebUI sends them as a user set them): `repeat_penalty`,
-        `num_predict`, `format` ("json" or a schema) and `think`. Sent under both names, they are refused."""
-        extra = self.model_extra or {}
-
-        def adopt(ollama: str, ours: str, value) -> None:
-            if ours in self.model_fields_set or (ours == "response_format" and self.structured_outputs):
-                raise APIError(400, f"{ollama} is Ollama's name for {ours}: send one of them", param=ollama)
-            setattr(self, ours, value)
-
-        if "repeat_penalty" in extra:
-            value = extra["repeat_penalty"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise APIError(400, f"repeat_penalty must be a number above 0, got {value!r}", param="repeat_penalty")
-            adopt("repeat_penalty", "repetition_penalty", float(value))
-        if extra.get("num_predict") not in (None, -1):  # -1: Ollama's "no limit"
-            value = extra["num_predict"]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise APIError(400, f"num_predict must be a positive integer, got {value!r}", param="num_predict")
-            adopt("num_predict", "max_tokens", value)
-        if extra.get("format") not in (None, ""):
-            value = extra["format"]
-            if value == "json":
-                adopt("format", "response_format", {"type": "json_object"})
-            elif isinstance(value, dict):
-                adopt("format", "response_format", {"type": "json_schema", "json_schema": {"schema": value}})
-            else:
-                raise APIError(400, f'format must be "json" or a JSON schema, got {value!r}', param="format")
-        if extra.get("think") is not None:
-            value = extra["think"]
-            levels = {True: "medium", False: "none", "low": "low", "medium": "medium", "high": "high"}
-            if not isinstance(value, (bool, str)) or value not in levels:
-                raise APIError(
-                    400, f'think must be true, false, "low", "medium" or "high", got {value!r}', param="think"
-                )
-            adopt("think", "reasoning_effort", levels[value])
-        self._ignored += [f"{name}: {why}" for name, why in OLLAMA_RUNTIME_FIELDS.items() if name in extra]
 
     def constraint_fields(self) -> list[str]:
         """The fields that ask for a constraint on the reply (one, or the request is refused)."""
@@ -415,66 +331,6 @@ class CompletionBody(RequestBody):
     def echo_only(self) -> bool:
         """Echo the prompt and generate nothing (max_tokens=0)."""
         return self.echo and self.max_tokens == 0
-
-
-def openapi_body(kind: type[BaseModel]) -> dict:
-    """`openapi_extra` that documents a route's JSON body as `kind`: the routes read their bodies themselves
-    (strictly, into OpenAI's error shape), so FastAPI would otherwise document none, and schema-driven clients
-    and fuzzers would send only empty bodies. Nested models are written inline (no $defs in OpenAPI's place)."""
-    schema = kind.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def inline(node):
-        if isinstance(node, dict):
-            if "$ref" in node:
-                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
-            return {key: inline(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [inline(value) for value in node]
-        return node
-
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with a 413 as soon as it is known to exceed `limit` bytes (never read whole)."""
-    too_big = APIError(
-        413,
-        f"the request body is larger than this server's limit of {limit:,} bytes (--max-request-bytes); send less text",
-        code="request_too_large",
-    )
-    length = request.headers.get("content-length", "")
-    if length.isascii() and length.isdigit() and int(length) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def parse_body(request: Request, kind: type[RequestBody], limit: int = MAX_REQUEST_BYTES) -> RequestBody:
-    """The body as `kind`, validated strictly as JSON: "2" is not a number nor "yes" a boolean, and invalid
-    text (a lone surrogate), nesting beyond a limit or a 5,000-digit number are refused as invalid JSON."""
-    raw = await read_body(request, limit)
-    try:
-        body = kind.model_validate_json(raw, strict=True)
-    except ValidationError as e:
-        first = e.errors()[0]
-        if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:
-            raise APIError(400, "the request body nests too deeply (more than about 200 levels); flatten it") from None
-        if first["type"] == "json_invalid":
-            raise APIError(
-                400, f"the request body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})"
-            ) from None
-        if first["type"] == "model_type":
-            raise APIError(400, "the request body must be a JSON object") from None
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
-    body.check_supported()
-    return body
 
 
 # ---- responses ----------------------------------------------------------------------------------------------

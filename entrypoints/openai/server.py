@@ -17,8 +17,8 @@ from engine import EngineThread
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.openai import request_log
 from entrypoints.openai.api_router import create_router, has_key, key_required
+from entrypoints.openai.errors import APIError
 from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
-from entrypoints.openai.protocol import APIError
 from entrypoints.openai.serving import ModelSource, ServedModel
 
 # ---- /metrics --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine import StructuredOutputsParams
-from entrypoints.openai.protocol import APIError
+from entrypoints.openai.errors import APIError
 from entrypoints.reasoning import partial_suffix
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -32,6 +32,12 @@ class Tool:
     name: str
     parameters: dict  # a JSON schema of an object
     description: str | None = None
+    strict: bool = False  # OpenAI's: the calls must follow the schema exactly
+
+    def arguments_schema(self) -> dict:
+        """What a constrained call's arguments are held to: an object (a schema that leaves out "type" would also
+        take a bare number, and one such call ran to max_tokens), closed as closed_arguments says."""
+        return closed_arguments({"type": "object", **self.parameters})
 
     def as_openai(self) -> dict:
         """The tool as chat templates take it (OpenAI's shape)."""
@@ -66,16 +72,18 @@ def parse_tools(tools: list[dict]) -> list[Tool]:
                 param=f"{where}.function.parameters",
             )
         description = function.get("description")
-        parsed.append(Tool(name, parameters, description if isinstance(description, str) else None))
+        strict = function.get("strict") is True
+        parsed.append(Tool(name, parameters, description if isinstance(description, str) else None, strict))
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise APIError(400, "tools: two tools have the same name; give each its own", param="tools")
     return parsed
 
 
-# An integer argument without bounds is held to this many digits: unbounded, a small model wrote digits until
-# max_tokens, and the call never ended
+# A number argument without bounds is held to 15 digits before the point, and a decimal one to 6 after it (no
+# exponent): unbounded, a small model wrote digits until max_tokens, and the call never ended
 MAX_INTEGER = 10**15 - 1
+NUMBER_STEP = 1e-6  # as `multipleOf`: llguidance reads it as a count of decimals
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 
@@ -83,8 +91,8 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 def closed_arguments(schema):
     """A tool's parameter schema as a constrained call is held to it: an object takes only the properties it
     declares unless it says otherwise (without this a model invented properties, and a tool without parameters
-    got `{"type": "object", "properties": {}}` back as its arguments), and an integer without bounds has at most
-    15 digits. The template still shows the tool's schema as sent."""
+    got `{"type": "object", "properties": {}}` back as its arguments), and a number has at most 15 digits before
+    its point and 6 after, unless the schema bounds it. The template still shows the tool's schema as sent."""
     if isinstance(schema, list):
         return [closed_arguments(s) for s in schema]
     if not isinstance(schema, dict):
@@ -99,9 +107,13 @@ def closed_arguments(schema):
     is_object = schema.get("type") == "object" or "properties" in schema
     if is_object and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys():
         closed["additionalProperties"] = False
-    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-    if schema.get("type") == "integer" and not any(b in schema for b in bounds):
-        closed.update(minimum=-MAX_INTEGER, maximum=MAX_INTEGER)
+    if schema.get("type") in ("integer", "number"):
+        if not {"minimum", "exclusiveMinimum"} & schema.keys():
+            closed["minimum"] = -MAX_INTEGER
+        if not {"maximum", "exclusiveMaximum"} & schema.keys():
+            closed["maximum"] = MAX_INTEGER
+    if schema.get("type") == "number" and "multipleOf" not in schema:
+        closed["multipleOf"] = NUMBER_STEP
     return closed
 
 
@@ -114,21 +126,25 @@ class ToolPlan:
     name: str | None = None
     parallel: bool = True
 
+    @property
+    def loosens_strict_tools(self) -> bool:
+        """tool_choice "auto" with tools marked strict: their calls are read from free text, not held to their
+        schemas (which "required" and a named tool do, strict or not)."""
+        return self.mode == "auto" and any(t.strict for t in self.tools)
+
     def template_tools(self) -> list[dict] | None:
         return None if self.mode == "none" or not self.tools else [t.as_openai() for t in self.tools]
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The shape a "required" or named reply is held to; None for "auto" and "none"."""
         if self.mode == "named":
-            return StructuredOutputsParams(
-                json=closed_arguments(next(t for t in self.tools if t.name == self.name).parameters)
-            )
+            return StructuredOutputsParams(json=next(t for t in self.tools if t.name == self.name).arguments_schema())
         if self.mode != "required":
             return None
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "parameters": closed_arguments(t.parameters)},
+                "properties": {"name": {"const": t.name}, "parameters": t.arguments_schema()},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -270,6 +286,9 @@ class ToolCallStream:
     buffer: str = ""
     started: bool = False  # a named call's first delta has gone out
     settled: bool = False  # auto: the reply is known not to be bare JSON
+    # required: the reply has begun to repeat a call it made (a small model did so up to the cap), so its calls
+    # are complete and the reply should stop
+    repeating: bool = False
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         mode = self.plan.mode
@@ -290,6 +309,9 @@ class ToolCallStream:
             return "", [{"index": 0, "function": {"arguments": text}}] if text else []
         self.buffer += text
         if mode == "required":
+            if "}" in text:
+                items = self._required_items(self.buffer)
+                self.repeating = any(item in items[:i] for i, item in enumerate(items))
             return "", []
         return self._auto(final=False)
 
@@ -301,18 +323,29 @@ class ToolCallStream:
             return "", self._take(self._required_calls(self.buffer))
         return self._auto(final=True)
 
-    def _required_calls(self, text: str) -> list[dict]:
-        """The calls of the constrained array; of one cut short by max_tokens, those it completed."""
+    @staticmethod
+    def _required_items(text: str) -> list[dict]:
+        """The complete items of the constrained array: of one cut short (by max_tokens, or by a repeat), those
+        it completed."""
         decoder, items, at = json.JSONDecoder(), [], text.find("[") + 1
         while at > 0:
-            while at < len(text) and text[at] in " ,":
+            while at < len(text) and text[at] in " ,\n\t\r":
                 at += 1
             try:
                 item, at = decoder.raw_decode(text, at)
             except ValueError:
                 break
             items.append(item)
-        return [new_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+        return items
+
+    def _required_calls(self, text: str) -> list[dict]:
+        """The calls of the constrained array, each once: a repeated call ends the list."""
+        calls = []
+        for item in self._required_items(text):
+            if item in calls:
+                break
+            calls.append(item)
+        return [new_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in calls]
 
     def _take(self, calls: list[dict]) -> list[dict]:
         if not self.plan.parallel:

@@ -1,5 +1,6 @@
-"""The import rules CI enforces (pyproject.toml, ruff's banned-api): engine/ is a library that imports no web
-framework, no UI and nothing of app/, however the import is written; the rest of the tree may."""
+"""The layout rules CI enforces. Imports (pyproject.toml, ruff's banned-api): engine/ is a library that imports no web
+framework, no UI and nothing of app/, however the import is written; the rest of the tree may.
+Size: no source file over 500 lines."""
 
 import subprocess
 import sys
@@ -49,3 +50,16 @@ def test_engine_as_it_is_passes():
         [*RUFF, "check", "--no-cache", "--select", "TID251", "engine"], capture_output=True, text=True, cwd=ROOT
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+MAX_SOURCE_LINES = 500  # past this a file has usually grown a second job: split it where that job starts
+
+
+def test_no_source_file_grows_past_the_line_limit():
+    too_long = {
+        str(path.relative_to(ROOT)): lines
+        for folder in ("engine", "entrypoints", "app")
+        for path in (ROOT / folder).rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_SOURCE_LINES
+    }
+    assert not too_long, f"over {MAX_SOURCE_LINES} lines (split each where its second job starts): {too_long}"
