@@ -136,8 +136,9 @@ def render_kv_cache(
     conversation label (user text: escaped here); tokens_per_s: shown when given.
     """
     holders = _Holders.of(blocks, owners or {})
+    groups = stats.kv_groups if len(stats.kv_groups) > 1 else None  # each block's title names its group
     body = (
-        f'<div class="grid {_grid_size_class(len(blocks))}">{_grid(blocks, stats.block_size, holders)}</div>'
+        f'<div class="grid {_grid_size_class(len(blocks))}">{_grid(blocks, stats.block_size, holders, groups)}</div>'
         if blocks
         else '<p class="none">No KV cache yet: load a model to see its blocks.</p>'
     )
@@ -206,13 +207,16 @@ class _Holders:
 _NO_OWNER = (" own-none", " own-none", "&#10;owner: none running")
 
 
-def _grid(blocks: list[KVBlock], bs: int, holders: _Holders) -> str:
+def _grid(blocks: list[KVBlock], bs: int, holders: _Holders, groups: tuple[str, ...] | None = None) -> str:
     """One element per block. This runs a few times a second over every block, so the loop only looks up a
     (prefix, suffix) pair per block kind and puts the block id between them. Kinds are few: (ref count, cached,
-    filled, owner list) takes a handful of values however many blocks there are."""
+    filled, owner list, group) takes a handful of values however many blocks there are. `groups`: the model's
+    KV-cache groups, named in each used or cached block's title, where it has several."""
 
-    def template(rc, cached, filled, ow) -> tuple[str, str]:
+    def template(rc, cached, filled, ow, group) -> tuple[str, str]:
         m = f"{filled}/{bs} tokens · {'cached' if cached else 'not cached'}"
+        if groups is not None and (rc > 0 or cached):
+            m += f" · KV-cache group {group + 1} ({groups[group]})"
         if rc <= 0:
             if cached:
                 return '<i class="cached" title="Block ', f' · free, cached&#10;ref count {rc} · {m}"></i>'
@@ -233,10 +237,10 @@ def _grid(blocks: list[KVBlock], bs: int, holders: _Holders) -> str:
     add = parts.append
     for b in blocks:
         ow = b.owners
-        key = (b.ref_count, b.cached, b.filled, ow) if ow else (b.ref_count, b.cached, b.filled)
+        key = (b.ref_count, b.cached, b.filled, b.group, ow)
         t = templates.get(key)
         if t is None:
-            t = templates[key] = template(key[0], key[1], key[2], ow)
+            t = templates[key] = template(key[0], key[1], key[2], ow, b.group)
         add(f"{t[0]}{b.id}{t[1]}")
     return "".join(parts)
 
@@ -261,11 +265,25 @@ def _chips(stats: EngineStats, tokens_per_s: float | None) -> str:
             f"prefix cache hits / queries, in tokens: {_fmt_num(hits)} / {_fmt_num(queries)}",
         ),
         _chip(f"{stats.num_preemptions:,}", "preemptions"),
+        *([_groups_chip(stats)] if len(stats.kv_groups) > 1 else []),
         _chip(f"{stats.num_running} / {stats.num_waiting}", "running / waiting"),
     ]
     if tokens_per_s is not None:
         chips.append(_chip(f"{tokens_per_s:.1f}", "tok/s", "generated tokens per second"))
     return "".join(chips)
+
+
+def _groups_chip(stats: EngineStats) -> str:
+    """The KV-cache groups of a model whose layers attend differently: what each holds, in its tooltip."""
+    held = stats.used_blocks_per_group or (0,) * len(stats.kv_groups)
+    lines = "\n".join(
+        f"{i + 1}. {kind}: {n:,} blocks in use" for i, (kind, n) in enumerate(zip(stats.kv_groups, held))
+    )
+    tip = (
+        f"a block holds the KV of one group's {stats.layers_per_block} layers; sliding-window groups give back "
+        f"the blocks their window has passed\n{lines}"
+    )
+    return _chip(f"{len(stats.kv_groups)}", "KV-cache groups", tip)
 
 
 def _usage_bar(stats: EngineStats) -> str:

@@ -127,3 +127,8 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine setting(s) {unknown}; known settings are {sorted(known)}")
         return cls(model=model, **settings)
+
+
+def batched_token_budget(config: EngineConfig, device_type: str) -> int:
+    """The most tokens one step computes: `max_num_batched_tokens`, or a default for the device."""
+    return config.max_num_batched_tokens or (2048 if device_type == "cpu" else 16384)

@@ -210,7 +210,7 @@ def check_invariants(llm) -> None:
                 assert block.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
         assert seq.num_pending_tokens in (0, 1)
     assert all(b.ref_count == uses.get(b.block_id, 0) for b in bm.blocks)
-    assert all(bm.blocks[block_id].hash == h for h, block_id in bm.hash_to_block_id.items())
+    assert all(bm.blocks[block_id].hash == h for (_, h), block_id in bm.hash_to_block_id.items())
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

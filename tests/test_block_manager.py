@@ -4,7 +4,8 @@ The state machine drives the block manager the way the scheduler and engine do (
 cached prefix, allocate a chunk, compute it, register full blocks, sample, preempt, free) and
 keeps a shadow copy of what each KV slot holds: the token prefix it was computed from. Besides
 the bookkeeping invariants, that catches the bug that matters most: a sequence attending over
-KV that was computed for different tokens.
+KV that was computed for different tokens. It runs with one full-attention group, and with KV-cache groups
+(a full and a sliding-window one, a sliding one alone) whose out-of-window blocks are released.
 """
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import engine.core.block_manager as block_manager_module
-from engine.core.block_manager import BlockManager, chain_hash
+from engine.core.block_manager import NO_BLOCK, BlockManager, chain_hash
 from engine.core.sequence import Sequence
 from engine.front.sampling_params import SamplingParams
 
@@ -23,12 +24,19 @@ NUM_BLOCKS = 8
 PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 9, 0, 0], [2, 2, 2, 2, 2, 2, 2, 2, 2]]
 
 
+def first_seen(position: int, window: int | None) -> int:
+    """The first block a query at `position` sees (0 for full attention)."""
+    return 0 if window is None else max(0, position - window + 1) // BS
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     enable_prefix_caching = True
+    group_windows: tuple[int | None, ...] = (None,)
 
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, BS, self.enable_prefix_caching)
+        self.bm = BlockManager(NUM_BLOCKS, BS, self.enable_prefix_caching, self.group_windows)
+        self.group_windows_range = range(len(self.group_windows))
         self.running: list[Sequence] = []
         self.pending: dict[int, int] = {}  # seq_id -> tokens allocated but not computed yet
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, slot) -> the token prefix its KV encodes
@@ -51,11 +59,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _try_admit(self, seq: Sequence, chunk: int) -> None:
         bm = self.bm
         cached = bm.find_cached_prefix(seq)
-        assert len(cached) <= (len(seq) - 1) // BS  # the last token is always computed
-        for i, block_id in enumerate(cached):  # a hit serves exactly this sequence's KV
-            for slot in range(BS):
-                assert self.kv[(block_id, slot)] == tuple(seq.token_ids[: i * BS + slot + 1])
-        n = min(len(seq) - len(cached) * BS, chunk)
+        hit = len(cached[0])
+        assert len(cached) == bm.num_groups and all(len(ids) == hit for ids in cached)
+        assert hit <= (len(seq) - 1) // BS  # the last token is always computed
+        for ids, window in zip(cached, self.group_windows):
+            # every block the next query sees is served, and a hit serves exactly this sequence's KV
+            assert NO_BLOCK not in ids[first_seen(hit * BS, window) :]
+            for i, block_id in enumerate(ids):
+                for slot in range(BS if block_id != NO_BLOCK else 0):
+                    assert self.kv[(block_id, slot)] == tuple(seq.token_ids[: i * BS + slot + 1])
+        n = min(len(seq) - hit * BS, chunk)
         before = self._snapshot()
         hits_before = bm.prefix_cache_hits
         if not bm.can_admit(seq, cached, n):
@@ -63,14 +76,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         bm.admit(seq, cached)
         bm.allocate(seq, n)
-        assert bm.prefix_cache_hits - hits_before == len(cached) * BS == seq.num_cached_tokens
+        assert bm.prefix_cache_hits - hits_before == hit * BS == seq.num_cached_tokens
         self.running.append(seq)
         self.pending[seq.seq_id] = n
         self.lost_registrations_at_admission[seq.seq_id] = self.num_lost_registrations
 
     def _free(self, seq: Sequence) -> None:
         self.bm.free(seq)
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert not any(seq.block_tables) and seq.num_computed_tokens == 0
         self.running.remove(seq)
         del self.pending[seq.seq_id]
 
@@ -91,10 +104,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = seqs[pick % len(seqs)]
         n = self.pending[seq.seq_id]
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            block = self.bm.blocks[seq.block_table[pos // BS]]
-            # A sequence only ever writes into its own unshared, unregistered blocks.
-            assert block.ref_count == 1 and block.hash is None, (block, pos)
-            self.kv[(block.block_id, pos % BS)] = tuple(seq.token_ids[: pos + 1])
+            for table in seq.block_tables:
+                block = self.bm.blocks[table[pos // BS]]
+                # A sequence only ever writes into its own unshared, unregistered blocks.
+                assert block.ref_count == 1 and block.hash is None, (block, pos)
+                self.kv[(block.block_id, pos % BS)] = tuple(seq.token_ids[: pos + 1])
         seq.num_computed_tokens += n
         self.pending[seq.seq_id] = 0
         self.bm.register_full_blocks(seq)
@@ -107,6 +121,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seqs = [s for s in self.running if not self.pending[s.seq_id]]
         seq = seqs[pick % len(seqs)]
         n = min(seq.num_uncomputed_tokens, chunk)
+        self.bm.release_out_of_window(seq)  # as the scheduler does, first
         if self.bm.can_allocate(seq, n):
             self.bm.allocate(seq, n)
             self.pending[seq.seq_id] = n
@@ -145,18 +160,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def ref_counts_equal_references(self):
         counts = [0] * NUM_BLOCKS
         for seq in self.running:
-            for block_id in seq.block_table:
-                counts[block_id] += 1
+            for table in seq.block_tables:
+                for block_id in table:
+                    counts[block_id] += block_id != NO_BLOCK
         assert [b.ref_count for b in self.bm.blocks] == counts  # so never negative, never leaked
+        held = [
+            {b for seq in self.running for b in seq.block_tables[g] if b != NO_BLOCK} for g in self.group_windows_range
+        ]
+        assert self.bm.used_blocks_per_group == [len(ids) for ids in held]
+        assert all(self.bm.blocks[b].group == g for g, ids in enumerate(held) for b in ids)
 
     @invariant()
     def hash_table_is_consistent(self):
         bm = self.bm
         registered = {b.block_id for b in bm.blocks if b.hash is not None}
         assert set(bm.hash_to_block_id.values()) == registered
-        for h, block_id in bm.hash_to_block_id.items():
+        for (group, h), block_id in bm.hash_to_block_id.items():
             block = bm.blocks[block_id]
-            assert block.hash == h
+            assert block.hash == h and block.group == group
             assert len(block.token_ids) == BS
             assert tuple(self.kv[(block_id, slot)][-1] for slot in range(BS)) == block.token_ids
         if not self.enable_prefix_caching:
@@ -166,10 +187,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def sequences_see_their_own_kv(self):
         for seq in self.running:
             pending = self.pending[seq.seq_id]
-            assert len(seq.block_table) == -(-(seq.num_computed_tokens + pending) // BS)
             assert seq.num_registered_blocks <= seq.num_computed_tokens // BS
-            for pos in range(seq.num_computed_tokens):
-                assert self.kv[(seq.block_table[pos // BS], pos % BS)] == tuple(seq.token_ids[: pos + 1])
+            for table, window in zip(seq.block_tables, self.group_windows):
+                assert len(table) == -(-(seq.num_computed_tokens + pending) // BS)
+                # a sliding group holds what its next query sees, and may have released what is before it
+                seen = first_seen(seq.num_computed_tokens, window)
+                assert NO_BLOCK not in table[seen:]
+                for pos in range(seq.num_computed_tokens):
+                    if table[pos // BS] != NO_BLOCK:
+                        assert self.kv[(table[pos // BS], pos % BS)] == tuple(seq.token_ids[: pos + 1])
 
     @invariant()
     def registered_blocks_are_found_until_something_is_evicted(self):
@@ -186,7 +212,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if self.lost_registrations_at_admission[seq.seq_id] == self.num_lost_registrations:
                 n = seq.num_registered_blocks
                 lookup = Sequence(seq.token_ids[: n * BS] + [0], SamplingParams())
-                assert len(bm.find_cached_prefix(lookup)) == (n if self.enable_prefix_caching else 0)
+                assert len(bm.find_cached_prefix(lookup)[0]) == (n if self.enable_prefix_caching else 0)
 
     @invariant()
     def counters(self):
@@ -207,14 +233,26 @@ class BlockManagerWithoutCachingMachine(BlockManagerMachine):
     enable_prefix_caching = False
 
 
+class FullAndSlidingGroupsMachine(BlockManagerMachine):
+    """Gemma-like: a full-attention group and a sliding one whose window (6) is shorter than most prompts."""
+
+    group_windows = (None, 6)
+
+
+class SlidingGroupOnlyMachine(BlockManagerMachine):
+    """Mistral-like: every layer slides, with a window (5) that is no whole number of blocks."""
+
+    group_windows = (5,)
+
+
 def test_equal_tokens_after_another_prefix_are_a_miss_even_when_hashes_collide(monkeypatch):
     """A hash that forgets the parent makes block [5, 6, 7, 8] after [1, 2, 3, 4] collide with the
     same tokens at position 0. Its KV encodes a different prefix, so the parent check must refuse it."""
     monkeypatch.setattr(block_manager_module, "chain_hash", lambda parent, tokens: hash(tokens))
     bm = BlockManager(num_blocks=8, block_size=4)
     a = run_to_completion(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams())) == []
-    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == a.block_table[:2]
+    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams()))[0] == []
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams()))[0] == a.block_table[:2]
 
 
 def test_the_real_hash_chains_the_parent_so_a_block_is_cached_after_each_of_its_prefixes():
@@ -232,8 +270,8 @@ def test_the_real_hash_chains_the_parent_so_a_block_is_cached_after_each_of_its_
     alone_blocks, after_blocks = alone.block_table[:1], after.block_table[:2]
     bm.free(alone)
     bm.free(after)
-    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams())) == alone_blocks
-    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())) == after_blocks
+    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 0], SamplingParams()))[0] == alone_blocks
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams()))[0] == after_blocks
 
 
 _settings = settings(
@@ -243,6 +281,10 @@ TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = _settings
 TestBlockManagerWithoutCachingStateful = BlockManagerWithoutCachingMachine.TestCase
 TestBlockManagerWithoutCachingStateful.settings = settings(_settings, max_examples=40)
+TestFullAndSlidingGroupsStateful = FullAndSlidingGroupsMachine.TestCase
+TestFullAndSlidingGroupsStateful.settings = _settings
+TestSlidingGroupOnlyStateful = SlidingGroupOnlyMachine.TestCase
+TestSlidingGroupOnlyStateful.settings = _settings
 
 
 # ---- unit tests ----------------------------------------------------------------------------------
@@ -280,8 +322,8 @@ def test_cached_free_blocks_are_evicted_least_recently_freed_first():
     assert list(bm.empty_block_ids) == [3]
 
     # The evicted block's prefix is gone; the others still hit.
-    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 1], SamplingParams())) == [2]
-    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 1], SamplingParams())) == [0, 1]
+    assert bm.find_cached_prefix(Sequence([5, 6, 7, 8, 1], SamplingParams()))[0] == [2]
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 1], SamplingParams()))[0] == [0, 1]
 
 
 def test_empty_blocks_are_used_before_cached_ones_are_evicted():
@@ -291,7 +333,7 @@ def test_empty_blocks_are_used_before_cached_ones_are_evicted():
     assert list(bm.cached_free_block_ids) == [0] and sorted(bm.empty_block_ids) == [1, 2, 3]
     b = run_to_completion(bm, [7, 7, 7, 7, 7])
     assert 0 not in b.block_table and len(b.block_table) == 3
-    assert bm.find_cached_prefix(Sequence([1, 2, 3], SamplingParams())) == [0]
+    assert bm.find_cached_prefix(Sequence([1, 2, 3], SamplingParams()))[0] == [0]
 
 
 def test_hash_collision_never_serves_another_prompts_blocks(monkeypatch):
@@ -299,14 +341,14 @@ def test_hash_collision_never_serves_another_prompts_blocks(monkeypatch):
     bm = BlockManager(num_blocks=8, block_size=4)
     a = run_to_completion(bm, [1, 2, 3, 4, 5])
     first_block = a.block_table[0]
-    assert bm.hash_to_block_id == {42: first_block}
+    assert bm.hash_to_block_id == {(0, 42): first_block}
     bm.free(a)
     other = Sequence([9, 9, 9, 9, 5], SamplingParams())
-    assert bm.find_cached_prefix(other) == []  # same hash, different tokens: a miss
-    bm.admit(other, [])
+    assert bm.find_cached_prefix(other)[0] == []  # same hash, different tokens: a miss
+    bm.admit(other, [[]])
     assert other.num_cached_tokens == 0 and bm.prefix_cache_hits == 0
     same = Sequence([1, 2, 3, 4, 6], SamplingParams())
-    assert bm.find_cached_prefix(same) == [first_block]
+    assert bm.find_cached_prefix(same)[0] == [first_block]
 
 
 def test_prefix_caching_off_never_hits_or_registers():
@@ -314,7 +356,7 @@ def test_prefix_caching_off_never_hits_or_registers():
     a = run_to_completion(bm, [1, 2, 3, 4, 5])
     assert bm.hash_to_block_id == {} and all(b.hash is None for b in bm.blocks)
     bm.free(a)
-    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5], SamplingParams())) == []
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 5], SamplingParams()))[0] == []
     assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 4
 
 
@@ -325,7 +367,7 @@ def test_can_admit_counts_matched_blocks_that_leave_the_free_pool():
     bm.free(a)
     seq = Sequence([1, 2, 3, 4, 6, 7, 8], SamplingParams())
     cached = bm.find_cached_prefix(seq)
-    assert cached == registered
+    assert cached == [registered]
     # 3 tokens to compute need 2 more blocks, but taking the 2 cached ones leaves only 1 free.
     assert not bm.can_admit(seq, cached, 3)
     assert bm.can_admit(seq, cached, 2)
@@ -334,13 +376,13 @@ def test_can_admit_counts_matched_blocks_that_leave_the_free_pool():
 def test_misuse_raises_instead_of_corrupting_the_pools():
     bm = BlockManager(num_blocks=2, block_size=2)
     seq = Sequence([1, 2, 3], SamplingParams())
-    bm.admit(seq, [])
+    bm.admit(seq, [[]])
     with pytest.raises(RuntimeError, match="need 3 KV blocks but only 2 are free"):
         bm.allocate(seq, 5)
     assert bm.num_free_blocks == 2 and seq.block_table == []
     bm.allocate(seq, 3)
     with pytest.raises(RuntimeError, match="already holds KV blocks"):
-        bm.admit(seq, [])
+        bm.admit(seq, [[]])
     stale_table = list(seq.block_table)
     bm.free(seq)
     assert bm.num_free_blocks == 2
@@ -373,13 +415,16 @@ def test_blocks_after_a_recomputed_copy_are_found_and_a_stale_holder_of_their_ha
     compute_more(bm, b, [9, 10, 11, 12])  # b's answer fills a block
     answer_block = b.block_table[2]
     assert bm.blocks[answer_block].parent == (a.block_table[1], bm.blocks[a.block_table[1]].serial)
-    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams())) == [*a.block_table, answer_block]
+    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams()))[0] == [
+        *a.block_table,
+        answer_block,
+    ]
 
     # a ends, and its last block (which b's answer block names as parent) is evicted while b runs on.
     bm.free(a)
     other = run_to_completion(bm, list(range(20, 37)))  # 5 blocks: 4 empty ones, then the evicted one
     bm.free(other)
-    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams())) == [0]
+    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams()))[0] == [0]
 
     # The prompt computed again registers its second block anew, and the answer block's hash, whose
     # holder hangs off the evicted block, goes to the new copy: the whole prefix hits again.
@@ -387,4 +432,4 @@ def test_blocks_after_a_recomputed_copy_are_found_and_a_stale_holder_of_their_ha
     bm.admit(c, bm.find_cached_prefix(c))
     compute_more(bm, c, [])
     assert bm.blocks[answer_block].hash is None
-    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams())) == c.block_table[:3]
+    assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams()))[0] == c.block_table[:3]

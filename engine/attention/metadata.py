@@ -32,6 +32,13 @@ class AttentionMetadata:
     host_lens_exact: bool = True
     # Scratch for a backend to keep what it derives once per step and reuses in every layer.
     backend_cache: dict = field(default_factory=dict, repr=False)
+    # With KV-cache groups (engine/runner/kv_cache.py): each group's metadata, this one first. They differ in
+    # slot_mapping and block_tables only.
+    groups: list["AttentionMetadata"] | None = field(default=None, repr=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata the layers of KV-cache group `group` read."""
+        return self if self.groups is None else self.groups[group]
 
     @property
     def num_seqs(self) -> int:

@@ -82,6 +82,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
+            bm.release_out_of_window(seq)
             needed = bm.blocks_needed(seq, n)
             while needed > bm.num_free_blocks:
                 victim = self.running.pop()
@@ -104,7 +105,7 @@ class Scheduler:
             if seq.num_pending_tokens:
                 break
             cached = bm.find_cached_prefix(seq)
-            n = min(len(seq) - len(cached) * bm.block_size, budget)
+            n = min(len(seq) - len(cached[0]) * bm.block_size, budget)
             if len(self.running) >= self.max_num_seqs or not bm.can_admit(seq, cached, n):
                 # Room is made only by less urgent requests, which wait for this one anyway.
                 if not self.running or self.running[-1].priority <= seq.priority:

@@ -37,7 +37,9 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        # One block table per KV-cache group (BlockManager): the blocks of its first len() * block_size positions.
+        # A sliding-window group's entries that no query will see again are NO_BLOCK, their blocks released.
+        self.block_tables: list[list[int]] = [[]]
         self.num_pending_tokens = 0  # sampled on the device, not yet read back by the host
         # The length at which the request finishes for "length": its token limit, or the context's.
         self.max_len = len(token_ids) + sampling_params.max_tokens
@@ -46,9 +48,11 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being written by a step in flight)
         self.num_cached_tokens = 0  # of those, how many the prefix cache served at admission
         self.num_registered_blocks = 0  # leading full blocks whose hash is registered
-        # (block_id, serial) of the registered block a lookup of those blocks ends on: the last of them,
-        # or the block registered before with the same KV when this sequence computed a copy of it
-        self.chain_tail: tuple[int, int] | None = None
+        self.registered_hash: int | None = None  # the chain hash of the last of them
+        # Per group, (block_id, serial) of the registered block a lookup of those blocks ends on: the last of
+        # them, or the block registered before with the same KV when this sequence computed a copy of it
+        self.chain_tails: list[tuple[int, int] | None] = [None]
+        self.num_released_blocks: list[int] = [0]  # per group, leading entries released (sliding windows)
         self.finish_reason: str | None = None
         self.output_text = ""
         self.generator = None  # a torch.Generator when sampling_params.seed is set
@@ -65,6 +69,19 @@ class Sequence:
         # An llguidance matcher when sampling_params.structured_outputs is set: it has taken every output
         # token the host has read, and masks what may come next (engine/sample/structured_output.py)
         self.grammar = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's block table: the only one of a model whose layers all attend alike."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
+    def chain_tail(self) -> tuple[int, int] | None:
+        return self.chain_tails[0]
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens

@@ -18,8 +18,8 @@ from itertools import count
 
 import torch
 
-from engine.config import EngineConfig
-from engine.core.block_manager import BlockManager
+from engine.config import EngineConfig, batched_token_budget
+from engine.core.block_manager import NO_BLOCK, BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.front.detokenizer import Detokenizer
@@ -78,11 +78,13 @@ class LLMEngine:
             self._start_tensor_parallel(hf_config, path)
         self.max_model_len = self.model_runner.max_model_len
         self.block_manager = BlockManager(
-            self.model_runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
+            self.model_runner.num_blocks,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+            self.model_runner.kv_groups.windows,
         )
-        default_tokens = 2048 if self.device.type == "cpu" else 16384
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens or default_tokens
+            self.block_manager, config.max_num_seqs, batched_token_budget(config, self.device.type)
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
@@ -339,6 +341,9 @@ class LLMEngine:
             async_scheduling=self.async_scheduling,
             tensor_parallel_size=self.config.tensor_parallel_size,
             max_batch_size=self.max_batch_size,
+            kv_groups=tuple("full" if w is None else f"sliding {w}" for w in bm.group_windows),
+            used_blocks_per_group=tuple(bm.used_blocks_per_group),
+            layers_per_block=self.model_runner.kv_layout.num_layers,
         )
 
     def kv_blocks(self) -> list[KVBlock]:
@@ -347,9 +352,12 @@ class LLMEngine:
         owners: dict[int, list[str]] = {}
         filled: dict[int, int] = {}
         for seq in self.scheduler.running:
-            for i, block_id in enumerate(seq.block_table):
-                owners.setdefault(block_id, []).append(seq.request_id)
-                filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
+            for table in seq.block_tables:
+                for i, block_id in enumerate(table):
+                    if block_id == NO_BLOCK:
+                        continue
+                    owners.setdefault(block_id, []).append(seq.request_id)
+                    filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
         return [
             KVBlock(
                 b.block_id,
@@ -357,6 +365,7 @@ class LLMEngine:
                 b.hash is not None,
                 bs if b.hash is not None else filled.get(b.block_id, 0),
                 tuple(owners.get(b.block_id, ())),
+                b.group,
             )
             for b in self.block_manager.blocks
         ]

@@ -57,6 +57,11 @@ class EngineStats:
     # The most requests one step has run together, since start. A recorded peak: sampling num_running from
     # outside misses short peaks, most of all on a loaded machine.
     max_batch_size: int = 0
+    # KV-cache groups (engine/runner/kv_cache.py): each group's kind ("full" or "sliding 1024"), the blocks
+    # running requests hold in it, and how many of the model's layers one block holds (all of them, for one group)
+    kv_groups: tuple[str, ...] = ("full",)
+    used_blocks_per_group: tuple[int, ...] = ()
+    layers_per_block: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -76,3 +81,4 @@ class KVBlock:
     cached: bool  # it holds a registered prefix hash, so a request with the same prefix can reuse it
     filled: int  # tokens written into it (block_size once full)
     owners: tuple[str, ...]  # ids of the running requests that use it
+    group: int = 0  # the KV-cache group whose KV it holds (EngineStats.kv_groups), while used or cached

@@ -27,9 +27,11 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         # Set by the ModelRunner once the cache is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
+        self.kv_group = 0  # its KV-cache group, whose block table and slots it reads (engine/runner/kv_cache.py)
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        meta = meta.for_group(self.kv_group)
         self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         # Backends' own defaults where the layer has neither, so a test's stand-in backend needs no window or sinks
         extra = {} if self.sinks is None else {"sinks": self.sinks}

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +57,11 @@ def _forward(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     logits_index: torch.Tensor,
+    *groups: torch.Tensor,
 ) -> torch.Tensor:
     """One decode step's logits: what each graph computes. The metadata's host fields are never read
-    while compiling (engine/attention/torch_backend.py), so placeholders fill them."""
+    while compiling (engine/attention/torch_backend.py), so placeholders fill them. `groups`: the slot
+    mapping and block tables of each KV-cache group after the first, in turn."""
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
         query_start_loc=slot_mapping,
@@ -71,7 +73,7 @@ def _forward(
         seq_lens_cpu=[],
         host_lens_exact=False,
     )
-    return model.compute_logits(model(input_ids, positions, meta)[logits_index])
+    return model.compute_logits(model(input_ids, positions, with_groups(meta, groups))[logits_index])
 
 
 def eager_forward(
@@ -82,6 +84,7 @@ def eager_forward(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     logits_index: torch.Tensor,
+    *groups: torch.Tensor,
 ) -> torch.Tensor:
     """`_forward`'s step run eagerly, with the host fields the eager attention reads: the reference."""
     rows = input_ids.shape[0]
@@ -95,7 +98,17 @@ def eager_forward(
         query_lens_cpu=[1] * rows,
         seq_lens_cpu=seq_lens.tolist(),
     )
-    return model.compute_logits(model(input_ids, positions, meta)[logits_index])
+    return model.compute_logits(model(input_ids, positions, with_groups(meta, groups))[logits_index])
+
+
+def with_groups(meta: AttentionMetadata, groups: tuple[torch.Tensor, ...]) -> AttentionMetadata:
+    """`meta` with the KV-cache groups after the first: (slot_mapping, block_tables) pairs, flattened."""
+    if groups:
+        meta.groups = [meta] + [
+            replace(meta, slot_mapping=slots, block_tables=tables, backend_cache={}, groups=None)
+            for slots, tables in zip(groups[::2], groups[1::2], strict=True)
+        ]
+    return meta
 
 
 @dataclass
@@ -158,7 +171,8 @@ def capture(model: nn.Module, args: tuple[torch.Tensor, ...], dynamic_rows: bool
         )
         return compiled
 
-    torch._dynamo.mark_dynamic(args[3], 1)
+    for tables in (args[3], *args[7::2]):  # every KV-cache group's block tables
+        torch._dynamo.mark_dynamic(tables, 1)
     if dynamic_rows:
         for t in args:
             torch._dynamo.mark_dynamic(t, 0)
@@ -194,17 +208,24 @@ def capture(model: nn.Module, args: tuple[torch.Tensor, ...], dynamic_rows: bool
     return DecodeGraph(compiled, template, step_slots, size_slots)
 
 
-def example_args(rows: int, blocks: int, block_size: int, scratch_block: int) -> tuple[torch.Tensor, ...]:
+def example_args(
+    rows: int, blocks: int, block_size: int, scratch_block: int, num_groups: int = 1
+) -> tuple[torch.Tensor, ...]:
     """A decode step of `rows` rows at positions 0..rows-1, all in `scratch_block`, a block no sequence
-    uses: input_ids, positions, slot_mapping, block_tables, seq_lens, logits_index."""
+    uses: input_ids, positions, slot_mapping, block_tables, seq_lens, logits_index, then the slot mapping
+    and block tables of each further KV-cache group."""
     positions = torch.arange(rows)
+    slots = lambda: scratch_block * block_size + positions
+    tables = lambda: torch.full((rows, blocks), scratch_block, dtype=torch.int32)
+    groups = [t for _ in range(num_groups - 1) for t in (slots(), tables())]
     return (
         torch.zeros(rows, dtype=torch.int64),
         positions,
-        scratch_block * block_size + positions,
-        torch.full((rows, blocks), scratch_block, dtype=torch.int32),
+        slots(),
+        tables(),
         (positions + 1).to(torch.int32),
         torch.arange(rows),
+        *groups,
     )
 
 
@@ -222,9 +243,9 @@ class CompiledDecode:
     """The compiled graphs of one model's decode steps: traced and compiled on construction (in a
     background thread), then `choose` keeps those that measure faster than eager."""
 
-    def __init__(self, model: nn.Module, max_num_seqs: int, block_size: int, scratch_block: int):
+    def __init__(self, model: nn.Module, max_num_seqs: int, block_size: int, scratch_block: int, num_groups: int = 1):
         """Traces the steps in `scratch_block`, a KV block outside the block manager's, so the engine
-        may run requests meanwhile (from another thread)."""
+        may run requests meanwhile (from another thread). `num_groups`: the model's KV-cache groups."""
         self.model, self.max_num_seqs = model, max_num_seqs
         self.graphs: dict[str, DecodeGraph] = {}  # "one row", "rows": the ones `choose` kept
         self.candidates: dict[str, tuple[DecodeGraph, tuple[torch.Tensor, ...]]] = {}
@@ -233,7 +254,7 @@ class CompiledDecode:
         self._set_cache_dir()
         shapes = [("one row", 1, False)] + ([("rows", _TRACE_ROWS, True)] if max_num_seqs > 1 else [])
         for name, rows, dynamic in shapes:
-            args = example_args(rows, _TRACE_BLOCKS, block_size, scratch_block)
+            args = example_args(rows, _TRACE_BLOCKS, block_size, scratch_block, num_groups)
             self.candidates[name] = (capture(model, args, dynamic, max_num_seqs), args)
         self.notes.append(f"compiled in {time.perf_counter() - start:.1f} s")
 
@@ -297,11 +318,16 @@ class CompiledDecode:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_index: torch.Tensor
     ) -> torch.Tensor:
         """The step's logits (see `can_run`)."""
-        block_tables = meta.block_tables
-        if block_tables.shape[1] < MIN_BLOCKS:  # -1 entries: read as block 0 and masked out
-            block_tables = F.pad(block_tables, (0, MIN_BLOCKS - block_tables.shape[1]), value=-1)
+
+        def padded(block_tables: torch.Tensor) -> torch.Tensor:
+            if block_tables.shape[1] < MIN_BLOCKS:  # -1 entries: read as block 0 and masked out
+                block_tables = F.pad(block_tables, (0, MIN_BLOCKS - block_tables.shape[1]), value=-1)
+            return block_tables
+
+        groups = [t for g in (meta.groups or [meta])[1:] for t in (g.slot_mapping, padded(g.block_tables))]
         # Layouts as traced: the graphs were compiled for contiguous inputs.
         args = tuple(
-            t.contiguous() for t in (input_ids, positions, meta.slot_mapping, block_tables, meta.seq_lens, logits_index)
-        )
+            t.contiguous()
+            for t in (input_ids, positions, meta.slot_mapping, padded(meta.block_tables), meta.seq_lens, logits_index)
+        ) + tuple(t.contiguous() for t in groups)
         return self.graphs["one row" if input_ids.shape[0] == 1 else "rows"](args)

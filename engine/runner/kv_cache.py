@@ -12,6 +12,10 @@ Separate tensors, not views of one: a compiled decode step writes each cache in 
 compiler does only for a tensor that is no view of a larger one (with one shared tensor it copied
 the whole cache for every layer, 50-250 ms a step; engine/runner/compiled_decode.py).
 
+A model whose layers attend in different ways (sliding windows beside full attention) has KV-cache groups
+(KVCacheGroups): layers of one kind, each group with its own block tables and slots per step. Then a pair of
+tensors serves one layer of every group, and a block id holds the KV of one group's layers only.
+
     one sequence, block_size 4, block_table [7, 2, 9]:
 
     position       0  1  2  3 |  4  5  6  7 |  8  9
@@ -47,19 +51,76 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
-class KVCacheLayout:
-    """The shape of one block across every layer, and what it weighs."""
+class KVCacheGroups:
+    """The model's attention layers in KV-cache groups of one kind each (full attention, or one sliding window),
+    as vLLM v1's hybrid KV-cache manager groups them. Every group has as many layers (the kind with the fewest
+    sets the size; a short last group of a kind is padded), and a cache tensor is shared by one layer of each
+    group: layer i of every group uses tensor i. A block id belongs to one group at a time (BlockManager), so
+    the groups never write the same rows, and a block weighs `group_size` layers instead of all of them.
 
-    num_layers: int
+    Gemma 3 4B: 5 global layers and 29 sliding ones make 1 full group and 6 sliding ones of 5 layers (one
+    padded); at 32k tokens its sequence holds 2,048 full-group blocks and 6 x 65 sliding ones, 0.18x the bytes
+    of the all-global layout."""
+
+    windows: tuple[int | None, ...]  # each group's sliding window, None for full attention
+    layer_groups: tuple[int, ...]  # each attention layer's group
+    layer_slots: tuple[int, ...]  # each attention layer's cache tensor: its place in its group
+
+    @property
+    def group_size(self) -> int:
+        return max(self.layer_slots) + 1
+
+    def blocks_held(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most blocks one sequence of `num_tokens` tokens holds, computed in steps of at most `chunk`
+        tokens: a sliding-window group holds its window's blocks and the step's."""
+        full = -(-num_tokens // block_size)
+        return sum(full if w is None else min(full, -(-(w - 1 + chunk) // block_size) + 1) for w in self.windows)
+
+    def tokens_that_fit(self, num_blocks: int, block_size: int, chunk: int) -> int:
+        """The longest sequence `num_blocks` blocks hold (in whole blocks)."""
+        if None not in self.windows and self.blocks_held(1 << 40, block_size, chunk) <= num_blocks:
+            return 1 << 40  # every group slides: any length fits
+        low, high = 0, num_blocks * block_size  # a full group holds a block per block_size tokens
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.blocks_held(mid, block_size, chunk) <= num_blocks else (low, mid - 1)
+        return low // block_size * block_size
+
+    @classmethod
+    def of(cls, layer_windows: Sequence[int | None], split: bool = True) -> "KVCacheGroups":
+        """Groups for layers with these windows; `split` False: one group of every layer, releasing nothing (a
+        step that is compiled or captured reads one block table: each layer still masks its own window)."""
+        kinds = list(dict.fromkeys(layer_windows))
+        if not split or len(kinds) == 1:
+            window = kinds[0] if split else None
+            return cls((window,), (0,) * len(layer_windows), tuple(range(len(layer_windows))))
+        size = min(layer_windows.count(kind) for kind in kinds)
+        windows, groups, slots = [], [0] * len(layer_windows), [0] * len(layer_windows)
+        for kind in kinds:
+            layers = [i for i, w in enumerate(layer_windows) if w == kind]
+            for start in range(0, len(layers), size):
+                for slot, layer in enumerate(layers[start : start + size]):
+                    groups[layer], slots[layer] = len(windows), slot
+                windows.append(kind)
+        return cls(tuple(windows), tuple(groups), tuple(slots))
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The shape of one block across the cache tensors, and what it weighs."""
+
+    num_layers: int  # cache tensors (of keys, and of values): the layers of one KV-cache group
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, attention_layers: Sequence[Attention], block_size: int, dtype: torch.dtype) -> "KVCacheLayout":
+    def of(
+        cls, attention_layers: Sequence[Attention], block_size: int, dtype: torch.dtype, groups: KVCacheGroups
+    ) -> "KVCacheLayout":
         first = attention_layers[0]  # every layer of one model has the same heads
-        return cls(len(attention_layers), block_size, first.num_kv_heads, first.head_dim, dtype)
+        return cls(groups.group_size, block_size, first.num_kv_heads, first.head_dim, dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -109,16 +170,39 @@ def choose_num_blocks(
     return num_blocks
 
 
-def allocate_kv_cache(
-    layout: KVCacheLayout, num_blocks: int, attention_layers: Sequence[Attention], device: torch.device
-) -> list[torch.Tensor]:
-    """The zeroed cache tensors, bound to each Attention layer's k_cache and v_cache: [k, v, k, v, ...]."""
-    kv_cache = []
-    for layer in attention_layers:
-        layer.k_cache, layer.v_cache = (
-            torch.zeros(layout.layer_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(2)
+def fitting_max_model_len(
+    wanted: int | None, max_position: int, groups: KVCacheGroups, num_blocks: int, block_size: int, chunk: int
+) -> int:
+    """The context one sequence may have: `wanted` (max_model_len) if the cache holds it, else an error that says
+    what to change; by default the model's `max_position`, or what the cache holds if less. `chunk`: the most
+    tokens a step computes (a sliding-window group holds them beside its window)."""
+    capacity = groups.tokens_that_fit(num_blocks, block_size, chunk)
+    if wanted is not None and wanted > capacity:
+        raise ValueError(
+            f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens of one sequence "
+            f"({num_blocks} blocks); lower max_model_len or give the cache more memory"
         )
-        kv_cache += [layer.k_cache, layer.v_cache]
+    return wanted or min(max_position, capacity)
+
+
+def allocate_kv_cache(
+    layout: KVCacheLayout,
+    num_blocks: int,
+    attention_layers: Sequence[Attention],
+    device: torch.device,
+    groups: KVCacheGroups | None = None,
+) -> list[torch.Tensor]:
+    """The zeroed cache tensors, [k, v, k, v, ...], bound to each Attention layer's k_cache and v_cache: a
+    tensor pair per layer, or per place in a KV-cache group where `groups` has several (KVCacheGroups)."""
+    groups = groups or KVCacheGroups.of([None] * len(attention_layers))
+    pairs = [
+        tuple(torch.zeros(layout.layer_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(2))
+        for _ in range(groups.group_size)
+    ]
+    for layer, group, slot in zip(attention_layers, groups.layer_groups, groups.layer_slots, strict=True):
+        layer.k_cache, layer.v_cache = pairs[slot]
+        layer.kv_group = group
+    kv_cache = [t for pair in pairs for t in pair]
     log.info(
         "KV cache: %d blocks of %d tokens (%.0f MiB)",
         num_blocks,

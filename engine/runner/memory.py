@@ -6,6 +6,10 @@ too-large weight load or KV cache until the kernel kills the process, taking the
 
 import os
 
+from engine import quantization
+from engine.config import EngineConfig
+from engine.loader import GGUFCheckpoint, checkpoint_numel, safetensors_files
+
 HEADROOM = 0.9  # leave a tenth of what is available to the rest of the process and the system
 
 
@@ -31,3 +35,20 @@ def check_host_memory(needed: int, what: str, advice: str) -> None:
             f"{what} would take {needed / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB "
             f"of memory is available; {advice}"
         )
+
+
+def check_weights_fit(
+    model_path, config: EngineConfig, hf_config, itemsize: int, packed: bool, tp_size: int = 1
+) -> None:
+    """Refuse up front weights that would not fit in memory (nothing else would stop the load before the OOM
+    killer). `packed`: the CPU's packed matmul weights, whose head is a second copy of a tied embedding."""
+    if isinstance(model_path, GGUFCheckpoint):
+        # 4-bit codes sit one per byte between reading and packing, one tensor at a time
+        check_host_memory(model_path.path.stat().st_size, "the model's weights", "use a smaller model or file")
+        return
+    bytes_per_weight = quantization.bytes_per_weight(config.quantization, itemsize, config.quantization_group_size)
+    weights = int(checkpoint_numel(safetensors_files(model_path)) * bytes_per_weight) // tp_size
+    if (packed or config.quantization) and getattr(hf_config, "tie_word_embeddings", False):
+        # the packed (or quantized) head is a second copy of the embedding
+        weights += int(hf_config.vocab_size * hf_config.hidden_size * bytes_per_weight) // tp_size
+    check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")

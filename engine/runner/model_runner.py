@@ -11,7 +11,7 @@ engine/runner/kv_cache.py; this file keeps what touches the device.
 import gc
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -19,19 +19,26 @@ from torch import nn
 
 from engine import quantization
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, batched_token_budget
 from engine.core.scheduler import ScheduledSeq
 from engine.layers.attention import Attention
 from engine.layers.linear import OneDNNMatmul, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding
-from engine.loader import GGUFCheckpoint, checkpoint_numel, load_tensors, load_weights, safetensors_files
+from engine.loader import GGUFCheckpoint, load_tensors, load_weights
 from engine.models import model_class
 from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env
 from engine.runner.cuda_graph import DecodeGraphs
 from engine.runner.distributed import SINGLE, TPGroup
 from engine.runner.kernel_passes import choose_gemv, choose_normed, compiled_small_ops
-from engine.runner.kv_cache import KVCacheLayout, allocate_kv_cache, choose_num_blocks, gpu_kv_budget
-from engine.runner.memory import check_host_memory
+from engine.runner.kv_cache import (
+    KVCacheGroups,
+    KVCacheLayout,
+    allocate_kv_cache,
+    choose_num_blocks,
+    fitting_max_model_len,
+    gpu_kv_budget,
+)
+from engine.runner.memory import check_weights_fit
 from engine.runner.staging import StagingBuffer
 from engine.runner.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step
 from engine.runner.tracing import MODULE_CALLS
@@ -86,7 +93,8 @@ class ModelRunner:
         self.gguf = model_path if isinstance(model_path, GGUFCheckpoint) else None
         self.from_gguf = self.gguf is not None
         self.quantized = config.quantization is not None or self.from_gguf
-        self._check_host_memory(model_path)
+        if device.type == "cpu":
+            check_weights_fit(model_path, config, hf_config, dtype.itemsize, self.packed_weights, tp.size)
         self.model = self._load_model(model_path)
         self.gguf = None  # its metadata holds the vocabulary's lists, which nothing needs past loading
         self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
@@ -97,33 +105,26 @@ class ModelRunner:
         self.use_graphs = (
             device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch" and self.static_decode
         )
+        # KV-cache groups where the steps run eagerly: a captured or compiled decode step reads one block table
+        self.kv_groups = KVCacheGroups.of(
+            [layer.sliding_window for layer in self.attention_layers], split=not self.use_graphs and tp.size == 1
+        )
         self._create_step_buffers()
-        self.kv_layout = KVCacheLayout.of(self.attention_layers, self.block_size, dtype)
+        self.kv_layout = KVCacheLayout.of(self.attention_layers, self.block_size, dtype, self.kv_groups)
         self.kv_cache, self.num_blocks = self._allocate_kv_cache()
-        self.max_model_len = self._max_model_len(hf_config)
+        chunk = batched_token_budget(config, device.type)
+        self.max_model_len = fitting_max_model_len(
+            config.max_model_len,
+            hf_config.max_position_embeddings,
+            self.kv_groups,
+            self.num_blocks,
+            self.block_size,
+            chunk,
+        )
         self.graphs = self._capture_graphs()
         self._start_compiling_decode()
 
     # ---- start-up steps, in the order __init__ runs them ----------------------------------------
-    def _check_host_memory(self, model_path) -> None:
-        """On the CPU, refuse up front weights that would not fit in memory (nothing else would stop
-        the load before the OOM killer)."""
-        if self.device.type != "cpu":
-            return
-        if self.gguf is not None:
-            # 4-bit codes sit one per byte between reading and packing, one tensor at a time
-            check_host_memory(self.gguf.path.stat().st_size, "the model's weights", "use a smaller model or file")
-            return
-        bytes_per_weight = quantization.bytes_per_weight(
-            self.config.quantization, self.dtype.itemsize, self.config.quantization_group_size
-        )
-        weights = int(checkpoint_numel(safetensors_files(model_path)) * bytes_per_weight) // self.tp.size
-        if (self.packed_weights or self.config.quantization) and getattr(self.hf_config, "tie_word_embeddings", False):
-            # the packed (or quantized) head is a second copy of the embedding
-            table = self.hf_config.vocab_size * self.hf_config.hidden_size
-            weights += int(table * bytes_per_weight) // self.tp.size
-        check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
-
     def _load_model(self, model_path) -> nn.Module:
         """The model built on the device in `dtype`, with its weights loaded, in eval mode."""
         # What this process already holds on the GPU (another engine, say) is not this engine's weights.
@@ -214,17 +215,10 @@ class ModelRunner:
         # and timed while requests may already be running.
         self.scratch_block = num_blocks if self._decode_compiles() else None
         extra = 0 if self.scratch_block is None else 1
-        return allocate_kv_cache(self.kv_layout, num_blocks + extra, self.attention_layers, self.device), num_blocks
-
-    def _max_model_len(self, hf_config) -> int:
-        capacity = self.num_blocks * self.block_size
-        wanted = self.config.max_model_len
-        if wanted is not None and wanted > capacity:
-            raise ValueError(
-                f"max_model_len={wanted} does not fit the KV cache, which holds {capacity} tokens "
-                f"({self.num_blocks} blocks); lower max_model_len or give the cache more memory"
-            )
-        return wanted or min(hf_config.max_position_embeddings, capacity)
+        kv_cache = allocate_kv_cache(
+            self.kv_layout, num_blocks + extra, self.attention_layers, self.device, self.kv_groups
+        )
+        return kv_cache, num_blocks
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """The decode steps' CUDA graphs, captured with the compiled small ops; None where steps run eagerly."""
@@ -281,7 +275,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile_decode(self) -> None:
         try:
-            self._captured = CompiledDecode(self.model, self.config.max_num_seqs, self.block_size, self.scratch_block)
+            self._captured = CompiledDecode(
+                self.model, self.config.max_num_seqs, self.block_size, self.scratch_block, len(self.kv_groups.windows)
+            )
         except Exception as e:  # no C++ compiler, an op inductor cannot lower, a refused trace: still serve
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning(
@@ -382,7 +378,10 @@ class ModelRunner:
             ],
             torch.int64,
         )
-        starts, seq_lens, tables = self.upload([step.query_start_loc, step.seq_lens, step.block_tables], torch.int32)
+        starts, seq_lens, tables, *group_tables = self.upload(
+            [step.query_start_loc, step.seq_lens, step.block_tables, *step.group_block_tables], torch.int32
+        )
+        group_slots = self.upload(step.group_slot_mappings, torch.int64)
         if step.pending_rows.size:
             token_ids[pending_rows] = self.last_sampled[pending_sources]
         meta = AttentionMetadata(
@@ -395,6 +394,11 @@ class ModelRunner:
             query_lens_cpu=step.query_lens.tolist(),
             seq_lens_cpu=step.seq_lens.tolist(),
         )
+        if group_tables:  # the other KV-cache groups: their own slots and tables, the same lengths
+            meta.groups = [meta] + [
+                replace(meta, slot_mapping=slots, block_tables=tables, backend_cache={}, groups=None)
+                for slots, tables in zip(group_slots, group_tables, strict=True)
+            ]
         return token_ids, positions, meta, logits_index, logprobs_rows
 
     @torch.inference_mode()

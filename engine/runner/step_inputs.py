@@ -14,6 +14,7 @@ from itertools import chain
 
 import numpy as np
 
+from engine.core.block_manager import NO_BLOCK
 from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
 
@@ -33,6 +34,9 @@ class StepInputs:
     # Input tokens the previous step sampled and the host has not read yet (asynchronous scheduling):
     pending_rows: np.ndarray  # their rows in token_ids, filled on the device
     pending_sources: np.ndarray  # their rows in the previous step's sampled tokens
+    # KV-cache groups after the first (engine/runner/kv_cache.py), each with its own slots and block tables
+    group_slot_mappings: list[np.ndarray] = field(default_factory=list)
+    group_block_tables: list[np.ndarray] = field(default_factory=list)
     # Logprobs, for the requests that asked (see LogprobsPlan); empty for all others:
     sample_logprobs_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # rows of logits_index
     num_logprobs: int = 0  # top tokens to keep for them: the most any of them asked for
@@ -157,12 +161,7 @@ def prepare_step(
     seq_lens = starts + query_lens
     query_start_loc = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    table_lens = np.fromiter((len(s.seq.block_table) for s in batch), np.int64, num_seqs)
-    tables = np.full((num_seqs, int(table_lens.max())), -1, np.int64)
-    # Row-major boolean indexing fills each row's leading entries, in the order chain() lists them.
-    tables[np.arange(tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-        chain.from_iterable(s.seq.block_table for s in batch), np.int64, int(table_lens.sum())
-    )
+    tables = block_tables(batch, 0)
     if int(query_lens.max()) == 1:  # one token per sequence (a decode, or a one-token prefill chunk)
         if len(pending) == num_seqs:  # steady asynchronous decoding: every input is on the device
             token_ids = np.zeros(num_seqs, np.int64)
@@ -180,6 +179,7 @@ def prepare_step(
         positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[seq_index]
         pending_rows = query_start_loc[pending]
     slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs
+    more_tables = [block_tables(batch, g) for g in range(1, len(batch[0].seq.block_tables))]
     sample_rows = [i for i, s in enumerate(batch) if s.samples]
     step = StepInputs(
         np.asarray(token_ids, np.int64),
@@ -193,8 +193,23 @@ def prepare_step(
         pending_rows,
         rows_in_last_sampled([batch[i].seq for i in pending], sampled_rows),
     )
+    step.group_block_tables = more_tables
+    step.group_slot_mappings = [t[seq_index, positions // bs] * bs + positions % bs for t in more_tables]
     if plan is not None:
         step.sample_logprobs_rows, step.num_logprobs = plan.sample_rows, plan.num_logprobs
         step.prompt_logits_index, step.prompt_token_ids = plan.prompt_rows, plan.prompt_token_ids
         step.num_prompt_logprobs = plan.num_prompt_logprobs
     return step
+
+
+def block_tables(batch: list[ScheduledSeq], group: int) -> np.ndarray:
+    """[num_seqs, longest table] of KV-cache group `group`'s block ids, -1 past each table's end. A block a
+    sliding window released (NO_BLOCK) reads as block 0: no query sees it, and a kernel that loads a whole tile
+    around the window's start still reads memory that is there."""
+    lens = np.fromiter((len(s.seq.block_tables[group]) for s in batch), np.int64, len(batch))
+    ids = np.fromiter(chain.from_iterable(s.seq.block_tables[group] for s in batch), np.int64, int(lens.sum()))
+    ids[ids == NO_BLOCK] = 0
+    tables = np.full((len(batch), int(lens.max())), -1, np.int64)
+    # Row-major boolean indexing fills each row's leading entries, in the order chain() lists them.
+    tables[np.arange(tables.shape[1]) < lens[:, None]] = ids
+    return tables

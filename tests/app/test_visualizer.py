@@ -399,3 +399,21 @@ def test_remote_notice():
     for empty in (None, {}):
         text = Grid(render_remote_notice(empty)).all_text
         assert "not available" in text and "no metrics" in text
+
+
+def test_a_model_with_kv_cache_groups_says_which_group_each_block_holds():
+    """Gemma 3's layers attend in two ways: its blocks belong to KV-cache groups, and the view says so."""
+    blocks = [KVBlock(0, 1, True, BS, ("req-a",), 0), KVBlock(1, 1, False, 3, ("req-a",), 1), block(2)]
+    g = render(
+        blocks,
+        {"req-a": "Long chat"},
+        kv_groups=("sliding 1024", "full"),
+        used_blocks_per_group=(1, 1),
+        layers_per_block=5,
+    )
+    assert "KV-cache group 1 (sliding 1024)" in g.blocks[0]["title"]
+    assert "KV-cache group 2 (full)" in g.blocks[1]["title"]
+    assert "group" not in g.blocks[2]["title"]  # an empty block belongs to none
+    assert "2  KV-cache groups" in g.all_text
+    plain = render(blocks, {"req-a": "Long chat"})  # one group: nothing about groups
+    assert "group" not in plain.all_text and all("group" not in b["title"] for b in plain.blocks)
