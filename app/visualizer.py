@@ -276,9 +276,7 @@ def _chips(stats: EngineStats, tokens_per_s: float | None) -> str:
 def _groups_chip(stats: EngineStats) -> str:
     """The KV-cache groups of a model whose layers attend differently: what each holds, in its tooltip."""
     held = stats.used_blocks_per_group or (0,) * len(stats.kv_groups)
-    lines = "\n".join(
-        f"{i + 1}. {kind}: {n:,} blocks in use" for i, (kind, n) in enumerate(zip(stats.kv_groups, held))
-    )
+    lines = "\n".join(f"{i + 1}. {kind}: {n:,} blocks in use" for i, (kind, n) in enumerate(zip(stats.kv_groups, held)))
     tip = (
         f"a block holds the KV of one group's {stats.layers_per_block} layers; sliding-window groups give back "
         f"the blocks their window has passed\n{lines}"
