@@ -98,6 +98,8 @@ class CatalogEntry:
     description: str = ""
     size_is_approximate: bool = True
     num_experts: int = 0  # a mixture of experts' experts per layer (0: a dense model)
+    sliding_window: int | None = None  # tokens a sliding-window layer sees (None: no such layers)
+    num_sliding_layers: int = 0  # of num_hidden_layers, those that attend through sliding_window
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -125,8 +127,22 @@ class CatalogEntry:
         """K and V for one token across all layers."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes(dtype, self)
 
+    def kv_bytes(self, context_len: int, dtype: str = "bfloat16", windows_release: bool = False) -> int:
+        """K and V of one sequence of `context_len` tokens. `windows_release`: the engine gives back what a
+        sliding window has passed (its KV-cache groups, where steps are not CUDA graphs), so a sliding layer holds
+        its window and a step's chunk of tokens, not the whole context."""
+        per_layer = self.kv_bytes_per_token(dtype) // self.num_hidden_layers
+        sliding = self.num_sliding_layers if windows_release and self.sliding_window else 0
+        held = min(context_len, (self.sliding_window or 0) + SLIDING_CHUNK_TOKENS)
+        return per_layer * ((self.num_hidden_layers - sliding) * context_len + sliding * held)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# The tokens a CPU step computes at most (engine/config.py's default): a sliding-window layer holds them beside its
+# window while a long prompt is prefilled
+SLIDING_CHUNK_TOKENS = 2048
 
 
 # ---- loading --------------------------------------------------------------------------------------------------
@@ -291,6 +307,7 @@ def entry_from_config(
     else:
         raise ValueError(f"cannot tell the parameter count of {repo_id}: no file size and an incomplete config.json")
 
+    window, sliding = sliding_layers(cfg)
     notes = []
     if not family:
         notes.append(
@@ -315,11 +332,32 @@ def entry_from_config(
         num_attention_heads=heads,
         tie_word_embeddings=tie,
         num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+        sliding_window=window,
+        num_sliding_layers=sliding,
         gated=gated,
         license=license,
         description=" ".join(notes),
         size_is_approximate=False,
     )
+
+
+def sliding_layers(config: dict[str, Any]) -> tuple[int | None, int]:
+    """(sliding window, number of sliding-window layers) of a config.json, as the engine reads them: through
+    transformers' config class for its model_type (which fills `layer_types` from Gemma 3's
+    sliding_window_pattern or Qwen2's max_window_layers) and engine.models.llama.layer_windows. (None, 0) for a
+    config it cannot read: the estimate then counts every layer as full attention, the safe side."""
+    import transformers
+
+    from engine.models.llama import layer_windows
+
+    try:
+        fields = {key: value for key, value in config.items() if key != "model_type"}
+        known = transformers.AutoConfig.for_model(config["model_type"], **fields)
+        windows = layer_windows(getattr(known, "text_config", None) or known)
+    except Exception:  # an unknown model_type or a config transformers refuses: no sliding layers counted
+        return None, 0
+    sliding = [w for w in windows if w is not None]
+    return (max(sliding), len(sliding)) if sliding else (None, 0)
 
 
 # The estimates and the free-memory measurement lived here before they got modules of their own; scripts that

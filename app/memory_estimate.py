@@ -51,6 +51,7 @@ class MemoryEstimate:
     num_seqs: int = 1
     dtype: str = "bfloat16"
     quantization: str = "none"  # "none", "int8", "int4" or "GGUF Q4_K_M"
+    windows_release: bool = False  # sliding-window layers hold only their window (CatalogEntry.kv_bytes)
 
 
 @dataclass
@@ -161,7 +162,7 @@ def estimate_memory(
     if int(num_seqs) <= 0:
         raise ValueError(f"num_seqs must be at least 1, got {num_seqs}")
     weights = weights_bytes(entry, dtype, quantization, on_cpu)
-    kv = entry.kv_bytes_per_token(dtype) * int(context_len) * int(num_seqs)
+    kv = entry.kv_bytes(int(context_len), dtype, windows_release=on_cpu) * int(num_seqs)
     overhead = _OVERHEAD_FIXED + int(_OVERHEAD_WEIGHT_FRACTION * weights)
     name = dtype.lower().removeprefix("torch.") if dtype != "auto" else entry.checkpoint_dtype
     return MemoryEstimate(
@@ -173,20 +174,35 @@ def estimate_memory(
         int(num_seqs),
         name,
         quantization_label(entry, quantization),
+        windows_release=on_cpu,
     )
 
 
 def _max_context(entry: CatalogEntry, est: MemoryEstimate, free_bytes: int) -> int | None:
     """The longest context (a multiple of 256, at most the trained length) that fits comfortably beside the
     weights and runtime of `est`; None when not even 256 tokens do."""
-    per_token = entry.kv_bytes_per_token(est.dtype) * est.num_seqs
     room = free_bytes * _HEADROOM - est.weights_bytes - est.overhead_bytes
-    max_ctx = min(int(room // per_token) if room > 0 else 0, entry.max_position_embeddings)
-    max_ctx = (max_ctx // 256) * 256
-    return max_ctx if max_ctx >= 256 else None
+
+    def fits(ctx: int) -> bool:
+        return entry.kv_bytes(ctx, est.dtype, est.windows_release) * est.num_seqs <= room
+
+    low, high = 0, entry.max_position_embeddings // 256  # in steps of 256 tokens: the KV grows with the context
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid * 256) else (low, mid - 1)
+    return low * 256 if low else None
 
 
 # ---- the report -----------------------------------------------------------------------------------------------
+
+
+def _window_note(entry: CatalogEntry, est: MemoryEstimate) -> str:
+    """What the KV figure counts for a model with sliding-window layers."""
+    if not entry.num_sliding_layers:
+        return ""
+    if est.windows_release:
+        return f", its {entry.num_sliding_layers} sliding-window layers holding only their window"
+    return ", every layer keeping the whole context (on a GPU the sliding-window saving is still to come)"
 
 
 def _measure(device: str, free_bytes: int | None, device_name: str | None) -> tuple[int, str]:
@@ -223,7 +239,7 @@ def fit_report(
     stored = est.dtype if est.quantization == "none" else f"{est.quantization} weights, {est.dtype}"
     head = (
         f"{entry.name} needs about {format_gib(est.total_bytes)} GiB (weights {format_gib(est.weights_bytes)} + "
-        f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs} + "
+        f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs}{_window_note(entry, est)} + "
         f"{format_gib(est.overhead_bytes)} runtime, "
         f"{stored}); {format_gib(free_bytes)} GiB free on {device_name}"
     )

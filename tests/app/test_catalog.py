@@ -12,6 +12,7 @@ from app.catalog import (
     entry_for_repo,
     entry_from_config,
     load_catalog,
+    sliding_layers,
 )
 from app.device_memory import GiB, MiB, available_memory
 from app.memory_estimate import estimate_memory, fit_report, quantization_advice, weights_bytes
@@ -463,3 +464,44 @@ def test_the_fit_sentence_names_the_quantization_and_suggests_int4():
     assert r.fits and "(weights 5.0 + KV 0.56 at 4,096 tokens + 0.75 runtime, int4 weights, bfloat16)" in r.message
     full = fit_report(e, 4096, free_bytes=8 * GiB, device_name="NVIDIA Test GPU (8.0 GiB)")
     assert not full.fits and full.message.endswith("Pick a smaller model or int4 quantization.")
+
+
+GEMMA_3_4B_CONFIG = {  # google/gemma-3-4b-it's config.json, the keys that matter here
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+    },
+}
+
+
+def test_sliding_window_layers_count_their_window_where_the_engine_gives_the_rest_back(catalog):
+    """The engine's KV-cache groups keep a sliding layer's window, not its whole context (on the CPU; CUDA graphs
+    keep one group for now). Gemma 3 4B at 32k tokens: 4.25 GiB of KV as all-global, under 1 GiB so."""
+    from_hub = entry_from_config("google/gemma-3-4b-it", GEMMA_3_4B_CONFIG, 8_600_000_000)
+    listed = entry_for_repo("google/gemma-3-4b-it")
+    assert (from_hub.sliding_window, from_hub.num_sliding_layers) == (listed.sliding_window, listed.num_sliding_layers)
+    assert (listed.sliding_window, listed.num_sliding_layers) == (1024, 29)
+    everything = listed.kv_bytes(32768)
+    assert everything == listed.kv_bytes_per_token() * 32768 == 4.25 * GiB
+    windowed = listed.kv_bytes(32768, windows_release=True)
+    assert windowed == listed.kv_bytes_per_token() // 34 * (5 * 32768 + 29 * (1024 + 2048))
+    assert windowed < 0.25 * everything and listed.kv_bytes(1000, windows_release=True) == listed.kv_bytes(1000)
+    cpu = fit_report(listed, 32768, free_bytes=8 * GiB, device_name="CPU", quantization="int4")
+    gpu = fit_report(listed, 32768, free_bytes=8 * GiB, device_name="NVIDIA GeForce RTX 4060", quantization="int4")
+    assert cpu.estimate.kv_bytes == windowed and "sliding-window layers holding only their window" in cpu.message
+    assert gpu.estimate.kv_bytes == everything and "still to come" in gpu.message
+    assert cpu.max_context_len == 131072 and gpu.max_context_len < 40000
+    for config in ({"model_type": "llama", "num_hidden_layers": 2}, {"model_type": "no-such-model"}):
+        assert sliding_layers(config) == (None, 0)
+    assert sliding_layers({"model_type": "mistral", "num_hidden_layers": 3, "sliding_window": 4096}) == (4096, 3)
