@@ -81,13 +81,76 @@ def test_the_model_shows_its_sinks_window_and_experts(tiny_models, make_llm):
     assert "sliding_window=10, sinks" in shown and "experts=8, hidden=64, intermediate=32, swiglu_limit=7.0" in shown
 
 
-def test_mxfp4_checkpoints_and_quantizing_are_refused_with_what_to_do(tiny_models, make_llm, tmp_path):
+def test_quantizing_its_experts_at_load_is_refused_with_what_to_do(tiny_models, make_llm):
     with pytest.raises(ValueError, match="does not cover mixture-of-experts layers yet"):
         make_llm(tiny_models["gpt_oss"], quantization="int8")
-    # OpenAI's own checkpoints: experts in MXFP4, as their config says
-    mxfp4 = shutil.copytree(tiny_models["gpt_oss"], tmp_path / "gpt-oss-mxfp4")
-    config = json.loads((mxfp4 / "config.json").read_text())
+
+
+def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, columns] as MXFP4 blocks and scales, each group of 32 scaled so its largest value is at most 6
+    (the largest E2M1 value) and rounded to the nearest code: how OpenAI's checkpoints store experts."""
+    from engine.quantization.mxfp4 import FP4_VALUES
+
+    groups = weight.float().unflatten(-1, (-1, 32))
+    exponent = (torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2**-100))) - 2).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tiny_models, tmp_path_factory):
+    """The tiny gpt-oss with its experts in MXFP4 as transformers names them (`*_blocks`, `*_scales`), and the
+    transformers model with those experts widened by transformers' own dequantizer: the reference."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    folder = shutil.copytree(tiny_models["gpt_oss"], tmp_path_factory.mktemp("mxfp4") / "gpt-oss")
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_models["gpt_oss"], dtype=torch.float32).eval()
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # transformers holds [experts, in, out]; MXFP4 groups each output row's inputs
+        blocks, scales = mxfp4(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        widened = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        reference.get_parameter(name).data.copy_(widened)
+    save_file(tensors, file)
+    config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (mxfp4 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="already quantized with mxfp4.*full-precision checkpoint"):
-        make_llm(mxfp4)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, reference
+
+
+def test_mxfp4_experts_load_as_shipped_and_give_transformers_tokens(mxfp4_gpt_oss, make_llm, random_prompt):
+    """OpenAI's checkpoints were refused ("already quantized with mxfp4"). Now the experts stay MXFP4 in memory
+    (uint8 blocks and scales) and each step widens the experts it runs."""
+    folder, reference = mxfp4_gpt_oss
+    llm = make_llm(folder, max_num_batched_tokens=16)  # chunked prefill too
+    experts = llm.model_runner.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
+    assert "mxfp4" in repr(experts) and llm.stats().quantization == "MXFP4 experts, as the checkpoint stores them"
+    prompts = [random_prompt(n, 90 + n) for n in (5, 23, 40)]
+    for prompt, result in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert result["token_ids"] == hf_greedy(reference, prompt, 48)
+    # The same checkpoint read by transformers (its own MXFP4 loader, dequantizing) agrees with the reference.
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    theirs = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    assert hf_greedy(theirs, prompts[1], 48) == hf_greedy(reference, prompts[1], 48)
+
+
+def test_a_broken_mxfp4_checkpoint_is_refused_naming_the_tensor(mxfp4_gpt_oss, make_llm, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(mxfp4_gpt_oss[0], tmp_path / "broken")
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :3].contiguous()  # a scale row for only 3 of the 64 rows
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=r"down_proj_scales.*has shape \(8, 3, 1\), the model expects \(8, 64, 1\)"):
+        make_llm(folder)

@@ -44,13 +44,13 @@ def open_model(config: EngineConfig) -> tuple[Path | GGUFCheckpoint, object, obj
     else:
         path = resolve_model_path(config.model)
         hf_config = AutoConfig.from_pretrained(path)
-        check_not_prequantized(hf_config, path)
         tokenizer = None
     from engine.models import language_config, model_class
 
-    hf_config = language_config(hf_config)
-
-    model_class(hf_config)  # fail on an unsupported architecture before loading anything
+    outer, hf_config = hf_config, language_config(hf_config)
+    cls = model_class(hf_config)  # fail on an unsupported architecture before loading anything
+    if gguf_path is None:
+        check_not_prequantized(outer, path, getattr(cls, "checkpoint_quantizations", ()))
     if tokenizer is None:
         tokenizer = load_tokenizer(path)
     return path, hf_config, tokenizer

@@ -37,12 +37,15 @@ def resolve_model_path(model: str) -> Path:
         ) from e
 
 
-def check_not_prequantized(hf_config, path: Path) -> None:
+def check_not_prequantized(hf_config, path: Path, readable: tuple[str, ...] = ()) -> None:
     """Refuse a checkpoint quantized by another tool (GPTQ, AWQ, bitsandbytes...): its tensors are not
-    plain weights, and reading them as such would give garbage."""
+    plain weights, and reading them as such would give garbage. `readable`: the methods the model reads as they
+    are (gpt-oss: mxfp4)."""
     method = getattr(hf_config, "quantization_config", None)
     if method is not None:
         name = method.get("quant_method", "unknown") if isinstance(method, dict) else type(method).__name__
+        if str(name).lower() in readable:
+            return
         raise ValueError(
             f"{path} holds weights already quantized with {name}, which Pagoda does not read; use the "
             "full-precision checkpoint (with quantization='int8' or 'int4' if it should be smaller) "

@@ -30,11 +30,11 @@ def bytes_per_weight(method: str | None, dtype_bytes: int, group_size: int = DEF
     return 1 if method == "int8" else 0.5 + 4 / group_size
 
 
-def describe(method: str | None, group_size: int, gguf_types: str | None = None) -> str:
+def describe(method: str | None, group_size: int, stored: str | None = None) -> str:
     """How the weights are stored, as stats() says it: "none", "int8", "int4 (groups of 32; LM head int8)",
-    or "GGUF Q4_K, Q6_K" for a file's own `gguf_types`."""
-    if gguf_types is not None:
-        return f"GGUF {gguf_types}"
+    or the checkpoint's own format, `stored` ("GGUF Q4_K, Q6_K", "MXFP4 experts")."""
+    if stored is not None:
+        return stored
     if method == "int4":
         return f"int4 (groups of {group_size}; LM head {head_method(method)})"
     return method or "none"

@@ -46,8 +46,13 @@ def check_weights_fit(
         # 4-bit codes sit one per byte between reading and packing, one tensor at a time
         check_host_memory(model_path.path.stat().st_size, "the model's weights", "use a smaller model or file")
         return
+    files = safetensors_files(model_path)
+    if getattr(hf_config, "quantization_config", None) is not None:  # read as stored (gpt-oss's MXFP4 experts)
+        weights = sum(f.stat().st_size for f in files) // tp_size
+        check_host_memory(weights, "the model's weights", "use a smaller model")
+        return
     bytes_per_weight = quantization.bytes_per_weight(config.quantization, itemsize, config.quantization_group_size)
-    weights = int(checkpoint_numel(safetensors_files(model_path)) * bytes_per_weight) // tp_size
+    weights = int(checkpoint_numel(files) * bytes_per_weight) // tp_size
     if (packed or config.quantization) and getattr(hf_config, "tie_word_embeddings", False):
         # the packed (or quantized) head is a second copy of the embedding
         weights += int(hf_config.vocab_size * hf_config.hidden_size * bytes_per_weight) // tp_size

@@ -26,6 +26,7 @@ from engine.layers.linear import OneDNNMatmul, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.loader import GGUFCheckpoint, load_tensors, load_weights
 from engine.models import model_class
+from engine.quantization.mxfp4 import checkpoint_reads_mxfp4
 from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env
 from engine.runner.cuda_graph import DecodeGraphs
 from engine.runner.distributed import SINGLE, TPGroup
@@ -325,11 +326,9 @@ class ModelRunner:
     @property
     def weight_format(self) -> str:
         """How the weights are stored, for stats(): see quantization.describe."""
-        return quantization.describe(
-            self.config.quantization,
-            self.config.quantization_group_size,
-            quantization.weight_types(self.model) if self.from_gguf else None,
-        )
+        stored = f"GGUF {quantization.weight_types(self.model)}" if self.from_gguf else None
+        stored = "MXFP4 experts, as the checkpoint stores them" if checkpoint_reads_mxfp4(self.hf_config) else stored
+        return quantization.describe(self.config.quantization, self.config.quantization_group_size, stored)
 
     def release(self) -> None:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
