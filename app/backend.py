@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from app.chat_settings import ChatSettings, as_chat_settings
 from app.visualizer import render_kv_cache
 from engine import EngineThread, RequestStream, SamplingParams, StructuredOutputsParams
+from entrypoints.harmony import HarmonyStream, template_speaks_harmony
 from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 
 if TYPE_CHECKING:
@@ -151,15 +152,23 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> N
 class LocalReplyStream:
     """An engine request's increments as ReplyDeltas; a thinking model's reasoning split from its answer."""
 
-    def __init__(self, stream: RequestStream, reasoning: ReasoningSplitter | None = None):
+    def __init__(
+        self, stream: RequestStream, reasoning: ReasoningSplitter | None = None, harmony: HarmonyStream | None = None
+    ):
         self._stream = stream
         self.request_id = stream.request_id
         self._reasoning = reasoning
+        self._harmony = harmony  # gpt-oss: its channels, read from the reply's tokens
 
     def __iter__(self) -> Iterator[ReplyDelta]:
         for out in self._stream:
             reasoning, text = "", out.new_text
-            if self._reasoning is not None:
+            if self._harmony is not None:
+                reasoning, text, _ = self._harmony.feed(out.new_token_ids)
+                if out.finished:
+                    held_reasoning, held_text, _ = self._harmony.finish()
+                    reasoning, text = reasoning + held_reasoning, text + held_text
+            elif self._reasoning is not None:
                 reasoning, text = self._reasoning.feed(text)
                 if out.finished:
                     held_reasoning, held_text = self._reasoning.finish()
@@ -191,6 +200,7 @@ class LocalBackend:
         weights = engine.stats().quantization  # fixed at load: read once, not at every header refresh
         self.quantization = "" if weights == "none" else weights
         self.thinks = template_thinks(engine.tokenizer.chat_template)  # Qwen3, the R1 distills
+        self.harmony = template_speaks_harmony(engine.tokenizer.chat_template)  # gpt-oss
         self.max_model_len = engine.max_model_len
         self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
 
@@ -199,14 +209,16 @@ class LocalBackend:
         params = sampling_params(settings)  # first: a bad schema is refused before anything is tokenized
         ids = self._encode(messages, settings)
         check_fits(len(ids), params.max_tokens, self.engine.max_model_len)
-        reasoning = None
-        if self.thinks and params.structured_outputs is None:
+        reasoning = harmony = None
+        if self.harmony and params.structured_outputs is None:
+            harmony = HarmonyStream(self.engine.tokenizer)
+        elif self.thinks and params.structured_outputs is None:
             reasoning = ReasoningSplitter(prompt_opens_reasoning(self.engine.tokenizer.decode(ids[-8:])))
         try:
             stream = self.engine.submit(ids, params)
         except ValueError as e:  # a schema that parses but does not compile
             raise BadSettings(f"{e}. Fix the chat's JSON schema, or clear it.") from None
-        return LocalReplyStream(stream, reasoning), len(ids)
+        return LocalReplyStream(stream, reasoning, harmony), len(ids)
 
     def _encode(self, messages: list[dict], settings: ChatSettings) -> list[int]:
         return self.engine.encode_chat(messages, **({"enable_thinking": settings.think} if self.thinks else {}))

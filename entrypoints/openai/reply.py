@@ -9,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from engine import ConstraintFailed, RequestFailed, RequestStream
+from entrypoints.harmony import HarmonyStream
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from entrypoints.openai.protocol import (
@@ -70,6 +71,7 @@ class Reply:
         echo: Echo | None = None,
         tools: ToolCallStream | None = None,
         reasoning: ReasoningSplitter | None = None,
+        harmony: HarmonyStream | None = None,
     ):
         self.model_name, self.chat = model_name, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -84,12 +86,19 @@ class Reply:
         self.text_sent = 0  # characters of a streamed completion's text sent so far (its tokens' text_offset)
         self.tools = tools  # parses tool calls out of the text, when the request has tools
         self.reasoning = reasoning  # splits a thinking model's reasoning from its answer
+        self.harmony = harmony  # gpt-oss: reasoning, answer and tool calls read from the reply's tokens
         self.reasoning_tokens = 0
         self.content: list[str] = []  # a chat reply's content, as `take` has split it
 
     def take(self, out, final: bool = False) -> tuple[str, str, list[dict]]:
         """A chat increment's text as (reasoning, content, tool-call deltas); `final`: after the last
         increment, what was held back. The content is kept for `whole`."""
+        if self.harmony is not None:
+            reasoning, text, calls = self.harmony.finish() if final else self.harmony.feed(out.new_token_ids)
+            if reasoning and not text and out is not None:
+                self.reasoning_tokens += len(out.new_token_ids)
+            self.content.append(text)
+            return reasoning, text, calls
         text = "" if final else out.new_text
         reasoning = ""
         if self.reasoning is not None:
@@ -117,10 +126,22 @@ class Reply:
     def choice_finish_reason(self) -> str | None:
         """OpenAI's: "tool_calls" when a reply that ended by itself called tools, or when max_tokens cut a
         reply held to calls (tool_choice "required") after its complete ones (the cut one is left out)."""
-        if self.tools is not None and self.tools.calls:
-            if self.finish_reason == "stop" or (self.finish_reason == "length" and self.tools.plan.mode == "required"):
+        if self.calls:
+            required = self.tools is not None and self.tools.plan.mode == "required"
+            if self.finish_reason == "stop" or (self.finish_reason == "length" and required):
                 return "tool_calls"
         return self.finish_reason
+
+    @property
+    def calls(self) -> list[dict]:
+        """The reply's tool calls so far, whole."""
+        parser = self.tools if self.tools is not None else self.harmony
+        return parser.calls if parser is not None else []
+
+    @property
+    def reasoning_text(self) -> str:
+        parser = self.reasoning if self.reasoning is not None else self.harmony
+        return parser.reasoning if parser is not None else ""
 
     def count(self, out) -> None:
         self.cached_tokens = out.num_cached_tokens
@@ -155,7 +176,7 @@ class Reply:
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
-        if self.reasoning is not None:
+        if self.reasoning is not None or self.harmony is not None:
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens)
         return usage
 
@@ -181,11 +202,11 @@ class Reply:
         if self.chat:
             self.take(None, final=True)
             content = "".join(self.content)
-            message = AssistantMessage(content=content or None if self.tools and self.tools.calls else content)
-            if self.reasoning is not None and self.reasoning.reasoning:
-                message.reasoning_content = self.reasoning.reasoning
-            if self.tools is not None and self.tools.calls:
-                message.tool_calls = self.tools.calls
+            message = AssistantMessage(content=content or None if self.calls else content)
+            if self.reasoning_text:
+                message.reasoning_content = self.reasoning_text
+            if self.calls:
+                message.tool_calls = self.calls
             choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=self.choice_finish_reason)
         else:
             choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=self.finish_reason)

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import EngineThread, RequestFailed, SamplingParams
+from entrypoints.harmony import HarmonyStream, template_speaks_harmony
 from entrypoints.openai import request_log
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.logprobs import TokenTexts
@@ -101,6 +102,11 @@ async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> ChatPro
     if body.reasoning_effort is not None:
         if template_thinks(chat_template):
             template_kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
+        elif template_speaks_harmony(chat_template):  # gpt-oss: its `Reasoning:` line, low to high
+            effort = body.reasoning_effort
+            template_kwargs.setdefault("reasoning_effort", "low" if effort in ("none", "minimal") else effort)
+            if effort in ("none", "minimal"):
+                ignored.append(f"reasoning_effort: {effort}: this model always reasons; it got low")
         else:
             ignored.append("reasoning_effort: this model does not think")
     dropped = ""
@@ -234,10 +240,14 @@ async def complete(
             stream.cancel()
             raise
     texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
-    reasoning = None
-    if chat and template_thinks(engine.tokenizer.chat_template) and not (tools and tools.constraint()):
+    reasoning = harmony = None
+    free = chat and not (tools and tools.constraint())  # a reply held to tool calls is their JSON alone
+    if free and template_speaks_harmony(engine.tokenizer.chat_template):  # gpt-oss: channels, read from tokens
+        harmony = HarmonyStream(engine.tokenizer)
+    elif free and template_thinks(engine.tokenizer.chat_template):
         prompt_tail = await anyio.to_thread.run_sync(engine.tokenizer.decode, token_ids[-8:])
         reasoning = ReasoningSplitter(in_reasoning=prompt_opens_reasoning(prompt_tail))
+    parses_calls = tools and tools.mode != "none" and harmony is None
     reply = Reply(
         model.name,
         chat,
@@ -245,8 +255,9 @@ async def complete(
         params.logprobs,
         texts,
         echo,
-        ToolCallStream(tools) if tools and tools.mode != "none" else None,
+        ToolCallStream(tools) if parses_calls else None,
         reasoning,
+        harmony,
     )
     request_log.record(request, reply)
     if body.stream:
