@@ -41,7 +41,10 @@ class HarmonyStream:
     _specials: dict[int, str] = field(default_factory=dict)
     _header: list[int] = field(default_factory=list)
     _body: list[int] = field(default_factory=list)
-    _sent: int = 0  # characters of the body's text given out so far
+    # The body's tokens whose text is given out: up to _read, decoded from _prefix on beside the new ones (vLLM's
+    # incremental detokenizing: a short window, so a long body costs the same per token)
+    _prefix: int = 0
+    _read: int = 0
     _in_body: bool = False
     _channel: str = ""
     _recipient: str | None = None
@@ -89,15 +92,18 @@ class HarmonyStream:
         self._channel = channel.split()[0] if channel.split() else ""
         recipient = RECIPIENT.search(header)
         self._recipient = recipient.group(1) if recipient else None
-        self._in_body, self._body, self._sent = True, [], 0
+        self._in_body, self._body, self._prefix, self._read = True, [], 0, 0
 
     def _grow(self, final: bool) -> str:
-        """The body's text not given out yet; while it grows, not a last character still missing bytes."""
-        text = self.tokenizer.decode(self._body, skip_special_tokens=True)
+        """The body's text not given out yet; while it grows, none while a last character misses bytes."""
+        if self._read == len(self._body):
+            return ""
+        given = self.tokenizer.decode(self._body[self._prefix : self._read], skip_special_tokens=True)
+        text = self.tokenizer.decode(self._body[self._prefix :], skip_special_tokens=True)
         if not final and text.endswith("\ufffd"):
-            text = text[:-1]
-        new, self._sent = text[self._sent :], max(self._sent, len(text))
-        return new
+            return ""
+        self._prefix, self._read = self._read, len(self._body)
+        return text[len(given) :]
 
     def _route(self, text: str, reasoning: list[str], content: list[str]) -> None:
         if not text or self._recipient is not None:  # a call's arguments come whole, with the call
