@@ -28,7 +28,8 @@ def hf_greedy(path, prompts, n, dtype=torch.float32):
     return outs
 
 
-# gemma3: sliding-window layers; gpt_oss: a window, attention sinks and experts (Triton's sinks untried on a GPU yet)
+# gemma3: sliding-window layers; gpt_oss: a window, attention sinks and experts (Triton's sinks untried on a GPU yet);
+# both with KV-cache groups where steps run eagerly (untried on a GPU yet)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "gpt_oss"])
 def test_greedy_equals_transformers_on_every_backend(tiny_models, family):
     expected = hf_greedy(tiny_models[family], PROMPTS, 48)
@@ -46,6 +47,10 @@ def test_greedy_equals_transformers_on_every_backend(tiny_models, family):
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
             got = [o["token_ids"] for o in outs]
             assert got == expected, f"{family} backend={backend} enforce_eager={eager}"
+            # KV-cache groups where steps run eagerly (CUDA graphs keep one group for now): the windows' blocks
+            # given back, and the Triton kernels reading a released block's entry as block 0
+            captured = backend == "triton" and not eager
+            assert (len(llm.stats().kv_groups) > 1) == (family in ("gemma3", "gpt_oss") and not captured)
             del llm
 
 
