@@ -11,6 +11,9 @@ import torch
 from engine import SamplingParams
 from engine.attention import select_backend
 from engine.layers.rotary_embedding import _inv_freq, attention_factor, rope_parameters
+from engine.models.gpt_oss import GptOssQuantizedExperts
+from engine.quantization import chooser
+from tests.quantized_weights import only_dequant
 from tests.test_parity import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -123,14 +126,20 @@ def mxfp4_gpt_oss(tiny_models, tmp_path_factory):
     return folder, reference
 
 
-def test_mxfp4_experts_load_as_shipped_and_give_transformers_tokens(mxfp4_gpt_oss, make_llm, random_prompt):
-    """OpenAI's checkpoints were refused ("already quantized with mxfp4"). Now the experts stay MXFP4 in memory
-    (uint8 blocks and scales) and each step widens the experts it runs."""
+def test_mxfp4_experts_load_as_shipped_and_give_transformers_tokens(
+    mxfp4_gpt_oss, make_llm, random_prompt, monkeypatch
+):
+    """OpenAI's checkpoints were refused ("already quantized with mxfp4"). Now the experts stay MXFP4 in memory,
+    repacked losslessly into GGUF's layout: with every kernel the float32 dequantizing one (the chooser's stand-in),
+    the engine computes transformers' products on transformers' own widening of the codes."""
     folder, reference = mxfp4_gpt_oss
+    monkeypatch.setattr(chooser, "_CHOICES", {})
+    monkeypatch.setattr(chooser, "candidates", only_dequant)
     llm = make_llm(folder, max_num_batched_tokens=16)  # chunked prefill too
     experts = llm.model_runner.model.model.layers[0].mlp.experts
-    assert experts.gate_up_proj_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
-    assert "mxfp4" in repr(experts) and llm.stats().quantization == "MXFP4 experts, as the checkpoint stores them"
+    assert isinstance(experts, GptOssQuantizedExperts) and not hasattr(experts, "gate_up_proj")
+    assert {k.source for p in experts.kernels.values() for k in p} == {"MXFP4"}
+    assert llm.stats().quantization == "MXFP4 experts, as the checkpoint stores them"
     prompts = [random_prompt(n, 90 + n) for n in (5, 23, 40)]
     for prompt, result in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert result["token_ids"] == hf_greedy(reference, prompt, 48)
@@ -141,6 +150,31 @@ def test_mxfp4_experts_load_as_shipped_and_give_transformers_tokens(mxfp4_gpt_os
         folder, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
     ).eval()
     assert hf_greedy(theirs, prompts[1], 48) == hf_greedy(reference, prompts[1], 48)
+
+
+def test_the_cpu_kernel_reads_mxfp4_experts_as_stored(mxfp4_gpt_oss, make_llm):
+    """With the real kernels: each expert's kernel is kquant.cpp's over its rows of one stacked tensor of 17-byte
+    blocks (4.25 bits a weight, not a byte a code), and the layer's output is transformers' experts' on the widened
+    weights within the int8 activations' rounding."""
+    from engine.quantization import kquant
+
+    if kquant.ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel here")
+    folder, reference = mxfp4_gpt_oss
+    experts = make_llm(folder).model_runner.model.model.layers[1].mlp.experts
+    kernels = experts.kernels["gate_proj"]
+    assert all(type(k).__name__ == "KQuantMatmul" for k in kernels)
+    assert kernels[0].blocks.shape == (32, 64 // 32 * 17)
+    base = kernels[0].blocks.untyped_storage().data_ptr()
+    assert all(k.blocks.untyped_storage().data_ptr() == base for k in kernels)  # one stacked tensor, viewed
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(16, 64, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(16)])
+    weights = torch.rand(16, 2, generator=g)
+    with torch.no_grad():
+        want = reference.model.layers[1].mlp.experts(x, ids, weights)
+        got = experts(x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
 
 
 def test_a_broken_mxfp4_checkpoint_is_refused_naming_the_tensor(mxfp4_gpt_oss, make_llm, tmp_path):

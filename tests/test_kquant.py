@@ -43,6 +43,10 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
     rng = np.random.default_rng(seed)
     n = rows * cols // kquant.BLOCK_VALUES[type_name]
     blocks = rng.integers(0, 256, size=(n, kquant.BLOCK_BYTES[type_name]), dtype=np.uint8)
+    if type_name == "MXFP4":  # exponents around 2^0, subnormal ones included: 2^-128 and 2^-127
+        blocks[:, 0] = rng.integers(118, 136, n)
+        blocks[: min(n, 2), 0] = (0, 1)[: min(n, 2)]
+        return blocks.reshape(rows, -1)
     for at in {"Q6_K": (208,), "Q8_0": (0,)}.get(type_name, (0, 2)):
         halves = (rng.uniform(1e-3, 1e-2, n) * rng.choice([-1, 1], n)).astype(np.float16)
         blocks[:, at : at + 2] = halves.view(np.uint8).reshape(n, 2)
@@ -91,16 +95,18 @@ def test_kernel_equals_the_dequantized_product(type_name, n, k, m):
     assert (f32(x).double() - exact).abs().max().item() <= 1e-5 * scale
 
 
-# Q8_0: K any multiple of 32, x rounded per 32 columns
-Q8_0_SHAPES = [(7, 32, 1), (33, 96, 3), (5, 576, 16), (17, 800, 20)]
+# Q8_0 and MXFP4: K any multiple of 32 (MXFP4's decode takes blocks in pairs: an odd count leaves one), x rounded
+# per 32 columns; MXFP4 serves 8 rows of x a pass
+Q8_0_SHAPES = [(7, 32, 1), (33, 96, 1), (33, 96, 3), (5, 576, 16), (17, 800, 20)]
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("n,k,m", Q8_0_SHAPES)
-def test_q8_0_kernel_equals_the_dequantized_product(n, k, m, isa):
+@pytest.mark.parametrize("type_name", ["Q8_0", "MXFP4"])
+def test_32_value_block_kernels_equal_the_dequantized_product(type_name, n, k, m, isa):
     if kquant.ops(isa) is None:
         pytest.skip(f"the {isa} build cannot be made here")
-    qw, w = weight("Q8_0", n, k, seed=n + k)
+    qw, w = weight(type_name, n, k, seed=n + k)
     assert qw.blocks is not None and torch.equal(qw.dequantize(), w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     kernel = kquant.KQuantMatmul(qw, torch.float32, isa=isa)

@@ -94,6 +94,11 @@ class Experts(nn.Module):
     """What every family's experts module is (FusedMoE, gpt-oss's): passes that do not cover experts yet (weight
     quantization) look for it."""
 
+    def quantized(self, target) -> nn.Module:
+        """This layer for weights that arrive quantized (a GGUF file's), its kernels built for `target` (a
+        quantization.KernelTarget) as they load."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take quantized weights")
+
 
 class FusedMoE(Experts):
     """The experts of one layer. `forward(x, weights, ids)` is sum_k weights[:, k] * expert_{ids[:, k]}(x)."""
@@ -112,6 +117,11 @@ class FusedMoE(Experts):
             return F.linear(silu_and_mul(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
 
         return run_experts(x, weights, ids, self.num_experts, expert_mlp)
+
+    def quantized(self, target) -> nn.Module:
+        from engine.quantization.moe import QuantizedFusedMoE  # quantization builds on these layers, not back
+
+        return QuantizedFusedMoE(self.num_experts, self.hidden_size, self.intermediate_size, target)
 
     # ---- loading ----------------------------------------------------------------------------------------
     _PER_EXPERT = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}

@@ -58,12 +58,19 @@ _ARCH_LAYER_NAMES = {
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "gpt-oss": {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_sinks": "self_attn.sinks",
+        "ffn_gate_inp": "mlp.router",
+    },
 }
 # The transformers config class of an HF architecture, where it is not the architecture's name with "Config"
 _CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 # llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000; Gemma 3 27B (62 layers) scales
 # queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
 _GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
+# Architectures whose GGUF config transformers cannot read, and whose tokenizer is its generic one
+_GENERIC_TOKENIZER = ("gpt-oss",)
 # Not weights of the HF model: Llama 3's rope factors, folded into the config's rope parameters instead.
 # and Phi-3's LongRoPE factors
 _CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -200,6 +207,8 @@ class GGUFCheckpoint:
         hf_arch = GGUF_ARCHITECTURES[arch]
         if arch == "gemma3":
             settings.update(self._gemma3_settings(settings))
+        if arch == "gpt-oss":
+            settings = self._gpt_oss_settings(settings)
         config = getattr(transformers, _CONFIG_CLASSES.get(hf_arch, hf_arch.replace("ForCausalLM", "Config")))(
             **settings
         )
@@ -266,11 +275,30 @@ class GGUFCheckpoint:
             ],
         }
 
+    def _gpt_oss_settings(self, settings: dict) -> dict:
+        """gpt-oss's names for the experts' settings, and what llama.cpp fixes for it: layers alternating a window
+        (the even ones) and full attention, biased attention."""
+        settings = {**settings, "intermediate_size": settings.pop("moe_intermediate_size")}
+        settings["num_local_experts"] = settings.pop("num_experts")
+        del settings["norm_topk_prob"]  # gpt-oss always takes the softmax of its top-k logits
+        layers = settings["num_hidden_layers"]
+        return {
+            **settings,
+            "head_dim": int(self._field("gpt-oss.attention.key_length")),
+            "sliding_window": int(self._field("gpt-oss.attention.sliding_window")),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "attention_bias": True,
+        }
+
     def tokenizer(self) -> Any:
         """A transformers tokenizer built from the file's vocabulary, with the file's chat template."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        # AutoTokenizer reads the file's config to pick a tokenizer class, and fails on gpt-oss's rope settings
+        # (it takes a metadata array's length field for its value): such a file's tokenizer is built by the class
+        # AutoTokenizer would take for its model type (the generic one), which reads the tokenizer's metadata alone
+        kind = PreTrainedTokenizerFast if self.architecture in _GENERIC_TOKENIZER else AutoTokenizer
+        tokenizer = kind.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         if self.metadata("tokenizer.ggml.pre") == "smollm":
             # transformers splits smollm text like GPT-2; SmolLM2's own tokenizer splits digits first
             from engine.loader.bundled import _use_smollm_pretokenizer
@@ -305,15 +333,38 @@ class GGUFCheckpoint:
         kind = self.metadata(f"{arch}.rope.scaling.type")
         if kind not in (None, "none"):
             factor = self.metadata(f"{arch}.rope.scaling.factor")
-            if kind != "linear" or factor is None:
+            if kind not in ("linear", "yarn") or factor is None:
                 raise ValueError(
-                    f"{self.path.name} uses rope scaling {kind!r}; Pagoda supports linear and Llama 3 "
+                    f"{self.path.name} uses rope scaling {kind!r}; Pagoda supports linear, YaRN and Llama 3 "
                     "scaling. Use another file of this model."
                 )
+            if kind == "yarn":
+                return self._yarn(theta, float(factor))
             return {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
         if self._rope_freqs is None:
             return None
         return _llama3_rope(self._rope_freqs, theta, self.path.name)
+
+    def _yarn(self, theta: float, factor: float) -> dict:
+        """YaRN's settings as convert_hf_to_gguf writes them. The file does not say whether the correction range
+        is truncated to whole dimensions: gpt-oss was trained without (its config's `truncate: false`), the
+        other families with (transformers' default)."""
+        arch = self.architecture
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": factor,
+            "original_max_position_embeddings": int(self._field(f"{arch}.rope.scaling.original_context_length")),
+            "truncate": arch != "gpt-oss",
+        }
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            value = self.metadata(f"{arch}.rope.scaling.{theirs}")
+            if value is not None:
+                rope[ours] = float(value)
+        attention_factor = self.metadata(f"{arch}.rope.scaling.yarn_attn_factor")
+        if attention_factor is not None:
+            rope["attention_factor"] = float(attention_factor)
+        return rope
 
     # tensors
 

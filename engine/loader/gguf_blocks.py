@@ -13,6 +13,7 @@ import torch
 
 from engine.quantization.blocks import BlockWeight
 from engine.quantization.layout import QuantizedWeight
+from engine.quantization.mxfp4 import decode_ggml_mxfp4
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # GGUF type -> (bytes per block, values per block, code bits, values per scale)
@@ -25,6 +26,7 @@ QUANT_TYPES = {
     "Q4_K": (144, 256, 4, 32),
     "Q5_K": (176, 256, 8, 32),
     "Q6_K": (210, 256, 8, 16),
+    "MXFP4": (17, 32, 8, 32),  # gpt-oss's experts: an E8M0 exponent and 32 E2M1 codes
 }
 SUPPORTED_TYPES = (*FLOAT_TYPES, *QUANT_TYPES)
 
@@ -130,11 +132,12 @@ _DECODERS = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "MXFP4": decode_ggml_mxfp4,
 }
 
 
 DECODE_SLAB_BYTES = 1 << 20  # stored bytes decoded per step: the decoders' temporaries stay a few times this
-KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # the types kquant.py reads as stored
+KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4")  # the types kquant.py reads as stored
 
 
 def decode(data: FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:

@@ -30,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 # GGUF's `general.architecture` -> the HF architecture whose config and weight names the file maps to
 GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

@@ -2,9 +2,9 @@
 softmax's denominator, so a head may attend to nothing), layers alternating between a 128-token sliding window and
 full attention, YaRN rotary, and a mixture of experts in every layer whose MLPs carry biases and a clamped SwiGLU.
 
-OpenAI's checkpoints hold the experts in MXFP4 (the config's quantization_config says so): they stay so in memory,
-and each step widens only the experts it runs (engine/quantization/mxfp4.py). Checkpoints with full-precision
-experts load too.
+OpenAI's checkpoints hold the experts in MXFP4 (the config's quantization_config says so), and so do llama.cpp's
+GGUF files of it: they stay so in memory, in GGUF's layout, and the CPU kernel reads them as stored
+(engine/quantization/mxfp4.py, kquant.cpp). Checkpoints with full-precision experts load too.
 """
 
 import torch
@@ -13,8 +13,11 @@ from torch import nn
 from engine.layers.fused_moe import Experts, Routing, TopKRouter, run_experts
 from engine.layers.layernorm import RMSNorm
 from engine.models.llama import LlamaForCausalLM, ModelFlags
-from engine.quantization.mxfp4 import GROUP, checkpoint_reads_mxfp4, dequantize_mxfp4
-from engine.runner.distributed import TPGroup
+from engine.quantization.layout import QuantizedWeight
+from engine.quantization.modules import KernelTarget
+from engine.quantization.moe import QuantizedFusedMoE
+from engine.quantization.mxfp4 import GGML_BLOCK_BYTES, GROUP, checkpoint_reads_mxfp4, ggml_blocks, ggml_weight
+from engine.runner.distributed import SINGLE, TPGroup
 
 
 class GptOssExperts(Experts):
@@ -27,7 +30,8 @@ class GptOssExperts(Experts):
         if tp.size > 1:
             raise ValueError("mixture-of-experts models do not work with tensor_parallel_size > 1 yet; use one device")
         experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.num_experts, self.alpha, self.limit = experts, config.swiglu_alpha, config.swiglu_limit
+        self.config, self.num_experts = config, experts
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
         self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden))
@@ -40,72 +44,89 @@ class GptOssExperts(Experts):
     def expert_mlp(self, expert: int, h: torch.Tensor) -> torch.Tensor:
         gate_up_proj, down_proj = self.expert_weights(expert)
         gate_up = h @ gate_up_proj + self.gate_up_proj_bias[expert]
-        # Both halves clamped (gate from above only), then SwiGLU with sigmoid(alpha * gate) and up shifted by 1
-        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        hidden = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        hidden = clamped_swiglu(gate_up[..., ::2], gate_up[..., 1::2], self.alpha, self.limit)
         return hidden @ down_proj + self.down_proj_bias[expert]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return run_experts(x, weights, ids, self.num_experts, self.expert_mlp)
+
+    def quantized(self, target: KernelTarget) -> "GptOssQuantizedExperts":
+        """This layer for weights that arrive quantized (a GGUF file's)."""
+        return GptOssQuantizedExperts(self.config, SINGLE, target)
 
     def extra_repr(self) -> str:
         e, h, i = self.gate_up_proj.shape[0], self.gate_up_proj.shape[1], self.down_proj.shape[1]
         return f"experts={e}, hidden={h}, intermediate={i}, swiglu_limit={self.limit}"
 
 
-class GptOssMXFP4Experts(GptOssExperts):
-    """The experts as OpenAI ships them: MXFP4 blocks and scales (uint8, 4.25 bits a weight) in place of the two
-    matrices, kept so; a step widens each expert it runs, one at a time, to the activations' dtype."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: both halves clamped (gate from above only), then SwiGLU with sigmoid(alpha * gate) and
+    up shifted by 1."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
-    PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
-    def __init__(self, config, tp: TPGroup):
-        nn.Module.__init__(self)
+class GptOssQuantizedExperts(QuantizedFusedMoE):
+    """The experts with weights kept as stored: OpenAI's MXFP4 (`*_blocks`, `*_scales`, repacked losslessly into
+    GGUF's MXFP4 layout as they load) or a GGUF file's stacked ffn_*_exps, each expert multiplied by the kernel the
+    chooser measured (on the CPU, kquant.cpp reads MXFP4 as stored); biases and the clamped SwiGLU as
+    GptOssExperts has them."""
+
+    MXFP4_PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+    def __init__(self, config, tp: TPGroup, target: KernelTarget):
         if tp.size > 1:
             raise ValueError("mixture-of-experts models do not work with tensor_parallel_size > 1 yet; use one device")
-        experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, config.intermediate_size
         if hidden % GROUP or inter % GROUP:
             raise ValueError(f"MXFP4 experts need hidden and intermediate sizes divisible by {GROUP}")
-        self.num_experts, self.alpha, self.limit = experts, config.swiglu_alpha, config.swiglu_limit
-        shapes = {  # as transformers names them: rows (the output features), then groups of 32 inputs
-            "gate_up_proj": (experts, 2 * inter, hidden // GROUP),
-            "down_proj": (experts, hidden, inter // GROUP),
-        }
-        for name, shape in shapes.items():
-            self.register_buffer(f"{name}_blocks", torch.zeros(*shape, GROUP // 2, dtype=torch.uint8))
-            self.register_buffer(f"{name}_scales", torch.zeros(shape, dtype=torch.uint8))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
-        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
-        self._loaded: set[str] = set()
+        super().__init__(config.num_local_experts, hidden, inter, target, bias=True)
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.arriving: dict[str, torch.Tensor] = {}  # a checkpoint's MXFP4 blocks until their scales come, or back
 
-    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = self.gate_up_proj_bias.dtype
-        gate_up = dequantize_mxfp4(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], dtype)
-        down = dequantize_mxfp4(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype)
-        return gate_up.T, down.T
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(gate, up, self.alpha, self.limit)
 
-    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
-        """The four MXFP4 tensors, copied as they are, and the two biases."""
-        if name in self.PARTS:
-            target = getattr(self, name)
-            if tensor.dtype != torch.uint8:
-                raise ValueError(f"is {tensor.dtype}; MXFP4 blocks and scales are uint8")
-        elif name in ("gate_up_proj_bias", "down_proj_bias"):
-            target = getattr(self, name).data
-        else:
-            raise ValueError(f"is not a part of MXFP4 experts ({', '.join(self.PARTS)}, and the biases)")
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
-        target.copy_(tensor)
-        self._loaded.add(name)
-        return [name] if name.endswith("_bias") else []
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> list[str]:
+        if name == "gate_up_proj_bias":  # gate and up interleaved column by column, as in the blocks' rows
+            return super().load_checkpoint_tensor("gate_proj.bias", tensor[..., 0::2]) + super().load_checkpoint_tensor(
+                "up_proj.bias", tensor[..., 1::2]
+            )
+        if name == "down_proj_bias":
+            return super().load_checkpoint_tensor("down_proj.bias", tensor)
+        if name not in self.MXFP4_PARTS:
+            return super().load_checkpoint_tensor(name, tensor)
+        projection, part = name.rsplit("_", 1)
+        rows = 2 * self.intermediate_size if projection == "gate_up_proj" else self.hidden_size
+        cols = self.hidden_size if projection == "gate_up_proj" else self.intermediate_size
+        shape = (self.num_experts, rows, cols // GROUP) + ((GROUP // 2,) if part == "blocks" else ())
+        if tensor.dtype != torch.uint8:
+            raise ValueError(f"is {tensor.dtype}; MXFP4 blocks and scales are uint8")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {shape}")
+        self.arriving[name] = tensor
+        other = f"{projection}_{'scales' if part == 'blocks' else 'blocks'}"
+        if other not in self.arriving:
+            return []
+        blocks, scales = self.arriving.pop(f"{projection}_blocks"), self.arriving.pop(f"{projection}_scales")
+        # One expert at a time, so that repacking holds a few MB beside the checkpoint's tensor. gate_up's rows
+        # interleave gate and up (even rows gate): each half gets its own stacked tensor, as a GGUF file keeps them.
+        halves = ("down_proj",) if projection == "down_proj" else ("gate_proj", "up_proj")
+        row_bytes = cols // GROUP * GGML_BLOCK_BYTES
+        stored = [torch.empty(self.num_experts, rows // len(halves), row_bytes, dtype=torch.uint8) for _ in halves]
+        for expert in range(self.num_experts):
+            for index, half in enumerate(stored):
+                rows_of_half = slice(index, None, len(halves))
+                ggml_blocks(blocks[expert, rows_of_half], scales[expert, rows_of_half], out=half[expert])
+        for half, tensor_of_half in zip(halves, stored):
+            super().load_checkpoint_tensor(f"{half}.weight", ggml_weight(tensor_of_half.flatten(0, 1), cols))
+        return []
 
     def missing(self) -> list[str]:
-        return [p for p in (*self.PARTS, "gate_up_proj_bias", "down_proj_bias") if p not in self._loaded]
+        return super().missing() if not self.arriving else sorted(self.arriving)
 
     def extra_repr(self) -> str:
-        e, rows = self.num_experts, self.gate_up_proj_blocks.shape[1]
-        return f"experts={e}, hidden={self.down_proj_blocks.shape[1]}, intermediate={rows // 2}, mxfp4"
+        return super().extra_repr() + f", swiglu_limit={self.limit}"
 
 
 class GptOssMoeBlock(nn.Module):
@@ -116,7 +137,11 @@ class GptOssMoeBlock(nn.Module):
         # Softmax over all experts then renormalised over the top k: the softmax of the top-k logits
         routing = Routing(config.num_local_experts, config.num_experts_per_tok, "softmax", renormalize=True)
         self.router = TopKRouter(config.hidden_size, routing, bias=True)
-        self.experts = (GptOssMXFP4Experts if checkpoint_reads_mxfp4(config) else GptOssExperts)(config, tp)
+        if checkpoint_reads_mxfp4(config):  # kept as stored, its kernels built as it loads on this device
+            target = KernelTarget(torch.empty(0).device, torch.get_default_dtype(), onednn=False)
+            self.experts = GptOssQuantizedExperts(config, tp, target)
+        else:
+            self.experts = GptOssExperts(config, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = norm(x, residual)
@@ -137,5 +162,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return GptOssMoeBlock(config, tp)
 
     def checkpoint_name(self, name: str) -> str:
-        """The sinks live in the attention layer the projections feed (self_attn.attn)."""
+        """The sinks live in the attention layer the projections feed (self_attn.attn); a GGUF file names them as a
+        weight (attn_sinks.weight)."""
+        if name.endswith(".self_attn.sinks.weight"):
+            name = name.removesuffix(".weight")
         return name.replace(".self_attn.sinks", ".self_attn.attn.sinks")

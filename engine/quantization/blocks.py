@@ -54,7 +54,7 @@ class BlockWeight(QuantizedWeight):
 
     @property
     def has_offset(self) -> bool:
-        return self.source not in ("Q6_K", "Q8_0")  # Q4_K and Q5_K have a min per sub-block
+        return self.source in ("Q4_K", "Q5_K")  # a min per sub-block; Q6_K, Q8_0 and MXFP4 are codes times a scale
 
     @property
     def shape(self) -> tuple[int, int]:

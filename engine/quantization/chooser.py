@@ -110,6 +110,9 @@ def candidates(
         from engine.quantization.triton_tiles import TritonQuantMatmul  # Triton is imported only where a GPU runs
 
         kinds.insert(0, TritonQuantMatmul)  # choose_matmul tries it first there
+    if qw.source == "MXFP4" and device.type == "cpu" and KQuantMatmul.applies(qw, device):
+        # The others hold a byte a code, twice the 4.25 bits the blocks take: gpt-oss's experts are most of the model
+        kinds = [KQuantMatmul]
     made = {cls.__name__: lambda w, cls=cls: cls(w, dtype) for cls in kinds if cls.applies(qw, device)}
     return {**made, kernels.DequantMatmul.__name__: lambda w: kernels.DequantMatmul(w, dtype)}
 

@@ -1,5 +1,5 @@
 // x W^T with W in GGUF's K-quant blocks exactly as the file stores them (issue 38): Q4_K (144 bytes per 256
-// weights), Q5_K (176) and Q6_K (210). The weight stays at its file size; each thread unpacks one row of W at a
+// weights), Q5_K (176) and Q6_K (210); and the 32-value blocks Q8_0 (34 bytes) and MXFP4 (17, gpt-oss's experts). The weight stays at its file size; each thread unpacks one row of W at a
 // time into a few KB of codes and per-16 scales, and multiplies it by every row of x.
 //
 // Every K-quant weight of a 256-block is w = dw * sc_j * u - mw * mn_j, u an unsigned code (Q4_K 0..15, Q5_K 0..31,
@@ -31,8 +31,8 @@
 namespace {
 
 constexpr int64_t QK = 256;
-enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ80 = 3 };
-constexpr int64_t QK8 = 32;  // Q8_0's block: an fp16 scale and 32 int8 codes
+enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ80 = 3, kMXFP4 = 4 };
+constexpr int64_t QK8 = 32;  // Q8_0's block: an fp16 scale and 32 int8 codes; MXFP4's: an exponent and 16 bytes
 
 int64_t block_bytes(int64_t kind) {
   switch (kind) {
@@ -40,6 +40,7 @@ int64_t block_bytes(int64_t kind) {
     case kQ5K: return 176;
     case kQ6K: return 210;
     case kQ80: return 34;
+    case kMXFP4: return 17;
   }
   TORCH_CHECK(false, "kquant: unknown block kind ", kind);
 }
@@ -455,6 +456,22 @@ void dot_fused(const uint8_t* w, int64_t kind, int64_t k, const Q8Row* xs, int64
 
 // Q8_0: w = d * c per 32 columns, c int8; x rounded per 32 columns to int8 as llama.cpp's q8_0. A block's product
 // is |c| times x's codes with c's sign (vpsignb), so vpmaddubsw takes it (pairs at most 2 * 128 * 127, no saturation).
+//
+// MXFP4 (OCP microscaling; gpt-oss's experts as GGUF stores them): per 32 columns an E8M0 exponent e, then 16 bytes of
+// E2M1 codes, value j in the low nibble of byte j and value j + 16 in its high nibble. Doubled, the E2M1 values are
+// the integers of kMxfp4Values (llama.cpp's kvalues_mxfp4), so w = 2^(e - 128) * c: a block is Q8_0's int8 codes
+// (looked up with vpshufb) under a power-of-two scale, and takes Q8_0's product.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 2^(e - 128) for every exponent byte, built when the library loads (2^-128 and 2^-127 are float32 subnormals)
+const std::vector<float> kMxfp4Scales = [] {
+  std::vector<float> t(256);
+  for (int i = 0; i < 256; ++i) t[i] = std::ldexp(1.0f, i - 128);
+  return t;
+}();
+
+inline float mxfp4_scale(uint8_t e) { return kMxfp4Scales[e]; }
+
 void quantize_row_q80(const float* x, int64_t k, int8_t* q, float* dx) {
   for (int64_t b = 0; b < k / QK8; ++b) {
     const float* xb = x + b * QK8;
@@ -466,12 +483,27 @@ void quantize_row_q80(const float* x, int64_t k, int8_t* q, float* dx) {
   }
 }
 
-float dot_q80(const uint8_t* w, const int8_t* q, const float* dx, int64_t nb) {
+// One 32-value block's int8 codes and scale: Q8_0's as stored, MXFP4's looked up.
+inline float block32_codes(const uint8_t* blk, int64_t kind, int8_t* c) {
+  if (kind == kQ80) {
+    std::memcpy(c, blk + 2, QK8);
+    return half_at(blk);
+  }
+  for (int i = 0; i < 16; ++i) {
+    c[i] = kMxfp4Values[blk[1 + i] & 0x0F];
+    c[i + 16] = kMxfp4Values[blk[1 + i] >> 4];
+  }
+  return mxfp4_scale(blk[0]);
+}
+
+template <int64_t kKind>
+float dot_block32(const uint8_t* w, const int8_t* q, const float* dx, int64_t nb) {
+  constexpr int64_t bytes = kKind == kQ80 ? 34 : 17;
 #if defined(__AVX2__)
   __m256 acc = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 34;
+    const uint8_t* blk = w + b * bytes;
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
     const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c)), ones);
@@ -480,19 +512,90 @@ float dot_q80(const uint8_t* w, const int8_t* q, const float* dx, int64_t nb) {
   return hsum256(acc);
 #else
   float total = 0.f;
+  int8_t c[QK8];
   for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* c = reinterpret_cast<const int8_t*>(w + b * 34 + 2);
+    const float d = block32_codes(w + b * bytes, kKind, c);
     int32_t s = 0;
     for (int i = 0; i < QK8; ++i) s += int32_t(c[i]) * int32_t(q[b * QK8 + i]);
-    total += half_at(w + b * 34) * dx[b] * float(s);
+    total += d * dx[b] * float(s);
   }
   return total;
 #endif
 }
 
-at::Tensor q80_mm(const at::Tensor& x, const at::Tensor& blocks) {
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / QK8;
-  TORCH_CHECK(k % QK8 == 0 && blocks.size(1) == nb * 34, "blocks: ", nb, " Q8_0 blocks per row");
+#if defined(__AVX2__)
+// MXFP4's codes plus 12 (0..24, unsigned): vpmaddubsw's unsigned side, x's codes the signed one (pairs at most
+// 2 * 24 * 127, no saturation). The 12 comes back as 12 * d * dx * sum(x) per block, from x's block sums.
+constexpr int8_t kMxfp4Offset = 12;
+constexpr int8_t kMxfp4Shifted[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+inline __m256i mxfp4_shifted_codes(const uint8_t* blk, __m128i table) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 1));
+  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(packed, low4));
+  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+  return _mm256_set_m128i(hi, lo);  // values 0..15, then 16..31
+}
+
+// One weight row of MXFP4 blocks times `rows` (at most kRows) rows of x: each block's codes are looked up once
+// for all of them. xc[r * nb + b] = 12 * dx * the sum of x's block codes. One row (decode) takes two blocks a
+// step into two sums, so that consecutive blocks' multiply-adds do not wait on each other.
+constexpr int64_t kRows = 8;
+void dot_mxfp4_rows(const uint8_t* w, const int8_t* q, const float* dx, const float* xc, int64_t k, int64_t rows,
+                    float* out) {
+  const int64_t nb = k / QK8;
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Shifted));
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (rows == 1) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float correction = 0.f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+      const uint8_t* blk = w + b * 17;
+      const __m256i c0 = mxfp4_shifted_codes(blk, table), c1 = mxfp4_shifted_codes(blk + 17, table);
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8 + QK8));
+      const float d0 = mxfp4_scale(blk[0]), d1 = mxfp4_scale(blk[17]);
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c0, x0), ones)),
+                             _mm256_set1_ps(d0 * dx[b]), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c1, x1), ones)),
+                             _mm256_set1_ps(d1 * dx[b + 1]), acc1);
+      correction += d0 * xc[b] + d1 * xc[b + 1];
+    }
+    for (; b < nb; ++b) {
+      const uint8_t* blk = w + b * 17;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
+      const float d = mxfp4_scale(blk[0]);
+      acc0 = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(mxfp4_shifted_codes(blk, table), x), ones)),
+          _mm256_set1_ps(d * dx[b]), acc0);
+      correction += d * xc[b];
+    }
+    out[0] = hsum256(_mm256_add_ps(acc0, acc1)) - correction;
+    return;
+  }
+  __m256 acc[kRows];
+  float correction[kRows];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps(), correction[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 17;
+    const __m256i c = mxfp4_shifted_codes(blk, table);
+    const float d = mxfp4_scale(blk[0]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * QK8));
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[r * nb + b]), acc[r]);
+      correction[r] += d * xc[r * nb + b];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) out[r] = hsum256(acc[r]) - correction[r];
+}
+#endif
+
+// x W^T for W in 32-value blocks (Q8_0, MXFP4), with x rounded per block to int8.
+at::Tensor block32_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / QK8, bytes = block_bytes(kind);
+  TORCH_CHECK(k % QK8 == 0 && blocks.size(1) == nb * bytes, "blocks: ", nb, " blocks of ", bytes, " bytes per row");
   std::vector<int8_t> q(m * k);
   std::vector<float> dx(m * nb);
   const float* xp = x.data_ptr<float>();
@@ -500,9 +603,31 @@ at::Tensor q80_mm(const at::Tensor& x, const at::Tensor& blocks) {
   at::Tensor out = at::empty({m, n}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
+#if defined(__AVX2__)
+  if (kind == kMXFP4) {
+    std::vector<float> xc(m * nb);
+    for (int64_t i = 0; i < m * nb; ++i) {
+      int32_t sum = 0;
+      for (int j = 0; j < QK8; ++j) sum += q[i * QK8 + j];
+      xc[i] = kMxfp4Offset * dx[i] * float(sum);
+    }
+    at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+      float y[kRows];
+      for (int64_t j = begin; j < end; ++j) {
+        for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+          const int64_t rows = std::min(kRows, m - r0);
+          dot_mxfp4_rows(wp + j * nb * bytes, q.data() + r0 * k, dx.data() + r0 * nb, xc.data() + r0 * nb, k, rows, y);
+          for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * n + j] = y[r];
+        }
+      }
+    });
+    return out;
+  }
+#endif
+  const auto dot = kind == kQ80 ? dot_block32<kQ80> : dot_block32<kMXFP4>;
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      for (int64_t r = 0; r < m; ++r) op[r * n + j] = dot_q80(wp + j * nb * 34, q.data() + r * k, dx.data() + r * nb, nb);
+      for (int64_t r = 0; r < m; ++r) op[r * n + j] = dot(wp + j * nb * bytes, q.data() + r * k, dx.data() + r * nb, nb);
     }
   });
   return out;
@@ -514,7 +639,7 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blocks: contiguous uint8 [N, row bytes]");
-  if (kind == kQ80) return q80_mm(x, blocks);  // int8 activations whatever `act` says
+  if (kind == kQ80 || kind == kMXFP4) return block32_mm(x, blocks, kind);  // int8 activations whatever `act` says
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
   TORCH_CHECK(k % QK == 0 && blocks.size(1) == k / QK * block_bytes(kind), "blocks: ", k / QK, " blocks per row");
   const float* xp = x.data_ptr<float>();
@@ -580,15 +705,15 @@ at::Tensor kquant_dequant(const at::Tensor& blocks, int64_t kind) {
               "blocks: contiguous uint8 [N, row bytes]");
   const int64_t n = blocks.size(0), bytes = block_bytes(kind);
   TORCH_CHECK(blocks.size(1) % bytes == 0, "blocks: whole blocks per row");
-  if (kind == kQ80) {
+  if (kind == kQ80 || kind == kMXFP4) {
     const int64_t nb = blocks.size(1) / bytes;
     at::Tensor out = at::empty({n, nb * QK8}, blocks.options().dtype(at::kFloat));
     float* op = out.data_ptr<float>();
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     at::parallel_for(0, n * nb, 256, [&](int64_t begin, int64_t end) {
+      int8_t c[QK8];
       for (int64_t b = begin; b < end; ++b) {
-        const float d = half_at(wp + b * 34);
-        const int8_t* c = reinterpret_cast<const int8_t*>(wp + b * 34 + 2);
+        const float d = block32_codes(wp + b * bytes, kind, c);
         for (int i = 0; i < QK8; ++i) op[b * QK8 + i] = d * float(c[i]);
       }
     });

@@ -4,7 +4,8 @@ or codes. Each expert multiplies through a kernel over its own rows, a view of t
 kquant.py's kernel reads the blocks in place), so the experts take their file size in memory.
 
 The kernel is chosen once per projection, on expert 0, by the chooser's measurement; every expert of that
-projection then gets the same kind (they share a shape and a type).
+projection then gets the same kind (they share a shape and a type). Families whose experts carry biases or another
+activation (gpt-oss) subclass it and override `activate`.
 """
 
 import torch
@@ -23,12 +24,17 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class QuantizedFusedMoE(nn.Module):
     """engine/layers/fused_moe.py's FusedMoE, for weights that arrive quantized: forward(x, weights, ids) alike."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, target: KernelTarget):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, target: KernelTarget, bias: bool = False
+    ):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.target = target
+        self.target, self.bias = target, bias
         self.pending: dict[str, QuantizedWeight] = {}
         self.kernels = nn.ModuleDict()  # projection -> a ModuleList of one kernel per expert
+        if bias:  # one per expert and output row: gate_proj_bias [experts, intermediate], ...
+            for projection in PROJECTIONS:
+                setattr(self, f"{projection}_bias", nn.Parameter(torch.empty(num_experts, self._shape(projection)[0])))
 
     def _shape(self, projection: str) -> tuple[int, int]:
         """(rows, columns) of one expert's matrix."""
@@ -37,10 +43,18 @@ class QuantizedFusedMoE(nn.Module):
         return self.intermediate_size, self.hidden_size
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> list[str]:
-        projection = name.removesuffix(".weight")
-        if projection not in PROJECTIONS:
+        projection, _, kind = name.rpartition(".")
+        if projection not in PROJECTIONS or kind not in ("weight", "bias") or (kind == "bias" and not self.bias):
             raise ValueError(f"is not a stacked expert weight this layer knows ({', '.join(PROJECTIONS)})")
         rows, cols = self._shape(projection)
+        if kind == "bias":
+            bias = getattr(self, f"{projection}_bias")
+            if isinstance(tensor, QuantizedWeight):
+                raise ValueError(f"is stored as {tensor.source}; the experts' biases are read at full precision")
+            if tuple(tensor.shape) != tuple(bias.shape):
+                raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {tuple(bias.shape)}")
+            bias.data.copy_(tensor)
+            return [f"{projection}_bias"]
         if not isinstance(tensor, QuantizedWeight):  # an F16/F32 tensor of a GGUF file: [experts, rows, cols]
             raise ValueError("arrives at full precision; quantized experts take GGUF block types only")
         if tuple(tensor.shape) != (self.num_experts * rows, cols):
@@ -69,11 +83,19 @@ class QuantizedFusedMoE(nn.Module):
         """The stacked tensors the checkpoint has not given yet."""
         return [p for p in PROJECTIONS if p not in self.kernels and p not in self.pending]
 
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation: SwiGLU, silu(gate) * up."""
+        return silu_and_mul(torch.cat((gate, up), dim=-1))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         gate, up, down = (self.kernels[p] for p in PROJECTIONS)
 
         def expert_mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
-            return down[expert](silu_and_mul(torch.cat((gate[expert](h), up[expert](h)), dim=-1)))
+            g, u = gate[expert](h), up[expert](h)
+            if not self.bias:
+                return down[expert](self.activate(g, u))
+            g, u = g + self.gate_proj_bias[expert], u + self.up_proj_bias[expert]
+            return down[expert](self.activate(g, u)) + self.down_proj_bias[expert]
 
         return run_experts(x, weights, ids, self.num_experts, expert_mlp)
 

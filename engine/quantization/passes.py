@@ -12,12 +12,11 @@ import torch
 from torch import nn
 
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.fused_moe import Experts, FusedMoE
+from engine.layers.fused_moe import Experts
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.quantization.kernels import DenseMatmul, QuantizedMatmul
 from engine.quantization.methods import DEFAULT_GROUP_SIZE, check_method, head_method
 from engine.quantization.modules import KernelTarget, QuantizedEmbedding, QuantizedLinear
-from engine.quantization.moe import QuantizedFusedMoE
 
 
 def quantize(
@@ -34,8 +33,8 @@ def quantize(
         )
     for name, module in list(model.named_modules()):
         bias = getattr(module, "bias", None)
-        if isinstance(module, FusedMoE):  # experts from a GGUF file, which arrive quantized
-            swapped = QuantizedFusedMoE(module.num_experts, module.hidden_size, module.intermediate_size, target)
+        if isinstance(module, Experts):  # experts from a GGUF file, which arrive quantized
+            swapped = module.quantized(target)
         elif isinstance(module, ParallelLMHead):
             swapped = QuantizedLinear(
                 module.embedding_dim, [module.num_embeddings], None, head_method(method), group_size, target
