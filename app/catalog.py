@@ -43,8 +43,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
-SUPPORTED_NAMES = "Llama, Mistral, Ministral, SmolLM3, Phi-3/4-mini, Gemma 3, Qwen2/2.5, Qwen3 (dense and MoE)"
+SUPPORTED_NAMES = "Llama, Mistral, Ministral, SmolLM3, Phi-3/4-mini, Gemma 3, Qwen2/2.5, Qwen3 (dense and MoE), gpt-oss"
 
 _DTYPE_BYTES = {
     "float32": 4,
@@ -98,6 +99,9 @@ class CatalogEntry:
     description: str = ""
     size_is_approximate: bool = True
     num_experts: int = 0  # a mixture of experts' experts per layer (0: a dense model)
+    num_experts_per_tok: int = 0  # of num_experts, those each token is routed to
+    moe_intermediate_size: int | None = None  # one expert's width, where it is not intermediate_size (Qwen3-MoE)
+    active_params: int = 0  # of `params`, those one token's step reads (count_active_params; 0: a dense model)
     sliding_window: int | None = None  # tokens a sliding-window layer sees (None: no such layers)
     num_sliding_layers: int = 0  # of num_hidden_layers, those that attend through sliding_window
 
@@ -106,6 +110,11 @@ class CatalogEntry:
             self.name = self.repo_id.split("/")[-1]
         if not self.params_label:
             self.params_label = _params_label(self.params)
+
+    @property
+    def active_label(self) -> str:
+        """ "3.6B active" for a mixture of experts whose active parameters are known, else ""."""
+        return f"{_params_label(self.active_params)} active" if self.num_experts and self.active_params else ""
 
     @property
     def is_gguf(self) -> bool:
@@ -227,19 +236,56 @@ def count_params(
     head_dim: int,
     tie_word_embeddings: bool = True,
     family: str = "llama",
+    num_experts: int = 0,
+    moe_intermediate_size: int | None = None,
 ) -> int:
-    """Parameters of a Llama-style decoder (Qwen2 adds q/k/v biases, Qwen3 q/k norms); tied head counted once."""
+    """Parameters of a Llama-style decoder (Qwen2 adds q/k/v biases, Qwen3 q/k norms, gpt-oss biases everywhere and
+    attention sinks); tied head counted once. With `num_experts`, each layer's MLP is that many experts of
+    `moe_intermediate_size` (gpt-oss: `intermediate_size`) and a router."""
     h, kv_dim, q_dim = hidden_size, num_key_value_heads * head_dim, num_attention_heads * head_dim
     attn = h * q_dim + 2 * h * kv_dim + q_dim * h
-    if family == "qwen2":
+    if family in ("qwen2", "gpt_oss"):
         attn += q_dim + 2 * kv_dim
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         attn += 2 * head_dim
-    layer = attn + 3 * h * intermediate_size + 2 * h
+    if family == "gpt_oss":
+        attn += h + num_attention_heads  # the output projection's bias, a sink per head
+    mlp = 3 * h * intermediate_size
+    if num_experts:
+        mlp = num_experts * expert_params(h, moe_intermediate_size or intermediate_size, family) + h * num_experts
+        mlp += num_experts if family == "gpt_oss" else 0  # the router's bias
+    layer = attn + mlp + 2 * h
     total = vocab_size * h + num_hidden_layers * layer + h
     if not tie_word_embeddings:
         total += vocab_size * h
     return total
+
+
+def expert_params(hidden_size: int, expert_intermediate_size: int, family: str = "") -> int:
+    """One expert's gated MLP (gpt-oss's with biases)."""
+    weights = 3 * hidden_size * expert_intermediate_size
+    return weights + (2 * expert_intermediate_size + hidden_size if family == "gpt_oss" else 0)
+
+
+def count_active_params(
+    params: int,
+    *,
+    hidden_size: int,
+    vocab_size: int,
+    num_hidden_layers: int,
+    num_experts: int,
+    num_experts_per_tok: int,
+    expert_intermediate_size: int,
+    family: str = "",
+) -> int:
+    """The weights one token's step reads in a mixture of experts: all but the experts it is not routed to and
+    the token embedding (it reads one row of that table). gpt-oss-20b: 3.6B of 20.9B; Qwen3-30B-A3B: 3.0B of 30.5B."""
+    idle = (
+        num_hidden_layers
+        * (num_experts - num_experts_per_tok)
+        * expert_params(hidden_size, expert_intermediate_size, family)
+    )
+    return params - idle - vocab_size * hidden_size
 
 
 def _params_label(params: int) -> str:
@@ -297,7 +343,10 @@ def entry_from_config(
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
     )
-    counted = count_params(**dims, tie_word_embeddings=tie, family=family) if all(dims.values()) else 0
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    expert_width = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+    moe = dict(num_experts=experts, moe_intermediate_size=expert_width) if experts else {}
+    counted = count_params(**dims, tie_word_embeddings=tie, family=family, **moe) if all(dims.values()) else 0
     # A checkpoint may store a tied head twice (smaller count) or be a mixture of experts (much larger file):
     # trust the dimension count only when it is plausible against the file size.
     if counted and (not size_params or 0.5 * size_params <= counted <= 1.1 * size_params):
@@ -307,6 +356,19 @@ def entry_from_config(
     else:
         raise ValueError(f"cannot tell the parameter count of {repo_id}: no file size and an incomplete config.json")
 
+    active = 0
+    per_token = int(cfg.get("num_experts_per_tok") or 0)
+    if experts and per_token and hidden and expert_width and cfg.get("vocab_size"):
+        active = count_active_params(
+            params,
+            hidden_size=hidden,
+            vocab_size=cfg["vocab_size"],
+            num_hidden_layers=layers,
+            num_experts=experts,
+            num_experts_per_tok=per_token,
+            expert_intermediate_size=expert_width,
+            family=family,
+        )
     window, sliding = sliding_layers(cfg)
     notes = []
     if not family:
@@ -331,7 +393,10 @@ def entry_from_config(
         vocab_size=cfg.get("vocab_size"),
         num_attention_heads=heads,
         tie_word_embeddings=tie,
-        num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+        num_experts=experts,
+        num_experts_per_tok=per_token,
+        moe_intermediate_size=cfg.get("moe_intermediate_size"),
+        active_params=max(active, 0),
         sliding_window=window,
         num_sliding_layers=sliding,
         gated=gated,

@@ -205,6 +205,17 @@ def _window_note(entry: CatalogEntry, est: MemoryEstimate) -> str:
     return ", every layer keeping the whole context (on a GPU the sliding-window saving is still to come)"
 
 
+def _experts_note(entry: CatalogEntry) -> str:
+    """A mixture of experts holds every expert, but each token runs through a few: memory counts the total, speed
+    the active parameters."""
+    if not entry.active_label:
+        return ""
+    return (
+        f" All {entry.params_label} parameters are held; each token runs through {entry.active_params / 1e9:.1f}B of"
+        " them, so it replies about as fast as a dense model of that size."
+    )
+
+
 def _measure(device: str, free_bytes: int | None, device_name: str | None) -> tuple[int, str]:
     if free_bytes is None or device_name is None:
         measured_name, measured_free = available_memory(device)
@@ -266,7 +277,7 @@ def fit_report(
                 + smaller[-1]
                 + "."
             )
-    message = head + verdict
+    message = head + verdict + _experts_note(entry)
     if est.context_len > entry.max_position_embeddings:
         message += f" Note: the model was trained for at most {entry.max_position_embeddings:,} tokens."
     return FitReport(fits, message, est, free_bytes, device_name, tight, max_context)

@@ -247,7 +247,8 @@ def render_load_form(ui) -> LoadForm:
     catalog = load_catalog()
     choices = [
         (
-            f"{e.name} ({e.params_label}){' · bundled, offline' if e.bundled else ''}{' · gated' if e.gated else ''}",
+            f"{e.name} ({e.params_label}{', ' + e.active_label if e.active_label else ''})"
+            f"{' · bundled, offline' if e.bundled else ''}{' · gated' if e.gated else ''}",
             e.repo_id,
         )
         for e in catalog

@@ -8,6 +8,7 @@ import pytest
 from app.catalog import (
     SUPPORTED_ARCHITECTURES,
     CatalogEntry,
+    count_active_params,
     count_params,
     entry_for_repo,
     entry_from_config,
@@ -35,6 +36,8 @@ REQUESTED = {
     "Qwen/Qwen3-8B-GGUF",
     "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF",
     "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+    "ggml-org/gpt-oss-20b-GGUF",
+    "Qwen/Qwen3-30B-A3B-GGUF",
     "HuggingFaceTB/SmolLM3-3B",
     "microsoft/Phi-4-mini-instruct",
     "google/gemma-3-4b-it",
@@ -45,6 +48,8 @@ GGUF = {
     "Qwen/Qwen3-8B-GGUF": ("Qwen3-8B-Q4_K_M.gguf", "Q4_K_M"),
     "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF": ("Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf", "Q4_K_M"),
     "Qwen/Qwen2.5-0.5B-Instruct-GGUF": ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "Q4_K_M"),
+    "ggml-org/gpt-oss-20b-GGUF": ("gpt-oss-20b-mxfp4.gguf", "MXFP4"),
+    "Qwen/Qwen3-30B-A3B-GGUF": ("Qwen3-30B-A3B-Q4_K_M.gguf", "Q4_K_M"),
 }
 
 # (layers, kv heads, head_dim, max_position_embeddings) from each repo's config.json
@@ -81,7 +86,12 @@ def test_every_entry_is_consistent(catalog):
         assert e.family == SUPPORTED_ARCHITECTURES[e.architecture]
         assert e.checkpoint_dtype == "bfloat16"
         assert e.num_attention_heads % e.num_key_value_heads == 0, e.repo_id
-        assert e.head_dim * e.num_attention_heads == e.hidden_size or e.family in ("qwen3", "gemma3"), e.repo_id
+        assert e.head_dim * e.num_attention_heads == e.hidden_size or e.family in (
+            "qwen3",
+            "qwen3_moe",
+            "gemma3",
+            "gpt_oss",
+        )
         # The parameter count follows from the architecture numbers (tied embeddings counted once).
         counted = count_params(
             hidden_size=e.hidden_size,
@@ -93,8 +103,21 @@ def test_every_entry_is_consistent(catalog):
             head_dim=e.head_dim,
             tie_word_embeddings=e.tie_word_embeddings,
             family=e.family,
+            num_experts=e.num_experts,
+            moe_intermediate_size=e.moe_intermediate_size,
         )
         assert counted == e.params, e.repo_id
+        if e.num_experts:  # what a token's step reads: the routed experts, not the embedding table
+            assert e.active_params == count_active_params(
+                e.params,
+                hidden_size=e.hidden_size,
+                vocab_size=e.vocab_size,
+                num_hidden_layers=e.num_hidden_layers,
+                num_experts=e.num_experts,
+                num_experts_per_tok=e.num_experts_per_tok,
+                expert_intermediate_size=e.moe_intermediate_size or e.intermediate_size,
+                family=e.family,
+            )
         assert (e.gguf_file, e.gguf_type) == GGUF.get(e.repo_id, ("", "")), e.repo_id
         if e.is_gguf:
             # One quantized file: 4 to 8.5 bits a weight (small models keep their embedding at 8 bits).
@@ -505,3 +528,36 @@ def test_sliding_window_layers_count_their_window_where_the_engine_gives_the_res
     for config in ({"model_type": "llama", "num_hidden_layers": 2}, {"model_type": "no-such-model"}):
         assert sliding_layers(config) == (None, 0)
     assert sliding_layers({"model_type": "mistral", "num_hidden_layers": 3, "sliding_window": 4096}) == (4096, 3)
+
+
+def test_a_mixture_of_experts_is_held_whole_and_read_in_part(catalog):
+    """Memory counts every expert, speed the experts a token runs through: the fit sentence says both, and so does
+    the model picker's label; an arbitrary repo's config gives the same counts as the catalog's entry."""
+    gpt_oss = entry_for_repo("ggml-org/gpt-oss-20b-GGUF")
+    assert (gpt_oss.params_label, gpt_oss.active_label) == ("20.9B", "3.6B active")
+    report = fit_report(gpt_oss, 4096, free_bytes=32 * GiB, device_name="CPU")
+    assert report.fits and report.estimate.weights_bytes == gpt_oss.download_bytes
+    assert "All 20.9B parameters are held; each token runs through 3.6B of them" in report.message
+    assert not fit_report(gpt_oss, 4096, free_bytes=8 * GiB, device_name="NVIDIA GeForce RTX 4060").fits
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 201088,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+    }
+    from_hub = entry_from_config("openai/gpt-oss-20b", config, 2 * gpt_oss.params)
+    assert (from_hub.params, from_hub.active_params) == (gpt_oss.params, gpt_oss.active_params)
+    qwen = entry_for_repo("Qwen/Qwen3-30B-A3B-GGUF")
+    assert (qwen.params_label, qwen.active_label) == ("30.5B", "3B active")
+    dense = entry_for_repo("Qwen/Qwen3-8B-GGUF")
+    assert (
+        dense.active_label == "" and "parameters are held" not in fit_report(dense, 4096, free_bytes=32 * GiB).message
+    )
