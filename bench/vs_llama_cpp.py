@@ -1,17 +1,24 @@
 """Pagoda against llama.cpp on the same GGUF files, batch-1 decode (tg) and prefill (pp), in one run.
 
     python -m bench.vs_llama_cpp --llama-bench PATH [--files a.gguf,b.gguf] [--rounds 3] [--threads 2]
+                                 [--moe-layers N]
 
 llama.cpp is not a dependency: build it for this bench only (bench/RESULTS.md has the recipe) and pass its
 `llama-bench`. Without --files, the bundled Q4_1 file is used. Each round runs llama-bench (`-p 512 -n 128 -r 1`)
 and then Pagoda's same-sized decode and prefill on every file, alternating, so a machine that slows down or speeds
 up midway (shared VMs do, by 20%) moves both sides of a ratio alike. Each keeps its best round. Pagoda's decode is
 one request of --decode tokens after a 32-token prompt, as tg128 is 128 tokens after an empty one.
+
+--moe-layers N adds a random-weight file of Qwen3-30B-A3B's shapes (128 experts of 768, 8 a token; Q4_K_M's mix of
+types) cut to N of its 48 layers, written to a temporary folder (the whole model, 18.6 GB, does not fit beside two
+engines in a 24 GB machine; each layer is 0.37 GB).
 """
 
 import argparse
+import dataclasses
 import json
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -42,11 +49,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--moe-layers", type=int, default=0, help="add a Qwen3-30B-A3B-shaped file of this many layers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from engine.loader.bundled import bundled_gguf_path
 
-    files = args.files.split(",") if args.files else [str(bundled_gguf_path())]
+    files = args.files.split(",") if args.files else []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.moe_layers:
+            files.append(str(moe_file(Path(tmp), args.moe_layers)))
+        compare(args, files or [str(bundled_gguf_path())])
+
+
+def moe_file(folder: Path, layers: int) -> Path:
+    from tests.conftest import build_tokenizer
+    from tests.shaped_gguf import QWEN3_30B_A3B, write_shaped_gguf
+
+    tokenizer = folder / "tokenizer"
+    tokenizer.mkdir()
+    build_tokenizer(tokenizer)
+    shape = dataclasses.replace(QWEN3_30B_A3B, layers=layers)
+    return write_shaped_gguf(folder / f"qwen3-30b-a3b-shaped-{layers}-layers-Q4_K_M.gguf", shape, tokenizer)
+
+
+def compare(args: argparse.Namespace, files: list[str]) -> None:
     print(f"CPU flags: {cpu_flags()}; threads {args.threads}; torch {torch.__version__}", flush=True)
     engines = {}
     for file in files:

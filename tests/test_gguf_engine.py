@@ -133,8 +133,9 @@ def encode(w: np.ndarray, type_name: str, seed: int) -> tuple[np.ndarray, T]:
     return gguf.quants.quantize(w.astype(np.float32), T[type_name]), T[type_name]
 
 
-def tokenizer_metadata(writer: gguf.GGUFWriter, folder: Path) -> None:
-    """The conftest BPE tokenizer as llama.cpp stores a byte-level one."""
+def tokenizer_metadata(writer: gguf.GGUFWriter, folder: Path, pad_to: int | None = None) -> None:
+    """The conftest BPE tokenizer as llama.cpp stores a byte-level one; `pad_to`: with unused tokens after it up to
+    that many, so that llama.cpp, which takes the vocabulary's size from the token list, reads a larger table."""
     spec = json.loads((folder / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     for added in spec["added_tokens"]:
@@ -142,9 +143,11 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, folder: Path) -> None:
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
     assert len(tokens) == VOCAB and [vocab[t] for t in tokens] == list(range(VOCAB))
     special = {a["content"] for a in spec["added_tokens"]}
+    types = [3 if t in special else 1 for t in tokens]  # 3: control
+    padding = [f"<|unused_{i}|>" for i in range((pad_to or VOCAB) - VOCAB)]
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: control
+    writer.add_token_list(tokens + padding)
+    writer.add_token_types(types + [5] * len(padding))  # 5: unused
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)

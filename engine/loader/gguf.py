@@ -16,7 +16,6 @@ The block types are decoded in gguf_blocks.py; gguf_files.py finds the file a mo
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.loader import gguf_config
 from engine.loader.gguf_blocks import SUPPORTED_TYPES, FileBytes, decode
 from engine.models import GGUF_ARCHITECTURES
 from engine.quantization.blocks import BlockWeight
@@ -64,11 +64,6 @@ _ARCH_LAYER_NAMES = {
         "ffn_gate_inp": "mlp.router",
     },
 }
-# The transformers config class of an HF architecture, where it is not the architecture's name with "Config"
-_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
-# llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000; Gemma 3 27B (62 layers) scales
-# queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
-_GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
 # Architectures whose GGUF config transformers cannot read, and whose tokenizer is its generic one
 _GENERIC_TOKENIZER = ("gpt-oss",)
 # Not weights of the HF model: Llama 3's rope factors, folded into the config's rope parameters instead.
@@ -122,8 +117,7 @@ class GGUFCheckpoint:
         self._config_tensors = {
             t.name: np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name in _CONFIG_TENSORS
         }
-        self._rope_freqs = self._config_tensors.get("rope_freqs.weight")
-        self.architecture: str = self._field("general.architecture")
+        self.architecture: str = self.field("general.architecture")
         if self.architecture not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"{path.name} is a GGUF of architecture {self.architecture!r}; Pagoda runs "
@@ -166,7 +160,8 @@ class GGUFCheckpoint:
         value = self._fields.get(key)
         return default if value is None else value
 
-    def _field(self, key: str) -> Any:
+    def field(self, key: str) -> Any:
+        """A metadata value the file must have; a clear error where it lacks it."""
         value = self.metadata(key)
         if value is None:
             raise RuntimeError(
@@ -176,119 +171,17 @@ class GGUFCheckpoint:
         return value
 
     def hf_config(self) -> Any:
-        """The transformers config (LlamaConfig, Qwen2Config or Qwen3Config) the file's metadata describes.
-
-        Built from the metadata this reader holds already: transformers' `from_pretrained(gguf_file=)`
+        """The transformers config (LlamaConfig, Qwen3MoeConfig, GptOssConfig, ...) the file's metadata describes
+        (gguf_config.py). Built from the metadata this reader holds already: transformers' `from_pretrained(gguf_file=)`
         would parse the whole header again, vocabulary included (5 s for SmolLM2's)."""
-        import transformers
+        return gguf_config.hf_config(self)
 
-        arch = self.architecture
-        names = {
-            "hidden_size": "embedding_length",
-            "intermediate_size": "feed_forward_length",
-            "num_hidden_layers": "block_count",
-            "num_attention_heads": "attention.head_count",
-            "max_position_embeddings": "context_length",
-            "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-        }
-        settings = {ours: self._field(f"{arch}.{theirs}") for ours, theirs in names.items()}
-        # files of models without grouped-query attention may leave the KV head count out
-        settings["num_key_value_heads"] = self.metadata(
-            f"{arch}.attention.head_count_kv", settings["num_attention_heads"]
-        )
-        settings = {k: (float(v) if k == "rms_norm_eps" else int(v)) for k, v in settings.items()}
-        vocab = self.metadata(f"{arch}.vocab_size")
-        settings["vocab_size"] = int(vocab) if vocab is not None else len(self._field("tokenizer.ggml.tokens"))
-        if self.metadata(f"{arch}.expert_count") is not None:  # a mixture of experts (qwen3moe)
-            settings["num_experts"] = int(self._field(f"{arch}.expert_count"))
-            settings["num_experts_per_tok"] = int(self._field(f"{arch}.expert_used_count"))
-            settings["moe_intermediate_size"] = int(self._field(f"{arch}.expert_feed_forward_length"))
-            settings["norm_topk_prob"] = True  # llama.cpp renormalises qwen3moe's top-k weights
-        hf_arch = GGUF_ARCHITECTURES[arch]
-        if arch == "gemma3":
-            settings.update(self._gemma3_settings(settings))
-        if arch == "gpt-oss":
-            settings = self._gpt_oss_settings(settings)
-        config = getattr(transformers, _CONFIG_CLASSES.get(hf_arch, hf_arch.replace("ForCausalLM", "Config")))(
-            **settings
-        )
-        config.architectures = [GGUF_ARCHITECTURES[arch]]
-        # transformers maps no head size for qwen2/qwen3 (Qwen3Config would fall back to its default of 128)
-        head_dim = self.metadata(f"{arch}.attention.key_length")
-        if head_dim is not None:
-            config.head_dim = int(head_dim)
-        config.tie_word_embeddings = "output.weight" not in self._gguf_names
-        for attr in ("bos_token_id", "eos_token_id"):
-            value = self.metadata(f"tokenizer.ggml.{attr}")
-            if value is not None:
-                setattr(config, attr, int(value))
-        theta = float(self.metadata(f"{arch}.rope.freq_base", 10000.0))
-        rope = self._rope_parameters(theta) or {"rope_type": "default", "rope_theta": theta}
-        if arch == "phi3":
-            rope = self._phi3_rope(theta, config)
-        if arch == "gemma3":  # the global layers' rotary, and the local layers' own
-            rope = {
-                "full_attention": rope,
-                "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE},
-            }
-        if hasattr(config, "rope_parameters"):
-            config.rope_parameters = rope
-        else:  # transformers 4
-            config.rope_theta = rope["rope_theta"]
-            config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        return config
+    def config_tensor(self, name: str) -> np.ndarray | None:
+        """A small tensor that is configuration, not a weight (Llama 3's rope_freqs, Phi-3's LongRoPE factors)."""
+        return self._config_tensors.get(name)
 
-    def _phi3_rope(self, theta: float, config) -> dict:
-        """Phi-3's rotary as llama.cpp keeps it: over `rope.dimension_count` of each head, with LongRoPE's factors
-        as tensors (rope_factors_short, rope_factors_long) and the pretraining length in the metadata."""
-        head_dim = config.hidden_size // config.num_attention_heads
-        rotary = int(self.metadata("phi3.rope.dimension_count", head_dim))
-        rope = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotary / head_dim}
-        short, long = (self._config_tensors.get(f"rope_factors_{k}.weight") for k in ("short", "long"))
-        if short is None:
-            return rope
-        original = int(self._field("phi3.rope.scaling.original_context_length"))
-        config.original_max_position_embeddings = original
-        attention_factor = self.metadata("phi3.rope.scaling.attn_factor")
-        return {
-            **rope,
-            "rope_type": "longrope",
-            "short_factor": short.tolist(),
-            "long_factor": (long if long is not None else short).tolist(),
-            "original_max_position_embeddings": original,
-            "factor": config.max_position_embeddings / original,
-            **({"attention_factor": float(attention_factor)} if attention_factor is not None else {}),
-        }
-
-    def _gemma3_settings(self, settings: dict) -> dict:
-        """What a Gemma 3 file implies beyond the shared metadata, as llama.cpp reads it."""
-        layers, head_dim = settings["num_hidden_layers"], int(self._field("gemma3.attention.key_length"))
-        scalar = (
-            settings["hidden_size"] // settings["num_attention_heads"] if layers == _GEMMA3_27B_LAYERS else head_dim
-        )
-        return {
-            "head_dim": head_dim,
-            "query_pre_attn_scalar": scalar,
-            "sliding_window": int(self._field("gemma3.attention.sliding_window")),
-            "layer_types": [
-                "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention" for i in range(layers)
-            ],
-        }
-
-    def _gpt_oss_settings(self, settings: dict) -> dict:
-        """gpt-oss's names for the experts' settings, and what llama.cpp fixes for it: layers alternating a window
-        (the even ones) and full attention, biased attention."""
-        settings = {**settings, "intermediate_size": settings.pop("moe_intermediate_size")}
-        settings["num_local_experts"] = settings.pop("num_experts")
-        del settings["norm_topk_prob"]  # gpt-oss always takes the softmax of its top-k logits
-        layers = settings["num_hidden_layers"]
-        return {
-            **settings,
-            "head_dim": int(self._field("gpt-oss.attention.key_length")),
-            "sliding_window": int(self._field("gpt-oss.attention.sliding_window")),
-            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-            "attention_bias": True,
-        }
+    def has_tensor(self, name: str) -> bool:
+        return name in self._gguf_names
 
     def tokenizer(self) -> Any:
         """A transformers tokenizer built from the file's vocabulary, with the file's chat template."""
@@ -326,54 +219,14 @@ class GGUFCheckpoint:
                     ids.append(token_id)
         return ids
 
-    def _rope_parameters(self, theta: float) -> dict | None:
-        """Rope scaling transformers does not read from a GGUF: `rope.scaling.*` metadata, and the
-        `rope_freqs` tensor llama.cpp writes for Llama 3.1+ in place of its rope_scaling settings."""
-        arch = self.architecture
-        kind = self.metadata(f"{arch}.rope.scaling.type")
-        if kind not in (None, "none"):
-            factor = self.metadata(f"{arch}.rope.scaling.factor")
-            if kind not in ("linear", "yarn") or factor is None:
-                raise ValueError(
-                    f"{self.path.name} uses rope scaling {kind!r}; Pagoda supports linear, YaRN and Llama 3 "
-                    "scaling. Use another file of this model."
-                )
-            if kind == "yarn":
-                return self._yarn(theta, float(factor))
-            return {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
-        if self._rope_freqs is None:
-            return None
-        return _llama3_rope(self._rope_freqs, theta, self.path.name)
-
-    def _yarn(self, theta: float, factor: float) -> dict:
-        """YaRN's settings as convert_hf_to_gguf writes them. The file does not say whether the correction range
-        is truncated to whole dimensions: gpt-oss was trained without (its config's `truncate: false`), the
-        other families with (transformers' default)."""
-        arch = self.architecture
-        rope = {
-            "rope_type": "yarn",
-            "rope_theta": theta,
-            "factor": factor,
-            "original_max_position_embeddings": int(self._field(f"{arch}.rope.scaling.original_context_length")),
-            "truncate": arch != "gpt-oss",
-        }
-        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
-            value = self.metadata(f"{arch}.rope.scaling.{theirs}")
-            if value is not None:
-                rope[ours] = float(value)
-        attention_factor = self.metadata(f"{arch}.rope.scaling.yarn_attn_factor")
-        if attention_factor is not None:
-            rope["attention_factor"] = float(attention_factor)
-        return rope
-
     # tensors
 
     def _make_plan(self) -> list[_Entry]:
         heads = (
-            int(self._field(f"{self.architecture}.attention.head_count")),
+            int(self.field(f"{self.architecture}.attention.head_count")),
             int(
                 self.metadata(f"{self.architecture}.attention.head_count_kv")
-                or self._field(f"{self.architecture}.attention.head_count")
+                or self.field(f"{self.architecture}.attention.head_count")
             ),
         )
         plan, unsupported = [], []
@@ -459,30 +312,3 @@ def _unpermute_heads(value: torch.Tensor | QuantizedWeight, heads: int) -> torch
         value.group_size,
         value.source,
     )
-
-
-def _llama3_rope(factors: np.ndarray, theta: float, file_name: str) -> dict:
-    """llama.cpp stores Llama 3 rope scaling only as per-frequency divisors (convert_hf_to_gguf's rope_freqs).
-    Every Llama 3.x uses low_freq_factor 1, high_freq_factor 4 and an 8192-token original context, with
-    the factor the largest divisor: rebuild those settings and check they give back every divisor."""
-    params = {
-        "rope_type": "llama3",
-        "factor": float(factors.max()),
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_theta": theta,
-    }
-    dim = 2 * len(factors)
-    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    old, low, high, factor = 8192, 1.0, 4.0, params["factor"]
-    smooth = (old / wavelen - low) / (high - low)
-    expected = np.where(
-        wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth))
-    )
-    if not np.allclose(factors, expected, rtol=1e-4, atol=0):
-        raise ValueError(
-            f"{file_name} scales rope by per-frequency factors (rope_freqs) that are not Llama 3's "
-            "scaling; Pagoda cannot reproduce them. Use the model's safetensors repo instead."
-        )
-    return params

@@ -1,0 +1,200 @@
+"""The transformers config a GGUF file's metadata describes, family by family, as llama.cpp reads it: the shared
+keys, a mixture of experts' counts, Gemma 3's and gpt-oss's layer patterns, Phi-3's LongRoPE, and the rope scalings
+(linear, YaRN, Llama 3's per-frequency factors) that transformers does not read from a GGUF."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.models import GGUF_ARCHITECTURES
+
+if TYPE_CHECKING:
+    from engine.loader.gguf import GGUFCheckpoint
+
+# The transformers config class of an HF architecture, where it is not the architecture's name with "Config"
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+# llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000; Gemma 3 27B (62 layers) scales
+# queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
+_GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
+
+
+def hf_config(ckpt: GGUFCheckpoint) -> Any:
+    """The transformers config of `ckpt`'s model, from the metadata it holds."""
+    import transformers
+
+    arch = ckpt.architecture
+    names = {
+        "hidden_size": "embedding_length",
+        "intermediate_size": "feed_forward_length",
+        "num_hidden_layers": "block_count",
+        "num_attention_heads": "attention.head_count",
+        "max_position_embeddings": "context_length",
+        "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    }
+    settings = {ours: ckpt.field(f"{arch}.{theirs}") for ours, theirs in names.items()}
+    # files of models without grouped-query attention may leave the KV head count out
+    settings["num_key_value_heads"] = ckpt.metadata(f"{arch}.attention.head_count_kv", settings["num_attention_heads"])
+    settings = {k: (float(v) if k == "rms_norm_eps" else int(v)) for k, v in settings.items()}
+    vocab = ckpt.metadata(f"{arch}.vocab_size")
+    settings["vocab_size"] = int(vocab) if vocab is not None else len(ckpt.field("tokenizer.ggml.tokens"))
+    if ckpt.metadata(f"{arch}.expert_count") is not None:  # a mixture of experts (qwen3moe)
+        settings["num_experts"] = int(ckpt.field(f"{arch}.expert_count"))
+        settings["num_experts_per_tok"] = int(ckpt.field(f"{arch}.expert_used_count"))
+        settings["moe_intermediate_size"] = int(ckpt.field(f"{arch}.expert_feed_forward_length"))
+        settings["norm_topk_prob"] = True  # llama.cpp renormalises qwen3moe's top-k weights
+    hf_arch = GGUF_ARCHITECTURES[arch]
+    if arch == "gemma3":
+        settings.update(_gemma3_settings(ckpt, settings))
+    if arch == "gpt-oss":
+        settings = _gpt_oss_settings(ckpt, settings)
+    config = getattr(transformers, _CONFIG_CLASSES.get(hf_arch, hf_arch.replace("ForCausalLM", "Config")))(**settings)
+    config.architectures = [GGUF_ARCHITECTURES[arch]]
+    # transformers maps no head size for qwen2/qwen3 (Qwen3Config would fall back to its default of 128)
+    head_dim = ckpt.metadata(f"{arch}.attention.key_length")
+    if head_dim is not None:
+        config.head_dim = int(head_dim)
+    config.tie_word_embeddings = not ckpt.has_tensor("output.weight")
+    for attr in ("bos_token_id", "eos_token_id"):
+        value = ckpt.metadata(f"tokenizer.ggml.{attr}")
+        if value is not None:
+            setattr(config, attr, int(value))
+    theta = float(ckpt.metadata(f"{arch}.rope.freq_base", 10000.0))
+    rope = _rope_parameters(ckpt, theta) or {"rope_type": "default", "rope_theta": theta}
+    if arch == "phi3":
+        rope = _phi3_rope(ckpt, theta, config)
+    if arch == "gemma3":  # the global layers' rotary, and the local layers' own
+        rope = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE},
+        }
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = rope
+    else:  # transformers 4
+        config.rope_theta = rope["rope_theta"]
+        config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return config
+
+
+def _phi3_rope(ckpt: GGUFCheckpoint, theta: float, config) -> dict:
+    """Phi-3's rotary as llama.cpp keeps it: over `rope.dimension_count` of each head, with LongRoPE's factors
+    as tensors (rope_factors_short, rope_factors_long) and the pretraining length in the metadata."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary = int(ckpt.metadata("phi3.rope.dimension_count", head_dim))
+    rope = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotary / head_dim}
+    short, long = (ckpt.config_tensor(f"rope_factors_{k}.weight") for k in ("short", "long"))
+    if short is None:
+        return rope
+    original = int(ckpt.field("phi3.rope.scaling.original_context_length"))
+    config.original_max_position_embeddings = original
+    attention_factor = ckpt.metadata("phi3.rope.scaling.attn_factor")
+    return {
+        **rope,
+        "rope_type": "longrope",
+        "short_factor": short.tolist(),
+        "long_factor": (long if long is not None else short).tolist(),
+        "original_max_position_embeddings": original,
+        "factor": config.max_position_embeddings / original,
+        **({"attention_factor": float(attention_factor)} if attention_factor is not None else {}),
+    }
+
+
+def _gemma3_settings(ckpt: GGUFCheckpoint, settings: dict) -> dict:
+    """What a Gemma 3 file implies beyond the shared metadata, as llama.cpp reads it."""
+    layers, head_dim = settings["num_hidden_layers"], int(ckpt.field("gemma3.attention.key_length"))
+    scalar = settings["hidden_size"] // settings["num_attention_heads"] if layers == _GEMMA3_27B_LAYERS else head_dim
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(ckpt.field("gemma3.attention.sliding_window")),
+        "layer_types": [
+            "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention" for i in range(layers)
+        ],
+    }
+
+
+def _gpt_oss_settings(ckpt: GGUFCheckpoint, settings: dict) -> dict:
+    """gpt-oss's names for the experts' settings, and what llama.cpp fixes for it: layers alternating a window
+    (the even ones) and full attention, biased attention."""
+    settings = {**settings, "intermediate_size": settings.pop("moe_intermediate_size")}
+    settings["num_local_experts"] = settings.pop("num_experts")
+    del settings["norm_topk_prob"]  # gpt-oss always takes the softmax of its top-k logits
+    layers = settings["num_hidden_layers"]
+    return {
+        **settings,
+        "head_dim": int(ckpt.field("gpt-oss.attention.key_length")),
+        "sliding_window": int(ckpt.field("gpt-oss.attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "attention_bias": True,
+    }
+
+
+def _rope_parameters(ckpt: GGUFCheckpoint, theta: float) -> dict | None:
+    """Rope scaling transformers does not read from a GGUF: `rope.scaling.*` metadata, and the
+    `rope_freqs` tensor llama.cpp writes for Llama 3.1+ in place of its rope_scaling settings."""
+    arch = ckpt.architecture
+    kind = ckpt.metadata(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        factor = ckpt.metadata(f"{arch}.rope.scaling.factor")
+        if kind not in ("linear", "yarn") or factor is None:
+            raise ValueError(
+                f"{ckpt.path.name} uses rope scaling {kind!r}; Pagoda supports linear, YaRN and Llama 3 "
+                "scaling. Use another file of this model."
+            )
+        if kind == "yarn":
+            return _yarn(ckpt, theta, float(factor))
+        return {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
+    if ckpt.config_tensor("rope_freqs.weight") is None:
+        return None
+    return _llama3_rope(ckpt.config_tensor("rope_freqs.weight"), theta, ckpt.path.name)
+
+
+def _yarn(ckpt: GGUFCheckpoint, theta: float, factor: float) -> dict:
+    """YaRN's settings as convert_hf_to_gguf writes them. The file does not say whether the correction range
+    is truncated to whole dimensions: gpt-oss was trained without (its config's `truncate: false`), the
+    other families with (transformers' default)."""
+    arch = ckpt.architecture
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": factor,
+        "original_max_position_embeddings": int(ckpt.field(f"{arch}.rope.scaling.original_context_length")),
+        "truncate": arch != "gpt-oss",
+    }
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        value = ckpt.metadata(f"{arch}.rope.scaling.{theirs}")
+        if value is not None:
+            rope[ours] = float(value)
+    attention_factor = ckpt.metadata(f"{arch}.rope.scaling.yarn_attn_factor")
+    if attention_factor is not None:
+        rope["attention_factor"] = float(attention_factor)
+    return rope
+
+
+def _llama3_rope(factors: np.ndarray, theta: float, file_name: str) -> dict:
+    """llama.cpp stores Llama 3 rope scaling only as per-frequency divisors (convert_hf_to_gguf's rope_freqs).
+    Every Llama 3.x uses low_freq_factor 1, high_freq_factor 4 and an 8192-token original context, with
+    the factor the largest divisor: rebuild those settings and check they give back every divisor."""
+    params = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": theta,
+    }
+    dim = 2 * len(factors)
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    old, low, high, factor = 8192, 1.0, 4.0, params["factor"]
+    smooth = (old / wavelen - low) / (high - low)
+    expected = np.where(
+        wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth))
+    )
+    if not np.allclose(factors, expected, rtol=1e-4, atol=0):
+        raise ValueError(
+            f"{file_name} scales rope by per-frequency factors (rope_freqs) that are not Llama 3's "
+            "scaling; Pagoda cannot reproduce them. Use the model's safetensors repo instead."
+        )
+    return params
