@@ -134,10 +134,12 @@ class BlockManager:
         hashes = self.block_hashes(seq.token_ids, num_blocks)
         found = [self._cached_blocks(seq, g, hashes, window is None) for g, window in enumerate(self.group_windows)]
         # The longest hit every group serves: all of a full group's blocks before it, a sliding group's last ones
+        # (the blocks a query at the hit sees: a run of cached blocks ending just before it, as long as the window)
         hit = min((len(ids) for ids, w in zip(found, self.group_windows) if w is None), default=num_blocks)
+        runs = [None if w is None else _cached_runs(ids) for ids, w in zip(found, self.group_windows)]
         while hit > 0 and not all(
-            w is None or all(b != NO_BLOCK for b in ids[self._first_seen(hit * self.block_size, w) : hit])
-            for ids, w in zip(found, self.group_windows)
+            run is None or hit - self._first_seen(hit * self.block_size, w) <= run[hit - 1]
+            for run, w in zip(runs, self.group_windows)
         ):
             hit -= 1
         if hit == 0:
@@ -336,3 +338,12 @@ class BlockManager:
         """Unregister `block`; the caller moves it to the empty pool if it is free."""
         del self.hash_to_block_id[(block.group, block.hash)]
         block.hash, block.token_ids, block.parent = None, (), None
+
+
+def _cached_runs(ids: list[int]) -> list[int]:
+    """For each entry, how many cached blocks (not NO_BLOCK) end there in a row."""
+    runs, run = [], 0
+    for block_id in ids:
+        run = run + 1 if block_id != NO_BLOCK else 0
+        runs.append(run)
+    return runs
