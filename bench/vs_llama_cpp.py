@@ -73,6 +73,7 @@ def moe_file(folder: Path, layers: int) -> Path:
 
 
 def compare(args: argparse.Namespace, files: list[str]) -> None:
+    torch.set_num_threads(args.threads)  # again: writing a shaped file imports the tests' conftest, which sets 1
     print(f"CPU flags: {cpu_flags()}; threads {args.threads}; torch {torch.__version__}", flush=True)
     engines = {}
     for file in files:

@@ -196,3 +196,50 @@ def test_k_quant_experts_read_their_rows_of_the_stacked_blocks_in_place(tokenize
     got = experts(x, weights, ids)
     # int8 activations (q8_K) against float32: about a percent of the output's scale
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("down_type", ["Q4_K", "Q6_K"])
+def test_decode_steps_take_the_one_call_layer_and_it_equals_the_expert_by_expert_one(down_type):
+    """K-quant experts without biases run a decode step's layer in one kquant.cpp call (kquant_moe): the same
+    products as the per-expert kernels (x rounded alike, so to float32 sum order), for one token and for a few
+    sharing experts; prefill-sized batches still go expert by expert."""
+    from engine.quantization import kquant
+    from engine.quantization.modules import KernelTarget
+    from tests.shaped_gguf import _random_blocks
+
+    if kquant.ops() is None:
+        pytest.skip("no C++ compiler for the K-quant kernel here")
+    experts, hidden, width = 8, 512, 256
+    rng = np.random.default_rng(3)
+    layer = QuantizedFusedMoE(experts, hidden, width, KernelTarget(torch.device("cpu"), torch.float32, False))
+    blocks = {
+        "gate_proj": ("Q4_K", _random_blocks("Q4_K", experts * width, hidden, rng), hidden),
+        "up_proj": ("Q4_K", _random_blocks("Q4_K", experts * width, hidden, rng), hidden),
+        "down_proj": (down_type, _random_blocks(down_type, experts * hidden, width, rng), width),
+    }
+    for name, (type_name, stored, cols) in blocks.items():
+        layer.load_checkpoint_tensor(f"{name}.weight", kquant_weight(type_name, stored, cols))
+    assert layer.stacked is not None and all(type(k[0]).__name__ == "KQuantMatmul" for k in layer.kernels.values())
+    g = torch.Generator().manual_seed(4)
+    for tokens in (1, 5):
+        x = torch.randn(tokens, hidden, generator=g)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(tokens)])
+        weights = torch.rand(tokens, 3, generator=g)
+        by_expert = layer._by_expert(x, weights, ids)
+        fused = layer(x, weights, ids)
+        torch.testing.assert_close(fused, by_expert, rtol=1e-5, atol=1e-5 * float(by_expert.abs().max()))
+    calls = []
+    layer._fused = lambda *a: calls.append(a)  # prefill's 17 tokens never reach it
+    layer(torch.randn(17, hidden), torch.rand(17, 3), torch.randint(0, experts, (17, 3)))
+    assert not calls
+
+
+def kquant_weight(type_name: str, stored: np.ndarray, cols: int):
+    from functools import partial
+
+    from engine.loader.gguf_blocks import QUANT_TYPES, decode_stored
+    from engine.quantization.blocks import BlockWeight
+
+    _, _, bits, group = QUANT_TYPES[type_name]
+    blocks = torch.from_numpy(stored)
+    return BlockWeight(blocks, type_name, (blocks.shape[0], cols), bits, group, partial(decode_stored, type_name))

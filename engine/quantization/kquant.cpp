@@ -699,6 +699,105 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind
   return out;
 }
 
+// One weight row of K-quant blocks times m (at most 16) rows of x rounded as quantize_row rounds them.
+void row_dot(const uint8_t* w, int64_t kind, int64_t k, const Q8Row* xs, int64_t m, float* out, Row& scratch) {
+#if defined(PAGODA_KQ_FUSED)
+  (void)scratch;
+  dot_fused(w, kind, k, xs, m, out);
+#else
+  unpack_row(w, kind, k, scratch);
+  for (int64_t r = 0; r < m; ++r) out[r] = dot_q8(scratch, xs[r], k);
+#endif
+}
+
+// Rows of float32 values rounded to int8 per 256 columns, and each row's Q8Row.
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> dx;
+  std::vector<int16_t> bsum;
+  Q8Rows(const float* x, int64_t rows, int64_t k) : q(rows * k), dx(rows * (k / QK)), bsum(rows * (k / 16)) {
+    for (int64_t r = 0; r < rows; ++r) {
+      quantize_row(x + r * k, k, q.data() + r * k, dx.data() + r * (k / QK), bsum.data() + r * (k / 16));
+    }
+  }
+  Q8Row row(int64_t r, int64_t k) const {
+    return Q8Row{q.data() + r * k, dx.data() + r * (k / QK), bsum.data() + r * (k / 16)};
+  }
+};
+
+// A mixture of experts' SwiGLU layer for a few tokens (decode) in one call, its weights K-quant blocks as a GGUF
+// file stacks them: gate and up [experts * I, row bytes], down [experts * H, row bytes]. Each token's x is rounded
+// once; the gate and up rows of every expert any token chose are one parallel pass, their activations rounded once,
+// and the down rows one more pass: the per-expert calls it replaces each paid the threads' start and the host's
+// glue (bench/RESULTS.md). x [T, H] float32 (T at most 16), ids [T, k] int64, weights [T, k] float32 -> [T, H].
+at::Tensor kquant_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate,
+                      const at::Tensor& up, const at::Tensor& down, int64_t gate_kind, int64_t up_kind,
+                      int64_t down_kind, int64_t num_experts) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [T, H]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && ids.sizes() == weights.sizes(),
+              "ids int64 and weights float32, both [T, k]");
+  const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
+  const int64_t inter = gate.size(0) / num_experts;
+  TORCH_CHECK(tokens <= 16, "kquant_moe serves at most 16 tokens a call");
+  TORCH_CHECK(hidden % QK == 0 && inter % QK == 0, "hidden and intermediate sizes must be multiples of 256");
+  TORCH_CHECK(gate.size(0) == num_experts * inter && up.size(0) == gate.size(0) && down.size(0) == num_experts * hidden,
+              "gate/up [experts * I, bytes] and down [experts * H, bytes]");
+  const Q8Rows xq(x.data_ptr<float>(), tokens, hidden);
+  const int64_t* id = ids.contiguous().data_ptr<int64_t>();
+  // Each expert any token chose, and its (token, slot) pairs
+  std::vector<std::vector<int64_t>> pairs_of(num_experts);
+  for (int64_t p = 0; p < tokens * k; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "expert id out of range");
+    pairs_of[id[p]].push_back(p);
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (!pairs_of[e].empty()) active.push_back(e);
+  }
+  const int64_t n_active = static_cast<int64_t>(active.size());
+  std::vector<float> g(tokens * k * inter), u(tokens * k * inter), y(tokens * k * hidden);
+  const uint8_t* gp = gate.data_ptr<uint8_t>();
+  const uint8_t* upp = up.data_ptr<uint8_t>();
+  const uint8_t* dp = down.data_ptr<uint8_t>();
+  const int64_t gate_bytes = gate.size(1), up_bytes = up.size(1), down_bytes = down.size(1);
+  at::parallel_for(0, n_active * 2 * inter, 16, [&](int64_t begin, int64_t end) {
+    Row scratch(hidden);
+    Q8Row xs[16];
+    float out[16];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = active[i / (2 * inter)], which = (i / inter) % 2, r = i % inter;
+      const std::vector<int64_t>& pairs = pairs_of[e];
+      for (size_t j = 0; j < pairs.size(); ++j) xs[j] = xq.row(pairs[j] / k, hidden);
+      const uint8_t* w = which == 0 ? gp + (e * inter + r) * gate_bytes : upp + (e * inter + r) * up_bytes;
+      row_dot(w, which == 0 ? gate_kind : up_kind, hidden, xs, static_cast<int64_t>(pairs.size()), out, scratch);
+      float* dst = which == 0 ? g.data() : u.data();
+      for (size_t j = 0; j < pairs.size(); ++j) dst[pairs[j] * inter + r] = out[j];
+    }
+  });
+  for (int64_t i = 0; i < tokens * k * inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];  // silu(gate) * up
+  const Q8Rows hq(g.data(), tokens * k, inter);
+  at::parallel_for(0, n_active * hidden, 16, [&](int64_t begin, int64_t end) {
+    Row scratch(inter);
+    Q8Row xs[16];
+    float out[16];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = active[i / hidden], r = i % hidden;
+      const std::vector<int64_t>& pairs = pairs_of[e];
+      for (size_t j = 0; j < pairs.size(); ++j) xs[j] = hq.row(pairs[j], inter);
+      row_dot(dp + (e * hidden + r) * down_bytes, down_kind, inter, xs, static_cast<int64_t>(pairs.size()), out, scratch);
+      for (size_t j = 0; j < pairs.size(); ++j) y[pairs[j] * hidden + r] = out[j];
+    }
+  });
+  at::Tensor result = at::zeros({tokens, hidden}, x.options());
+  float* rp = result.data_ptr<float>();
+  const float* wt = weights.contiguous().data_ptr<float>();
+  for (int64_t p = 0; p < tokens * k; ++p) {  // in slot order per token
+    const int64_t t = p / k;
+    for (int64_t c = 0; c < hidden; ++c) rp[t * hidden + c] += wt[p] * y[p * hidden + c];
+  }
+  return result;
+}
+
 // The weight's rows in float32 [rows, K]: the reference, the looked-up rows of a tied table, and prefill's tiles.
 at::Tensor kquant_dequant(const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
@@ -754,10 +853,14 @@ TORCH_LIBRARY(PAGODA_KQ_NS, lib) {
   lib.def("kquant_mm(Tensor x, Tensor blocks, int kind, int act) -> Tensor");
   lib.def("kquant_dequant(Tensor blocks, int kind) -> Tensor");
   lib.def("kquant_isa(Tensor any) -> int");
+  lib.def(
+      "kquant_moe(Tensor x, Tensor ids, Tensor weights, Tensor gate, Tensor up, Tensor down, int gate_kind, "
+      "int up_kind, int down_kind, int num_experts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGODA_KQ_NS, CPU, lib) {
   lib.impl("kquant_mm", &kquant_mm);
   lib.impl("kquant_dequant", &kquant_dequant);
   lib.impl("kquant_isa", &kquant_isa);
+  lib.impl("kquant_moe", &kquant_moe);
 }
