@@ -46,9 +46,11 @@ def main() -> None:
     args = ap.parse_args()
     if kquant.ops() is None:
         raise SystemExit("the CPU kernel cannot be built here (it needs a C++ compiler and ninja on x86)")
+    threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "gpt-oss-shaped-mxfp4"
         write_checkpoint(folder, args.layers, 32000)
+        torch.set_num_threads(threads)  # writing imports the tests' conftest, which sets one thread
         engines = {variant: load(folder, variant) for variant in VARIANTS}
         best = {v: {"decode": 0.0, "prefill": 0.0} for v in VARIANTS}
         for _ in range(args.rounds):
