@@ -188,3 +188,15 @@ def test_a_broken_mxfp4_checkpoint_is_refused_naming_the_tensor(mxfp4_gpt_oss, m
     save_file(tensors, file)
     with pytest.raises(ValueError, match=r"down_proj_scales.*has shape \(8, 3, 1\), the model expects \(8, 64, 1\)"):
         make_llm(folder)
+
+
+def test_mxfp4_blocks_without_their_scales_are_named_missing(mxfp4_gpt_oss, make_llm, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(mxfp4_gpt_oss[0], tmp_path / "no-scales")
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=r"lacks 1 tensors, e.g. \['model.layers.0.mlp.experts.down_proj_scales'\]"):
+        make_llm(folder)

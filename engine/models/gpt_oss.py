@@ -123,7 +123,11 @@ class GptOssQuantizedExperts(QuantizedFusedMoE):
         return []
 
     def missing(self) -> list[str]:
-        return super().missing() if not self.arriving else sorted(self.arriving)
+        """The MXFP4 parts whose counterpart never came (blocks without scales, or back), or the projections."""
+        if self.arriving:
+            other = {"blocks": "scales", "scales": "blocks"}
+            return sorted(f"{name.rsplit('_', 1)[0]}_{other[name.rsplit('_', 1)[1]]}" for name in self.arriving)
+        return super().missing()
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", swiglu_limit={self.limit}"
