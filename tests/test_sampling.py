@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.sample.sampler import Sampler, SamplingBatch, apply_repetition_penalty
+from engine.sample.sampler import Sampler, SamplingBatch, apply_repetition_penalty, greedy_tokens
 
 V = 24
 DRAWS = 20000
@@ -86,6 +86,17 @@ def test_samples_stay_in_the_allowed_set_with_the_right_frequencies(case, logits
     # Binomial standard error is at most 0.0036 for 20000 draws: 0.015 is over 4 of them.
     assert (freq - expected).abs().max() < 0.015, (freq, expected)
     assert set(tokens.tolist()) == set(keep.nonzero().flatten().tolist()) or expected[keep].min() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_pick_the_first_largest_logit_as_argmax_does(dtype):
+    """Ties (few distinct values) and NaNs: the same index as argmax, row by row."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        rows = torch.randint(0, 4, (3, 5000), generator=g).to(dtype)
+        rows[1, 4000] = float("nan")
+        rows[1, 17] = float("nan")
+        assert greedy_tokens(rows).tolist() == rows.argmax(-1).tolist() == [rows[0].argmax(), 17, rows[2].argmax()]
 
 
 def test_greedy_rows_and_top_k_1_take_the_argmax_in_a_mixed_batch(logits):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engine.quantization.blocks import BlockWeight
+from engine.quantization.huge_pages import empty_bytes
 from engine.quantization.layout import QuantizedWeight
 from engine.quantization.mxfp4 import decode_ggml_mxfp4
 
@@ -39,7 +40,7 @@ class FileBytes:
 
     def read(self, start: int, stop: int) -> torch.Tensor:
         """Bytes [start, stop) of the tensor as a uint8 tensor."""
-        out = torch.empty(stop - start, dtype=torch.uint8)
+        out = empty_bytes(stop - start)
         self.file.seek(self.offset + start)
         if self.file.readinto(out.numpy()) != stop - start:
             raise RuntimeError(f"{self.file.name} ended inside a tensor; the file is incomplete: re-download it")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.quantization.huge_pages import empty_bytes
 from engine.quantization.layout import QuantizedWeight
 
 CACHE_BYTES = 16 << 20  # slices of up to this many stored bytes keep their decoding
@@ -79,7 +80,11 @@ class BlockWeight(QuantizedWeight):
 
     @staticmethod
     def concat(parts: list["BlockWeight"]) -> "BlockWeight":
-        return parts[0]._like(torch.cat([p.blocks for p in parts]))
+        blocks = [p.blocks for p in parts]
+        if blocks[0].device.type != "cpu":
+            return parts[0]._like(torch.cat(blocks))
+        rows, row_bytes = sum(b.shape[0] for b in blocks), blocks[0].shape[1]
+        return parts[0]._like(torch.cat(blocks, out=empty_bytes(rows * row_bytes).view(rows, row_bytes)))
 
     def __repr__(self) -> str:
         return f"BlockWeight({self.source}, {self.shape})"

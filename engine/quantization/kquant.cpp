@@ -393,11 +393,16 @@ constexpr int64_t kMaxM = 16;
 
 // The same in 256-bit registers: 32 columns a step, eight steps a block.
 void dot_fused(const uint8_t* w, int64_t kind, int64_t k, const Q8Row* xs, int64_t m, float* out) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  // vpshufb patterns for step c % 4 of each half block: the low 128 bits take scale 2c, the high ones 2c + 1
+  __m256i pick[4];
+  for (int j = 0; j < 4; ++j) {
+    pick[j] = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((4 * j + 3) << 8) | (4 * j + 2))),
+                               _mm_set1_epi16(static_cast<int16_t>(((4 * j + 1) << 8) | (4 * j))));
+  }
   const int64_t nb = k / QK, bytes = block_bytes(kind);
   __m256 acc[kMaxM];
   for (int64_t r = 0; r < m; ++r) acc[r] = _mm256_setzero_ps();
-  alignas(32) int16_t sc[16];
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
     prefetch_block(blk, bytes);
@@ -409,13 +414,12 @@ void dot_fused(const uint8_t* w, int64_t kind, int64_t k, const Q8Row* xs, int64
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
         const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-        u[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-        u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
-        u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+        // each pair of high bits shifted to bits 4-5 (what the 16-bit shifts carry across bytes is masked off)
+        u[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
         u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
       }
       sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
       mn16 = sc16;
@@ -446,9 +450,11 @@ void dot_fused(const uint8_t* w, int64_t kind, int64_t k, const Q8Row* xs, int64
         }
       }
     }
-    _mm256_store_si256(reinterpret_cast<__m256i*>(sc), sc16);
+    // Step c's 32 columns take scales 2c and 2c + 1 (one per 16): each half block's eight scales in both 128-bit
+    // lanes, then one in-lane shuffle a step
+    const __m256i first = _mm256_permute2x128_si256(sc16, sc16, 0x00), second = _mm256_permute2x128_si256(sc16, sc16, 0x11);
     __m256i s[8];
-    for (int c = 0; c < 8; ++c) s[c] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
+    for (int c = 0; c < 8; ++c) s[c] = _mm256_shuffle_epi8(c < 4 ? first : second, pick[c % 4]);
     for (int64_t r = 0; r < m; ++r) {
       const int8_t* q = xs[r].q + b * QK;
       __m256i isum = _mm256_madd_epi16(
