@@ -6,7 +6,9 @@ PagodaUI answers the page's events: a chat's replies in app/reply_events.py (Rep
 and the live panels here. app/page/layout.py's `build` lays the page out from its parts in app/page/.
 """
 
+import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import gradio as gr
@@ -31,6 +33,8 @@ class PagodaUI(ReplyEvents):
         self.sessions = Sessions()
         self.replies = Replies()
         self.export_dir = Path(tempfile.mkdtemp(prefix="pagoda-export-"))  # each chat's files, rewritten in place
+        # Exported chats are private: gone when the app is (at exit too), not left in the system's temp folder
+        weakref.finalize(self, shutil.rmtree, self.export_dir, ignore_errors=True)
 
     # ---- conversations --------------------------------------------------------------------------
     def conversation_choices(self, query: str = "") -> list[tuple[str, int]]:

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 def build(ui: "PagodaUI", models_tab: Callable[["PagodaUI"], None] | None = None) -> gr.Blocks:
     """The page. `models_tab(ui)` renders the Models tab inside the Blocks, when given."""
     presets = {p.name: p.system_prompt for p in ui.store.presets()}  # shared by every chat, added to by Save preset
-    with gr.Blocks(title="Pagoda", fill_height=True) as demo:
+    # Gradio keeps a copy of every exported chat in its cache: an hour is long enough for the download
+    with gr.Blocks(title="Pagoda", fill_height=True, delete_cache=(3600, 3600)) as demo:
         # A drawer beside the chat: on a phone it starts closed (PAGE_JS), so the chat comes first.
         with gr.Sidebar(elem_id="sidebar", width=300):
             sidebar = render_sidebar(ui)

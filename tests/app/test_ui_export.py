@@ -1,5 +1,6 @@
 """The Export buttons' files: each holds the chat it was made for, whichever chats are exported after it."""
 
+import gc
 import json
 import threading
 from pathlib import Path
@@ -62,4 +63,18 @@ def test_an_export_clicked_after_a_rename_waits_for_it_whichever_request_arrives
     with pytest.raises(gr.Error, match="cannot be empty"):
         ui.rename(chat, "  ", number=2, request=page)
     assert Path(ui.export(chat, "md", renames_before=2, request=page)).name == "Lighthouses.md"
+    store.close()
+
+
+def test_exported_files_leave_with_the_app(tmp_path):
+    """Exported chats are private: the folder that holds them is removed when the UI goes (and at exit)."""
+    store = ConversationStore(tmp_path / "chats.db")
+    ui = PagodaUI(store, ModelHost())
+    chat = store.create()
+    store.add_message(chat.id, "user", "a private question")
+    folder = Path(ui.export(chat.id, "md")).parent.parent
+    assert folder.is_dir() and folder == ui.export_dir
+    del ui
+    gc.collect()
+    assert not folder.exists()
     store.close()
