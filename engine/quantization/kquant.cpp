@@ -36,10 +36,13 @@ constexpr int64_t QK = 256;
 // (bench/RESULTS.md). 2 KB ahead measured best of 0.5-8 KB.
 constexpr int64_t kPrefetchBytes = 2048;
 
+inline void prefetch_line(const uint8_t* blk) {
+  _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes), _MM_HINT_T0);
+}
+
+// A K-quant block spans 3-4 cache lines; the 32-value blocks (34, 17 bytes) take prefetch_line each
 inline void prefetch_block(const uint8_t* blk, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
-  }
+  for (int64_t line = 0; line < bytes; line += 64) prefetch_line(blk + line);
 }
 enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ80 = 3, kMXFP4 = 4 };
 constexpr int64_t QK8 = 32;  // Q8_0's block: an fp16 scale and 32 int8 codes; MXFP4's: an exponent and 16 bytes
@@ -525,7 +528,7 @@ float dot_block32(const uint8_t* w, const int8_t* q, const float* dx, int64_t nb
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
-    prefetch_block(blk, 1);
+    prefetch_line(blk);
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
     const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c)), ones);
@@ -574,7 +577,7 @@ void dot_mxfp4_rows(const uint8_t* w, const int8_t* q, const float* dx, const fl
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
       const uint8_t* blk = w + b * 17;
-      prefetch_block(blk, 1);
+      prefetch_line(blk);
       const __m256i c0 = mxfp4_shifted_codes(blk, table), c1 = mxfp4_shifted_codes(blk + 17, table);
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8 + QK8));
@@ -602,7 +605,7 @@ void dot_mxfp4_rows(const uint8_t* w, const int8_t* q, const float* dx, const fl
   for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps(), correction[r] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 17;
-    prefetch_block(blk, 1);
+    prefetch_line(blk);
     const __m256i c = mxfp4_shifted_codes(blk, table);
     const float d = mxfp4_scale(blk[0]);
     for (int64_t r = 0; r < rows; ++r) {
