@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
-from engine.quantization import chooser
+from engine.quantization import chooser, kquant
 from tests.conftest import build_tokenizer
 from tests.quantized_weights import logprob_differences, only_dequant
 
@@ -299,7 +299,8 @@ def check_against_reference(llm, reference_folder, seed: int) -> None:
     positions. The block types' kernels run bf16 activations; how far that may move these sharp random
     models' logprobs (spanning 0..-25) is measured by running the reference itself in bf16: the
     kernels must stay within 2.5x of that, at worst and on average (seen: up to 1.5x, as kernels
-    measured faster differ per run). A wrong layout errs by the logprobs' whole spread."""
+    measured faster differ per run), 4x where int8 activations serve. A wrong layout errs by the logprobs'
+    whole spread."""
     reference = make_llm(reference_folder)
     prompt = prompt_ids(seed)
     sequence = prompt + greedy(reference, [prompt])[0]["token_ids"]
@@ -313,8 +314,12 @@ def check_against_reference(llm, reference_folder, seed: int) -> None:
         assert max(diffs) <= 1e-4, max(diffs)  # float32 weights or the float32 kernel: only sum order differs
         return
     bf16 = diffs_of(make_llm(reference_folder, dtype="bfloat16"))
-    assert max(diffs) <= 2.5 * max(bf16), (max(diffs), max(bf16))
-    assert sum(diffs) / len(diffs) <= 2.5 * sum(bf16) / len(bf16), (sum(diffs) / len(diffs), sum(bf16) / len(bf16))
+    # The K-quant kernel rounds activations to int8 per 256 columns, as llama.cpp's q8_K does, which moves these
+    # logprobs further than bf16 (seen: 3.1x at worst, once the chooser took it for most weights); it is held to
+    # its own rounding kernel by kernel in test_kquant.py
+    factor = 4.0 if "KQuantMatmul" in llm.stats().matmul and kquant.act_setting() == "int8" else 2.5
+    assert max(diffs) <= factor * max(bf16), (max(diffs), max(bf16))
+    assert sum(diffs) / len(diffs) <= factor * sum(bf16) / len(bf16), (sum(diffs) / len(diffs), sum(bf16) / len(bf16))
 
 
 @pytest.mark.parametrize("type_name,family", CASES, ids=[f"{t}-{f}" for t, f in CASES])
