@@ -485,3 +485,22 @@ def _anonymous_rss() -> int:
     except OSError:
         pytest.skip("needs /proc/self/status")
     return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:"))
+
+
+def test_header_reader_equals_gguf_py(smollm: GGUFCheckpoint, tmp_path: Path) -> None:
+    from engine.loader.gguf_header import read_header
+
+    header, reader = read_header(smollm.path), gguf.GGUFReader(smollm.path)
+    expected = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    assert header.metadata == expected  # the 49k-token vocabulary, merges and scores included
+    assert [(t.name, t.type_name, t.shape, t.offset, t.n_bytes) for t in header.tensors] == [
+        (t.name, t.tensor_type.name, tuple(reversed(t.shape.tolist())), t.data_offset, t.n_bytes)
+        for t in reader.tensors
+    ]
+    cut = tmp_path / "cut.gguf"  # the header itself cut short, not only the tensors
+    cut.write_bytes(smollm.path.read_bytes()[:500_000])
+    with pytest.raises(ValueError, match="ends early"):
+        read_header(cut)
+    cut.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ValueError, match="magic"):
+        read_header(cut)

@@ -230,20 +230,10 @@ def _quiet_third_party(quiet: bool) -> Iterator[None]:
 
 def _gguf_metadata(gguf_path: pathlib.Path, keys: tuple[str, ...]) -> dict[str, Any]:
     """Read scalar and string metadata values (not arrays) from the GGUF header."""
-    from gguf import GGUFReader, GGUFValueType
+    from engine.loader.gguf_header import read_header
 
-    fields = GGUFReader(gguf_path).fields
-    values: dict[str, Any] = {}
-    for key in keys:
-        field = fields.get(key)
-        if field is None or not field.data:
-            continue
-        if hasattr(field, "contents"):
-            values[key] = field.contents()
-        else:  # older gguf releases have no ReaderField.contents()
-            raw = field.parts[field.data[0]]
-            values[key] = bytes(raw).decode("utf-8") if field.types[0] == GGUFValueType.STRING else raw[0].item()
-    return values
+    metadata = read_header(gguf_path).metadata
+    return {key: metadata[key] for key in keys if key in metadata and not isinstance(metadata[key], list)}
 
 
 def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from engine.loader import gguf_config
 from engine.loader.gguf_blocks import SUPPORTED_TYPES, FileBytes, decode
+from engine.loader.gguf_header import GGUFHeader, TensorEntry, read_header
 from engine.models import GGUF_ARCHITECTURES
 from engine.quantization.blocks import BlockWeight
 from engine.quantization.layout import QuantizedWeight
@@ -83,40 +84,26 @@ class _Entry:
     heads: int | None  # llama's q/k rows were interleaved per head by llama.cpp: undo with this many heads
 
 
-@dataclass(frozen=True)
-class _TensorInfo:
-    name: str
-    type_name: str
-    shape: tuple[int, ...]  # rows first, as torch has it
-    offset: int  # of its bytes in the file
-    n_bytes: int
+def _read_floats(path: Path, tensor: TensorEntry) -> np.ndarray:
+    """A small F32/F16 tensor's values, as float64."""
+    dtype = {"F32": np.float32, "F16": np.float16}.get(tensor.type_name)
+    if dtype is None:
+        raise ValueError(f"{path.name} stores {tensor.name} as {tensor.type_name}; Pagoda reads it as F32 or F16")
+    count = tensor.n_bytes // np.dtype(dtype).itemsize
+    return np.fromfile(path, dtype=dtype, count=count, offset=tensor.offset).astype(np.float64)
 
 
 class GGUFCheckpoint:
     """One GGUF file: metadata at hand, tensors read from the file and decoded on demand.
 
-    gguf-py's reader parses the whole header into numpy views, one or two per element of every array: 136 MB for
-    SmolLM2's 49k-token vocabulary, three times that for a 150k one. What loading needs of it (the metadata's
-    values, the tensors' places, Llama 3's rope factors) is copied out here and the reader let go, so that it is
-    not held beside the weights while they load."""
+    The header is read once (gguf_header.py) and kept as plain values; the tensors' bytes are read when they load."""
 
-    def __init__(self, path: Path, reader: Any) -> None:
+    def __init__(self, path: Path, header: GGUFHeader) -> None:
         self.path = path
-        self._fields = {key: field.contents() for key, field in reader.fields.items()}
-        self._tensors = [
-            _TensorInfo(
-                t.name,
-                t.tensor_type.name,
-                tuple(int(d) for d in reversed(t.shape.tolist())),
-                int(t.data_offset),
-                int(t.n_bytes),
-            )
-            for t in reader.tensors
-        ]
+        self._fields = header.metadata
+        self._tensors = header.tensors
         self._gguf_names = {t.name for t in self._tensors}
-        self._config_tensors = {
-            t.name: np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name in _CONFIG_TENSORS
-        }
+        self._config_tensors = {t.name: _read_floats(path, t) for t in self._tensors if t.name in _CONFIG_TENSORS}
         self.architecture: str = self.field("general.architecture")
         if self.architecture not in GGUF_ARCHITECTURES:
             raise ValueError(
@@ -134,24 +121,20 @@ class GGUFCheckpoint:
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist; check the path")
         try:
-            from gguf import GGUFReader
-        except ImportError as e:
-            raise RuntimeError("reading GGUF files needs the gguf package: pip install gguf") from e
-        try:
-            reader = GGUFReader(path)
-        except Exception as e:  # numpy reshape/index errors on short files, ValueError on bad magic or types
+            header = read_header(path)
+        except Exception as e:  # bad magic, a header cut short, a type this gguf package does not know
             raise RuntimeError(
                 f"cannot read {path} as a GGUF file ({type(e).__name__}: {e}). The file is incomplete "
                 "or corrupt: re-download it. (If it is new, `pip install -U gguf` may be needed to "
                 "read it.)"
             ) from e
-        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+        end = max((t.offset + t.n_bytes for t in header.tensors), default=0)
         size = path.stat().st_size
         if end > size:
             raise RuntimeError(
                 f"{path} is incomplete: its tensors need {end} bytes, the file has {size}. Re-download it."
             )
-        return cls(path, reader)
+        return cls(path, header)
 
     # metadata
 
@@ -185,13 +168,7 @@ class GGUFCheckpoint:
 
     def tokenizer(self) -> Any:
         """A transformers tokenizer built from the file's vocabulary, with the file's chat template."""
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        # AutoTokenizer reads the file's config to pick a tokenizer class, and fails on gpt-oss's rope settings
-        # (it takes a metadata array's length field for its value): such a file's tokenizer is built by the class
-        # AutoTokenizer would take for its model type (the generic one), which reads the tokenizer's metadata alone
-        kind = PreTrainedTokenizerFast if self.architecture in _GENERIC_TOKENIZER else AutoTokenizer
-        tokenizer = kind.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        tokenizer = self._tokenizer_class().from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         if self.metadata("tokenizer.ggml.pre") == "smollm":
             # transformers splits smollm text like GPT-2; SmolLM2's own tokenizer splits digits first
             from engine.loader.bundled import _use_smollm_pretokenizer
@@ -204,6 +181,19 @@ class GGUFCheckpoint:
         if context is not None:
             tokenizer.model_max_length = int(context)
         return tokenizer
+
+    def _tokenizer_class(self) -> type:
+        """The class AutoTokenizer takes for the file's model type, found from the config this reader built.
+        AutoTokenizer itself would parse the whole file again for a config (10 s for a 150k vocabulary with
+        gguf-py's reader), and fails on gpt-oss's rope settings."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+        names = TOKENIZER_MAPPING_NAMES.get(self.hf_config().model_type)
+        if isinstance(names, tuple):  # transformers 4: (slow, fast) class names
+            names = names[-1] or names[0]
+        found = tokenizer_class_from_name(names) if names and self.architecture not in _GENERIC_TOKENIZER else None
+        return found or PreTrainedTokenizerFast
 
     def generation_eos_ids(self) -> list[int]:
         """Token ids that end a reply: the file's EOS, EOT and EOM ids and its end-of-turn control tokens."""

@@ -23,7 +23,7 @@ from torch import nn
 from engine.quantization import kernels
 from engine.quantization.blocks import BlockWeight
 from engine.quantization.kernels import QuantizedMatmul
-from engine.quantization.kquant import KQuantMatmul
+from engine.quantization.kquant import KQuantMatmul, isa_setting
 from engine.quantization.layout import QuantizedWeight
 
 log = logging.getLogger("engine")
@@ -137,7 +137,8 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
                 str(e).splitlines()[0],
             )
             return fallback(qw)
-    key = (qw.shape, qw.bits, qw.group_size, not qw.has_offset, qw.source, device.type, dtype)
+    # the K-quant kernel's build is part of the key: a process may load one model with each (bench/vs_llama_cpp.py)
+    key = (qw.shape, qw.bits, qw.group_size, not qw.has_offset, qw.source, device.type, dtype, isa_setting())
     ranked = _CHOICES.get(key)
     if ranked is None or not any(name in builders for name in ranked):  # an applicability that depends on the codes
         ranked = _CHOICES[key] = _rank_on_proxy(qw, builders, device, dtype)
