@@ -4,12 +4,12 @@
                                 [--threads 2]
 
 What a user waits for after starting a program on a downloaded file: each side is a fresh process that loads the
-file, reads one prompt and writes one token, timed from spawn to exit under `/usr/bin/time -v` (which also gives the
-process's peak resident memory, imports included). llama.cpp's side is `llama-completion -n 1` (build it for this
-bench only, as bench/RESULTS.md says); Pagoda's is `LLM(file).generate(prompt, max_tokens=1)` with its default
-settings through the engine thread the app and API serve from, timed to the first token, in a child that also
-reports where its time went (imports, load, first token) and then waits for the background compile of decode steps
-before it exits, so that the peak includes it. Each file is read once
+file, reads one prompt of --prompt-words words and writes one token, under `/usr/bin/time -v` (which also gives the
+process's peak resident memory, imports included). llama.cpp's side is `llama-completion -n 1 -c 4096` (build it
+for this bench only, as bench/RESULTS.md says), timed from spawn to exit. Pagoda's is the engine thread the app and
+API serve from (`EngineThread.load(file)`, default settings), timed from spawn to its first token; the child also
+reports where its time went (imports, load, first token), then waits for the background compile of decode steps
+before it exits, so that the peak includes that too. Each file is read once
 before the rounds so both sides find it in the page cache; rounds alternate sides, and each side keeps its best.
 """
 

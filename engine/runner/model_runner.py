@@ -27,7 +27,7 @@ from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.loader import GGUFCheckpoint, load_tensors, load_weights
 from engine.models import model_class
 from engine.quantization.mxfp4 import checkpoint_reads_mxfp4
-from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env
+from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env, yield_to_the_engine
 from engine.runner.cuda_graph import DecodeGraphs
 from engine.runner.distributed import SINGLE, TPGroup
 from engine.runner.kernel_passes import choose_gemv, choose_normed, compiled_small_ops
@@ -275,6 +275,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile_decode(self) -> None:
+        yield_to_the_engine()
         try:
             self._captured = CompiledDecode(
                 self.model, self.config.max_num_seqs, self.block_size, self.scratch_block, len(self.kv_groups.windows)
