@@ -293,3 +293,19 @@ def test_the_compile_thread_and_its_workers_yield_to_the_engine():
     worker.join()
     assert seen == {"compile": 19, "started by it": 19}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before < 19
+
+
+@pytest.mark.parametrize("rounds", [False, True])
+def test_a_graph_is_held_to_half_precisions_bound_where_a_kernel_rounds_its_input(monkeypatch, rounds):
+    """Where a kernel rounds x to int8 per block, a graph that fuses the ops before it rounds some value to the next
+    step: a random Qwen3-4B's logits moved by 4% of their largest through 36 layers. That graph is kept; in float32
+    throughout, 4% is a wrong graph."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].rounds_activations = rounds
+    logits = torch.tensor([[4.9, 1.0, -2.0]])
+    monkeypatch.setattr(cd, "eager_forward", lambda model, *args: logits)
+    monkeypatch.setattr(cd, "_seconds_per_call", lambda fn: 1.0 if fn.__name__ == "eager" else 0.5)
+    graph = lambda args: logits + torch.tensor([[0.19, -0.19, 0.0]])  # noqa: E731
+    measured = cd.CompiledDecode.__new__(cd.CompiledDecode)
+    measured.notes = []
+    assert (measured._measure("one row", model, graph, ()) is graph) == rounds

@@ -104,6 +104,10 @@ class QuantizedMatmul(nn.Module):
     # kernels are built for few rows, and at prefill's hundreds the one-off dequantization costs less
     # than they lose (measured per shape by `choose_prefill_rows`; None: never).
     dense_from_rows: int | None = None
+    # Whether the kernel rounds x coarser than the model's dtype before multiplying (to bf16, to int8 per block):
+    # a compiled decode step, which fuses the ops before the kernel and so rounds their results differently, is
+    # then held to the looser bound of half precision (engine/runner/compiled_decode.py).
+    rounds_activations: bool = False
 
     def __init__(self, qw: QuantizedWeight | WeightOutline):
         super().__init__()
@@ -254,6 +258,8 @@ def _pack_int4(
 class Int4PackMatmul(QuantizedMatmul):
     """4-bit codes in PyTorch's CPU int4 layout; scales and zeros are rounded to bf16."""
 
+    rounds_activations = True  # x in bf16
+
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         return device.type == "cpu" and qw.bits == 4 and qw.group_size in INT4PACK_GROUPS
@@ -302,6 +308,8 @@ class Int4PackMatmul(QuantizedMatmul):
 class Int8PackMatmul(QuantizedMatmul):
     """8-bit symmetric codes with one scale per row: PyTorch's weight-only int8 kernel."""
 
+    rounds_activations = True  # x in bf16
+
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:
         # The kernel reads K in steps of 16 with no tail: other K give garbage or a segfault (torch 2.13 CPU).
@@ -335,6 +343,8 @@ class SideBySideInt4Matmul(QuantizedMatmul):
     calls would, for less: at one row on 2 cores, 21 against 35 us at 576 x 576 (bench/RESULTS.md).
     Subclasses say how a weight splits into its `count` terms (`terms`, or `joined_terms` directly); the joined
     terms are made and packed a slab of rows at a time, so they are never whole in memory beside the packed copy."""
+
+    rounds_activations = True  # x in bf16
 
     count: int
 

@@ -179,6 +179,7 @@ class KQuantMatmul(QuantizedMatmul):
         self.dtype = dtype
         self.kind = KINDS[qw.source]
         self.isa, self.act = isa or isa_setting(), act or act_setting()
+        self.rounds_activations = self.act == "int8"
         self.blocks = qw.blocks.contiguous()
         if tuple(self.blocks.shape) != (qw.shape[0], qw.shape[1] // BLOCK_VALUES[qw.source] * BLOCK_BYTES[qw.source]):
             raise ValueError(f"{qw.source} blocks of shape {tuple(self.blocks.shape)} do not hold a {qw.shape} weight")

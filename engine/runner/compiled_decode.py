@@ -280,8 +280,13 @@ class CompiledDecode:
         reference, got = eager(), graph(args).float()
         # Half-precision eager steps round every op's output and the graph rounds only what it stores:
         # on SmolLM2 in bf16 the eager logits were 7.5 off float32's (of 28), the graph's 0.8. So the
-        # bound is loose there, and the most likely token must agree as well.
-        share = 0.35 if reference.dtype in (torch.bfloat16, torch.float16) else 0.02
+        # bound is loose there, and the most likely token must agree as well. So where a kernel rounds its
+        # input to int8 per block: a value the graph fuses differently can round to the next step, and a
+        # random-weight Qwen3-4B's logits moved by 0.19 (of 4.9) through 36 layers, against 1e-6 in float32.
+        rounds = reference.dtype in (torch.bfloat16, torch.float16) or any(
+            getattr(m, "rounds_activations", False) for m in model.modules()
+        )
+        share = 0.35 if rounds else 0.02
         reference = reference.float()
         error = (got - reference).abs().max().item()
         if error > share * reference.abs().max().item() + 1e-3 or not torch.equal(got.argmax(-1), reference.argmax(-1)):
