@@ -113,7 +113,7 @@ def compare(args: argparse.Namespace, files: list[str]) -> None:
                 f"{ppp:.0f} | {ppp / lpp:.2f}x | {llm.stats().matmul}; decode {llm.stats().decode} |"
             )
             llm.close()
-        del engines
+        del engines, llm  # the next file's engines load in this memory
     print(
         f"\n| file | Pagoda's kernel build | llama.cpp tg{args.decode} | Pagoda decode | ratio | llama.cpp "
         f"pp{args.prefill} | Pagoda prefill | ratio | Pagoda's kernels |\n|---|---|---:|---:|---:|---:|---:|---:|---|"

@@ -337,8 +337,8 @@ class ModelRunner:
         self.graphs = self.compiled_decode = self.model = self.kv_cache = self.last_sampled = None
         self.attention_layers, self.last_sampled_rows, self.logprobs_rows = [], SampledRows([]), []
         self.staging = self.readback = None
+        gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now (a CPU's too)
         if self.device.type == "cuda":
-            gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now
             torch.cuda.empty_cache()
 
     # ---- KV cache -------------------------------------------------------------------------------
