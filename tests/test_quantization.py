@@ -22,7 +22,6 @@ from engine.quantization.chooser import choose_matmul
 from engine.quantization.kernels import (
     DenseMatmul,
     DequantMatmul,
-    GroupedInt8Matmul,
     HalvesSplitInt4Matmul,
     Int4PackMatmul,
     Int8PackMatmul,
@@ -30,6 +29,7 @@ from engine.quantization.kernels import (
 )
 from engine.quantization.layout import QuantizedWeight, quantize_int4
 from engine.quantization.modules import KernelTarget, QuantizedLinear
+from engine.quantization.native import GroupedInt8Matmul
 from tests.quantized_weights import only_dequant
 from tests.quantized_weights import random_quantized_weight as make_weight
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quantization import kernels, kquant
+from engine.quantization import kernels, kquant, native
 from engine.quantization.blocks import BlockWeight
 from engine.quantization.kernels import QuantizedMatmul
 from engine.quantization.kquant import KQuantMatmul, isa_setting
@@ -125,7 +125,7 @@ def candidates(
         kernels.Int8PackMatmul,
         kernels.SplitInt4Matmul,
         kernels.HalvesSplitInt4Matmul,
-        kernels.GroupedInt8Matmul,
+        native.GroupedInt8Matmul,
         KQuantMatmul,
     ]
     if device.type == "cuda":

@@ -12,8 +12,8 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
   and lo 4-bit, so the weight is the sum of two exact 4-bit weights, multiplied side by side in one
   int4 call (SideBySideInt4Matmul).
 - HalvesSplitInt4Matmul: 6-bit codes in groups of 16 (GGUF Q6_K) as four exact 4-bit terms, likewise.
-- GroupedInt8Matmul: Pagoda's own kernel (grouped_int8.cpp, compiled for this CPU on first use; opt-in with
-  PAGODA_NATIVE_KERNELS=1, native.py says why): codes of any width in groups of 16 or 32 as bytes, times the
+- GroupedInt8Matmul (native.py): Pagoda's own kernel (grouped_int8.cpp, compiled for this CPU on first use;
+  opt-in with PAGODA_NATIVE_KERNELS=1, native.py says why): codes of any width in groups of 16 or 32 as bytes, times the
   row rounded to 16-bit integers per group, one exact integer dot product per group.
 - KQuantMatmul (kquant.py): GGUF's Q4_K, Q5_K, Q6_K and Q8_0 in the file's own blocks, Pagoda's C++ kernel (built on
   first use where a compiler is), the row rounded to int8 per 256 columns as llama.cpp does.
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import in_bucketed_rows, onednn_linear
-from engine.quantization import native
 from engine.quantization.layout import QuantizedWeight
 from engine.runner.tracing import tracing_decode_step
 
@@ -59,7 +58,7 @@ class WeightOutline:
             raise ValueError(f"outlines describe the 4-bit weights of joined terms, not {self.bits}-bit ones")
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -138,7 +137,7 @@ class QuantizedMatmul(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.source}: {self.bits}-bit, {group}{prefill}"
 
 
-def _dequantize_looked_up(
+def dequantize_looked_up(
     codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor | None, group: int, k: int
 ) -> torch.Tensor:
     """Looked-up rows of codes (4-bit ones packed two to a byte) with their scales and offsets, in float32."""
@@ -170,7 +169,7 @@ class DequantMatmul(QuantizedMatmul):
         return w.to(self.dtype)
 
     def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return _dequantize_looked_up(
+        return dequantize_looked_up(
             self.codes[ids],
             self.bits,
             self.scale[ids],
@@ -228,7 +227,7 @@ def _pack_int4(
     moves rows within blocks of at most 64, so slabs of whole 64-row blocks pack to the same bytes as the whole
     weight; where the first slab's layout is not a known one (another torch version or CPU), the weight is packed
     in one step instead, as that is then the only safe way."""
-    padded_n = _round_up(n, 16)
+    padded_n = round_up(n, 16)
     step = max(64, PACK_SLAB_VALUES // k // 64 * 64)
     packed = torch.empty(padded_n, k // 2, dtype=torch.uint8)
     scales_and_zeros = torch.empty(k // group, padded_n, 2, dtype=torch.bfloat16)
@@ -273,7 +272,7 @@ class Int4PackMatmul(QuantizedMatmul):
         """`rows(start, count)` gives the weight's rows in that range where `qw` only outlines it; it is not kept."""
         super().__init__(qw)
         self.dtype = dtype
-        self.padded_k = _round_up(qw.shape[1], qw.group_size)
+        self.padded_k = round_up(qw.shape[1], qw.group_size)
         self.packed, self.scales_and_zeros, self.layout_block = _pack_int4(
             rows or qw.rows, qw.shape[0], self.padded_k, qw.group_size
         )
@@ -366,7 +365,7 @@ class SideBySideInt4Matmul(QuantizedMatmul):
         whole groups."""
         terms = self.terms(qw)
         rows, group = qw.shape[0], terms[0].group_size
-        k = _round_up(terms[0].shape[1], group)
+        k = round_up(terms[0].shape[1], group)
         codes = torch.zeros(rows, self.count, k, dtype=torch.uint8)
         scale = torch.zeros(rows, self.count, k // group)
         offset = torch.zeros(rows, self.count, k // group)
@@ -436,7 +435,7 @@ class HalvesSplitInt4Matmul(SideBySideInt4Matmul):
     def joined_terms(self, qw: QuantizedWeight) -> QuantizedWeight:
         # Made side by side directly: Q6_K's terms are the largest part of a Q4_K_M file's load time.
         rows, k = qw.shape
-        padded = _round_up(k, 32)
+        padded = round_up(k, 32)
         unsigned = torch.zeros(rows, padded, dtype=torch.uint8)
         unsigned[:, :k] = qw.q + 32  # 0..63, in int8 without overflow
         codes = torch.full((rows, 2, 2, padded), 8, dtype=torch.uint8)  # [half, low/high]; code 8, zero 0: nothing
@@ -450,53 +449,3 @@ class HalvesSplitInt4Matmul(SideBySideInt4Matmul):
             scales[:, h, 0], offsets[:, h, 0] = s, -8 * s
             scales[:, h, 1], offsets[:, h, 1] = 8 * s, -64 * s
         return QuantizedWeight(4, codes.view(rows, -1), scales.view(rows, -1), offsets.view(rows, -1), 32, qw.source)
-
-
-class GroupedInt8Matmul(QuantizedMatmul):
-    """Codes as bytes in groups of 16 or 32 columns, multiplied by Pagoda's native kernel (native.py): the row
-    is rounded to 16-bit integers per group (a step of 1/32767 of the group's largest value, finer than bf16),
-    and each group's product is exact in integers. 4-bit codes c become c - 8 with the offset made up."""
-
-    GROUPS = (16, 32)
-
-    @staticmethod
-    def applies(qw: QuantizedWeight, device: torch.device) -> bool:
-        return (
-            device.type == "cpu" and qw.group_size in GroupedInt8Matmul.GROUPS and native.grouped_int8_mm() is not None
-        )
-
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
-        super().__init__(qw)
-        self.dtype = dtype
-        n, k = qw.shape
-        self.padded_k = _round_up(k, 32)
-        groups = self.padded_k // qw.group_size
-        pad = lambda m: F.pad(m.float(), (0, groups - m.shape[1])).contiguous()
-        codes, offset = qw.q, qw.offset
-        if qw.bits == 4:  # q * s + o = (q - 8) * s + (o + 8 s)
-            codes = (qw.q.to(torch.int16) - 8).to(torch.int8)
-            offset = 8 * qw.scale + (0 if qw.offset is None else qw.offset)
-        self.codes = F.pad(codes, (0, self.padded_k - k)).contiguous()
-        self.scale = pad(qw.scale)
-        self.offset = None if offset is None else pad(offset)
-        self.op = native.grouped_int8_mm()
-
-    def dequantized_bf16(self) -> torch.Tensor:
-        g, k = self.group_size, self.in_features
-        w = self.codes[:, :k].float() * self.scale.repeat_interleave(g, dim=1)[:, :k]
-        if self.offset is not None:
-            w += self.offset.repeat_interleave(g, dim=1)[:, :k]
-        return w.to(torch.bfloat16)
-
-    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return _dequantize_looked_up(
-            self.codes[ids],
-            8,
-            self.scale[ids],
-            None if self.offset is None else self.offset[ids],
-            self.group_size,
-            self.in_features,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x.float().contiguous(), self.codes, self.scale, self.offset, self.group_size).to(self.dtype)

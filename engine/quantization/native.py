@@ -24,6 +24,10 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+
+from engine.quantization.kernels import QuantizedMatmul, dequantize_looked_up, round_up
+from engine.quantization.layout import QuantizedWeight
 
 log = logging.getLogger("engine")
 
@@ -106,3 +110,51 @@ def _build():
 
         _FAKE_REGISTERED.append(True)
     return torch.ops.pagoda_cpu.grouped_int8_mm
+
+
+class GroupedInt8Matmul(QuantizedMatmul):
+    """Codes as bytes in groups of 16 or 32 columns, multiplied by Pagoda's native kernel: the row
+    is rounded to 16-bit integers per group (a step of 1/32767 of the group's largest value, finer than bf16),
+    and each group's product is exact in integers. 4-bit codes c become c - 8 with the offset made up."""
+
+    GROUPS = (16, 32)
+
+    @staticmethod
+    def applies(qw: QuantizedWeight, device: torch.device) -> bool:
+        return device.type == "cpu" and qw.group_size in GroupedInt8Matmul.GROUPS and grouped_int8_mm() is not None
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        super().__init__(qw)
+        self.dtype = dtype
+        n, k = qw.shape
+        self.padded_k = round_up(k, 32)
+        groups = self.padded_k // qw.group_size
+        pad = lambda m: F.pad(m.float(), (0, groups - m.shape[1])).contiguous()
+        codes, offset = qw.q, qw.offset
+        if qw.bits == 4:  # q * s + o = (q - 8) * s + (o + 8 s)
+            codes = (qw.q.to(torch.int16) - 8).to(torch.int8)
+            offset = 8 * qw.scale + (0 if qw.offset is None else qw.offset)
+        self.codes = F.pad(codes, (0, self.padded_k - k)).contiguous()
+        self.scale = pad(qw.scale)
+        self.offset = None if offset is None else pad(offset)
+        self.op = grouped_int8_mm()
+
+    def dequantized_bf16(self) -> torch.Tensor:
+        g, k = self.group_size, self.in_features
+        w = self.codes[:, :k].float() * self.scale.repeat_interleave(g, dim=1)[:, :k]
+        if self.offset is not None:
+            w += self.offset.repeat_interleave(g, dim=1)[:, :k]
+        return w.to(torch.bfloat16)
+
+    def looked_up_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_looked_up(
+            self.codes[ids],
+            8,
+            self.scale[ids],
+            None if self.offset is None else self.offset[ids],
+            self.group_size,
+            self.in_features,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x.float().contiguous(), self.codes, self.scale, self.offset, self.group_size).to(self.dtype)
