@@ -433,3 +433,24 @@ def test_blocks_after_a_recomputed_copy_are_found_and_a_stale_holder_of_their_ha
     compute_more(bm, c, [])
     assert bm.blocks[answer_block].hash is None
     assert bm.find_cached_prefix(Sequence(list(range(1, 13)) + [0], SamplingParams()))[0] == c.block_table[:3]
+
+
+def test_a_block_whose_parent_was_evicted_is_found_after_its_prefix_is_computed_again():
+    """A sliding window releases a sequence's first block while it still holds the second; the first is evicted,
+    then computed again by another request. A lookup of the prefix found the new first block and then refused the
+    held second one, whose recorded parent is gone: registering a block made the cache serve less (found by
+    TestSlidingGroupOnlyStateful on CI)."""
+    bm = BlockManager(num_blocks=4, block_size=4, group_windows=(5,))
+    held = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams())
+    bm.admit(held, bm.find_cached_prefix(held))
+    bm.allocate(held, 9)
+    held.num_computed_tokens = 9
+    bm.register_full_blocks(held)
+    first, second = held.block_tables[0][:2]
+    bm.release_out_of_window(held)  # a query at position 9 sees positions 5..9: the first block is out
+    assert held.block_tables[0][0] == NO_BLOCK
+    bm.free(run_to_completion(bm, [7, 7, 7, 7, 0]))  # takes the free blocks, evicting the first one
+    assert bm.blocks[first].hash is None or bm.blocks[first].token_ids != (1, 2, 3, 4)
+    run_to_completion(bm, [1, 2, 3, 4, 0])
+    lookup = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], SamplingParams())
+    assert bm.find_cached_prefix(lookup) == [[NO_BLOCK, second]]

@@ -209,6 +209,41 @@ def test_requests_run_eagerly_and_correctly_while_the_steps_compile(
     assert calls(llm)["rows"] > 7  # beyond the load's measurement
 
 
+def test_the_compile_stops_while_the_engine_has_requests(compiling, monkeypatch, tiny_llama, make_llm):
+    """Beside the engine's steps, the compiling thread took the GIL for up to 5 ms at a time, hundreds of times a
+    step: an 8B file's first prefill took 6.6-8 s instead of about 3 (runner/background.py). Now it stops at its
+    next Python call while any request is unfinished, and compiles on once none is."""
+    from tests.processes import wait_until
+
+    at_capture, go, captured = threading.Event(), threading.Event(), []
+    real_capture = cd.capture
+
+    def mark_started():  # a Python call: where the thread stops, once told to go while the engine is busy
+        captured.append("started")
+
+    def capture(*args, **kwargs):
+        at_capture.set()
+        go.wait(60)
+        mark_started()
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(cd, "capture", capture)
+    llm = make_llm(tiny_llama)
+    activity = llm.model_runner.engine_activity
+    assert at_capture.wait(120) and not activity.busy
+    request = llm.add_request([1, 2, 3], GREEDY)
+    assert activity.busy
+    go.set()
+    assert wait_until(lambda: activity.pauses > 0, timeout=60)
+    for _ in range(3):
+        llm.step()
+    assert captured == [] and llm.has_unfinished_requests()  # it has not got past its next call
+    llm.abort_request(request)
+    assert not activity.busy
+    assert llm.model_runner.wait_for_compiled_decode(timeout=600) and captured[0] == "started"  # a capture per graph
+    assert llm.stats().decode.startswith("compiled")
+
+
 def test_eager_steps_ignore_another_threads_trace(monkeypatch, tiny_llama, make_llm, hf_model, random_prompt):
     """While the background thread traces, torch.compiler.is_compiling() is True for the whole process;
     the engine's eager steps must still take the eager branches (a prefill through the decode-only

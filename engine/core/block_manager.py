@@ -159,7 +159,8 @@ class BlockManager:
         """Group `group`'s cached blocks for `hashes`, NO_BLOCK where it has none; for a full group
         (`prefix_only`), only those before its first miss. A hit must hold these very tokens and follow the very
         block matched before it (where that one matched), so a colliding hash can only miss, never serve another
-        prefix's KV."""
+        prefix's KV. A block whose own parent has been evicted is taken on its hash alone, as after a miss: once
+        its prefix was computed again elsewhere, refusing it made a sequence's registered blocks unreachable."""
         ids: list[int] = []
         for i, h in enumerate(hashes):
             block_id = self.hash_to_block_id.get((group, h))
@@ -170,7 +171,7 @@ class BlockManager:
             if (
                 block is None
                 or block.token_ids != tokens
-                or (before != NO_BLOCK and block.parent != parent)  # unchecked only after a miss
+                or (before != NO_BLOCK and block.parent != parent and self._registered(block.parent))
             ):
                 if prefix_only:
                     break
@@ -178,6 +179,10 @@ class BlockManager:
                 continue
             ids.append(block_id)
         return ids
+
+    def _registered(self, ref: tuple[int, int] | None) -> bool:
+        """Whether `ref` (a block id and serial; None: no parent, a first block) still names a registered block."""
+        return ref is None or (self.blocks[ref[0]].serial == ref[1] and self.blocks[ref[0]].hash is not None)
 
     def can_admit(self, seq: Sequence, cached: list[list[int]], num_new_tokens: int) -> bool:
         # Matched blocks that sit in the free pool stop being free once taken.

@@ -206,6 +206,7 @@ class LLMEngine:
             seq.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+        self._note_activity()
         return seq.request_id
 
     def compile_constraint(self, sampling_params: SamplingParams) -> Grammar | None:
@@ -222,6 +223,7 @@ class LLMEngine:
             return False
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self._note_activity()
         return True
 
     def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
@@ -235,6 +237,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def _note_activity(self) -> None:
+        """Background work (the CPU decode compile) runs only while no request is unfinished (runner/background.py)."""
+        self.model_runner.engine_activity.set_busy(self.has_unfinished_requests())
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -255,6 +261,8 @@ class LLMEngine:
             for request_id in ran:
                 self.abort_request(request_id)
             raise StepFailed(sorted(ran), e) from e
+        finally:
+            self._note_activity()
 
     def _step(self) -> list[RequestOutput]:
         drained = []

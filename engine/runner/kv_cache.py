@@ -33,6 +33,8 @@ warm-up step of the largest batch has measured the activations (`gpu_kv_budget`)
 """
 
 import logging
+import math
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -185,6 +187,18 @@ def fitting_max_model_len(
     return wanted or min(max_position, capacity)
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU in an anonymous mapping, whose pages the system gives out zeroed when first written. A
+    cache sized for a whole context then takes memory as the context grows, and a load does not wait to zero it:
+    torch.zeros wrote every page of an 8B model's 1 GiB cache first, 3.1 s of the load on a 2-core VM."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
+    pages = mmap.mmap(-1, max(nbytes, 1), **private)  # shared (the default) would count as shared memory
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 def allocate_kv_cache(
     layout: KVCacheLayout,
     num_blocks: int,
@@ -192,13 +206,11 @@ def allocate_kv_cache(
     device: torch.device,
     groups: KVCacheGroups | None = None,
 ) -> list[torch.Tensor]:
-    """The zeroed cache tensors, [k, v, k, v, ...], bound to each Attention layer's k_cache and v_cache: a
+    """The zeroed cache tensors (`zeroed`), [k, v, k, v, ...], bound to each Attention layer's k_cache and v_cache: a
     tensor pair per layer, or per place in a KV-cache group where `groups` has several (KVCacheGroups)."""
     groups = groups or KVCacheGroups.of([None] * len(attention_layers))
-    pairs = [
-        tuple(torch.zeros(layout.layer_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(2))
-        for _ in range(groups.group_size)
-    ]
+    shape = layout.layer_shape(num_blocks)
+    pairs = [tuple(zeroed(shape, layout.dtype, device) for _ in range(2)) for _ in range(groups.group_size)]
     for layer, group, slot in zip(attention_layers, groups.layer_groups, groups.layer_slots, strict=True):
         layer.k_cache, layer.v_cache = pairs[slot]
         layer.kv_group = group

@@ -27,6 +27,7 @@ from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.loader import GGUFCheckpoint, load_tensors, load_weights
 from engine.models import model_class
 from engine.quantization.mxfp4 import checkpoint_reads_mxfp4
+from engine.runner.background import EngineActivity
 from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env, yield_to_the_engine
 from engine.runner.cuda_graph import DecodeGraphs
 from engine.runner.distributed import SINGLE, TPGroup
@@ -183,11 +184,8 @@ class ModelRunner:
         config, device = self.config, self.device
         self.sampler = Sampler(self.vocab_size, device, compiled=device.type == "cuda" and not config.enforce_eager)
         # The CPU makes tensors of the host arrays without a copy; other devices take one transfer per dtype.
-        self.staging = (
-            None
-            if device.type == "cpu"
-            else {t: StagingBuffer(device, t) for t in (torch.int64, torch.int32, torch.float32)}
-        )
+        dtypes = (torch.int64, torch.int32, torch.float32)
+        self.staging = None if device.type == "cpu" else {t: StagingBuffer(device, t) for t in dtypes}
         # The last launched step's sampled tokens stay on the device: the next step may take its inputs from them.
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_rows = SampledRows([])
@@ -252,12 +250,12 @@ class ModelRunner:
         )
 
     def _start_compiling_decode(self) -> None:
-        """Trace and compile the decode steps in a background thread (engine/runner/compiled_decode.py): steps
-        run eagerly meanwhile, so a load is not held up by the compiler (about a minute on two cores
-        the first time, seconds once inductor's disk cache has them). The thread that steps the engine
-        then measures the graphs, at its next `launch` (or in `wait_for_compiled_decode`), and keeps
+        """Trace and compile the decode steps in a background thread (runner/compiled_decode.py) that stops while
+        the engine has requests (runner/background.py): a load is not held up by the compiler. The engine's
+        thread then measures the graphs, at its next `launch` (or in `wait_for_compiled_decode`), and keeps
         those that pay. `compiled_decode_ready` is set once that is decided."""
         self.compiled_decode: CompiledDecode | None = None
+        self.engine_activity = EngineActivity()
         self.compiled_decode_ready = threading.Event()
         self._captured: CompiledDecode | None = None  # compiled, not yet measured
         self._compiler: threading.Thread | None = None
@@ -276,10 +274,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile_decode(self) -> None:
         yield_to_the_engine()
-        try:
-            self._captured = CompiledDecode(
-                self.model, self.config.max_num_seqs, self.block_size, self.scratch_block, len(self.kv_groups.windows)
-            )
+        args = (self.model, self.config.max_num_seqs, self.block_size, self.scratch_block, len(self.kv_groups.windows))
+        try:  # published once this thread no longer stops for the engine, which joins it when adopting
+            self._captured = self.engine_activity.run_when_idle(lambda: CompiledDecode(*args))
         except Exception as e:  # no C++ compiler, an op inductor cannot lower, a refused trace: still serve
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning(
@@ -307,7 +304,8 @@ class ModelRunner:
         """Wait for the decode steps to compile, then measure them here (call it from the thread that
         steps the engine). Returns whether decode steps now run as they will from now on."""
         if self._compiler is not None:
-            self._compiler.join(timeout)
+            with self.engine_activity.engine_waiting():
+                self._compiler.join(timeout)
         if self._captured is not None:
             self._adopt_compiled_decode()
         return self.compiled_decode_ready.is_set()
@@ -337,6 +335,7 @@ class ModelRunner:
         self.graphs = self.compiled_decode = self.model = self.kv_cache = self.last_sampled = None
         self.attention_layers, self.last_sampled_rows, self.logprobs_rows = [], SampledRows([]), []
         self.staging = self.readback = None
+        self.engine_activity.set_busy(False)  # a compile still running ends rather than wait forever
         gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now (a CPU's too)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -68,6 +68,10 @@ class ModuleCallGuard:
                     del self._callers[me]
                 self._changed.notify_all()
 
+    def tracing_here(self) -> bool:
+        """Whether this thread has a window open."""
+        return self._tracer == threading.get_ident()
+
     @contextmanager
     def tracing_window(self) -> Iterator[None]:
         me = threading.get_ident()
