@@ -9,8 +9,8 @@ process's peak resident memory, imports included). llama.cpp's side is `llama-co
 for this bench only, as bench/RESULTS.md says), timed from spawn to exit. Pagoda's is the engine thread the app and
 API serve from (`EngineThread.load(file)`, default settings), timed from spawn to its first token; the child also
 reports where its time went (imports, load, first token), then waits for the background compile of decode steps
-before it exits, so that the peak includes that too. Each file is read once
-before the rounds so both sides find it in the page cache; rounds alternate sides, and each side keeps its best.
+before it exits, so that the peak includes that too. The file is read just before each side runs, so both find it
+in the page cache; each side goes first in every other round, and keeps its best.
 """
 
 import argparse
@@ -80,6 +80,14 @@ def pagoda(file: str, prompt: str, threads: int) -> tuple[float, int, dict]:
     return seconds, peak, json.loads(stdout.strip().splitlines()[-1])
 
 
+def into_page_cache(file: str) -> None:
+    """Read `file` so the side about to run finds it in the page cache: a machine's cache may not hold every file
+    (this VM's kept about 6 GB), and the side that found it there started seconds earlier."""
+    with open(file, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-completion", required=True, help="path of llama.cpp's llama-completion binary")
@@ -92,16 +100,19 @@ def main() -> None:
     prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
     print(f"CPU flags: {cpu_flags()}; threads {args.threads}", flush=True)
     files = args.files.split(",")
-    for file in files:  # into the page cache, for both sides alike
-        with open(file, "rb") as f:
-            while f.read(64 << 20):
-                pass
     best: dict[tuple[str, str], tuple[float, int]] = {}
     details: dict[str, dict] = {}
     for round_ in range(args.rounds):
         for file in files:
-            lt, lpeak = llama_cpp(args.llama_completion, file, prompt, args.threads)
-            pt, ppeak, details[file] = pagoda(file, prompt, args.threads)
+            runs = {
+                "llama.cpp": lambda: llama_cpp(args.llama_completion, file, prompt, args.threads),
+                "pagoda": lambda: pagoda(file, prompt, args.threads),
+            }
+            got = {}
+            for side in sorted(runs, reverse=bool(round_ % 2)):  # each side goes first in every other round
+                into_page_cache(file)
+                got[side] = runs[side]()
+            (lt, lpeak), (pt, ppeak, details[file]) = got["llama.cpp"], got["pagoda"]
             for side, figures in (("llama.cpp", (lt, lpeak)), ("pagoda", (pt, ppeak))):
                 kept = best.get((file, side))
                 best[file, side] = figures if kept is None or figures[0] < kept[0] else kept

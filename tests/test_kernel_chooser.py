@@ -1,7 +1,7 @@
 """engine/quantization/chooser.py: each weight's kernel is measured on a proxy of sampled rows, built over the whole
-weight only once it is chosen, checked there (over every row for the first weight of a shape and layout, over sampled
-rows for the others), and measured once per shape and layout (issue 38: building every candidate over the whole
-weight made loading a GGUF file take several times its size)."""
+weight only once it is chosen, checked there (over its first thousands of rows and sampled ones for the first weight of
+a shape and layout, over the sampled rows for the others), and measured once per shape and layout (issue 38: building
+every candidate over the whole weight made loading a GGUF file take several times its size)."""
 
 import logging
 
@@ -23,7 +23,7 @@ def small_proxies(monkeypatch):
     """Fresh choices, and proxies of PROXY_ROWS rows of the weights here."""
     monkeypatch.setattr(chooser, "_CHOICES", {})
     monkeypatch.setattr(chooser, "_PREFILL_CHOICES", {})
-    monkeypatch.setattr(chooser, "_CHECKED_WHOLE", set())
+    monkeypatch.setattr(chooser, "_CHECKED_WIDE", set())
     monkeypatch.setattr(chooser, "PROXY_VALUES", PROXY_ROWS * K)
 
 
@@ -107,11 +107,19 @@ def test_a_kernel_right_on_the_proxy_but_wrong_elsewhere_is_not_kept(monkeypatch
     assert "wrong agreed on sampled rows" in caplog.text
 
 
+def test_the_first_weights_check_spans_its_first_rows_and_reaches_the_last():
+    rows = chooser.checked_rows(150_000, wide=True)  # a token table: its first rows, then spread ones to the end
+    assert rows[: chooser.WIDE_CHECK_ROWS].tolist() == list(range(chooser.WIDE_CHECK_ROWS)) and rows[-1] == 149_999
+    assert len(rows) < chooser.WIDE_CHECK_ROWS + chooser.CHECK_ROWS and torch.all(rows[1:] > rows[:-1])
+    assert chooser.checked_rows(100, wide=True).tolist() == list(range(100))
+
+
 def test_later_weights_of_a_shape_are_checked_on_sampled_rows_and_still_refused_when_wrong(
     monkeypatch, small_proxies, caplog
 ):
     """Decoding every weight whole for its check cost most of a 4B file's load; the first of a shape and layout is
-    checked whole, the others over CHECK_ROWS rows spread from first to last, which still catch a wrong kernel."""
+    checked over its first WIDE_CHECK_ROWS rows (here all) and CHECK_ROWS spread to the last, the others over the
+    spread rows, which still catch a wrong kernel."""
     checked = []
     real_exact = chooser.exact_product
     monkeypatch.setattr(
@@ -120,7 +128,7 @@ def test_later_weights_of_a_shape_are_checked_on_sampled_rows_and_still_refused_
     first = choose_matmul(make_weight(4, N, K, 32, with_offset=True), CPU, torch.float32)
     second = choose_matmul(make_weight(4, N, K, 32, with_offset=True, seed=1), CPU, torch.float32)
     assert type(second) is type(first)
-    assert checked[0] is None and len(checked[1]) == chooser.CHECK_ROWS and checked[1][-1] == N - 1
+    assert checked[0].tolist() == list(range(N)) and len(checked[1]) == chooser.CHECK_ROWS and checked[1][-1] == N - 1
 
     chosen = type(first).__name__  # now wrong on the last row, which the sampled check includes
     real = chooser.candidates
@@ -135,4 +143,4 @@ def test_later_weights_of_a_shape_are_checked_on_sampled_rows_and_still_refused_
     with caplog.at_level(logging.WARNING, logger="engine"):
         third = choose_matmul(make_weight(4, N, K, 32, with_offset=True, seed=2), CPU, torch.float32)
     assert not isinstance(third, _WrongOffTheProxy)
-    assert "off by" in caplog.text and f"{chooser.CHECK_ROWS} of its rows" in caplog.text
+    assert "off by" in caplog.text and f"{chooser.CHECK_ROWS} of its {N} rows" in caplog.text

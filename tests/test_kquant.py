@@ -65,6 +65,9 @@ def weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeig
         def read(self, start, stop):
             return torch.from_numpy(stored.reshape(-1)[start:stop].copy())
 
+        def read_into(self, out, start=0):
+            out.view(-1).copy_(self.read(start, start + out.numel()))
+
     qw = decode(Bytes(), type_name, (n, k))
     return qw, torch.from_numpy(gguf.dequantize(stored, T[type_name])).float()
 

@@ -57,7 +57,7 @@ def _breaks_the_device(error: BaseException) -> bool:
 class LLMEngine:
     def __init__(self, model: str, **settings):
         self.config = config = EngineConfig.from_kwargs(str(model), **settings)
-        path, hf_config, self.tokenizer = open_model(config)
+        path, hf_config, tokenizer = open_model(config)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(
             config.dtype, self.device, quantized=isinstance(path, GGUFCheckpoint) or bool(config.quantization)
@@ -76,6 +76,7 @@ class LLMEngine:
             self.model_runner = ModelRunner(config, hf_config, path, self.device, self.dtype)
         else:
             self._start_tensor_parallel(hf_config, path)
+        self.tokenizer = tokenizer.result()
         self.max_model_len = self.model_runner.max_model_len
         self.block_manager = BlockManager(
             self.model_runner.num_blocks,

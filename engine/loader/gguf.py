@@ -168,7 +168,7 @@ class GGUFCheckpoint:
 
     def tokenizer(self) -> Any:
         """A transformers tokenizer built from the file's vocabulary, with the file's chat template."""
-        tokenizer = self._tokenizer_class().from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        tokenizer = self.tokenizer_class().from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         if self.metadata("tokenizer.ggml.pre") == "smollm":
             # transformers splits smollm text like GPT-2; SmolLM2's own tokenizer splits digits first
             from engine.loader.bundled import _use_smollm_pretokenizer
@@ -182,7 +182,7 @@ class GGUFCheckpoint:
             tokenizer.model_max_length = int(context)
         return tokenizer
 
-    def _tokenizer_class(self) -> type:
+    def tokenizer_class(self) -> type:
         """The class AutoTokenizer takes for the file's model type, found from the config this reader built.
         AutoTokenizer itself would parse the whole file again for a config (10 s for a 150k vocabulary with
         gguf-py's reader), and fails on gpt-oss's rope settings."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.quantization.blocks import BlockWeight
+from engine.quantization.blocks import BlockWeight, UnreadBlocks
 from engine.quantization.huge_pages import empty_bytes
 from engine.quantization.layout import QuantizedWeight
 from engine.quantization.mxfp4 import decode_ggml_mxfp4
@@ -33,7 +33,8 @@ SUPPORTED_TYPES = (*FLOAT_TYPES, *QUANT_TYPES)
 
 
 class FileBytes:
-    """One tensor's stored bytes in an open file, read a range at a time."""
+    """One tensor's stored bytes in an open file, read a range at a time. A tensor read after the loader has closed
+    the file (a weight whose blocks are read when first needed, blocks.py) opens it again."""
 
     def __init__(self, file: Any, offset: int, size: int) -> None:
         self.file, self.offset, self.size = file, offset, size
@@ -41,10 +42,21 @@ class FileBytes:
     def read(self, start: int, stop: int) -> torch.Tensor:
         """Bytes [start, stop) of the tensor as a uint8 tensor."""
         out = empty_bytes(stop - start)
-        self.file.seek(self.offset + start)
-        if self.file.readinto(out.numpy()) != stop - start:
-            raise RuntimeError(f"{self.file.name} ended inside a tensor; the file is incomplete: re-download it")
+        self.read_into(out, start)
         return out
+
+    def read_into(self, out: torch.Tensor, start: int = 0) -> None:
+        """Fill the contiguous uint8 tensor `out` with the tensor's bytes from `start` on."""
+        if self.file.closed:
+            with open(self.file.name, "rb") as file:
+                self._read_into(file, out, start)
+        else:
+            self._read_into(self.file, out, start)
+
+    def _read_into(self, file: Any, out: torch.Tensor, start: int) -> None:
+        file.seek(self.offset + start)
+        if file.readinto(out.view(-1).numpy()) != out.numel():
+            raise RuntimeError(f"{file.name} ended inside a tensor; the file is incomplete: re-download it")
 
 
 # block decoders: uint8 blocks [n_blocks, bytes] -> codes [n_blocks, values], scales (and offsets) [n_blocks, groups]
@@ -164,7 +176,7 @@ def decode(data: FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Ten
         )
     row_bytes = cols // block_values * block_bytes
     if type_name in KEEP_BLOCKS:
-        stored = data.read(0, data.size).view(rows, row_bytes)
+        stored = UnreadBlocks((rows, row_bytes), data.read_into)
         return BlockWeight(stored, type_name, (rows, cols), bits, group, partial(decode_stored, type_name))
     codes, scale, offset = _decode_rows(
         lambda start, stop: data.read(start * row_bytes, stop * row_bytes), type_name, rows, cols

@@ -4,10 +4,12 @@ Once per shape and layout (the first layer of its kind; the others reuse the cho
 (kernels.py) is built in turn over a proxy of the weight: up to PROXY_VALUES of its own rows, spread over it,
 first and last included. Each proxy kernel is checked against the exact float32 product of those rows, timed
 at decode's one row, and freed before the next is built. Then the fastest that agreed is built once over the
-whole weight and checked against the exact product: of every row (a slab at a time) for the first weight of each
-shape and layout to take that kernel, of CHECK_ROWS rows spread over it for the others; should it disagree, the
-next fastest is tried. Checking every row of every weight decoded the whole model to float32 in PyTorch at each
-load: 30-65 s of a Qwen3-4B file's load, most of its time to first token (issue 38).
+whole weight and checked against the exact product: of its first WIDE_CHECK_ROWS rows and CHECK_ROWS spread to
+the last (`checked_rows`) for the first weight of each shape and layout to take that kernel, of the CHECK_ROWS
+for the others; should it disagree, the next fastest is tried. Checking every row of every weight decoded the whole
+model to float32 in PyTorch at each load: 30-65 s of a Qwen3-4B file's load, most of its time to first token
+(issue 38); checking every row of the first weight of each shape still took 2.6 s of a Llama-8B file's load, most of
+it in the 128k-row output head, whose rows past the first thousands exercise no code the spread rows do not.
 
 Building every candidate over the whole weight, beside the weight dequantized to float32, took several times
 the weight's size for each of the largest weights: a 2.5 GB Q4_K_M file passed 10.5 GB while loading (issue 38).
@@ -36,12 +38,13 @@ log = logging.getLogger("engine")
 PROXY_VALUES = 1 << 20
 TIMING_BUDGET_S = 0.05  # a kernel is timed for up to this long
 REFERENCE_SLAB_BYTES = 8 << 20  # float32 rows dequantized at a time for the exact product
-CHECK_ROWS = 64  # rows of a weight checked where its shape and layout's first weight was checked whole
+CHECK_ROWS = 64  # rows of a weight checked, spread from first to last
+WIDE_CHECK_ROWS = 4096  # and before them, for the first weight of a shape and layout to take a kernel
 
 _CHOICES: dict[tuple, list[str]] = {}  # per shape and layout: the kernels that agreed on a proxy, fastest first
 PREFILL_ROWS = (128, 512)  # where prefill's dequantized path is tried, fewest first
 _PREFILL_CHOICES: dict[tuple, int | None] = {}
-_CHECKED_WHOLE: set[tuple] = set()  # (shape and layout, kernel name): a weight of it agreed over every row
+_CHECKED_WIDE: set[tuple] = set()  # (shape and layout, kernel name): a weight of it agreed over its wide check
 
 
 def _seconds_per_call(kernel: nn.Module, x: torch.Tensor, calls: int = 20) -> float:
@@ -82,10 +85,17 @@ def take_rows(qw: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
     )
 
 
+def checked_rows(n: int, wide: bool) -> torch.Tensor:
+    """The rows of an [n, K] weight that its kernel's check compares: CHECK_ROWS spread from the first to the
+    last, after the first WIDE_CHECK_ROWS where `wide`."""
+    spread = torch.linspace(0, n - 1, CHECK_ROWS).round().long()
+    return torch.cat((torch.arange(min(n, WIDE_CHECK_ROWS)), spread) if wide else (spread,)).unique()
+
+
 def exact_product(qw: QuantizedWeight, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T in float32 from the exact dequantized weight, a slab of rows at a time; only `rows` of it if given."""
     if rows is not None:
-        return F.linear(x.float(), _dequantized(take_rows(qw, rows)))
+        qw = take_rows(qw, rows)
     n, k = qw.shape
     slab = max(1, REFERENCE_SLAB_BYTES // (4 * k))
     return torch.cat(
@@ -165,17 +175,17 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
     if ranked is None or not any(name in builders for name in ranked):  # an applicability that depends on the codes
         ranked = _CHOICES[key] = _rank_on_proxy(qw, builders, device, dtype)
     x = torch.randn(1, qw.shape[1], device=device, dtype=dtype)
-    references: dict[bool, tuple] = {}  # whole or not: (rows, the exact product over them)
+    references: dict[bool, tuple] = {}  # wide or not: (rows, the exact product over them)
     for name in (name for name in ranked if name in builders):
-        whole = (key, name) not in _CHECKED_WHOLE
-        if whole not in references:
-            rows = None if whole else torch.linspace(0, qw.shape[0] - 1, CHECK_ROWS).round().long().unique()
-            references[whole] = (rows, exact_product(qw, x, rows))
-        rows, reference = references[whole]
+        wide = (key, name) not in _CHECKED_WIDE
+        if wide not in references:
+            rows = checked_rows(qw.shape[0], wide)
+            references[wide] = (rows, exact_product(qw, x, rows))
+        rows, reference = references[wide]
         kernel = builders[name](qw)
         error = _disagreement(kernel, reference, x, rows)
         if error <= 1:
-            _CHECKED_WHOLE.add((key, name))
+            _CHECKED_WIDE.add((key, name))
             if isinstance(kernel, QuantizedMatmul):
                 kernel.dense_from_rows = _prefill_rows(qw, builders, name, key, dtype)
             return kernel
@@ -185,7 +195,7 @@ def choose_matmul(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype)
             qw.source,
             qw.shape,
             error,
-            "the whole weight" if whole else f"{CHECK_ROWS} of its rows",
+            f"{len(rows)} of its {qw.shape[0]} rows",
         )
         del kernel
     raise RuntimeError(f"no kernel multiplies a {qw.source} weight of shape {qw.shape} correctly on {device}")
