@@ -9,6 +9,9 @@ whenever the engine has requests, and goes on when it has none (`EngineActivity.
 It never stops holding what the engine's thread may need: inside an import (the module's import lock), inside
 logging (a handler's lock) or inside a tracing window (runner/tracing.py's MODULE_CALLS, which eager steps wait
 for). There it runs on to the next call outside them.
+
+Watching every call costs the compile time: the bundled model's decode steps, from inductor's warm cache, compiled in
+22 s of idle engine instead of 14.6 s (2 cores). The steps run eagerly until then, as they did beside the compile.
 """
 
 import logging
