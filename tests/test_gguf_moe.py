@@ -5,6 +5,7 @@ them (the same rounding)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
@@ -203,22 +204,8 @@ def test_decode_steps_take_the_one_call_layer_and_it_equals_the_expert_by_expert
     """K-quant experts without biases run a decode step's layer in one kquant.cpp call (kquant_moe): the same
     products as the per-expert kernels (x rounded alike, so to float32 sum order), for one token and for a few
     sharing experts; prefill-sized batches still go expert by expert."""
-    from engine.quantization import kquant
-    from engine.quantization.modules import KernelTarget
-    from tests.shaped_gguf import _random_blocks
-
-    if kquant.ops() is None:
-        pytest.skip("no C++ compiler for the K-quant kernel here")
-    experts, hidden, width = 8, 512, 256
-    rng = np.random.default_rng(3)
-    layer = QuantizedFusedMoE(experts, hidden, width, KernelTarget(torch.device("cpu"), torch.float32, False))
-    blocks = {
-        "gate_proj": ("Q4_K", _random_blocks("Q4_K", experts * width, hidden, rng), hidden),
-        "up_proj": ("Q4_K", _random_blocks("Q4_K", experts * width, hidden, rng), hidden),
-        "down_proj": (down_type, _random_blocks(down_type, experts * hidden, width, rng), width),
-    }
-    for name, (type_name, stored, cols) in blocks.items():
-        layer.load_checkpoint_tensor(f"{name}.weight", kquant_weight(type_name, stored, cols))
+    experts, hidden = 8, 512
+    layer = k_quant_experts(down_type, experts, hidden)
     assert layer.stacked is not None and all(type(k[0]).__name__ == "KQuantMatmul" for k in layer.kernels.values())
     g = torch.Generator().manual_seed(4)
     for tokens in (1, 5):
@@ -232,6 +219,38 @@ def test_decode_steps_take_the_one_call_layer_and_it_equals_the_expert_by_expert
     layer._fused = lambda *a: calls.append(a)  # prefill's 17 tokens never reach it
     layer(torch.randn(17, hidden), torch.rand(17, 3), torch.randint(0, experts, (17, 3)))
     assert not calls
+
+
+def test_a_one_call_layer_that_disagrees_on_its_check_is_not_used(monkeypatch, caplog):
+    """The one-call layer is checked against the expert-by-expert one at load; off by more than the rounding,
+    the layer runs expert by expert from then on, and says so."""
+    real_fused = QuantizedFusedMoE._fused
+    monkeypatch.setattr(QuantizedFusedMoE, "_fused", lambda self, x, w, ids: 2 * real_fused(self, x, w, ids))
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        layer = k_quant_experts("Q4_K", 8, 512)
+    assert layer.stacked is None and "one-call MoE kernel is off" in caplog.text
+    x, ids, weights = torch.randn(1, 512), torch.tensor([[0, 3, 5]]), torch.rand(1, 3)
+    torch.testing.assert_close(layer(x, weights, ids), layer._by_expert(x, weights, ids))
+
+
+def k_quant_experts(down_type: str, experts: int, hidden: int, width: int = 256) -> QuantizedFusedMoE:
+    """A CPU layer of random K-quant experts (Q4_K gate and up, `down_type` down); skips without the kernel."""
+    from engine.quantization import kquant
+    from engine.quantization.modules import KernelTarget
+    from tests.shaped_gguf import _random_blocks
+
+    if kquant.ops() is None:
+        pytest.skip("no C++ compiler for the K-quant kernel here")
+    rng = np.random.default_rng(3)
+    layer = QuantizedFusedMoE(experts, hidden, width, KernelTarget(torch.device("cpu"), torch.float32, False))
+    blocks = {
+        "gate_proj": ("Q4_K", _random_blocks("Q4_K", experts * width, hidden, rng), hidden),
+        "up_proj": ("Q4_K", _random_blocks("Q4_K", experts * width, hidden, rng), hidden),
+        "down_proj": (down_type, _random_blocks(down_type, experts * hidden, width, rng), width),
+    }
+    for name, (type_name, stored, cols) in blocks.items():
+        layer.load_checkpoint_tensor(f"{name}.weight", kquant_weight(type_name, stored, cols))
+    return layer
 
 
 def kquant_weight(type_name: str, stored: np.ndarray, cols: int):

@@ -48,6 +48,7 @@ class QuantizedFusedMoE(nn.Module):
         self.target, self.bias = target, bias
         self.pending: dict[str, QuantizedWeight] = {}
         self.kernels = nn.ModuleDict()  # projection -> a ModuleList of one kernel per expert
+        self.stacked: dict[str, torch.Tensor] | None = None  # each projection's blocks, where the one-call layer serves
         if bias:  # one per expert and output row: gate_proj_bias [experts, intermediate], ...
             for projection in PROJECTIONS:
                 setattr(self, f"{projection}_bias", nn.Parameter(torch.empty(num_experts, self._shape(projection)[0])))
@@ -129,7 +130,7 @@ class QuantizedFusedMoE(nn.Module):
         error = (self._fused(x, weights, ids) - expected).abs().max().item()
         if error > 0.02 * expected.abs().max().item() + 1e-3:
             log.warning("the one-call MoE kernel is off by %.3g on a check; its layers run expert by expert", error)
-            del self.stacked
+            self.stacked = None
 
     def _fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         kinds = [kquant.KINDS[self.kernels[p][0].source] for p in PROJECTIONS]
@@ -147,7 +148,7 @@ class QuantizedFusedMoE(nn.Module):
         return silu_and_mul(torch.cat((gate, up), dim=-1))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "stacked", None) is not None and x.shape[0] <= FUSED_MAX_TOKENS:
+        if self.stacked is not None and x.shape[0] <= FUSED_MAX_TOKENS:
             return self._fused(x, weights, ids)
         return self._by_expert(x, weights, ids)
 
