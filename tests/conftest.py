@@ -65,6 +65,57 @@ COMMON = dict(
 )
 
 
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3", "gpt_oss", "gemma4")
+FAMILIES += ("gemma4_moe",)
+
+
+def gemma4_config(moe: bool):
+    """Gemma 4 text, W = 10, global layers with heads twice as wide (32) and proportional RoPE. Dense (E2B's kind):
+    per-layer inputs, and the last 2 of 5 layers reading the KV cache of the last earlier layer of their kind with
+    an MLP twice as wide. MoE (26B-A4B's kind): one KV head on the global layer, whose keys serve as values, and
+    8 experts (2 a token) beside each layer's MLP."""
+    import transformers
+
+    sliding, full = "sliding_attention", "full_attention"
+    common = {**COMMON, "head_dim": 16, "global_head_dim": 32, "sliding_window": 10, "tie_word_embeddings": False}
+    common["final_logit_softcapping"] = 30.0
+    if not moe:
+        return transformers.Gemma4TextConfig(
+            **{**common, "num_hidden_layers": 5},
+            layer_types=[sliding, full, sliding, sliding, full],
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+        )
+    return transformers.Gemma4TextConfig(
+        **{**common, "num_hidden_layers": 3},
+        layer_types=[sliding, sliding, full],
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    )
+
+
+def widen_weights(model) -> None:
+    """Random weights at init scale give near-uniform logits; widen them so greedy picks are decisive."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
+            if "bias" in name:
+                p.normal_(0, 0.5)
+            if name.endswith("per_expert_scale"):  # Gemma 4's learned scales, ones at init
+                p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # a buffer, saved in the checkpoint
+                b.uniform_(0.5, 1.5)
+
+
 def build_model(folder: Path, family: str) -> Path:
     import transformers
 
@@ -79,6 +130,8 @@ def build_model(folder: Path, family: str) -> Path:
             "phi3": 7,
             "gemma3": 8,
             "gpt_oss": 9,
+            "gemma4": 10,
+            "gemma4_moe": 11,
         }[family]
     )
     if family == "llama":
@@ -137,6 +190,8 @@ def build_model(folder: Path, family: str) -> Path:
             tie_word_embeddings=False,
         )
         model, dtype, shard = transformers.Gemma3ForCausalLM(config), torch.float32, None
+    elif family in ("gemma4", "gemma4_moe"):
+        model, dtype, shard = transformers.Gemma4ForCausalLM(gemma4_config(family == "gemma4_moe")), torch.float32, None
     elif family == "gpt_oss":
         # A 10-token window on layer 0 and full attention on layer 1, attention sinks, YaRN (factor 8 over a
         # 64-token pretraining length), 8 biased experts (2 a token) with the clamped SwiGLU
@@ -179,13 +234,7 @@ def build_model(folder: Path, family: str) -> Path:
             **{**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=32, tie_word_embeddings=True
         )
         model, dtype, shard = transformers.Qwen3ForCausalLM(config), torch.bfloat16, None
-    # Random weights at init scale give near-uniform logits; widen them so greedy picks are decisive.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
-            if "bias" in name:
-                p.normal_(0, 0.5)
+    widen_weights(model)
     model = model.to(dtype)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
@@ -196,10 +245,7 @@ def build_model(folder: Path, family: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {
-        f: build_model(root / f, f)
-        for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3", "gpt_oss")
-    }
+    return {f: build_model(root / f, f) for f in FAMILIES}
 
 
 @pytest.fixture(scope="session")

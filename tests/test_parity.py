@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3", "gpt_oss"]
+from tests.conftest import FAMILIES
 
 
 class LogitRecorder:

@@ -140,7 +140,7 @@ VOCAB = 100
 
 
 # ---- KV cache sizing ----------------------------------------------------------------------------
-LAYOUT = KVCacheLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+LAYOUT = KVCacheLayout(slot_widths=(16, 16), block_size=16, dtype=torch.float32)  # 2 layers of 2 heads x 8
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # keys and values, layers, tokens, heads, head_dim, bytes
 
 
@@ -161,7 +161,7 @@ def never_measured() -> int:
 
 def test_kv_cache_layout():
     assert LAYOUT.bytes_per_block == BLOCK_BYTES == 4096
-    assert LAYOUT.layer_shape(10) == (10, 16, 2, 8)  # the keys (or values) of one of the 2 layers
+    assert LAYOUT.layer_shape(10) == (10, 16, 16)  # the keys (or values) of one of the 2 layers
 
 
 def test_blocks_from_a_byte_budget():

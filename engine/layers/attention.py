@@ -15,32 +15,44 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         sinks: bool = False,
+        kv_source: "Attention | None" = None,
     ):
         """`sliding_window`: each query sees only its last `sliding_window` positions (None: all before it).
         `sinks`: a learned logit per head that joins each softmax's denominator (gpt-oss), so a head may attend to
-        nothing; loaded from the checkpoint."""
+        nothing; loaded from the checkpoint. `kv_source`: an earlier layer whose cached keys and values this one
+        attends over, computing and storing none of its own (Gemma 4's shared-KV layers); it holds no cache."""
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"a sliding window spans at least 1 position, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.sliding_window = sliding_window
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        if kv_source is not None and (kv_source.num_kv_heads, kv_source.head_dim) != (num_kv_heads, head_dim):
+            raise ValueError("a layer that shares another's KV cache must have its KV heads and head size")
+        # A plain attribute, not a submodule: the source is a layer of its own, listed once in the model.
+        self.__dict__["kv_source"] = kv_source
         # Set by the ModelRunner once the cache is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
         self.kv_group = 0  # its KV-cache group, whose block table and slots it reads (engine/runner/kv_cache.py)
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        meta = meta.for_group(self.kv_group)
-        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """k and v: this step's new keys and values; None for a layer with a `kv_source`, whose cache (written
+        by the source earlier in this step) it reads."""
+        owner = self if self.kv_source is None else self.kv_source
+        meta = meta.for_group(owner.kv_group)
+        if owner is self:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        k_cache, v_cache = owner.k_cache, owner.v_cache
         # Backends' own defaults where the layer has neither, so a test's stand-in backend needs no window or sinks
         extra = {} if self.sinks is None else {"sinks": self.sinks}
         if self.sliding_window is None and not extra:
-            return self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
-        return self.backend.paged_attention(
-            q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, **extra
-        )
+            return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, **extra)
 
     def extra_repr(self) -> str:
         parts = [] if self.sliding_window is None else [f"sliding_window={self.sliding_window}"]
-        return ", ".join(parts + ([] if self.sinks is None else ["sinks"]))
+        parts += [] if self.sinks is None else ["sinks"]
+        return ", ".join(parts + ([] if self.kv_source is None else ["shares an earlier layer's KV cache"]))

@@ -103,6 +103,10 @@ class Experts(nn.Module):
 class FusedMoE(Experts):
     """The experts of one layer. `forward(x, weights, ids)` is sum_k weights[:, k] * expert_{ids[:, k]}(x)."""
 
+    # gate_up's output [.., 2 * intermediate] -> the activation down_proj takes: SwiGLU here; a family with another
+    # gated activation (Gemma 4's GELU) subclasses this and sets its own
+    act = staticmethod(silu_and_mul)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE):
         super().__init__()
         if tp.size > 1:
@@ -114,7 +118,7 @@ class FusedMoE(Experts):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         def expert_mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
-            return F.linear(silu_and_mul(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
+            return F.linear(self.act(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
 
         return run_experts(x, weights, ids, self.num_experts, expert_mlp)
 

@@ -28,6 +28,10 @@ def rope_parameters(hf_config) -> dict:
 
 
 def rotary_dim(head_dim: int, params: dict) -> int:
+    """The dimensions of each head that rotate as pairs (i, i + half). Proportional RoPE (Gemma 4) pairs across the
+    whole head and leaves its share of frequencies past `partial_rotary_factor` at zero (`_inv_freq`)."""
+    if params["rope_type"] == "proportional":
+        return head_dim
     return int(head_dim * params.get("partial_rotary_factor", 1.0))
 
 
@@ -82,6 +86,10 @@ def _inv_freq(head_dim: int, params: dict, long: bool = False) -> torch.Tensor:
         return inv_freq / factors
     if kind == "linear":
         return inv_freq / params["factor"]
+    if kind == "proportional":  # the first share of frequencies over the whole head's; the rest turn not at all
+        turning = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turning:] = 0.0
+        return inv_freq / params.get("factor", 1.0)
     if kind == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, params)
     if kind == "llama3":
@@ -93,7 +101,9 @@ def _inv_freq(head_dim: int, params: dict, long: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3, longrope, yarn")
+    raise ValueError(
+        f"rope_type {kind!r} is not supported; supported: default, linear, llama3, longrope, proportional, yarn"
+    )
 
 
 def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

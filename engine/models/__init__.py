@@ -4,6 +4,7 @@
 from torch import nn
 
 from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from engine.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MinistralForCausalLM, MistralForCausalLM
@@ -16,6 +17,8 @@ from engine.models.smollm3 import SmolLM3ForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
@@ -39,7 +42,7 @@ GGUF_ARCHITECTURES = {
 }
 
 # Checkpoints with a vision part whose language model the engine serves alone: their config nests its text_config
-TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
+TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")
 
 
 def language_config(hf_config):
@@ -60,6 +63,6 @@ def model_class(hf_config) -> type[nn.Module]:
             return MODEL_REGISTRY[name]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
-        f"supported: {', '.join(MODEL_REGISTRY)} (Gemma 3 text, gpt-oss, Llama, SmolLM2, SmolLM3, TinyLlama, Mistral, "
-        "Ministral, Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
+        f"supported: {', '.join(MODEL_REGISTRY)} (Gemma 3 and Gemma 4 text, gpt-oss, Llama, SmolLM2, SmolLM3, "
+        "TinyLlama, Mistral, Ministral, Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE)"
     )

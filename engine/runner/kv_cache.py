@@ -109,28 +109,68 @@ class KVCacheGroups:
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """The shape of one block across the cache tensors, and what it weighs."""
+    """The shape of one block across the cache tensors, and what it weighs. Each token of cache tensor i holds
+    `slot_widths[i]` keys (or values): the widest of its layers' heads x head size. Where a tensor serves layers
+    of different widths (Gemma 4's global layers have other heads and head sizes than its sliding ones), a
+    narrower layer reads and writes the first part of each token's row (`layer_view`), so that a block id names
+    the same rows for every layer of the tensor."""
 
-    num_layers: int  # cache tensors (of keys, and of values): the layers of one KV-cache group
+    slot_widths: tuple[int, ...]  # per cache tensor (of keys, and of values): one per layer of a KV-cache group
     block_size: int
-    num_kv_heads: int
-    head_dim: int
     dtype: torch.dtype
 
     @classmethod
     def of(
         cls, attention_layers: Sequence[Attention], block_size: int, dtype: torch.dtype, groups: KVCacheGroups
     ) -> "KVCacheLayout":
-        first = attention_layers[0]  # every layer of one model has the same heads
-        return cls(groups.group_size, block_size, first.num_kv_heads, first.head_dim, dtype)
+        widths = [0] * groups.group_size
+        for layer, slot in zip(attention_layers, groups.layer_slots, strict=True):
+            widths[slot] = max(widths[slot], layer.num_kv_heads * layer.head_dim)
+        return cls(tuple(widths), block_size, dtype)
+
+    @property
+    def num_layers(self) -> int:
+        """Cache tensors of keys (and as many of values): the layers one block holds."""
+        return len(self.slot_widths)
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * sum(self.slot_widths) * self.block_size * self.dtype.itemsize
 
-    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer's keys (or values)."""
-        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+    def layer_shape(self, num_blocks: int, slot: int = 0) -> tuple[int, ...]:
+        """Cache tensor `slot` of keys (or values)."""
+        return (num_blocks, self.block_size, self.slot_widths[slot])
+
+    def uniform(self, attention_layers: Sequence[Attention], groups: KVCacheGroups) -> bool:
+        """Whether every layer fills its tensor's whole rows: then each layer's cache is a contiguous tensor."""
+        return all(
+            layer.num_kv_heads * layer.head_dim == self.slot_widths[slot]
+            for layer, slot in zip(attention_layers, groups.layer_slots, strict=True)
+        )
+
+
+def plan_kv_cache(
+    attention_layers: Sequence[Attention], block_size: int, dtype: torch.dtype, split: bool, strided: bool
+) -> tuple[KVCacheGroups, KVCacheLayout]:
+    """The KV-cache groups (split by window where `split`) and their layout. `strided`: whether the attention
+    backend reads a cache that is a strided view; where it does not and the groups would put layers of
+    different widths in one tensor, every layer keeps a tensor of its own (the groups not split: sliding
+    layers then hold every block, as full ones do)."""
+    windows = [layer.sliding_window for layer in attention_layers]
+    groups = KVCacheGroups.of(windows, split)
+    layout = KVCacheLayout.of(attention_layers, block_size, dtype, groups)
+    if split and not strided and not layout.uniform(attention_layers, groups):
+        log.info("KV cache: layers of different widths in one block need strided caches; not splitting by window")
+        return plan_kv_cache(attention_layers, block_size, dtype, False, strided)
+    return groups, layout
+
+
+def layer_view(cache: torch.Tensor, layer: Attention) -> torch.Tensor:
+    """`layer`'s keys (or values) in a cache tensor: (num_blocks, block_size, num_kv_heads, head_dim), the first
+    num_kv_heads x head_dim of each token's row. Strided where the layer is narrower than the row."""
+    width = layer.num_kv_heads * layer.head_dim
+    rows = cache if width == cache.shape[-1] else cache[..., :width]
+    return rows.view(*cache.shape[:2], layer.num_kv_heads, layer.head_dim)
 
 
 def blocks_for_budget(budget: int, bytes_per_block: int) -> int:
@@ -206,13 +246,16 @@ def allocate_kv_cache(
     device: torch.device,
     groups: KVCacheGroups | None = None,
 ) -> list[torch.Tensor]:
-    """The zeroed cache tensors (`zeroed`), [k, v, k, v, ...], bound to each Attention layer's k_cache and v_cache: a
-    tensor pair per layer, or per place in a KV-cache group where `groups` has several (KVCacheGroups)."""
+    """The zeroed cache tensors (`zeroed`), [k, v, k, v, ...], bound to each Attention layer's k_cache and v_cache
+    (`layer_view`): a tensor pair per layer, or per place in a KV-cache group where `groups` has several
+    (KVCacheGroups). Layers that share another's cache (`Attention.kv_source`) are not among `attention_layers`."""
     groups = groups or KVCacheGroups.of([None] * len(attention_layers))
-    shape = layout.layer_shape(num_blocks)
-    pairs = [tuple(zeroed(shape, layout.dtype, device) for _ in range(2)) for _ in range(groups.group_size)]
+    pairs = [
+        tuple(zeroed(layout.layer_shape(num_blocks, slot), layout.dtype, device) for _ in range(2))
+        for slot in range(groups.group_size)
+    ]
     for layer, group, slot in zip(attention_layers, groups.layer_groups, groups.layer_slots, strict=True):
-        layer.k_cache, layer.v_cache = pairs[slot]
+        layer.k_cache, layer.v_cache = (layer_view(cache, layer) for cache in pairs[slot])
         layer.kv_group = group
     kv_cache = [t for pair in pairs for t in pair]
     log.info(
@@ -286,11 +329,9 @@ def warmup(
     full token budget, and attention reads one block and writes nothing. The layers are left bound
     to the scratch block: `allocate_kv_cache` binds the real cache."""
     num_tokens = config.max_num_batched_tokens or 16384
-    scratch = torch.zeros(
-        (1, layout.block_size, layout.num_kv_heads, layout.head_dim), dtype=layout.dtype, device=device
-    )
+    scratch = torch.zeros((1, layout.block_size, max(layout.slot_widths)), dtype=layout.dtype, device=device)
     for layer in attention_layers:
-        layer.k_cache = layer.v_cache = scratch
+        layer.k_cache = layer.v_cache = layer_view(scratch, layer)
     meta = AttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=device),

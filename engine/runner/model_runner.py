@@ -33,12 +33,11 @@ from engine.runner.cuda_graph import DecodeGraphs
 from engine.runner.distributed import SINGLE, TPGroup
 from engine.runner.kernel_passes import choose_gemv, choose_normed, compiled_small_ops
 from engine.runner.kv_cache import (
-    KVCacheGroups,
-    KVCacheLayout,
     allocate_kv_cache,
     choose_num_blocks,
     fitting_max_model_len,
     gpu_kv_budget,
+    plan_kv_cache,
 )
 from engine.runner.memory import check_weights_fit
 from engine.runner.staging import StagingBuffer
@@ -108,11 +107,9 @@ class ModelRunner:
             device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch" and self.static_decode
         )
         # KV-cache groups where the steps run eagerly: a captured or compiled decode step reads one block table
-        self.kv_groups = KVCacheGroups.of(
-            [layer.sliding_window for layer in self.attention_layers], split=not self.use_graphs and tp.size == 1
-        )
+        split, strided = not self.use_graphs and tp.size == 1, self.backend.name == "torch"
+        self.kv_groups, self.kv_layout = plan_kv_cache(self.attention_layers, self.block_size, dtype, split, strided)
         self._create_step_buffers()
-        self.kv_layout = KVCacheLayout.of(self.attention_layers, self.block_size, dtype, self.kv_groups)
         self.kv_cache, self.num_blocks = self._allocate_kv_cache()
         chunk = batched_token_budget(config, device.type)
         self.max_model_len = fitting_max_model_len(
@@ -171,13 +168,14 @@ class ModelRunner:
         )
 
     def _bind_attention_backend(self) -> tuple[list[Attention], AttentionBackend]:
-        """The model's attention layers, each set to run the configured backend's kernels."""
+        """The model's attention layers that hold a KV cache (not those reading another's), every attention layer
+        set to run the configured backend's kernels."""
         attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         sinks = any(layer.sinks is not None for layer in attention_layers)
         backend = select_backend(self.config.attention_backend, self.device, self.dtype, self.block_size, sinks)
         for layer in attention_layers:
             layer.backend = backend
-        return attention_layers, backend
+        return [layer for layer in attention_layers if layer.kv_source is None], backend
 
     def _create_step_buffers(self) -> None:
         """The sampler, and the buffers each step's inputs and sampled tokens pass through."""
@@ -247,6 +245,9 @@ class ModelRunner:
             and not compile_disabled_by_env()
             and self.tp.size == 1
             and self.backend.name == "torch"
+            and self.kv_layout.uniform(
+                self.attention_layers, self.kv_groups
+            )  # compiled writes into strided views: untried
         )
 
     def _start_compiling_decode(self) -> None:
