@@ -40,12 +40,16 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model; images are not supported yet
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",  # its language model; images and audio are not supported yet
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
 }
-SUPPORTED_NAMES = "Llama, Mistral, Ministral, SmolLM3, Phi-3/4-mini, Gemma 3, Qwen2/2.5, Qwen3 (dense and MoE), gpt-oss"
+SUPPORTED_NAMES = (
+    "Llama, Mistral, Ministral, SmolLM3, Phi-3/4-mini, Gemma 3, Gemma 4, Qwen2/2.5, Qwen3 (dense and MoE), gpt-oss"
+)
 
 _DTYPE_BYTES = {
     "float32": 4,
@@ -103,7 +107,11 @@ class CatalogEntry:
     moe_intermediate_size: int | None = None  # one expert's width, where it is not intermediate_size (Qwen3-MoE)
     active_params: int = 0  # of `params`, those one token's step reads (count_active_params; 0: a dense model)
     sliding_window: int | None = None  # tokens a sliding-window layer sees (None: no such layers)
-    num_sliding_layers: int = 0  # of num_hidden_layers, those that attend through sliding_window
+    num_sliding_layers: int = 0  # of the layers holding a KV cache, those that attend through sliding_window
+    num_kv_layers: int = (
+        0  # layers holding a KV cache of their own (0: every layer; Gemma 4's shared-KV ones hold none)
+    )
+    kv_width: int = 0  # keys (or values) one token holds in one layer (0: num_key_value_heads x head_dim)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -133,17 +141,20 @@ class CatalogEntry:
         return self.architecture in SUPPORTED_ARCHITECTURES
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
-        """K and V for one token across all layers."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes(dtype, self)
+        """K and V for one token across all layers. Where layers differ in width (Gemma 4), the engine gives every
+        layer the widest one's rows (engine/runner/kv_cache.py), and so does this."""
+        width = self.kv_width or self.num_key_value_heads * self.head_dim
+        return 2 * (self.num_kv_layers or self.num_hidden_layers) * width * dtype_bytes(dtype, self)
 
     def kv_bytes(self, context_len: int, dtype: str = "bfloat16", windows_release: bool = False) -> int:
         """K and V of one sequence of `context_len` tokens. `windows_release`: the engine gives back what a
         sliding window has passed (its KV-cache groups, where steps are not CUDA graphs), so a sliding layer holds
         its window and a step's chunk of tokens, not the whole context."""
-        per_layer = self.kv_bytes_per_token(dtype) // self.num_hidden_layers
+        layers = self.num_kv_layers or self.num_hidden_layers
+        per_layer = self.kv_bytes_per_token(dtype) // layers
         sliding = self.num_sliding_layers if windows_release and self.sliding_window else 0
         held = min(context_len, (self.sliding_window or 0) + SLIDING_CHUNK_TOKENS)
-        return per_layer * ((self.num_hidden_layers - sliding) * context_len + sliding * held)
+        return per_layer * ((layers - sliding) * context_len + sliding * held)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -347,6 +358,10 @@ def entry_from_config(
     expert_width = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
     moe = dict(num_experts=experts, moe_intermediate_size=expert_width) if experts else {}
     counted = count_params(**dims, tie_word_embeddings=tie, family=family, **moe) if all(dims.values()) else 0
+    if family == "gemma4":  # layers unlike one another: counted on transformers' own model
+        from app.config_shapes import counted_params
+
+        counted = counted_params(cfg) or 0
     # A checkpoint may store a tied head twice (smaller count) or be a mixture of experts (much larger file):
     # trust the dimension count only when it is plausible against the file size.
     if counted and (not size_params or 0.5 * size_params <= counted <= 1.1 * size_params):
@@ -357,7 +372,7 @@ def entry_from_config(
         raise ValueError(f"cannot tell the parameter count of {repo_id}: no file size and an incomplete config.json")
 
     active = 0
-    per_token = int(cfg.get("num_experts_per_tok") or 0)
+    per_token = int(cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or 0)
     if experts and per_token and hidden and expert_width and cfg.get("vocab_size"):
         active = count_active_params(
             params,
@@ -369,7 +384,9 @@ def entry_from_config(
             expert_intermediate_size=expert_width,
             family=family,
         )
-    window, sliding = sliding_layers(cfg)
+    from app.config_shapes import kv_shape
+
+    shape = kv_shape(cfg)
     notes = []
     if not family:
         notes.append(
@@ -397,8 +414,10 @@ def entry_from_config(
         num_experts_per_tok=per_token,
         moe_intermediate_size=cfg.get("moe_intermediate_size"),
         active_params=max(active, 0),
-        sliding_window=window,
-        num_sliding_layers=sliding,
+        sliding_window=shape.sliding_window,
+        num_sliding_layers=shape.num_sliding_layers,
+        num_kv_layers=shape.num_kv_layers,
+        kv_width=shape.kv_width,
         gated=gated,
         license=license,
         description=" ".join(notes),
@@ -407,22 +426,13 @@ def entry_from_config(
 
 
 def sliding_layers(config: dict[str, Any]) -> tuple[int | None, int]:
-    """(sliding window, number of sliding-window layers) of a config.json, as the engine reads them: through
-    transformers' config class for its model_type (which fills `layer_types` from Gemma 3's
-    sliding_window_pattern or Qwen2's max_window_layers) and engine.models.llama.layer_windows. (None, 0) for a
-    config it cannot read: the estimate then counts every layer as full attention, the safe side."""
-    import transformers
+    """(sliding window, number of sliding-window layers holding a KV cache) of a config.json, as the engine reads
+    them (app/config_shapes.py); (None, 0) for a config it cannot read: the estimate then counts every layer as
+    full attention, the safe side."""
+    from app.config_shapes import kv_shape
 
-    from engine.models.llama import layer_windows
-
-    try:
-        fields = {key: value for key, value in config.items() if key != "model_type"}
-        known = transformers.AutoConfig.for_model(config["model_type"], **fields)
-        windows = layer_windows(getattr(known, "text_config", None) or known)
-    except Exception:  # an unknown model_type or a config transformers refuses: no sliding layers counted
-        return None, 0
-    sliding = [w for w in windows if w is not None]
-    return (max(sliding), len(sliding)) if sliding else (None, 0)
+    shape = kv_shape(config)
+    return shape.sliding_window, shape.num_sliding_layers
 
 
 # The estimates and the free-memory measurement lived here before they got modules of their own; scripts that

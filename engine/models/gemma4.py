@@ -45,7 +45,7 @@ def unscaled_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def kv_sources(config) -> list[int | None]:
     """Each layer's source of keys and values: None for a layer that computes its own, else the last layer of its
     kind before the shared ones (transformers' kv_sharing_modes)."""
-    types, shared = config.layer_types, getattr(config, "num_kv_shared_layers", 0) or 0
+    types, shared = getattr(config, "layer_types", None), getattr(config, "num_kv_shared_layers", 0) or 0
     first_shared = config.num_hidden_layers - shared
     if shared and first_shared < 1:
         raise ValueError(f"num_kv_shared_layers={shared} leaves no layer to compute keys and values")

@@ -561,3 +561,28 @@ def test_a_mixture_of_experts_is_held_whole_and_read_in_part(catalog):
     assert (
         dense.active_label == "" and "parameters are held" not in fit_report(dense, 4096, free_bytes=32 * GiB).message
     )
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_gemma_4_config_counts_the_cache_the_engine_holds(moe, tiny_models, make_llm):
+    """Gemma 4's layers differ: global ones wider, the last ones sharing an earlier layer's cache, experts beside
+    the MLP. The estimate from its config.json counts the parameters transformers' model has and the KV bytes a
+    token takes in the engine's own cache (every layer of a block as wide as the widest)."""
+    import transformers
+
+    from tests.conftest import gemma4_config
+
+    config = gemma4_config(moe)
+    hub_config = config.to_dict() | {"architectures": ["Gemma4ForCausalLM"]}
+    entry = entry_from_config("google/gemma-4-tiny", hub_config, 0)
+    assert entry.supported and entry.family == "gemma4"
+    assert entry.params == sum(p.numel() for p in transformers.Gemma4ForCausalLM(config).parameters())
+    runner = make_llm(tiny_models["gemma4_moe" if moe else "gemma4"]).model_runner
+    tokens_per_block, groups = runner.block_size, len(runner.kv_groups.windows)
+    assert entry.kv_bytes_per_token("float32") == runner.kv_layout.bytes_per_block * groups // tokens_per_block
+    assert (entry.num_kv_layers, entry.kv_width) == ((3, 64) if not moe else (0, 32))
+    assert entry.num_sliding_layers == 2
+    assert entry.active_label == ("" if not moe else f"{entry.active_params / 1e6:.0f}M active")
+    if moe:
+        idle = 3 * (8 - 2) * 3 * 64 * 32  # per layer, the 6 experts a token skips: gate, up and down of 64 x 32
+        assert entry.active_params == entry.params - idle - 320 * 64
