@@ -291,7 +291,7 @@ def test_unsupported_type_is_named_before_any_decoding(tmp_path: Path) -> None:
 
 def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "gpt2.gguf", {"output_norm.weight": (np.ones(8, np.float32), T.F32)}, arch="gpt2")
-    with pytest.raises(ValueError, match=r"'gpt2'.*gemma3, gpt-oss, llama, phi3, qwen2, qwen3, qwen3moe"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*gemma3, gemma4, gpt-oss, llama, phi3, qwen2, qwen3, qwen3moe"):
         GGUFCheckpoint.open(path)
 
 

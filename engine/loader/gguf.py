@@ -29,7 +29,6 @@ from engine.loader import gguf_config
 from engine.loader.gguf_blocks import SUPPORTED_TYPES, FileBytes, decode
 from engine.loader.gguf_header import GGUFHeader, TensorEntry, read_header
 from engine.models import GGUF_ARCHITECTURES
-from engine.quantization.blocks import BlockWeight
 from engine.quantization.layout import QuantizedWeight
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -64,6 +63,33 @@ _ARCH_LAYER_NAMES = {
         "attn_sinks": "self_attn.sinks",
         "ffn_gate_inp": "mlp.router",
     },
+    "gemma4": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+        "post_ffw_norm_1": "post_feedforward_layernorm_1",
+        "post_ffw_norm_2": "post_feedforward_layernorm_2",
+        "inp_gate": "per_layer_input_gate",
+        "proj": "per_layer_projection",
+        "post_norm": "post_per_layer_input_norm",
+        "ffn_gate_inp": "router.proj",
+        "ffn_gate_exps": "experts.gate_proj",
+        "ffn_up_exps": "experts.up_proj",
+        "ffn_gate_up_exps": "experts.gate_up_proj",
+        "ffn_down_exps": "experts.down_proj",
+    },
+}
+# Gemma 4's tensors that are not a module's weight: GGUF name (after the layer) -> our parameter
+_GEMMA4_PARAMETERS = {
+    "layer_output_scale.weight": "layer_scalar",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+}
+_GEMMA4_GLOBAL_NAMES = {
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
 # Architectures whose GGUF config transformers cannot read, and whose tokenizer is its generic one
 _GENERIC_TOKENIZER = ("gpt-oss",)
@@ -212,13 +238,7 @@ class GGUFCheckpoint:
     # tensors
 
     def _make_plan(self) -> list[_Entry]:
-        heads = (
-            int(self.field(f"{self.architecture}.attention.head_count")),
-            int(
-                self.metadata(f"{self.architecture}.attention.head_count_kv")
-                or self.field(f"{self.architecture}.attention.head_count")
-            ),
-        )
+        heads = self._llama_heads() if self.architecture == "llama" else None
         plan, unsupported = [], []
         for t in self._tensors:
             type_name = t.type_name
@@ -244,6 +264,12 @@ class GGUFCheckpoint:
                 "(Q4_K_M, Q5_K_M, Q6_K or Q8_0 are all readable)."
             )
         return plan
+
+    def _llama_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads): how many heads llama.cpp interleaved the q and k rows of."""
+        arch = self.architecture
+        heads = int(self.field(f"{arch}.attention.head_count"))
+        return heads, int(self.metadata(f"{arch}.attention.head_count_kv") or heads)
 
     def tensor_names(self) -> list[str]:
         """The Hugging Face names `tensors()` yields, in file order."""
@@ -273,11 +299,16 @@ class GGUFCheckpoint:
 
 
 def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    if architecture == "gemma4":
+        match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+        if match is not None and match[2] in _GEMMA4_PARAMETERS:
+            return f"model.layers.{match[1]}.{_GEMMA4_PARAMETERS[match[2]]}"
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    global_names = {**_GLOBAL_NAMES, **(_GEMMA4_GLOBAL_NAMES if architecture == "gemma4" else {})}
+    if stem in global_names:
+        return f"{global_names[stem]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture, {})}
     if match is None or match[2] not in names:
@@ -290,15 +321,4 @@ def _unpermute_heads(value: torch.Tensor | QuantizedWeight, heads: int) -> torch
     It moves whole rows, so on quantized weights it moves codes, scales and offsets together, losslessly."""
     rows = value.shape[0]
     order = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-    if isinstance(value, torch.Tensor):
-        return value[order].contiguous()
-    if isinstance(value, BlockWeight):
-        return value.take(order)
-    return QuantizedWeight(
-        value.bits,
-        value.q[order].contiguous(),
-        value.scale[order].contiguous(),
-        None if value.offset is None else value.offset[order].contiguous(),
-        value.group_size,
-        value.source,
-    )
+    return value[order].contiguous() if isinstance(value, torch.Tensor) else value.take(order)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from engine.loader.gguf import GGUFCheckpoint
 
 # The transformers config class of an HF architecture, where it is not the architecture's name with "Config"
-_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig", "Gemma4ForCausalLM": "Gemma4TextConfig"}
 # llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000; Gemma 3 27B (62 layers) scales
 # queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
 _GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
@@ -37,7 +37,10 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
     settings = {ours: ckpt.field(f"{arch}.{theirs}") for ours, theirs in names.items()}
     # files of models without grouped-query attention may leave the KV head count out
     settings["num_key_value_heads"] = ckpt.metadata(f"{arch}.attention.head_count_kv", settings["num_attention_heads"])
-    settings = {k: (float(v) if k == "rms_norm_eps" else int(v)) for k, v in settings.items()}
+    per_layer = {k: v for k, v in settings.items() if isinstance(v, list)}  # Gemma 4's: a value per layer
+    settings = {
+        k: (float(v) if k == "rms_norm_eps" else int(v[0] if k in per_layer else v)) for k, v in settings.items()
+    }
     vocab = ckpt.metadata(f"{arch}.vocab_size")
     settings["vocab_size"] = int(vocab) if vocab is not None else len(ckpt.field("tokenizer.ggml.tokens"))
     if ckpt.metadata(f"{arch}.expert_count") is not None:  # a mixture of experts (qwen3moe)
@@ -50,11 +53,13 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
         settings.update(_gemma3_settings(ckpt, settings))
     if arch == "gpt-oss":
         settings = _gpt_oss_settings(ckpt, settings)
+    if arch == "gemma4":
+        settings = _gemma4_settings(ckpt, settings, per_layer)
     config = getattr(transformers, _CONFIG_CLASSES.get(hf_arch, hf_arch.replace("ForCausalLM", "Config")))(**settings)
     config.architectures = [GGUF_ARCHITECTURES[arch]]
     # transformers maps no head size for qwen2/qwen3 (Qwen3Config would fall back to its default of 128)
     head_dim = ckpt.metadata(f"{arch}.attention.key_length")
-    if head_dim is not None:
+    if head_dim is not None and arch != "gemma4":  # Gemma 4's is its global layers'
         config.head_dim = int(head_dim)
     config.tie_word_embeddings = not ckpt.has_tensor("output.weight")
     for attr in ("bos_token_id", "eos_token_id"):
@@ -62,6 +67,8 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
         if value is not None:
             setattr(config, attr, int(value))
     theta = float(ckpt.metadata(f"{arch}.rope.freq_base", 10000.0))
+    if arch == "gemma4":  # set with the layers' head sizes (_gemma4_settings): its rope_freqs are no Llama 3 scaling
+        return config
     rope = _rope_parameters(ckpt, theta) or {"rope_type": "default", "rope_theta": theta}
     if arch == "phi3":
         rope = _phi3_rope(ckpt, theta, config)
@@ -129,6 +136,53 @@ def _gpt_oss_settings(ckpt: GGUFCheckpoint, settings: dict) -> dict:
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         "attention_bias": True,
     }
+
+
+def _gemma4_settings(ckpt: GGUFCheckpoint, settings: dict, per_layer: dict[str, list]) -> dict:
+    """Gemma 4's layers as convert_hf_to_gguf writes them: which slide (a flag per layer), the sliding layers' head
+    size (`key_length_swa`) beside the global ones' (`key_length`), KV heads and MLP widths per layer, the layers
+    that read an earlier layer's cache, per-layer inputs, experts beside the MLP, and the global layers' rotary:
+    proportional, its share the `rope_freqs` entries that are 1 (the rest, 1e30, turn not at all)."""
+    arch, layers = "gemma4", settings["num_hidden_layers"]
+    sliding = [bool(flag) for flag in ckpt.field(f"{arch}.attention.sliding_window_pattern")]
+    types = ["sliding_attention" if flag else "full_attention" for flag in sliding]
+    kv_heads = per_layer.get("num_key_value_heads") or [settings["num_key_value_heads"]] * layers
+    widths = per_layer.get("intermediate_size") or [settings["intermediate_size"]] * layers
+    shared = int(ckpt.metadata(f"{arch}.attention.shared_kv_layers", 0))
+    full = types.index("full_attention")
+    global_head_dim = int(ckpt.field(f"{arch}.attention.key_length"))
+    factors = ckpt.config_tensor("rope_freqs.weight")
+    turning = int((factors == 1.0).sum()) if factors is not None else global_head_dim // 2
+    out = {
+        **{k: v for k, v in settings.items() if k not in ("num_experts_per_tok", "norm_topk_prob")},
+        "layer_types": types,
+        "sliding_window": int(ckpt.field(f"{arch}.attention.sliding_window")),
+        "head_dim": int(ckpt.field(f"{arch}.attention.key_length_swa")),
+        "global_head_dim": global_head_dim,
+        "num_key_value_heads": kv_heads[types.index("sliding_attention")],
+        "num_kv_shared_layers": shared,
+        "use_double_wide_mlp": shared > 0 and widths[-1] == 2 * widths[0],
+        "hidden_size_per_layer_input": int(ckpt.metadata(f"{arch}.embedding_length_per_layer_input", 0)),
+        "vocab_size_per_layer_input": settings["vocab_size"],
+        "final_logit_softcapping": ckpt.metadata(f"{arch}.final_logit_softcapping"),
+        # keys that serve as values too: the global layers have no attn_v
+        "attention_k_eq_v": not ckpt.has_tensor(f"blk.{full}.attn_v.weight"),
+        "num_global_key_value_heads": kv_heads[full],
+        "rope_parameters": {
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(ckpt.field(f"{arch}.rope.freq_base_swa")),
+            },
+            "full_attention": {
+                "rope_type": "proportional",
+                "rope_theta": float(ckpt.field(f"{arch}.rope.freq_base")),
+                "partial_rotary_factor": 2 * turning / global_head_dim,
+            },
+        },
+    }
+    if "num_experts" in settings:
+        out.update(enable_moe_block=True, top_k_experts=settings["num_experts_per_tok"])
+    return out
 
 
 def _rope_parameters(ckpt: GGUFCheckpoint, theta: float) -> dict | None:

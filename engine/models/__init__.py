@@ -33,6 +33,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 # GGUF's `general.architecture` -> the HF architecture whose config and weight names the file maps to
 GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",

@@ -125,8 +125,25 @@ class Gemma4Experts(FusedMoE):
 
 
 class Gemma4QuantizedExperts(QuantizedFusedMoE):
+    """The experts as a GGUF file keeps them, gate and up in one stacked tensor (llama.cpp's ffn_gate_up_exps: each
+    expert's gate rows, then its up rows) or apart."""
+
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.gelu(gate, approximate="tanh") * up
+
+    def load_checkpoint_tensor(self, name: str, tensor) -> list[str]:
+        if name != "gate_up_proj.weight":
+            return super().load_checkpoint_tensor(name, tensor)
+        rows = self.intermediate_size
+        if tensor.shape[0] != 2 * self.num_experts * rows:
+            raise ValueError(f"has {tensor.shape[0]} rows, the model expects {self.num_experts} experts of 2 x {rows}")
+        order = torch.arange(tensor.shape[0]).view(self.num_experts, 2, rows)
+        for shard, projection in enumerate(("gate_proj", "up_proj")):
+            part = order[:, shard].reshape(-1)
+            super().load_checkpoint_tensor(
+                f"{projection}.weight", tensor[part] if torch.is_tensor(tensor) else tensor.take(part)
+            )
+        return []
 
 
 class Gemma4DecoderLayer(nn.Module):

@@ -88,6 +88,18 @@ class QuantizedWeight:
             None if self.blocks is None else self.blocks[cut],
         )
 
+    def take(self, index: torch.Tensor) -> "QuantizedWeight":
+        """Rows `index`, in that order (a copy): codes, scales and offsets move together, losslessly."""
+        return QuantizedWeight(
+            self.bits,
+            self.q[index].contiguous(),
+            self.scale[index].contiguous(),
+            None if self.offset is None else self.offset[index].contiguous(),
+            self.group_size,
+            self.source,
+            None if self.blocks is None else self.blocks[index].contiguous(),
+        )
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full-precision matrix, computed in float32: the reference every kernel is tested against."""
         k = self.q.shape[1]
