@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Protocol
 from app.chat_settings import ChatSettings, as_chat_settings
 from app.visualizer import render_kv_cache
 from engine import EngineThread, RequestStream, SamplingParams, StructuredOutputsParams
-from entrypoints.harmony import HarmonyStream, template_speaks_harmony
+from entrypoints.gemma4_format import template_speaks_gemma4
 from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
+from entrypoints.token_formats import TokenFormatStream, template_speaks_tokens, token_format_stream
 
 if TYPE_CHECKING:
     from app.store_records import Message
@@ -153,20 +154,23 @@ class LocalReplyStream:
     """An engine request's increments as ReplyDeltas; a thinking model's reasoning split from its answer."""
 
     def __init__(
-        self, stream: RequestStream, reasoning: ReasoningSplitter | None = None, harmony: HarmonyStream | None = None
+        self,
+        stream: RequestStream,
+        reasoning: ReasoningSplitter | None = None,
+        channels: TokenFormatStream | None = None,
     ):
         self._stream = stream
         self.request_id = stream.request_id
         self._reasoning = reasoning
-        self._harmony = harmony  # gpt-oss: its channels, read from the reply's tokens
+        self._channels = channels  # gpt-oss, Gemma 4: reasoning and answer read from the reply's tokens
 
     def __iter__(self) -> Iterator[ReplyDelta]:
         for out in self._stream:
             reasoning, text = "", out.new_text
-            if self._harmony is not None:
-                reasoning, text, _ = self._harmony.feed(out.new_token_ids)
+            if self._channels is not None:
+                reasoning, text, _ = self._channels.feed(out.new_token_ids)
                 if out.finished:
-                    held_reasoning, held_text, _ = self._harmony.finish()
+                    held_reasoning, held_text, _ = self._channels.finish()
                     reasoning, text = reasoning + held_reasoning, text + held_text
             elif self._reasoning is not None:
                 reasoning, text = self._reasoning.feed(text)
@@ -199,8 +203,9 @@ class LocalBackend:
         self.engine, self.label, self.model, self.models = engine, label, label, [label]
         weights = engine.stats().quantization  # fixed at load: read once, not at every header refresh
         self.quantization = "" if weights == "none" else weights
-        self.thinks = template_thinks(engine.tokenizer.chat_template)  # Qwen3, the R1 distills
-        self.harmony = template_speaks_harmony(engine.tokenizer.chat_template)  # gpt-oss
+        template = engine.tokenizer.chat_template
+        self.thinks = template_thinks(template) or template_speaks_gemma4(template)  # Qwen3, R1 distills, Gemma 4
+        self.token_format = template_speaks_tokens(template)  # gpt-oss, Gemma 4
         self.max_model_len = engine.max_model_len
         self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
 
@@ -209,16 +214,16 @@ class LocalBackend:
         params = sampling_params(settings)  # first: a bad schema is refused before anything is tokenized
         ids = self._encode(messages, settings)
         check_fits(len(ids), params.max_tokens, self.engine.max_model_len)
-        reasoning = harmony = None
-        if self.harmony and params.structured_outputs is None:
-            harmony = HarmonyStream(self.engine.tokenizer)
+        reasoning = channels = None
+        if self.token_format and params.structured_outputs is None:
+            channels = token_format_stream(self.engine.tokenizer)
         elif self.thinks and params.structured_outputs is None:
             reasoning = ReasoningSplitter(prompt_opens_reasoning(self.engine.tokenizer.decode(ids[-8:])))
         try:
             stream = self.engine.submit(ids, params)
         except ValueError as e:  # a schema that parses but does not compile
             raise BadSettings(f"{e}. Fix the chat's JSON schema, or clear it.") from None
-        return LocalReplyStream(stream, reasoning, harmony), len(ids)
+        return LocalReplyStream(stream, reasoning, channels), len(ids)
 
     def _encode(self, messages: list[dict], settings: ChatSettings) -> list[int]:
         return self.engine.encode_chat(messages, **({"enable_thinking": settings.think} if self.thinks else {}))

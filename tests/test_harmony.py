@@ -146,7 +146,7 @@ def test_a_harmony_reply_in_openai_shape_whole_and_streamed(tokenizer):
     )
 
     def whole(text: str) -> dict:
-        reply = Reply("gpt-oss", True, 10, harmony=HarmonyStream(tokenizer))
+        reply = Reply("gpt-oss", True, 10, channels=HarmonyStream(tokenizer))
         for out in FakeStream(tokenizer, text).outputs:
             reply.count(out)
             reply.take(out)
@@ -163,7 +163,7 @@ def test_a_harmony_reply_in_openai_shape_whole_and_streamed(tokenizer):
     assert answer["message"]["reasoning_content"] == "Easy." and "tool_calls" not in answer["message"]
 
     async def streamed() -> list[dict]:
-        reply = Reply("gpt-oss", True, 10, harmony=HarmonyStream(tokenizer))
+        reply = Reply("gpt-oss", True, 10, channels=HarmonyStream(tokenizer))
         events = [e async for e in reply.sse(FakeStream(tokenizer, call), include_usage=False)]
         assert events[-1] == "data: [DONE]\n\n"
         return [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-1]]
@@ -202,7 +202,7 @@ def test_the_apps_reply_stream_shows_gpt_oss_reasoning_apart(tokenizer):
 
     text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Answer.<|return|>"
     outputs = FakeStream(tokenizer, text).outputs
-    deltas = list(LocalReplyStream(SyncStream(outputs), harmony=HarmonyStream(tokenizer)))
+    deltas = list(LocalReplyStream(SyncStream(outputs), channels=HarmonyStream(tokenizer)))
     assert "".join(d.reasoning for d in deltas) == "Think." and "".join(d.text for d in deltas) == "Answer."
     assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
 

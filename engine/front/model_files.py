@@ -92,4 +92,11 @@ def eos_token_ids(path: Path | GGUFCheckpoint, hf_config, tokenizer) -> set[int]
         eos = getattr(hf_config, "eos_token_id", None)
     for value in (eos, tokenizer.eos_token_id):
         ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+    # Gemma 4 ends a turn at <turn|>, and after tool calls at <|tool_response>, where the tool's result goes: as
+    # llama.cpp does, both end a reply whatever the generation config lists
+    added = tokenizer.get_added_vocab()
+    ids.update(added[text] for text in TURN_END_TOKENS if text in added)
     return ids
+
+
+TURN_END_TOKENS = ("<turn|>", "<|tool_response>")

@@ -99,7 +99,8 @@ _CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factor
 # llama.cpp also ends generation on control tokens with these texts, whatever the file names as EOS
 # (an instruct model's GGUF often names only one of its end-of-turn tokens).
 _END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>")
-_CONTROL_TOKEN = 3  # llama.cpp's token type for control tokens
+_END_OF_TURN_TEXTS += ("<turn|>", "<|tool_response>")  # Gemma 4's, as llama.cpp ends generation on them
+_TURN_TOKEN_TYPES = (3, 4)  # llama.cpp's token types for control and user-defined tokens (Gemma 4's <|tool_response>)
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ class GGUFCheckpoint:
         tokens, types = self.metadata("tokenizer.ggml.tokens"), self.metadata("tokenizer.ggml.token_type")
         if tokens is not None and types is not None:
             for token_id, text in enumerate(tokens):
-                if text in _END_OF_TURN_TEXTS and types[token_id] == _CONTROL_TOKEN and token_id not in ids:
+                if text in _END_OF_TURN_TEXTS and types[token_id] in _TURN_TOKEN_TYPES and token_id not in ids:
                     ids.append(token_id)
         return ids
 

@@ -9,7 +9,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from engine import ConstraintFailed, RequestFailed, RequestStream
-from entrypoints.harmony import HarmonyStream
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from entrypoints.openai.protocol import (
@@ -25,6 +24,7 @@ from entrypoints.openai.protocol import (
 )
 from entrypoints.openai.tool_calls import ToolCallStream
 from entrypoints.reasoning import ReasoningSplitter
+from entrypoints.token_formats import TokenFormatStream
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Reply:
         echo: Echo | None = None,
         tools: ToolCallStream | None = None,
         reasoning: ReasoningSplitter | None = None,
-        harmony: HarmonyStream | None = None,
+        channels: TokenFormatStream | None = None,
     ):
         self.model_name, self.chat = model_name, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -86,15 +86,15 @@ class Reply:
         self.text_sent = 0  # characters of a streamed completion's text sent so far (its tokens' text_offset)
         self.tools = tools  # parses tool calls out of the text, when the request has tools
         self.reasoning = reasoning  # splits a thinking model's reasoning from its answer
-        self.harmony = harmony  # gpt-oss: reasoning, answer and tool calls read from the reply's tokens
+        self.channels = channels  # gpt-oss, Gemma 4: reasoning, answer and tool calls read from the reply's tokens
         self.reasoning_tokens = 0
         self.content: list[str] = []  # a chat reply's content, as `take` has split it
 
     def take(self, out, final: bool = False) -> tuple[str, str, list[dict]]:
         """A chat increment's text as (reasoning, content, tool-call deltas); `final`: after the last
         increment, what was held back. The content is kept for `whole`."""
-        if self.harmony is not None:
-            reasoning, text, calls = self.harmony.finish() if final else self.harmony.feed(out.new_token_ids)
+        if self.channels is not None:
+            reasoning, text, calls = self.channels.finish() if final else self.channels.feed(out.new_token_ids)
             if reasoning and not text and out is not None:
                 self.reasoning_tokens += len(out.new_token_ids)
             self.content.append(text)
@@ -135,12 +135,12 @@ class Reply:
     @property
     def calls(self) -> list[dict]:
         """The reply's tool calls so far, whole."""
-        parser = self.tools if self.tools is not None else self.harmony
+        parser = self.tools if self.tools is not None else self.channels
         return parser.calls if parser is not None else []
 
     @property
     def reasoning_text(self) -> str:
-        parser = self.reasoning if self.reasoning is not None else self.harmony
+        parser = self.reasoning if self.reasoning is not None else self.channels
         return parser.reasoning if parser is not None else ""
 
     def count(self, out) -> None:
@@ -176,7 +176,7 @@ class Reply:
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
-        if self.reasoning is not None or self.harmony is not None:
+        if self.reasoning is not None or self.channels is not None:
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens)
         return usage
 

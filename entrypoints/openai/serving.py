@@ -12,7 +12,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import EngineThread, RequestFailed, SamplingParams
-from entrypoints.harmony import HarmonyStream, template_speaks_harmony
+from entrypoints.gemma4_format import template_speaks_gemma4
+from entrypoints.harmony import template_speaks_harmony
 from entrypoints.openai import request_log
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.logprobs import TokenTexts
@@ -24,6 +25,7 @@ from entrypoints.openai.protocol import (
 from entrypoints.openai.reply import Echo, Reply, failure
 from entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, prompt_messages, template_knows_tools
 from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
+from entrypoints.token_formats import token_format_stream
 
 
 @dataclass
@@ -100,7 +102,7 @@ async def chat_prompt(engine: EngineThread, body: ChatCompletionBody) -> ChatPro
     template_kwargs = dict(body.chat_template_kwargs or {})
     ignored = list(body.ignored)
     if body.reasoning_effort is not None:
-        if template_thinks(chat_template):
+        if template_thinks(chat_template) or template_speaks_gemma4(chat_template):  # a thinking switch
             template_kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
         elif template_speaks_harmony(chat_template):  # gpt-oss: its `Reasoning:` line, low to high
             effort = body.reasoning_effort
@@ -240,14 +242,14 @@ async def complete(
             stream.cancel()
             raise
     texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
-    reasoning = harmony = None
+    reasoning = channels = None
     free = chat and not (tools and tools.constraint())  # a reply held to tool calls is their JSON alone
-    if free and template_speaks_harmony(engine.tokenizer.chat_template):  # gpt-oss: channels, read from tokens
-        harmony = HarmonyStream(engine.tokenizer)
-    elif free and template_thinks(engine.tokenizer.chat_template):
+    if free:  # gpt-oss's harmony, Gemma 4's channels: reasoning and calls read from the reply's tokens
+        channels = token_format_stream(engine.tokenizer)
+    if free and channels is None and template_thinks(engine.tokenizer.chat_template):
         prompt_tail = await anyio.to_thread.run_sync(engine.tokenizer.decode, token_ids[-8:])
         reasoning = ReasoningSplitter(in_reasoning=prompt_opens_reasoning(prompt_tail))
-    parses_calls = tools and tools.mode != "none" and harmony is None
+    parses_calls = tools and tools.mode != "none" and channels is None
     reply = Reply(
         model.name,
         chat,
@@ -257,7 +259,7 @@ async def complete(
         echo,
         ToolCallStream(tools) if parses_calls else None,
         reasoning,
-        harmony,
+        channels,
     )
     request_log.record(request, reply)
     if body.stream:
