@@ -17,6 +17,8 @@ triton = pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from engine.attention import triton_kernels  # noqa: E402
+from engine.layers.activation import silu_and_mul  # noqa: E402
+from engine.layers.fused_moe_triton import fused_moe  # noqa: E402
 from engine.layers.gemv import ROW_BUCKETS, gemv, tile_candidates  # noqa: E402
 from engine.layers.normed_gemv import normed_gemv, normed_tile_candidates  # noqa: E402
 from tests.attention_batches import make_batch  # noqa: E402
@@ -63,6 +65,11 @@ def launch_everything() -> None:
     triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, window=128, sinks=sinks)
     key, value = bf16(3, 8, 128), bf16(3, 8, 128)
     triton_kernels.store_kvcache(key, value, k_cache, v_cache, torch.tensor([0, -1, 37]))
+    experts, hidden, inter = 4, 256, 48  # the second matmul's K of 48 takes the narrow K tile
+    for tokens, dtype in ((1, torch.bfloat16), (64, torch.bfloat16), (3, torch.float32)):  # decode, prefill, fp32
+        ids = torch.arange(2 * tokens).view(tokens, 2) % experts
+        gate_up, down = bf16(experts, 2 * inter, hidden).to(dtype), bf16(experts, hidden, inter).to(dtype)
+        fused_moe(bf16(tokens, hidden).to(dtype), gate_up, down, torch.rand(tokens, 2), ids, silu_and_mul)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's masked exp2
@@ -77,6 +84,7 @@ def test_every_kernel_variant_compiles_for_sm86_sm89_and_sm90_without_spilling(t
         "_paged_attention_kernel",
         "_merge_splits_kernel",
         "_store_kvcache_kernel",
+        "_grouped_matmul_kernel",
     } <= kernels
     results = compile_in_subprocess([s | {"target": t} for t in TARGETS.values() for s in specs], tmp_path)
     assert {r["target"] for r in results} == {arch for _, arch, _ in TARGETS.values()}

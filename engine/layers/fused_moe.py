@@ -2,10 +2,11 @@
 summed by the router's weights. Experts are stacked tensors, [experts, 2 * intermediate, hidden] for gate and up
 and [experts, hidden, intermediate] for down, as transformers 5 holds them.
 
-The step runs expert by expert over the tokens routed to each (tokens grouped by expert), so each expert's
-weights are read once per step however many tokens chose it, and experts no token chose are not read at all.
-That loop is decided on the host, from the routing, so steps with MoE layers run eagerly (no CUDA graph and no
-compiled CPU decode step); a fused GPU kernel that decides on the device is the next step for GPUs.
+On the CPU the step runs expert by expert over the tokens routed to each (tokens grouped by expert), so each
+expert's weights are read once per step however many tokens chose it, and experts no token chose are not read at
+all. That loop is decided on the host, from the routing, so steps with MoE layers run eagerly (no compiled CPU
+decode step). On a GPU, two grouped Triton matmuls over the pairs sorted by expert do the same from device
+tensors alone (engine/layers/fused_moe_triton.py).
 """
 
 from collections.abc import Callable
@@ -117,6 +118,11 @@ class FusedMoE(Experts):
         self._loaded_parts: set[tuple[str, int, int]] = set()  # (parameter, expert, shard) from per-expert tensors
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from engine.layers.fused_moe_triton import fused_moe  # Triton: imported where a GPU runs it
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
+
         def expert_mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
             return F.linear(self.act(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
 
