@@ -41,6 +41,8 @@ REQUESTED = {
     "HuggingFaceTB/SmolLM3-3B",
     "microsoft/Phi-4-mini-instruct",
     "google/gemma-3-4b-it",
+    "google/gemma-3-12b-it",
+    "mistralai/Ministral-8B-Instruct-2410",
 }
 # GGUF repos: the one file each entry downloads, and its quantization
 GGUF = {
@@ -65,6 +67,8 @@ KNOWN = {
     "meta-llama/Llama-3.1-8B-Instruct": (32, 8, 128, 131072),
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": (28, 4, 128, 131072),
     "Qwen/Qwen3-8B-GGUF": (36, 8, 128, 40960),  # the model it was made from
+    "google/gemma-3-12b-it": (48, 8, 256, 131072),  # its text_config
+    "mistralai/Ministral-8B-Instruct-2410": (36, 8, 128, 32768),
 }
 
 
@@ -128,7 +132,7 @@ def test_every_entry_is_consistent(catalog):
             low, high = 2 * e.params, 2 * (e.params + e.vocab_size * e.hidden_size) + 30 * MiB
             assert low <= e.download_bytes <= high, e.repo_id
         assert e.size_is_approximate != e.bundled  # the bundled file's size is known exactly
-        assert e.gated == e.repo_id.startswith(("meta-llama/", "google/gemma")), e.repo_id
+        assert e.gated == e.repo_id.startswith(("meta-llama/", "google/gemma", "mistralai/Ministral")), e.repo_id
         assert e.license and e.description and e.params_label
         assert e.params_label[:-1].replace(".", "").isdigit() and e.params_label[-1] in "MB"
 
@@ -154,7 +158,10 @@ def test_the_8b_models_have_their_known_sizes(catalog):
     assert params["Qwen/Qwen3-8B"] == params["Qwen/Qwen3-8B-GGUF"] == 8_190_735_360
     assert params["meta-llama/Llama-3.1-8B-Instruct"] == 8_030_261_248
     assert params["deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"] == 7_615_616_512
-    assert not any(e.tie_word_embeddings for e in catalog if e.params > 7e9)
+    assert params["mistralai/Ministral-8B-Instruct-2410"] == 8_019_808_256
+    assert params["google/gemma-3-12b-it"] == 11_765_640_960  # its text part (Gemma 3 12B's 12.2B has the vision's)
+    # the large models untie their head, but Gemma, which ties it at every size
+    assert not any(e.tie_word_embeddings for e in catalog if e.params > 7e9 and e.family != "gemma3")
 
 
 def test_an_old_catalog_without_gguf_keys_still_loads(tmp_path):
