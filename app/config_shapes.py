@@ -43,6 +43,9 @@ def kv_shape(config: dict[str, Any]) -> KVShape:
     text = text_config(config)
     if text is None:
         return KVShape()
+    types = list(getattr(text, "layer_types", None) or [])
+    if "linear_attention" in types:  # Qwen3.5: its linear layers keep a fixed-size state, not a KV history
+        return KVShape(num_kv_layers=types.count("full_attention"))
     try:
         windows = layer_windows(text)
         owners = [i for i, source in enumerate(kv_sources(text)) if source is None]

@@ -66,7 +66,7 @@ COMMON = dict(
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3", "gpt_oss", "gemma4")
-FAMILIES += ("gemma4_moe",)
+FAMILIES += ("gemma4_moe", "qwen3_5")
 
 
 def gemma4_config(moe: bool):
@@ -132,6 +132,7 @@ def build_model(folder: Path, family: str) -> Path:
             "gpt_oss": 9,
             "gemma4": 10,
             "gemma4_moe": 11,
+            "qwen3_5": 12,
         }[family]
     )
     if family == "llama":
@@ -192,6 +193,19 @@ def build_model(folder: Path, family: str) -> Path:
         model, dtype, shard = transformers.Gemma3ForCausalLM(config), torch.float32, None
     elif family in ("gemma4", "gemma4_moe"):
         model, dtype, shard = transformers.Gemma4ForCausalLM(gemma4_config(family == "gemma4_moe")), torch.float32, None
+    elif family == "qwen3_5":
+        # Three Gated DeltaNet layers, then a gated full-attention one (rotary over a quarter of each head)
+        config = transformers.Qwen3_5TextConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            head_dim=16,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            tie_word_embeddings=False,
+        )
+        model, dtype, shard = transformers.Qwen3_5ForCausalLM(config), torch.float32, None
     elif family == "gpt_oss":
         # A 10-token window on layer 0 and full attention on layer 1, attention sinks, YaRN (factor 8 over a
         # 64-token pretraining length), 8 biased experts (2 a token) with the clamped SwiGLU

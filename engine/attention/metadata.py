@@ -35,6 +35,8 @@ class AttentionMetadata:
     # With KV-cache groups (engine/runner/kv_cache.py): each group's metadata, this one first. They differ in
     # slot_mapping and block_tables only.
     groups: list["AttentionMetadata"] | None = field(default=None, repr=False)
+    # Each sequence's state slot, for a hybrid model's recurrent layers (engine/layers/gated_deltanet.py)
+    state_slots_cpu: list[int] | None = None
 
     def for_group(self, group: int) -> "AttentionMetadata":
         """The metadata the layers of KV-cache group `group` read."""

@@ -55,8 +55,10 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         group_windows: tuple[int | None, ...] = (None,),
+        num_state_slots: int = 0,
     ):
-        """`group_windows`: each KV-cache group's sliding window in tokens, or None for full attention."""
+        """`group_windows`: each KV-cache group's sliding window in tokens, or None for full attention.
+        `num_state_slots`: slots of recurrent state (a hybrid model's linear layers), one per running sequence."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
@@ -75,6 +77,8 @@ class BlockManager:
         self.prefix_cache_queries = 0  # in tokens, as vLLM counts them
         self.prefix_cache_hits = 0
         self.used_blocks_per_group = [0] * len(self.group_windows)  # blocks some sequence holds, by group
+        self.num_state_slots = num_state_slots
+        self.free_state_slots: deque[int] = deque(range(num_state_slots))
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -190,13 +194,18 @@ class BlockManager:
         hit = len(cached[0])
         num_tokens = hit * self.block_size + num_new_tokens
         needed = self.num_groups * (-(-num_tokens // self.block_size) - hit)
-        return needed <= self.num_free_blocks - reclaimed
+        has_state = not self.num_state_slots or bool(self.free_state_slots)
+        return needed <= self.num_free_blocks - reclaimed and has_state
 
     def admit(self, seq: Sequence, cached: list[list[int]]) -> None:
         """Start `seq` (which holds no blocks) on its cached prefix (find_cached_prefix's)."""
         if any(seq.block_tables):
             raise RuntimeError(f"request {seq.request_id} already holds KV blocks")
         self.new_tables(seq)
+        if self.num_state_slots:
+            if cached[0]:
+                raise RuntimeError("a model with recurrent state cannot start on a cached prefix yet")
+            seq.state_slot = self.free_state_slots.popleft()
         hit = len(cached[0])
         for g, ids in enumerate(cached):
             for block_id in ids:
@@ -278,6 +287,9 @@ class BlockManager:
         self.new_tables(seq)
         seq.num_computed_tokens = seq.num_registered_blocks = 0
         seq.registered_hash = None
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Register the full blocks of `seq` whose KV is computed, or is being written by the last

@@ -53,6 +53,7 @@ class Sequence:
         # them, or the block registered before with the same KV when this sequence computed a copy of it
         self.chain_tails: list[tuple[int, int] | None] = [None]
         self.num_released_blocks: list[int] = [0]  # per group, leading entries released (sliding windows)
+        self.state_slot: int | None = None  # its recurrent layers' state slot while it runs (BlockManager)
         self.finish_reason: str | None = None
         self.output_text = ""
         self.generator = None  # a torch.Generator when sampling_params.seed is set

@@ -78,11 +78,15 @@ class LLMEngine:
             self._start_tensor_parallel(hf_config, path)
         self.tokenizer = tokenizer.result()
         self.max_model_len = self.model_runner.max_model_len
+        state_slots = self.model_runner.num_state_slots
+        if state_slots and config.enable_prefix_caching:  # a hit would skip tokens whose state no slot holds
+            log.info("prefix caching is off: this model's recurrent layers keep no state of cached prefixes yet")
         self.block_manager = BlockManager(
             self.model_runner.num_blocks,
             config.kvcache_block_size,
-            config.enable_prefix_caching,
+            config.enable_prefix_caching and not state_slots,
             self.model_runner.kv_groups.windows,
+            state_slots,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, batched_token_budget(config, self.device.type)

@@ -267,6 +267,27 @@ def allocate_kv_cache(
     return kv_cache
 
 
+def allocate_states(model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """The recurrent layers' state pools (a hybrid model's Gated DeltaNet layers: `state_shapes()`), a slot per
+    running request, zeroed; returns the number of slots (0 for a model without such layers). As many slots as
+    max_num_seqs, or as a quarter of the KV budget holds if fewer: requests past them wait for one."""
+    layers = [m for m in model.modules() if hasattr(m, "state_shapes")]
+    if not layers:
+        return 0
+    shapes = [
+        (layer, name, shape, torch.float32 if wide else dtype)
+        for layer in layers
+        for name, (shape, wide) in layer.state_shapes().items()
+    ]
+    slot_bytes = sum(math.prod(shape) * kind.itemsize for _, _, shape, kind in shapes)
+    budget = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+    slots = max(1, min(config.max_num_seqs, budget // 4 // slot_bytes))
+    for layer, name, shape, kind in shapes:
+        setattr(layer, name, zeroed((slots, *shape), kind, device))
+    log.info("recurrent state: %d slots of %.1f MiB (requests beyond them wait)", slots, slot_bytes / 2**20)
+    return slots
+
+
 def process_memory_info(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of the GPU as this process may use it: the device's own figures, within the cap
     `torch.cuda.set_per_process_memory_fraction` set, if any (as when an 8 GB laptop is modelled on a big GPU)."""

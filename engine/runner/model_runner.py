@@ -34,6 +34,7 @@ from engine.runner.distributed import SINGLE, TPGroup
 from engine.runner.kernel_passes import choose_gemv, choose_normed, compiled_small_ops
 from engine.runner.kv_cache import (
     allocate_kv_cache,
+    allocate_states,
     choose_num_blocks,
     fitting_max_model_len,
     gpu_kv_budget,
@@ -215,6 +216,7 @@ class ModelRunner:
         kv_cache = allocate_kv_cache(
             self.kv_layout, num_blocks + extra, self.attention_layers, self.device, self.kv_groups
         )
+        self.num_state_slots = allocate_states(self.model, self.config, self.device, self.dtype)
         return kv_cache, num_blocks
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -245,9 +247,7 @@ class ModelRunner:
             and not compile_disabled_by_env()
             and self.tp.size == 1
             and self.backend.name == "torch"
-            and self.kv_layout.uniform(
-                self.attention_layers, self.kv_groups
-            )  # compiled writes into strided views: untried
+            and self.kv_layout.uniform(self.attention_layers, self.kv_groups)  # no strided views: untried compiled
         )
 
     def _start_compiling_decode(self) -> None:
@@ -341,10 +341,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ---- KV cache -------------------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        return self.kv_layout.bytes_per_block
-
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq], plan: LogprobsPlan | None = None) -> StepInputs:
         """This step's inputs as host arrays (engine/runner/step_inputs.py), for `to_device` to upload in one
@@ -393,6 +389,7 @@ class ModelRunner:
             max_seq_len=int(step.seq_lens.max()),
             query_lens_cpu=step.query_lens.tolist(),
             seq_lens_cpu=step.seq_lens.tolist(),
+            state_slots_cpu=step.state_slots.tolist() if step.state_slots.size else None,
         )
         if group_tables:  # the other KV-cache groups: their own slots and tables, the same lengths
             meta.groups = [meta] + [

@@ -37,6 +37,7 @@ class StepInputs:
     # KV-cache groups after the first (engine/runner/kv_cache.py), each with its own slots and block tables
     group_slot_mappings: list[np.ndarray] = field(default_factory=list)
     group_block_tables: list[np.ndarray] = field(default_factory=list)
+    state_slots: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # each sequence's, where layers keep state
     # Logprobs, for the requests that asked (see LogprobsPlan); empty for all others:
     sample_logprobs_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # rows of logits_index
     num_logprobs: int = 0  # top tokens to keep for them: the most any of them asked for
@@ -194,6 +195,8 @@ def prepare_step(
         rows_in_last_sampled([batch[i].seq for i in pending], sampled_rows),
     )
     step.group_block_tables = more_tables
+    if batch[0].seq.state_slot is not None:
+        step.state_slots = np.fromiter((s.seq.state_slot for s in batch), np.int64, num_seqs)
     step.group_slot_mappings = [t[seq_index, positions // bs] * bs + positions % bs for t in more_tables]
     if plan is not None:
         step.sample_logprobs_rows, step.num_logprobs = plan.sample_rows, plan.num_logprobs

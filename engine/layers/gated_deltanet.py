@@ -1,0 +1,183 @@
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next): linear attention whose memory is a fixed-size state per request instead of
+a KV history that grows with the context.
+
+Each value head keeps a matrix S [key dim, value dim]. For every token, with a decay g <= 0 and a rate beta in (0, 1):
+
+    S = exp(g) * S                        forget a little
+    S = S + k (beta * (v - S^T k))^T      the delta rule: write only what S did not already predict for k
+    o = S^T q                             read
+
+q and k are L2-normalised per head (q also scaled by 1/sqrt(key dim)); q, k and v first go through a short causal
+depthwise convolution (kernel 4), whose last inputs are state too. The output is RMS-normalised and gated by
+silu(z), a projection of the layer's input.
+
+Two forms compute the same thing: the recurrent one above, a token at a time (decode), and the chunked one, which
+does 64 tokens at a time in matmuls and carries S from chunk to chunk (prefill). Both follow transformers'
+torch reference (its `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`) step for step, so the
+engine's tokens equal transformers'.
+
+The states live in per-layer pools, a slot per running request (`BlockManager`'s state slots, read from the step's
+`AttentionMetadata.state_slots_cpu`): conv_state [slots, channels, kernel - 1] and recurrent_state [slots, value
+heads, key dim, value dim] in float32. A request whose step starts at position 0 starts from zeros; chunked prefill
+continues from what the last chunk left.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunked_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens in chunks of CHUNK. q, k [heads, L, dk] (normalised and scaled), v [heads, L, dv],
+    g and beta [heads, L], state [heads, dk, dv], all float32. Returns (output [heads, L, dv], final state)."""
+    heads, length, dv = v.shape
+    pad = (CHUNK - length % CHUNK) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    chunks = (length + pad) // CHUNK
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    q, k, k_beta, v_beta = (x.reshape(heads, chunks, CHUNK, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    decay = g.reshape(heads, chunks, CHUNK).cumsum(dim=-1)  # log of the decay from the chunk's start
+    later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()
+    # The chunk's delta-rule updates solved at once: a unit lower-triangular system (the UT transform)
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    within = (q @ k.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    decayed_keys = torch.linalg.solve_triangular(
+        system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True
+    )
+    q = q * decay.exp()[..., None]
+    k = k * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+    out = torch.zeros_like(new_values)
+    for i in range(chunks):
+        corrected = new_values[:, i] - decayed_keys[:, i] @ state
+        out[:, i] = q[:, i] @ state + within[:, i] @ corrected
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ corrected
+    return out.reshape(heads, -1, dv)[:, :length], state
+
+
+def recurrent_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of S sequences: q, k [S, heads, dk], v [S, heads, dv], g and beta [S, heads], state
+    [S, heads, dk, dv], float32. Returns (output [S, heads, dv], new state)."""
+    state = state * g.exp()[..., None, None]
+    predicted = (state * k[..., None]).sum(dim=-2)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(dim=-2), state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, then times silu(gate) (transformers' Qwen3_5RMSNormGated)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        key_size, value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.conv_size, self.kernel = 2 * key_size + value_size, config.linear_conv_kernel_dim
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"Gated DeltaNet's activation {config.hidden_act!r} is not supported")
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a of the checkpoint, in one matmul
+        heads = self.num_v_heads
+        self.in_proj = ColumnParallelLinear.split(config.hidden_size, [self.conv_size, value_size, heads, heads])
+        self.split = self.in_proj.output_sizes
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_size, 1, self.kernel))  # depthwise, no bias
+        self.dt_bias = nn.Parameter(torch.ones(heads))
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value_size, config.hidden_size, bias=False)
+        # Set by the ModelRunner: a slot per running request (engine/runner/kv_cache.py, allocate_states)
+        self.conv_state = self.recurrent_state = torch.empty(0)
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """One slot's states: name -> (shape, whether it is kept in float32 whatever the model's dtype)."""
+        return {
+            "conv_state": ((self.conv_size, self.kernel - 1), False),
+            "recurrent_state": ((self.num_v_heads, self.k_dim, self.v_dim), True),
+        }
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        qkv = self._convolve(qkv, meta)
+        key_size = self.num_k_heads * self.k_dim
+        q, k, v = qkv.split([key_size, key_size, self.num_v_heads * self.v_dim], dim=-1)
+        groups = self.num_v_heads // self.num_k_heads  # each q/k head serves this many value heads
+        q, k = (
+            l2norm(t.reshape(tokens, self.num_k_heads, self.k_dim).float()).repeat_interleave(groups, dim=1)
+            for t in (q, k)
+        )
+        q = q * self.k_dim**-0.5
+        v = v.reshape(tokens, self.num_v_heads, self.v_dim).float()
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = self._delta_rule(q, k, v, g, beta, meta)
+        out = self.norm(out.to(x.dtype).reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
+        return self.out_proj(out.reshape(tokens, -1))
+
+    def _sequences(self, meta: AttentionMetadata):
+        """(first token, tokens, state slot, whether its state starts from zeros) of each sequence in the step."""
+        start = 0
+        for n, length, slot in zip(meta.query_lens_cpu, meta.seq_lens_cpu, meta.state_slots_cpu, strict=True):
+            yield start, n, slot, length == n
+            start += n
+
+    def _convolve(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The causal depthwise convolution of each sequence's tokens after its last kernel - 1 inputs, then silu."""
+        out = torch.empty_like(qkv)
+        weight = self.conv1d_weight
+        for start, n, slot, fresh in self._sequences(meta):
+            past = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
+            inputs = torch.cat((past, qkv[start : start + n].T.to(weight.dtype)), dim=-1)
+            self.conv_state[slot] = inputs[:, -(self.kernel - 1) :]
+            mixed = F.conv1d(inputs[None], weight, groups=self.conv_size)[0, :, -n:]
+            out[start : start + n] = F.silu(mixed).T.to(qkv.dtype)
+        return out
+
+    def _delta_rule(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
+        sequences = list(self._sequences(meta))
+        if all(n == 1 and not fresh for _, n, _, fresh in sequences):  # decode: every sequence at once
+            slots = torch.tensor(meta.state_slots_cpu, device=q.device)
+            out, self.recurrent_state[slots] = recurrent_delta_rule(q, k, v, g, beta, self.recurrent_state[slots])
+            return out
+        out = torch.empty_like(v)
+        for start, n, slot, fresh in sequences:
+            rows = slice(start, start + n)
+            state = torch.zeros_like(self.recurrent_state[slot]) if fresh else self.recurrent_state[slot]
+            if n == 1 and not fresh:
+                o, state = recurrent_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state[None])
+                out[rows], state = o, state[0]
+            else:
+                o, state = chunked_delta_rule(
+                    *(t[rows].transpose(0, 1) for t in (q, k, v, g, beta)),
+                    state,
+                )
+                out[rows] = o.transpose(0, 1)
+            self.recurrent_state[slot] = state
+        return out

@@ -1,0 +1,136 @@
+"""Qwen3.5 (text): three Gated DeltaNet layers (linear attention with a fixed-size state, engine/layers/
+gated_deltanet.py) to each gated full-attention layer. The attention layers' queries come with an output gate
+(q_proj writes each head's query, then its gate), q and k are normalised per head, rotary turns a quarter of each
+head; norms are zero-centred (weights stored as an offset from 1, as Gemma's). The hub's checkpoints are
+Qwen3_5ForConditionalGeneration (a vision tower beside the language model): the engine serves the language model.
+
+Its full-attention layers keep a paged KV cache; its linear layers keep a state slot per running request. A prefix
+hit would skip tokens whose state no slot holds, so the prefix cache is off for these models (LLMEngine) until
+state snapshots exist.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.layers.attention import Attention
+from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.gated_deltanet import GatedDeltaNet
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from engine.models.gemma3 import Gemma3ForConditionalGeneration, GemmaRMSNorm
+from engine.models.llama import LlamaForCausalLM
+from engine.runner.distributed import SINGLE, TPGroup
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.num_heads, self.num_kv_heads = heads, kv_heads
+        q, kv = 2 * heads * self.head_dim, kv_heads * self.head_dim  # q_proj: each head's query, then its gate
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [(q, 0, q), (kv, 0, kv), (kv, 0, kv)])
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(heads, kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q, gate = q_gate.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, torch.cat((q, k), dim=1), self.num_heads).split(
+            [self.num_heads, self.num_kv_heads], dim=1
+        )
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta).flatten(1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+
+
+class Qwen3_5MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear.split(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config, kind: str, rotary: RotaryEmbedding):
+        super().__init__()
+        self.linear_attn = GatedDeltaNet(config) if kind == "linear_attention" else None
+        self.self_attn = GatedAttention(config, rotary) if kind == "full_attention" else None
+        self.mlp = Qwen3_5MLP(config)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, meta) if self.linear_attn is not None else self.self_attn(positions, h, meta)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        unknown = sorted(set(config.layer_types) - set(LAYER_KINDS))
+        if unknown:
+            raise ValueError(f"layer types {unknown} are not supported for Qwen3.5; supported: {LAYER_KINDS}")
+        rotary = RotaryEmbedding(config.head_dim, max_position, rope_parameters(config))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, kind, rotary) for kind in config.layer_types)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    static_decode = False  # the linear layers loop over the sequences on the host
+    packed_modules = {
+        **LlamaForCausalLM.packed_modules,
+        "in_proj_qkv": ("in_proj", 0),
+        "in_proj_z": ("in_proj", 1),
+        "in_proj_b": ("in_proj", 2),
+        "in_proj_a": ("in_proj", 3),
+    }
+
+    def __init__(self, config, max_position: int, tp: TPGroup = SINGLE):
+        nn.Module.__init__(self)
+        if tp.size > 1:
+            raise ValueError("Qwen3.5 does not work with tensor_parallel_size > 1 yet; use one device")
+        self.model = Qwen3_5Model(config, max_position)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def norm_projections(self) -> list:
+        return []  # its norms are zero-centred, not the fused kernel's
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The depthwise convolution's weight is a parameter of the layer here, not a Conv1d module's."""
+        return name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv1d_weight")
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The language model of a Qwen3.5 checkpoint that also holds a vision tower."""
+
+    RENAMES = Gemma3ForConditionalGeneration.RENAMES
+    VISION = ("model.visual.", "visual.")
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = Gemma3ForConditionalGeneration.checkpoint_name(self, name)
+        return None if name is None else super().checkpoint_name(name)

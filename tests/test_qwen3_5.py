@@ -1,0 +1,93 @@
+"""Qwen3.5's hybrid layers beyond the parity suite (tests/test_parity.py runs the tiny Qwen3.5 of tests/conftest.py:
+logits at every step, a batch, chunked prefill): the two forms of the gated delta rule agree, a request's state
+slot comes back when it finishes or is preempted, requests beyond the slots wait for one, and the prefix cache is
+off (a hit would skip tokens whose state no slot holds)."""
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from engine import SamplingParams
+from engine.layers.gated_deltanet import chunked_delta_rule, l2norm, recurrent_delta_rule
+from tests.conftest import build_tokenizer, widen_weights
+from tests.test_parity import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 150])
+def test_the_chunked_rule_carries_the_state_the_recurrent_rule_does(length):
+    g = torch.Generator().manual_seed(length)
+    heads, dk, dv = 3, 8, 5
+    q, k = (l2norm(torch.randn(heads, length, dk, generator=g)) for _ in range(2))
+    v = torch.randn(heads, length, dv, generator=g)
+    decay = -torch.rand(heads, length, generator=g)
+    beta = torch.rand(heads, length, generator=g)
+    start = torch.randn(heads, dk, dv, generator=g)
+    out, state = chunked_delta_rule(q, k, v, decay, beta, start)
+    expected, step_state = [], start[None]
+    for t in range(length):
+        o, step_state = recurrent_delta_rule(
+            q[None, :, t], k[None, :, t], v[None, :, t], decay[None, :, t], beta[None, :, t], step_state
+        )
+        expected.append(o[0])
+    torch.testing.assert_close(out, torch.stack(expected, dim=1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, step_state[0], rtol=1e-4, atol=1e-4)
+
+
+def test_preempted_and_finished_requests_give_their_state_slots_back(tiny_models, make_llm, hf_model, random_prompt):
+    """8 blocks of 16 hold the full-attention layer's KV of two 80-token requests: four run in turns, preempted
+    and recomputed from a fresh state."""
+    path = tiny_models["qwen3_5"]
+    llm = make_llm(path, num_kvcache_blocks=8, max_num_batched_tokens=16)
+    bm = llm.block_manager
+    prompts = [random_prompt(n, 110 + n) for n in (30, 41, 25, 36)]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    for prompt, result in zip(prompts, results):
+        assert result["token_ids"] == hf_greedy(hf_model(path), prompt, 40)
+    assert sorted(bm.free_state_slots) == list(range(bm.num_state_slots))
+
+
+def test_requests_beyond_the_state_slots_wait_for_one(tiny_models, make_llm, hf_model, random_prompt):
+    path = tiny_models["qwen3_5"]
+    llm = make_llm(path, max_num_seqs=2)
+    assert llm.block_manager.num_state_slots == 2
+    prompts = [random_prompt(n, 120 + n) for n in (7, 19, 12, 3, 28)]
+    seen = []
+    schedule = llm.scheduler.schedule
+    llm.scheduler.schedule = lambda: [seen.append(len(llm.scheduler.running)), schedule()][1]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert max(seen) <= 2
+    for prompt, result in zip(prompts, results):
+        assert result["token_ids"] == hf_greedy(hf_model(path), prompt, 40)
+
+
+def test_the_prefix_cache_is_off_and_says_why(tiny_models, make_llm, random_prompt, caplog):
+    with caplog.at_level(logging.INFO, logger="engine"):
+        llm = make_llm(tiny_models["qwen3_5"])
+    assert "prefix caching is off" in caplog.text and not llm.block_manager.enable_prefix_caching
+    system = random_prompt(40, 130)
+    llm.generate([system + [5, 6]], GREEDY, use_tqdm=False)
+    again = llm.generate([system + [7, 8]], GREEDY, use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == 0
+
+
+def test_the_language_model_of_a_vision_checkpoint_loads(tmp_path, make_llm, random_prompt):
+    """Qwen3.5's hub checkpoints hold a vision tower beside the language model (model.language_model.*)."""
+    from tests.conftest import build_model
+
+    text = transformers.AutoConfig.from_pretrained(build_model(tmp_path / "text", "qwen3_5")).to_dict()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(13)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    widen_weights(model)
+    model.save_pretrained(tmp_path / "vl")
+    build_tokenizer(tmp_path / "vl")
+    llm = make_llm(tmp_path / "vl")
+    assert type(llm.model_runner.model).__name__ == "Qwen3_5ForConditionalGeneration"
+    prompt = random_prompt(20, 140)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(model.eval(), prompt, 40)
