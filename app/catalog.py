@@ -44,6 +44,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma4ForConditionalGeneration": "gemma4",  # its language model; images and audio are not supported yet
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its language model; images are not supported yet
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -51,7 +53,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_NAMES = (
     "Llama, Mistral, Ministral, SmolLM3, Phi-3/4-mini, Gemma 3, Gemma 4, Qwen2/2.5, Qwen3 (dense and MoE), "
-    "Qwen3.5 (dense), gpt-oss"
+    "Qwen3.5 (dense and MoE), gpt-oss"
 )
 
 _DTYPE_BYTES = {
@@ -361,7 +363,7 @@ def entry_from_config(
     expert_width = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
     moe = dict(num_experts=experts, moe_intermediate_size=expert_width) if experts else {}
     counted = count_params(**dims, tie_word_embeddings=tie, family=family, **moe) if all(dims.values()) else 0
-    if family in ("gemma4", "qwen3_5"):  # layers unlike one another: counted on transformers' own model
+    if family in ("gemma4", "qwen3_5", "qwen3_5_moe"):  # layers unlike one another: counted on transformers' own model
         from app.config_shapes import counted_params
 
         counted = counted_params(cfg) or 0

@@ -66,7 +66,7 @@ COMMON = dict(
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3", "gpt_oss", "gemma4")
-FAMILIES += ("gemma4_moe", "qwen3_5")
+FAMILIES += ("gemma4_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def gemma4_config(moe: bool):
@@ -101,6 +101,27 @@ def gemma4_config(moe: bool):
     )
 
 
+def qwen3_5_model(moe: bool):
+    """Three Gated DeltaNet layers, then a gated full-attention one (rotary over a quarter of each head); MoE: 8
+    experts (2 a token) and a shared expert in every layer."""
+    import transformers
+
+    hybrid = dict(
+        **{**COMMON, "num_hidden_layers": 4},
+        head_dim=16,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        tie_word_embeddings=False,
+    )
+    if not moe:
+        return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**hybrid))
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**hybrid, **experts))
+
+
 def widen_weights(model) -> None:
     """Random weights at init scale give near-uniform logits; widen them so greedy picks are decisive."""
     with torch.no_grad():
@@ -133,6 +154,7 @@ def build_model(folder: Path, family: str) -> Path:
             "gemma4": 10,
             "gemma4_moe": 11,
             "qwen3_5": 12,
+            "qwen3_5_moe": 13,
         }[family]
     )
     if family == "llama":
@@ -193,19 +215,8 @@ def build_model(folder: Path, family: str) -> Path:
         model, dtype, shard = transformers.Gemma3ForCausalLM(config), torch.float32, None
     elif family in ("gemma4", "gemma4_moe"):
         model, dtype, shard = transformers.Gemma4ForCausalLM(gemma4_config(family == "gemma4_moe")), torch.float32, None
-    elif family == "qwen3_5":
-        # Three Gated DeltaNet layers, then a gated full-attention one (rotary over a quarter of each head)
-        config = transformers.Qwen3_5TextConfig(
-            **{**COMMON, "num_hidden_layers": 4},
-            head_dim=16,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            tie_word_embeddings=False,
-        )
-        model, dtype, shard = transformers.Qwen3_5ForCausalLM(config), torch.float32, None
+    elif family in ("qwen3_5", "qwen3_5_moe"):
+        model, dtype, shard = qwen3_5_model(family == "qwen3_5_moe"), torch.float32, None
     elif family == "gpt_oss":
         # A 10-token window on layer 0 and full attention on layer 1, attention sinks, YaRN (factor 8 over a
         # 64-token pretraining length), 8 biased experts (2 a token) with the clamped SwiGLU

@@ -11,7 +11,12 @@ from engine.models.mistral import MinistralForCausalLM, MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
-from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from engine.models.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 
@@ -30,6 +35,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
@@ -50,6 +57,7 @@ TEXT_OF_MULTIMODAL = (
     "Gemma3ForConditionalGeneration",
     "Gemma4ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 
 
@@ -72,5 +80,5 @@ def model_class(hf_config) -> type[nn.Module]:
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
         f"supported: {', '.join(MODEL_REGISTRY)} (Gemma 3 and Gemma 4 text, gpt-oss, Llama, SmolLM2, SmolLM3, "
-        "TinyLlama, Mistral, Ministral, Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE, Qwen3.5 dense)"
+        "TinyLlama, Mistral, Ministral, Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE, Qwen3.5 dense and MoE)"
     )

@@ -16,6 +16,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.fused_moe import FusedMoE, Routing, TopKRouter
 from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
@@ -53,14 +54,32 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear.split(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear.split(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class SharedExpertMoE(nn.Module):
+    """Qwen3.5-MoE's feed-forward block: routed experts (softmax, top k renormalised) plus a shared expert that
+    every token runs, scaled by its own sigmoid gate."""
+
+    def __init__(self, config):
+        super().__init__()
+        routing = Routing(config.num_experts, config.num_experts_per_tok, "softmax", renormalize=True)
+        self.gate = TopKRouter(config.hidden_size, routing)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert = Qwen3_5MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, weights, ids) + shared
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -68,7 +87,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         super().__init__()
         self.linear_attn = GatedDeltaNet(config) if kind == "linear_attention" else None
         self.self_attn = GatedAttention(config, rotary) if kind == "full_attention" else None
-        self.mlp = Qwen3_5MLP(config)
+        moe = getattr(config, "num_experts", 0)  # Qwen3.5-MoE: experts in every layer
+        self.mlp = SharedExpertMoE(config) if moe else Qwen3_5MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -123,6 +143,19 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         """The depthwise convolution's weight is a parameter of the layer here, not a Conv1d module's."""
         return name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv1d_weight")
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE and Qwen3.6-35B-A3B: Qwen3.5's layers with experts and a shared expert in each."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    RENAMES = Gemma3ForConditionalGeneration.RENAMES
+    VISION = ("model.visual.", "visual.")
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = Gemma3ForConditionalGeneration.checkpoint_name(self, name)
+        return None if name is None else super().checkpoint_name(name)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
