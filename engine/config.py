@@ -35,6 +35,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = setting(None, "KV cache budget on a CPU, in bytes (default 1 GiB)")
     gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
     enable_prefix_caching: bool = setting(True, "share the KV blocks of identical prompt prefixes")
+    state_snapshot_tokens: int = setting(
+        128, "a hybrid model's recurrent state is kept for the prefix cache at every this many prompt tokens"
+    )
     enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile (slower; for debugging)")
     tensor_parallel_size: int = setting(1, "split the model across this many GPUs (on a CPU: processes, for tests)")
     attention_backend: str = setting(
@@ -84,6 +87,11 @@ class EngineConfig:
         check(
             1 <= self.kvcache_block_size <= 1024,
             f"kvcache_block_size must be in 1..1024, got {self.kvcache_block_size}",
+        )
+        check(
+            self.state_snapshot_tokens >= 1 and self.state_snapshot_tokens % self.kvcache_block_size == 0,
+            f"state_snapshot_tokens must be a positive multiple of kvcache_block_size ({self.kvcache_block_size}), "
+            f"got {self.state_snapshot_tokens}",
         )
         check(
             self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,

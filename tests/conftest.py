@@ -132,6 +132,8 @@ def widen_weights(model) -> None:
                 p.normal_(0, 0.5)
             if name.endswith("per_expert_scale"):  # Gemma 4's learned scales, ones at init
                 p.uniform_(0.5, 1.5)
+            if name.endswith("A_log"):  # Gated DeltaNet: slow decays, so the state remembers ~100 tokens and more
+                p.uniform_(-6, -3)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # a buffer, saved in the checkpoint
                 b.uniform_(0.5, 1.5)

@@ -1,9 +1,7 @@
 """Qwen3.5's hybrid layers beyond the parity suite (tests/test_parity.py runs the tiny Qwen3.5 of tests/conftest.py:
 logits at every step, a batch, chunked prefill): the two forms of the gated delta rule agree, a request's state
-slot comes back when it finishes or is preempted, requests beyond the slots wait for one, and the prefix cache is
-off (a hit would skip tokens whose state no slot holds)."""
-
-import logging
+slot comes back when it finishes or is preempted, requests beyond the slots wait for one, and a prefix hit starts
+from a state snapshot, kept least recently used first."""
 
 import pytest
 import torch
@@ -48,13 +46,13 @@ def test_preempted_and_finished_requests_give_their_state_slots_back(tiny_models
     assert llm.scheduler.num_preemptions > 0
     for prompt, result in zip(prompts, results):
         assert result["token_ids"] == hf_greedy(hf_model(path), prompt, 40)
-    assert sorted(bm.free_state_slots) == list(range(bm.num_state_slots))
+    assert sorted(bm.states.free_running) == list(range(bm.states.num_running))
 
 
 def test_requests_beyond_the_state_slots_wait_for_one(tiny_models, make_llm, hf_model, random_prompt):
     path = tiny_models["qwen3_5"]
     llm = make_llm(path, max_num_seqs=2)
-    assert llm.block_manager.num_state_slots == 2
+    assert llm.block_manager.states.num_running == 2
     prompts = [random_prompt(n, 120 + n) for n in (7, 19, 12, 3, 28)]
     seen = []
     schedule = llm.scheduler.schedule
@@ -65,14 +63,45 @@ def test_requests_beyond_the_state_slots_wait_for_one(tiny_models, make_llm, hf_
         assert result["token_ids"] == hf_greedy(hf_model(path), prompt, 40)
 
 
-def test_the_prefix_cache_is_off_and_says_why(tiny_models, make_llm, random_prompt, caplog):
-    with caplog.at_level(logging.INFO, logger="engine"):
-        llm = make_llm(tiny_models["qwen3_5"])
-    assert "prefix caching is off" in caplog.text and not llm.block_manager.enable_prefix_caching
-    system = random_prompt(40, 130)
-    llm.generate([system + [5, 6]], GREEDY, use_tqdm=False)
-    again = llm.generate([system + [7, 8]], GREEDY, use_tqdm=False)[0]
-    assert again["num_cached_tokens"] == 0
+def test_a_shared_prompt_starts_from_the_newest_snapshot_before_the_hit(tiny_models, make_llm, hf_model, random_prompt):
+    """Two chats with one 300-token system prompt: the second's KV hit is 288 tokens (18 blocks); its linear layers'
+    state was kept at 128 and 256 tokens (state_snapshot_tokens), so it starts at 256 and computes the rest."""
+    path = tiny_models["qwen3_5"]
+    llm = make_llm(path, max_num_batched_tokens=100)  # chunks that end off the snapshot positions
+    system = random_prompt(300, 130)
+    prompts = [system + [5, 6], system + [7, 8, 9]]
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    second = llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0]
+    assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, 256)
+    for prompt, result in zip(prompts, (first, second)):
+        assert result["token_ids"] == hf_greedy(hf_model(path), prompt, 40)
+
+
+def test_a_conversation_continues_from_the_snapshot_its_reply_passed(tiny_models, make_llm, hf_model, random_prompt):
+    """Turn 1's prompt (100 tokens) and reply (40) pass position 128 while decoding: turn 2, which repeats them,
+    starts there."""
+    path = tiny_models["qwen3_5"]
+    llm = make_llm(path)
+    turn1 = random_prompt(100, 131)
+    reply = llm.generate([turn1], GREEDY, use_tqdm=False)[0]["token_ids"]
+    turn2 = turn1 + reply + random_prompt(10, 132)
+    result = llm.generate([turn2], GREEDY, use_tqdm=False)[0]
+    assert result["num_cached_tokens"] == 128
+    assert result["token_ids"] == hf_greedy(hf_model(path), turn2, 40)
+
+
+def test_snapshots_beyond_their_slots_evict_the_least_recently_used(tiny_models, make_llm, random_prompt):
+    """A budget with room for 2 snapshots (a quarter of it each for running slots and snapshots): three prompts of
+    their own, one snapshot each (at 128 tokens); the first, least recently used, is gone. Asked again one at a
+    time, newest first, the others start from theirs."""
+    slot_bytes = 3 * (4 * 16 * 16 * 4 + (2 * 32 + 64) * 3 * 4)  # 3 linear layers: recurrent state and conv inputs
+    llm = make_llm(tiny_models["qwen3_5"], kv_cache_memory_bytes=4 * 2 * slot_bytes)
+    assert (llm.block_manager.states.num_running, llm.block_manager.states.num_snapshots) == (2, 2)
+    prompts = [random_prompt(140, 133 + i) for i in range(3)]
+    for prompt in prompts:
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    again = [llm.generate([p + [5]], GREEDY, use_tqdm=False)[0] for p in reversed(prompts)]
+    assert [r["num_cached_tokens"] for r in again] == [128, 128, 0]
 
 
 def test_the_language_model_of_a_vision_checkpoint_loads(tmp_path, make_llm, random_prompt):

@@ -37,6 +37,8 @@ class AttentionMetadata:
     groups: list["AttentionMetadata"] | None = field(default=None, repr=False)
     # Each sequence's state slot, for a hybrid model's recurrent layers (engine/layers/gated_deltanet.py)
     state_slots_cpu: list[int] | None = None
+    state_restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot slot, slot) copied first
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # (sequence, tokens into it, slot)
 
     def for_group(self, group: int) -> "AttentionMetadata":
         """The metadata the layers of KV-cache group `group` read."""

@@ -29,6 +29,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from engine.core.sequence import Sequence
+from engine.core.state_slots import StateSlots
 
 NO_BLOCK = -1  # a block-table entry whose block a sliding-window group has released
 
@@ -55,10 +56,11 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         group_windows: tuple[int | None, ...] = (None,),
-        num_state_slots: int = 0,
+        states: StateSlots | None = None,
     ):
         """`group_windows`: each KV-cache group's sliding window in tokens, or None for full attention.
-        `num_state_slots`: slots of recurrent state (a hybrid model's linear layers), one per running sequence."""
+        `states`: a hybrid model's recurrent-state slots (engine/core/state_slots.py), one per running sequence,
+        and the snapshots a prefix hit starts from."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
@@ -77,8 +79,11 @@ class BlockManager:
         self.prefix_cache_queries = 0  # in tokens, as vLLM counts them
         self.prefix_cache_hits = 0
         self.used_blocks_per_group = [0] * len(self.group_windows)  # blocks some sequence holds, by group
-        self.num_state_slots = num_state_slots
-        self.free_state_slots: deque[int] = deque(range(num_state_slots))
+        self.states = states
+        if states is not None and states.snapshot_tokens % block_size:
+            raise ValueError(
+                f"state snapshots every {states.snapshot_tokens} tokens fall inside {block_size}-token blocks"
+            )
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -140,6 +145,8 @@ class BlockManager:
         # The longest hit every group serves: all of a full group's blocks before it, a sliding group's last ones
         # (the blocks a query at the hit sees: a run of cached blocks ending just before it, as long as the window)
         hit = min((len(ids) for ids, w in zip(found, self.group_windows) if w is None), default=num_blocks)
+        if self.states is not None:  # recurrent layers start from a snapshot: the newest at or before the hit
+            hit = self._snapshot_before(hashes, hit)
         runs = [None if w is None else _cached_runs(ids) for ids, w in zip(found, self.group_windows)]
         while hit > 0 and not all(
             run is None or hit - self._first_seen(hit * self.block_size, w) <= run[hit - 1]
@@ -154,6 +161,28 @@ class BlockManager:
             else [NO_BLOCK] * (first := self._first_seen(hit * self.block_size, w)) + ids[first:hit]
             for ids, w in zip(found, self.group_windows)
         ]
+
+    def _snapshot_before(self, hashes: list[int], hit: int) -> int:
+        """The most blocks up to `hit` whose prefix has a state snapshot (0: none)."""
+        every = self.states.snapshot_tokens // self.block_size
+        for blocks in range(hit - hit % every, 0, -every) if every else ():
+            if hashes[blocks - 1] in self.states.snapshots:
+                return blocks
+        return 0
+
+    def plan_snapshots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """The snapshots `seq`'s next step writes: (tokens into the step, slot) at each multiple of the snapshot
+        interval it reaches within its known tokens, each slot reserved now under the prefix's hash."""
+        every = self.states.snapshot_tokens if self.states is not None else 0
+        start, end = seq.num_computed_tokens, min(seq.num_computed_tokens + num_new_tokens, len(seq.token_ids))
+        if not every or end // every == start // every:
+            return []
+        planned = []
+        for position in range((start // every + 1) * every, end + 1, every):
+            slot = self.states.reserve(self.block_hashes(seq.token_ids, position // self.block_size)[-1])
+            if slot is not None:
+                planned.append((position - start, slot))
+        return planned
 
     def _first_seen(self, position: int, window: int) -> int:
         """The first block a query at `position` sees through a sliding window of `window` positions."""
@@ -194,7 +223,7 @@ class BlockManager:
         hit = len(cached[0])
         num_tokens = hit * self.block_size + num_new_tokens
         needed = self.num_groups * (-(-num_tokens // self.block_size) - hit)
-        has_state = not self.num_state_slots or bool(self.free_state_slots)
+        has_state = self.states is None or bool(self.states.free_running)
         return needed <= self.num_free_blocks - reclaimed and has_state
 
     def admit(self, seq: Sequence, cached: list[list[int]]) -> None:
@@ -202,11 +231,11 @@ class BlockManager:
         if any(seq.block_tables):
             raise RuntimeError(f"request {seq.request_id} already holds KV blocks")
         self.new_tables(seq)
-        if self.num_state_slots:
-            if cached[0]:
-                raise RuntimeError("a model with recurrent state cannot start on a cached prefix yet")
-            seq.state_slot = self.free_state_slots.popleft()
         hit = len(cached[0])
+        if self.states is not None:
+            seq.state_slot = self.states.take()
+            if hit:  # find_cached_prefix stopped the hit where a snapshot is
+                seq.restore_slot = self.states.snapshot_of(self.block_hashes(seq.token_ids, hit)[-1])
         for g, ids in enumerate(cached):
             for block_id in ids:
                 if block_id == NO_BLOCK:
@@ -288,8 +317,8 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_registered_blocks = 0
         seq.registered_hash = None
         if seq.state_slot is not None:
-            self.free_state_slots.append(seq.state_slot)
-            seq.state_slot = None
+            self.states.give_back(seq.state_slot)
+            seq.state_slot = seq.restore_slot = None
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Register the full blocks of `seq` whose KV is computed, or is being written by the last

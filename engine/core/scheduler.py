@@ -36,6 +36,10 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # KV rows to compute this step: tokens num_computed .. num_computed + n - 1
     samples: bool = field(init=False)  # the chunk reaches the end of the sequence, so a token gets sampled
+    # A hybrid model's recurrent state (engine/core/state_slots.py): the snapshot the sequence's slot starts as,
+    # and the snapshots this step writes, (tokens into the step, slot)
+    restore_from: int | None = None
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.samples = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
@@ -93,7 +97,7 @@ class Scheduler:
             else:
                 if needed:
                     bm.allocate(seq, n)
-                batch.append(ScheduledSeq(seq, n))
+                batch.append(self._scheduled(seq, n))
                 budget -= n
                 i += 1
 
@@ -121,9 +125,16 @@ class Scheduler:
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             bisect.insort_right(self.running, seq, key=_priority)
-            batch.append(ScheduledSeq(seq, n))
+            batch.append(self._scheduled(seq, n))
             budget -= n
         return batch
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+        item = ScheduledSeq(seq, n)
+        if self.block_manager.states is not None:
+            item.restore_from, seq.restore_slot = seq.restore_slot, None
+            item.snapshots = self.block_manager.plan_snapshots(seq, n)
+        return item
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

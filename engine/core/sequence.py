@@ -54,6 +54,7 @@ class Sequence:
         self.chain_tails: list[tuple[int, int] | None] = [None]
         self.num_released_blocks: list[int] = [0]  # per group, leading entries released (sliding windows)
         self.state_slot: int | None = None  # its recurrent layers' state slot while it runs (BlockManager)
+        self.restore_slot: int | None = None  # a state snapshot its slot starts as, at admission on a cached prefix
         self.finish_reason: str | None = None
         self.output_text = ""
         self.generator = None  # a torch.Generator when sampling_params.seed is set

@@ -22,6 +22,7 @@ from engine.config import EngineConfig, batched_token_budget
 from engine.core.block_manager import NO_BLOCK, BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.state_slots import StateSlots
 from engine.front.detokenizer import Detokenizer
 from engine.front.model_files import eos_token_ids, open_model
 from engine.front.output_processor import finish_reason, request_output, take_logprobs
@@ -78,15 +79,14 @@ class LLMEngine:
             self._start_tensor_parallel(hf_config, path)
         self.tokenizer = tokenizer.result()
         self.max_model_len = self.model_runner.max_model_len
-        state_slots = self.model_runner.num_state_slots
-        if state_slots and config.enable_prefix_caching:  # a hit would skip tokens whose state no slot holds
-            log.info("prefix caching is off: this model's recurrent layers keep no state of cached prefixes yet")
+        running, snapshots = self.model_runner.state_slots
+        states = StateSlots(running, snapshots, config.state_snapshot_tokens) if running else None
         self.block_manager = BlockManager(
             self.model_runner.num_blocks,
             config.kvcache_block_size,
-            config.enable_prefix_caching and not state_slots,
+            config.enable_prefix_caching,
             self.model_runner.kv_groups.windows,
-            state_slots,
+            states,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, batched_token_budget(config, self.device.type)

@@ -123,6 +123,9 @@ class GatedDeltaNet(nn.Module):
         }
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        for snapshot, slot in meta.state_restores:  # sequences starting on a cached prefix: its state first
+            self.conv_state[slot] = self.conv_state[snapshot]
+            self.recurrent_state[slot] = self.recurrent_state[snapshot]
         tokens = x.shape[0]
         qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
         qkv = self._convolve(qkv, meta)
@@ -142,19 +145,27 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(tokens, -1))
 
     def _sequences(self, meta: AttentionMetadata):
-        """(first token, tokens, state slot, whether its state starts from zeros) of each sequence in the step."""
+        """(first token, tokens, state slot, whether its state starts from zeros, [(tokens into the step, snapshot
+        slot)] to keep) of each sequence in the step."""
+        snapshots: dict[int, list[tuple[int, int]]] = {}
+        for i, offset, slot in meta.state_snapshots:
+            snapshots.setdefault(i, []).append((offset, slot))
         start = 0
-        for n, length, slot in zip(meta.query_lens_cpu, meta.seq_lens_cpu, meta.state_slots_cpu, strict=True):
-            yield start, n, slot, length == n
+        for i, (n, length, slot) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, meta.state_slots_cpu, strict=True)
+        ):
+            yield start, n, slot, length == n, snapshots.get(i, [])
             start += n
 
     def _convolve(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The causal depthwise convolution of each sequence's tokens after its last kernel - 1 inputs, then silu."""
         out = torch.empty_like(qkv)
         weight = self.conv1d_weight
-        for start, n, slot, fresh in self._sequences(meta):
+        for start, n, slot, fresh, snapshots in self._sequences(meta):
             past = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
             inputs = torch.cat((past, qkv[start : start + n].T.to(weight.dtype)), dim=-1)
+            for offset, snapshot in snapshots:  # the last kernel - 1 inputs before that token
+                self.conv_state[snapshot] = inputs[:, offset : offset + self.kernel - 1]
             self.conv_state[slot] = inputs[:, -(self.kernel - 1) :]
             mixed = F.conv1d(inputs[None], weight, groups=self.conv_size)[0, :, -n:]
             out[start : start + n] = F.silu(mixed).T.to(qkv.dtype)
@@ -162,22 +173,29 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
         sequences = list(self._sequences(meta))
-        if all(n == 1 and not fresh for _, n, _, fresh in sequences):  # decode: every sequence at once
+        if all(n == 1 and not fresh for _, n, _, fresh, _ in sequences):  # decode: every sequence at once
             slots = torch.tensor(meta.state_slots_cpu, device=q.device)
             out, self.recurrent_state[slots] = recurrent_delta_rule(q, k, v, g, beta, self.recurrent_state[slots])
+            for _, _, slot, _, snapshots in sequences:
+                for _, snapshot in snapshots:
+                    self.recurrent_state[snapshot] = self.recurrent_state[slot]
             return out
         out = torch.empty_like(v)
-        for start, n, slot, fresh in sequences:
-            rows = slice(start, start + n)
+        for start, n, slot, fresh, snapshots in sequences:
             state = torch.zeros_like(self.recurrent_state[slot]) if fresh else self.recurrent_state[slot]
-            if n == 1 and not fresh:
-                o, state = recurrent_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state[None])
-                out[rows], state = o, state[0]
-            else:
-                o, state = chunked_delta_rule(
-                    *(t[rows].transpose(0, 1) for t in (q, k, v, g, beta)),
-                    state,
-                )
-                out[rows] = o.transpose(0, 1)
+            kept = dict(snapshots)
+            cuts = sorted({offset for offset in kept if 0 < offset < n} | {n})
+            first = 0
+            for cut in cuts:  # pieces ending where a snapshot is kept
+                rows = slice(start + first, start + cut)
+                if cut - first == 1 and not (fresh and first == 0):
+                    o, state = recurrent_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state[None])
+                    out[rows], state = o, state[0]
+                else:
+                    o, state = chunked_delta_rule(*(t[rows].transpose(0, 1) for t in (q, k, v, g, beta)), state)
+                    out[rows] = o.transpose(0, 1)
+                if cut in kept:
+                    self.recurrent_state[kept[cut]] = state
+                first = cut
             self.recurrent_state[slot] = state
         return out

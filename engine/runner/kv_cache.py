@@ -267,25 +267,37 @@ def allocate_kv_cache(
     return kv_cache
 
 
-def allocate_states(model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """The recurrent layers' state pools (a hybrid model's Gated DeltaNet layers: `state_shapes()`), a slot per
-    running request, zeroed; returns the number of slots (0 for a model without such layers). As many slots as
-    max_num_seqs, or as a quarter of the KV budget holds if fewer: requests past them wait for one."""
+MAX_STATE_SNAPSHOTS = 256
+
+
+def allocate_states(
+    model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[int, int]:
+    """The recurrent layers' state pools (a hybrid model's Gated DeltaNet layers: `state_shapes()`), zeroed:
+    (running slots, snapshot slots) after them, (0, 0) for a model without such layers (engine/core/state_slots.py).
+    Running slots: max_num_seqs, or as many as a quarter of the KV budget holds if fewer (requests past them wait
+    for one); snapshots for the prefix cache: another quarter's worth, at most MAX_STATE_SNAPSHOTS."""
     layers = [m for m in model.modules() if hasattr(m, "state_shapes")]
     if not layers:
-        return 0
+        return 0, 0
     shapes = [
         (layer, name, shape, torch.float32 if wide else dtype)
         for layer in layers
         for name, (shape, wide) in layer.state_shapes().items()
     ]
     slot_bytes = sum(math.prod(shape) * kind.itemsize for _, _, shape, kind in shapes)
-    budget = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
-    slots = max(1, min(config.max_num_seqs, budget // 4 // slot_bytes))
+    quarter = (config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES) // 4
+    running = max(1, min(config.max_num_seqs, quarter // slot_bytes))
+    snapshots = min(MAX_STATE_SNAPSHOTS, quarter // slot_bytes) if config.enable_prefix_caching else 0
     for layer, name, shape, kind in shapes:
-        setattr(layer, name, zeroed((slots, *shape), kind, device))
-    log.info("recurrent state: %d slots of %.1f MiB (requests beyond them wait)", slots, slot_bytes / 2**20)
-    return slots
+        setattr(layer, name, zeroed((running + snapshots, *shape), kind, device))
+    log.info(
+        "recurrent state: %d slots and %d prefix snapshots of %.1f MiB each (requests beyond the slots wait)",
+        running,
+        snapshots,
+        slot_bytes / 2**20,
+    )
+    return running, snapshots
 
 
 def process_memory_info(device: torch.device) -> tuple[int, int]:

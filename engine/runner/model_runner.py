@@ -216,7 +216,7 @@ class ModelRunner:
         kv_cache = allocate_kv_cache(
             self.kv_layout, num_blocks + extra, self.attention_layers, self.device, self.kv_groups
         )
-        self.num_state_slots = allocate_states(self.model, self.config, self.device, self.dtype)
+        self.state_slots = allocate_states(self.model, self.config, self.device, self.dtype)  # (running, snapshots)
         return kv_cache, num_blocks
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -390,6 +390,8 @@ class ModelRunner:
             query_lens_cpu=step.query_lens.tolist(),
             seq_lens_cpu=step.seq_lens.tolist(),
             state_slots_cpu=step.state_slots.tolist() if step.state_slots.size else None,
+            state_restores=step.state_restores,
+            state_snapshots=step.state_snapshots,
         )
         if group_tables:  # the other KV-cache groups: their own slots and tables, the same lengths
             meta.groups = [meta] + [

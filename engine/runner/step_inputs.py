@@ -38,6 +38,8 @@ class StepInputs:
     group_slot_mappings: list[np.ndarray] = field(default_factory=list)
     group_block_tables: list[np.ndarray] = field(default_factory=list)
     state_slots: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # each sequence's, where layers keep state
+    state_restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot slot, sequence's slot)
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # (sequence, tokens into it, slot)
     # Logprobs, for the requests that asked (see LogprobsPlan); empty for all others:
     sample_logprobs_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # rows of logits_index
     num_logprobs: int = 0  # top tokens to keep for them: the most any of them asked for
@@ -197,6 +199,8 @@ def prepare_step(
     step.group_block_tables = more_tables
     if batch[0].seq.state_slot is not None:
         step.state_slots = np.fromiter((s.seq.state_slot for s in batch), np.int64, num_seqs)
+        step.state_restores = [(s.restore_from, s.seq.state_slot) for s in batch if s.restore_from is not None]
+        step.state_snapshots = [(i, n, slot) for i, s in enumerate(batch) for n, slot in s.snapshots]
     step.group_slot_mappings = [t[seq_index, positions // bs] * bs + positions % bs for t in more_tables]
     if plan is not None:
         step.sample_logprobs_rows, step.num_logprobs = plan.sample_rows, plan.num_logprobs
