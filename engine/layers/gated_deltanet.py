@@ -101,6 +101,9 @@ class GatedDeltaNet(nn.Module):
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         key_size, value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_size, self.kernel = 2 * key_size + value_size, config.linear_conv_kernel_dim
+        # Value head j reads key head j // (value heads per key head) in transformers' order; j % key heads where
+        # llama.cpp's converter tiled them (its GGUF files): every value-head tensor comes in that order alike
+        self.tiled = bool(getattr(config, "linear_v_heads_tiled", False))
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"Gated DeltaNet's activation {config.hidden_act!r} is not supported")
         # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a of the checkpoint, in one matmul
@@ -132,10 +135,8 @@ class GatedDeltaNet(nn.Module):
         key_size = self.num_k_heads * self.k_dim
         q, k, v = qkv.split([key_size, key_size, self.num_v_heads * self.v_dim], dim=-1)
         groups = self.num_v_heads // self.num_k_heads  # each q/k head serves this many value heads
-        q, k = (
-            l2norm(t.reshape(tokens, self.num_k_heads, self.k_dim).float()).repeat_interleave(groups, dim=1)
-            for t in (q, k)
-        )
+        q, k = (l2norm(t.reshape(tokens, self.num_k_heads, self.k_dim).float()) for t in (q, k))
+        q, k = (t.repeat(1, groups, 1) if self.tiled else t.repeat_interleave(groups, dim=1) for t in (q, k))
         q = q * self.k_dim**-0.5
         v = v.reshape(tokens, self.num_v_heads, self.v_dim).float()
         beta = b.float().sigmoid()

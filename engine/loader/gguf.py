@@ -63,6 +63,16 @@ _ARCH_LAYER_NAMES = {
         "attn_sinks": "self_attn.sinks",
         "ffn_gate_inp": "mlp.router",
     },
+    "qwen35": {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_out": "linear_attn.out_proj",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_conv1d": "linear_attn.conv1d",
+    },
     "gemma4": {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_attention_norm": "post_attention_layernorm",
@@ -80,11 +90,14 @@ _ARCH_LAYER_NAMES = {
         "ffn_down_exps": "experts.down_proj",
     },
 }
-# Gemma 4's tensors that are not a module's weight: GGUF name (after the layer) -> our parameter
-_GEMMA4_PARAMETERS = {
-    "layer_output_scale.weight": "layer_scalar",
-    "ffn_gate_inp.scale": "router.scale",
-    "ffn_down_exps.scale": "router.per_expert_scale",
+# Tensors that are no module's weight, by family: GGUF name (after the layer) -> our parameter
+_ARCH_PARAMETERS = {
+    "gemma4": {
+        "layer_output_scale.weight": "layer_scalar",
+        "ffn_gate_inp.scale": "router.scale",
+        "ffn_down_exps.scale": "router.per_expert_scale",
+    },
+    "qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
 }
 _GEMMA4_GLOBAL_NAMES = {
     "per_layer_token_embd": "model.embed_tokens_per_layer",
@@ -293,17 +306,29 @@ class GGUFCheckpoint:
                 value = decode(FileBytes(file, t.offset, t.n_bytes), entry.type_name, t.shape)
                 if entry.heads is not None:
                     value = _unpermute_heads(value, entry.heads)
-                if self.architecture == "gemma3" and entry.hf_name.endswith("norm.weight"):
-                    value = value - 1  # convert_hf_to_gguf stores Gemma's norms as 1 + weight
-                yield entry.hf_name, value
+                yield entry.hf_name, _as_converted_back(self.architecture, entry.hf_name, value)
                 del value  # not held while the next tensor decodes
 
 
+def _as_converted_back(architecture: str, hf_name: str, value):
+    """Undo what convert_hf_to_gguf does to a family's small tensors: Gemma 3's and Qwen3.5's zero-centred norms
+    stored as 1 + weight (not Qwen3.5's gated norm), Qwen3.5's decay rates stored as -exp(A_log), and its
+    depthwise convolution stored without its middle dimension."""
+    zero_centred = architecture == "gemma3" or (architecture == "qwen35" and ".linear_attn.norm." not in hf_name)
+    if zero_centred and hf_name.endswith("norm.weight"):
+        return value - 1
+    if architecture == "qwen35" and hf_name.endswith(".A_log"):
+        return torch.log(-value.float()).to(value.dtype)
+    if architecture == "qwen35" and hf_name.endswith(".conv1d.weight"):
+        return value.unsqueeze(1)
+    return value
+
+
 def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    if architecture == "gemma4":
-        match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-        if match is not None and match[2] in _GEMMA4_PARAMETERS:
-            return f"model.layers.{match[1]}.{_GEMMA4_PARAMETERS[match[2]]}"
+    parameters = _ARCH_PARAMETERS.get(architecture, {})
+    match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if match is not None and match[2] in parameters:
+        return f"model.layers.{match[1]}.{parameters[match[2]]}"
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None

@@ -15,7 +15,11 @@ if TYPE_CHECKING:
     from engine.loader.gguf import GGUFCheckpoint
 
 # The transformers config class of an HF architecture, where it is not the architecture's name with "Config"
-_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig", "Gemma4ForCausalLM": "Gemma4TextConfig"}
+_CONFIG_CLASSES = {
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
+    "Gemma4ForCausalLM": "Gemma4TextConfig",
+    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+}
 # llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000; Gemma 3 27B (62 layers) scales
 # queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
 _GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
@@ -55,19 +59,23 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
         settings = _gpt_oss_settings(ckpt, settings)
     if arch == "gemma4":
         settings = _gemma4_settings(ckpt, settings, per_layer)
+    if arch == "qwen35":
+        settings = _qwen35_settings(ckpt, settings)
     config = getattr(transformers, _CONFIG_CLASSES.get(hf_arch, hf_arch.replace("ForCausalLM", "Config")))(**settings)
     config.architectures = [GGUF_ARCHITECTURES[arch]]
     # transformers maps no head size for qwen2/qwen3 (Qwen3Config would fall back to its default of 128)
     head_dim = ckpt.metadata(f"{arch}.attention.key_length")
     if head_dim is not None and arch != "gemma4":  # Gemma 4's is its global layers'
         config.head_dim = int(head_dim)
+    if arch == "qwen35":  # convert_hf_to_gguf orders the value heads tiled across key heads (GatedDeltaNet)
+        config.linear_v_heads_tiled = True
     config.tie_word_embeddings = not ckpt.has_tensor("output.weight")
     for attr in ("bos_token_id", "eos_token_id"):
         value = ckpt.metadata(f"tokenizer.ggml.{attr}")
         if value is not None:
             setattr(config, attr, int(value))
     theta = float(ckpt.metadata(f"{arch}.rope.freq_base", 10000.0))
-    if arch == "gemma4":  # set with the layers' head sizes (_gemma4_settings): its rope_freqs are no Llama 3 scaling
+    if arch in ("gemma4", "qwen35"):  # set with the layers' settings: Gemma 4's rope_freqs are no Llama 3 scaling
         return config
     rope = _rope_parameters(ckpt, theta) or {"rope_type": "default", "rope_theta": theta}
     if arch == "phi3":
@@ -183,6 +191,36 @@ def _gemma4_settings(ckpt: GGUFCheckpoint, settings: dict, per_layer: dict[str, 
     if "num_experts" in settings:
         out.update(enable_moe_block=True, top_k_experts=settings["num_experts_per_tok"])
     return out
+
+
+def _qwen35_settings(ckpt: GGUFCheckpoint, settings: dict) -> dict:
+    """Qwen3.5's hybrid layers as convert_hf_to_gguf writes them: which are recurrent (a flag per layer, or every
+    full_attention_interval-th is full attention), the Gated DeltaNet's sizes under llama.cpp's ssm names, and rotary
+    over `rope.dimension_count` of each head (its multimodal sections all alike for text)."""
+    arch, layers = "qwen35", settings["num_hidden_layers"]
+    recurrent = ckpt.metadata(f"{arch}.attention.recurrent_layers")
+    if recurrent is None:
+        every = int(ckpt.metadata(f"{arch}.full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(layers)]
+    head_dim, value_heads = (
+        int(ckpt.field(f"{arch}.attention.key_length")),
+        int(ckpt.field(f"{arch}.ssm.time_step_rank")),
+    )
+    return {
+        **settings,
+        "layer_types": ["linear_attention" if flag else "full_attention" for flag in recurrent],
+        "head_dim": head_dim,
+        "linear_conv_kernel_dim": int(ckpt.field(f"{arch}.ssm.conv_kernel")),
+        "linear_key_head_dim": int(ckpt.field(f"{arch}.ssm.state_size")),
+        "linear_num_key_heads": int(ckpt.field(f"{arch}.ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(ckpt.field(f"{arch}.ssm.inner_size")) // value_heads,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(ckpt.metadata(f"{arch}.rope.freq_base", 10000.0)),
+            "partial_rotary_factor": int(ckpt.field(f"{arch}.rope.dimension_count")) / head_dim,
+        },
+    }
 
 
 def _rope_parameters(ckpt: GGUFCheckpoint, theta: float) -> dict | None:

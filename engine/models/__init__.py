@@ -50,6 +50,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
 }
 
 # Checkpoints with a vision part whose language model the engine serves alone: their config nests its text_config

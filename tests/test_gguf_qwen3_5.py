@@ -1,0 +1,152 @@
+"""Qwen3.5 GGUF files, written as llama.cpp's convert_hf_to_gguf writes them: the hybrid layers under its ssm names,
+the value heads reordered from grouped to tiled across the key heads (the tiny model has 4 value heads over 2 key
+heads, so the order matters), decay rates as -exp(A_log), zero-centred norms as 1 + weight, the convolution
+squeezed. They give transformers' tokens on the weights as gguf-py dequantizes them, through the float32
+dequantizing kernels, alone, in a batch and with chunked prefill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from tests.conftest import qwen3_5_model, widen_weights
+from tests.test_gguf_engine import encode, greedy, make_llm, prompt_ids, tokenizer_metadata
+from tests.test_gguf_families import VOCAB, exact_kernels, tokenizer_folder  # noqa: F401 (fixtures)
+from tests.test_parity import hf_greedy
+
+NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+GLOBAL["lm_head.weight"] = "output.weight"
+QUANTIZED = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_", "token_embd.", "output.")
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GLOBAL:
+        return GLOBAL[hf_name]
+    _, _, layer, part = hf_name.split(".", 3)
+    return f"blk.{layer}.{NAMES[part]}"
+
+
+def tiled(w: np.ndarray, dim: int, key_heads: int, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf's _reorder_v_heads: value heads grouped by key head -> tiled across key heads."""
+    shape = list(w.shape)
+    per_key = shape[dim] // key_heads // head_dim
+    w = w.reshape(*shape[:dim], key_heads, per_key, head_dim, *shape[dim + 1 :])
+    return np.swapaxes(w, dim, dim + 1).reshape(shape)
+
+
+def as_converted(name: str, w: np.ndarray, config) -> np.ndarray:
+    key_heads, k_dim, v_dim = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    keys = 2 * key_heads * k_dim
+    if name.endswith("in_proj_qkv.weight"):
+        w = np.concatenate([w[:keys], tiled(w[keys:], 0, key_heads, v_dim)])
+    elif name.endswith("in_proj_z.weight"):
+        w = tiled(w, 0, key_heads, v_dim)
+    elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        w = tiled(w, 0, key_heads, 1)
+    elif name.endswith("conv1d.weight"):
+        w = w.squeeze(1)
+        w = np.concatenate([w[:keys], tiled(w[keys:], 0, key_heads, v_dim)])
+    elif name.endswith("out_proj.weight"):
+        w = tiled(w, 1, key_heads, v_dim)
+    if name.endswith("A_log"):
+        w = -np.exp(w)
+    if name.endswith("norm.weight") and "linear_attn.norm" not in name:
+        w = w + 1
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path) -> Path:
+    """Attention, MLP, embedding and head matrices in Q8_0; the linear layers' tensors in F32."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
+    writer.add_uint32("qwen35.ssm.conv_kernel", config.linear_conv_kernel_dim)
+    writer.add_uint32("qwen35.ssm.state_size", config.linear_key_head_dim)
+    writer.add_uint32("qwen35.ssm.group_count", config.linear_num_key_heads)
+    writer.add_uint32("qwen35.ssm.time_step_rank", config.linear_num_value_heads)
+    writer.add_uint32("qwen35.ssm.inner_size", config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types])
+    writer.add_uint32("qwen35.full_attention_interval", 4)
+    writer.add_vocab_size(VOCAB)
+    tokenizer_metadata(writer, tokenizer_dir)
+    for i, (name, p) in enumerate(model.state_dict().items()):
+        gname = gguf_name(name)
+        w = as_converted(name, p.detach().float().numpy(), config)
+        if (gname.split(".", 2)[-1] if gname.startswith("blk.") else gname).startswith(QUANTIZED):
+            data, qtype = encode(w, "Q8_0", seed=i)
+            writer.add_tensor(gname, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, w, raw_dtype=T.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def with_file_weights(model, path: Path):
+    """`model` with the quantized matrices as gguf-py dequantizes them (the F32 ones are its own)."""
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    state = dict(model.state_dict())
+    for name, value in state.items():
+        t = stored[gguf_name(name)]
+        if t.tensor_type != T.F32:
+            w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            state[name] = torch.from_numpy(w.reshape(value.shape))
+    model.load_state_dict(state)
+    return model
+
+
+def tiny_qwen3_5():
+    torch.manual_seed(50)
+    model = qwen3_5_model(moe=False)
+    widen_weights(model)
+    return model.eval()
+
+
+def test_qwen3_5_file_gives_transformers_tokens(tokenizer_folder, tmp_path, exact_kernels):  # noqa: F811
+    path = write_qwen3_5_gguf(tmp_path / "qwen35.gguf", tiny_qwen3_5(), tokenizer_folder)
+    reference = with_file_weights(tiny_qwen3_5(), path)
+    llm = make_llm(path, max_num_batched_tokens=16)  # chunked prefill too
+    config = llm.model_runner.hf_config
+    assert config.layer_types == reference.config.layer_types and config.linear_v_heads_tiled
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25
+    prompts = [prompt_ids(9, 5), prompt_ids(10, 70)]
+    for prompt, result in zip(prompts, greedy(llm, prompts, max_tokens=24, k=1)):
+        assert result["token_ids"] == hf_greedy(reference, prompt, 24)
