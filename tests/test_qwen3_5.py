@@ -73,6 +73,9 @@ def test_a_shared_prompt_starts_from_the_newest_snapshot_before_the_hit(tiny_mod
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
     second = llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0]
     assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, 256)
+    stats = llm.stats()  # snapshots at 128 and 256; no chat runs now
+    slot_bytes = 3 * (4 * 16 * 16 * 4 + (2 * 32 + 64) * 3 * 4)  # 3 linear layers: recurrent state and conv inputs
+    assert (stats.state_snapshots, stats.used_state_slots, stats.state_slot_bytes) == (2, 0, slot_bytes)
     for prompt, result in zip(prompts, (first, second)):
         assert result["token_ids"] == hf_greedy(hf_model(path), prompt, 40)
 

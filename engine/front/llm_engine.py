@@ -79,7 +79,7 @@ class LLMEngine:
             self._start_tensor_parallel(hf_config, path)
         self.tokenizer = tokenizer.result()
         self.max_model_len = self.model_runner.max_model_len
-        running, snapshots = self.model_runner.state_slots
+        running, snapshots, _ = self.model_runner.state_slots
         states = StateSlots(running, snapshots, config.state_snapshot_tokens) if running else None
         self.block_manager = BlockManager(
             self.model_runner.num_blocks,
@@ -357,6 +357,10 @@ class LLMEngine:
             kv_groups=tuple("full" if w is None else f"sliding {w}" for w in bm.group_windows),
             used_blocks_per_group=tuple(bm.used_blocks_per_group),
             layers_per_block=self.model_runner.kv_layout.num_layers,
+            bytes_per_block=self.model_runner.kv_layout.bytes_per_block,
+            state_slot_bytes=self.model_runner.state_slots[2],
+            used_state_slots=0 if bm.states is None else bm.states.num_running - len(bm.states.free_running),
+            state_snapshots=0 if bm.states is None else len(bm.states.snapshots),
         )
 
     def kv_blocks(self) -> list[KVBlock]:

@@ -62,6 +62,18 @@ class EngineStats:
     kv_groups: tuple[str, ...] = ("full",)
     used_blocks_per_group: tuple[int, ...] = ()
     layers_per_block: int = 0
+    bytes_per_block: int = 0  # of every layer's keys and values a block holds
+    # A hybrid model's recurrent state (engine/core/state_slots.py): one slot's bytes, the slots running requests
+    # hold, and the prefix snapshots kept
+    state_slot_bytes: int = 0
+    used_state_slots: int = 0
+    state_snapshots: int = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of KV blocks and recurrent state that running requests hold (cached free blocks and snapshots
+        not counted: they are kept for later requests, and given up when room is needed)."""
+        return self.used_blocks * self.bytes_per_block + self.used_state_slots * self.state_slot_bytes
 
     @property
     def kv_cache_usage(self) -> float:

@@ -272,14 +272,15 @@ MAX_STATE_SNAPSHOTS = 256
 
 def allocate_states(
     model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """The recurrent layers' state pools (a hybrid model's Gated DeltaNet layers: `state_shapes()`), zeroed:
-    (running slots, snapshot slots) after them, (0, 0) for a model without such layers (engine/core/state_slots.py).
+    (running slots, snapshot slots after them, bytes of one slot), zeros for a model without such layers
+    (engine/core/state_slots.py).
     Running slots: max_num_seqs, or as many as a quarter of the KV budget holds if fewer (requests past them wait
     for one); snapshots for the prefix cache: another quarter's worth, at most MAX_STATE_SNAPSHOTS."""
     layers = [m for m in model.modules() if hasattr(m, "state_shapes")]
     if not layers:
-        return 0, 0
+        return 0, 0, 0
     shapes = [
         (layer, name, shape, torch.float32 if wide else dtype)
         for layer in layers
@@ -297,7 +298,7 @@ def allocate_states(
         snapshots,
         slot_bytes / 2**20,
     )
-    return running, snapshots
+    return running, snapshots, slot_bytes
 
 
 def process_memory_info(device: torch.device) -> tuple[int, int]:

@@ -216,7 +216,7 @@ class ModelRunner:
         kv_cache = allocate_kv_cache(
             self.kv_layout, num_blocks + extra, self.attention_layers, self.device, self.kv_groups
         )
-        self.state_slots = allocate_states(self.model, self.config, self.device, self.dtype)  # (running, snapshots)
+        self.state_slots = allocate_states(self.model, self.config, self.device, self.dtype)  # (running, snaps, bytes)
         return kv_cache, num_blocks
 
     def _capture_graphs(self) -> DecodeGraphs | None:
