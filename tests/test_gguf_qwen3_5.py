@@ -1,8 +1,9 @@
-"""Qwen3.5 GGUF files, written as llama.cpp's convert_hf_to_gguf writes them: the hybrid layers under its ssm names,
-the value heads reordered from grouped to tiled across the key heads (the tiny model has 4 value heads over 2 key
-heads, so the order matters), decay rates as -exp(A_log), zero-centred norms as 1 + weight, the convolution
-squeezed. They give transformers' tokens on the weights as gguf-py dequantizes them, through the float32
-dequantizing kernels, alone, in a batch and with chunked prefill."""
+"""Qwen3.5 and Qwen3.5-MoE GGUF files, written as llama.cpp's convert_hf_to_gguf writes them: the hybrid layers under
+its ssm names, the value heads reordered from grouped to tiled across the key heads (the tiny model has 4 value heads
+over 2 key heads, so the order matters), decay rates as -exp(A_log), zero-centred norms as 1 + weight, the
+convolution squeezed; the experts' gate and up apart, the shared expert under its own names. They give
+transformers' tokens on the weights as gguf-py dequantizes them, through the float32 dequantizing kernels, alone, in
+a batch and with chunked prefill."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
@@ -39,10 +41,17 @@ NAMES = {
     "linear_attn.conv1d.weight": "ssm_conv1d.weight",
     "linear_attn.A_log": "ssm_a",
     "linear_attn.dt_bias": "ssm_dt.bias",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 GLOBAL["lm_head.weight"] = "output.weight"
-QUANTIZED = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_", "token_embd.", "output.")
+QUANTIZED = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.", "ffn_gate_exps")
+QUANTIZED += ("ffn_up_exps", "ffn_down_exps", "token_embd.", "output.")
 
 
 def gguf_name(hf_name: str) -> str:
@@ -81,14 +90,39 @@ def as_converted(name: str, w: np.ndarray, config) -> np.ndarray:
     return np.ascontiguousarray(w, dtype=np.float32)
 
 
+def converted_tensors(model) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names, as the converter changes them; the experts' gate_up apart."""
+    tensors = {}
+    for name, p in model.state_dict().items():
+        w = as_converted(name, p.detach().float().numpy(), model.config)
+        if name.endswith("experts.gate_up_proj"):
+            prefix, half = f"blk.{name.split('.')[2]}", w.shape[1] // 2
+            tensors[f"{prefix}.ffn_gate_exps.weight"], tensors[f"{prefix}.ffn_up_exps.weight"] = (
+                w[:, :half],
+                w[:, half:],
+            )
+        else:
+            tensors[gguf_name(name)] = w
+    return tensors
+
+
 def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path) -> Path:
-    """Attention, MLP, embedding and head matrices in Q8_0; the linear layers' tensors in F32."""
+    """Attention, MLP, experts, embedding and head matrices in Q8_0; the linear layers' tensors, the routers and the
+    shared expert in F32."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    moe = bool(getattr(config, "num_experts", 0))
+    arch = "qwen35moe" if moe else "qwen35"
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if moe:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    else:
+        writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
@@ -96,23 +130,24 @@ def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path) -> Path:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
-    writer.add_uint32("qwen35.ssm.conv_kernel", config.linear_conv_kernel_dim)
-    writer.add_uint32("qwen35.ssm.state_size", config.linear_key_head_dim)
-    writer.add_uint32("qwen35.ssm.group_count", config.linear_num_key_heads)
-    writer.add_uint32("qwen35.ssm.time_step_rank", config.linear_num_value_heads)
-    writer.add_uint32("qwen35.ssm.inner_size", config.linear_value_head_dim * config.linear_num_value_heads)
-    writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types])
-    writer.add_uint32("qwen35.full_attention_interval", 4)
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim)
+    writer.add_uint32(f"{arch}.ssm.state_size", config.linear_key_head_dim)
+    writer.add_uint32(f"{arch}.ssm.group_count", config.linear_num_key_heads)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", config.linear_num_value_heads)
+    writer.add_uint32(f"{arch}.ssm.inner_size", config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types])
+    writer.add_uint32(f"{arch}.full_attention_interval", 4)
     writer.add_vocab_size(VOCAB)
     tokenizer_metadata(writer, tokenizer_dir)
-    for i, (name, p) in enumerate(model.state_dict().items()):
-        gname = gguf_name(name)
-        w = as_converted(name, p.detach().float().numpy(), config)
-        if (gname.split(".", 2)[-1] if gname.startswith("blk.") else gname).startswith(QUANTIZED):
+    for i, (gname, w) in enumerate(converted_tensors(model).items()):
+        if not (gname.split(".", 2)[-1] if gname.startswith("blk.") else gname).startswith(QUANTIZED):
+            writer.add_tensor(gname, w, raw_dtype=T.F32)
+        elif w.ndim == 3:  # the experts' stacks, each expert's rows quantized
+            data = gguf.quants.quantize(np.ascontiguousarray(w).reshape(-1, w.shape[-1]), T.Q8_0)
+            writer.add_tensor(gname, data.reshape(*w.shape[:2], -1), raw_dtype=T.Q8_0)
+        else:
             data, qtype = encode(w, "Q8_0", seed=i)
             writer.add_tensor(gname, data, raw_dtype=qtype)
-        else:
-            writer.add_tensor(gname, w, raw_dtype=T.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -123,26 +158,37 @@ def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path) -> Path:
 def with_file_weights(model, path: Path):
     """`model` with the quantized matrices as gguf-py dequantizes them (the F32 ones are its own)."""
     stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    def read(gname: str) -> torch.Tensor:
+        t = stored[gname]
+        return torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+
     state = dict(model.state_dict())
     for name, value in state.items():
-        t = stored[gguf_name(name)]
-        if t.tensor_type != T.F32:
-            w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            state[name] = torch.from_numpy(w.reshape(value.shape))
+        if name.endswith("experts.gate_up_proj"):
+            prefix = f"blk.{name.split('.')[2]}"
+            gate_up = [
+                read(f"{prefix}.ffn_{part}_exps.weight").reshape(value.shape[0], -1, value.shape[2])
+                for part in ("gate", "up")
+            ]
+            state[name] = torch.cat(gate_up, dim=1)
+        elif stored[gguf_name(name)].tensor_type != T.F32:
+            state[name] = read(gguf_name(name)).reshape(value.shape)
     model.load_state_dict(state)
     return model
 
 
-def tiny_qwen3_5():
-    torch.manual_seed(50)
-    model = qwen3_5_model(moe=False)
+def tiny_qwen3_5(moe: bool):
+    torch.manual_seed(50 + moe)
+    model = qwen3_5_model(moe)
     widen_weights(model)
     return model.eval()
 
 
-def test_qwen3_5_file_gives_transformers_tokens(tokenizer_folder, tmp_path, exact_kernels):  # noqa: F811
-    path = write_qwen3_5_gguf(tmp_path / "qwen35.gguf", tiny_qwen3_5(), tokenizer_folder)
-    reference = with_file_weights(tiny_qwen3_5(), path)
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_qwen3_5_file_gives_transformers_tokens(moe, tokenizer_folder, tmp_path, exact_kernels):  # noqa: F811
+    path = write_qwen3_5_gguf(tmp_path / "qwen35.gguf", tiny_qwen3_5(moe), tokenizer_folder)
+    reference = with_file_weights(tiny_qwen3_5(moe), path)
     llm = make_llm(path, max_num_batched_tokens=16)  # chunked prefill too
     config = llm.model_runner.hf_config
     assert config.layer_types == reference.config.layer_types and config.linear_v_heads_tiled

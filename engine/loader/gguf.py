@@ -90,6 +90,13 @@ _ARCH_LAYER_NAMES = {
         "ffn_down_exps": "experts.down_proj",
     },
 }
+_ARCH_LAYER_NAMES["qwen35moe"] = {
+    **_ARCH_LAYER_NAMES["qwen35"],
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 # Tensors that are no module's weight, by family: GGUF name (after the layer) -> our parameter
 _ARCH_PARAMETERS = {
     "gemma4": {
@@ -99,6 +106,7 @@ _ARCH_PARAMETERS = {
     },
     "qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
 }
+_ARCH_PARAMETERS["qwen35moe"] = _ARCH_PARAMETERS["qwen35"]
 _GEMMA4_GLOBAL_NAMES = {
     "per_layer_token_embd": "model.embed_tokens_per_layer",
     "per_layer_model_proj": "model.per_layer_model_projection",
@@ -314,12 +322,13 @@ def _as_converted_back(architecture: str, hf_name: str, value):
     """Undo what convert_hf_to_gguf does to a family's small tensors: Gemma 3's and Qwen3.5's zero-centred norms
     stored as 1 + weight (not Qwen3.5's gated norm), Qwen3.5's decay rates stored as -exp(A_log), and its
     depthwise convolution stored without its middle dimension."""
-    zero_centred = architecture == "gemma3" or (architecture == "qwen35" and ".linear_attn.norm." not in hf_name)
+    hybrid = architecture in ("qwen35", "qwen35moe")
+    zero_centred = architecture == "gemma3" or (hybrid and ".linear_attn.norm." not in hf_name)
     if zero_centred and hf_name.endswith("norm.weight"):
         return value - 1
-    if architecture == "qwen35" and hf_name.endswith(".A_log"):
+    if hybrid and hf_name.endswith(".A_log"):
         return torch.log(-value.float()).to(value.dtype)
-    if architecture == "qwen35" and hf_name.endswith(".conv1d.weight"):
+    if hybrid and hf_name.endswith(".conv1d.weight"):
         return value.unsqueeze(1)
     return value
 

@@ -19,7 +19,10 @@ _CONFIG_CLASSES = {
     "Gemma3ForCausalLM": "Gemma3TextConfig",
     "Gemma4ForCausalLM": "Gemma4TextConfig",
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
 }
+_HYBRID = ("qwen35", "qwen35moe")  # Qwen3.5's linear-attention families
+_NO_DENSE_MLP = ("qwen35moe",)  # experts in every layer: the file has no feed_forward_length
 # llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000; Gemma 3 27B (62 layers) scales
 # queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
 _GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
@@ -38,6 +41,8 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
         "max_position_embeddings": "context_length",
         "rms_norm_eps": "attention.layer_norm_rms_epsilon",
     }
+    if arch in _NO_DENSE_MLP:
+        del names["intermediate_size"]
     settings = {ours: ckpt.field(f"{arch}.{theirs}") for ours, theirs in names.items()}
     # files of models without grouped-query attention may leave the KV head count out
     settings["num_key_value_heads"] = ckpt.metadata(f"{arch}.attention.head_count_kv", settings["num_attention_heads"])
@@ -59,7 +64,7 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
         settings = _gpt_oss_settings(ckpt, settings)
     if arch == "gemma4":
         settings = _gemma4_settings(ckpt, settings, per_layer)
-    if arch == "qwen35":
+    if arch in _HYBRID:
         settings = _qwen35_settings(ckpt, settings)
     config = getattr(transformers, _CONFIG_CLASSES.get(hf_arch, hf_arch.replace("ForCausalLM", "Config")))(**settings)
     config.architectures = [GGUF_ARCHITECTURES[arch]]
@@ -67,7 +72,7 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
     head_dim = ckpt.metadata(f"{arch}.attention.key_length")
     if head_dim is not None and arch != "gemma4":  # Gemma 4's is its global layers'
         config.head_dim = int(head_dim)
-    if arch == "qwen35":  # convert_hf_to_gguf orders the value heads tiled across key heads (GatedDeltaNet)
+    if arch in _HYBRID:  # convert_hf_to_gguf orders the value heads tiled across key heads (GatedDeltaNet)
         config.linear_v_heads_tiled = True
     config.tie_word_embeddings = not ckpt.has_tensor("output.weight")
     for attr in ("bos_token_id", "eos_token_id"):
@@ -75,7 +80,9 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
         if value is not None:
             setattr(config, attr, int(value))
     theta = float(ckpt.metadata(f"{arch}.rope.freq_base", 10000.0))
-    if arch in ("gemma4", "qwen35"):  # set with the layers' settings: Gemma 4's rope_freqs are no Llama 3 scaling
+    if (
+        arch == "gemma4" or arch in _HYBRID
+    ):  # set with the layers' settings: Gemma 4's rope_freqs are no Llama 3 scaling
         return config
     rope = _rope_parameters(ckpt, theta) or {"rope_type": "default", "rope_theta": theta}
     if arch == "phi3":
@@ -197,7 +204,7 @@ def _qwen35_settings(ckpt: GGUFCheckpoint, settings: dict) -> dict:
     """Qwen3.5's hybrid layers as convert_hf_to_gguf writes them: which are recurrent (a flag per layer, or every
     full_attention_interval-th is full attention), the Gated DeltaNet's sizes under llama.cpp's ssm names, and rotary
     over `rope.dimension_count` of each head (its multimodal sections all alike for text)."""
-    arch, layers = "qwen35", settings["num_hidden_layers"]
+    arch, layers = ckpt.architecture, settings["num_hidden_layers"]
     recurrent = ckpt.metadata(f"{arch}.attention.recurrent_layers")
     if recurrent is None:
         every = int(ckpt.metadata(f"{arch}.full_attention_interval", 4))
@@ -206,6 +213,9 @@ def _qwen35_settings(ckpt: GGUFCheckpoint, settings: dict) -> dict:
         int(ckpt.field(f"{arch}.attention.key_length")),
         int(ckpt.field(f"{arch}.ssm.time_step_rank")),
     )
+    if "num_experts" in settings:  # Qwen3.5-MoE: a shared expert beside them; top-k always renormalised
+        del settings["norm_topk_prob"]
+        settings["shared_expert_intermediate_size"] = int(ckpt.field(f"{arch}.expert_shared_feed_forward_length"))
     return {
         **settings,
         "layer_types": ["linear_attention" if flag else "full_attention" for flag in recurrent],
