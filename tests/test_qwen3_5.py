@@ -9,7 +9,7 @@ import transformers
 
 from engine import SamplingParams
 from engine.layers.gated_deltanet import chunked_delta_rule, l2norm, recurrent_delta_rule
-from tests.conftest import build_tokenizer, widen_weights
+from tests.conftest import build_tokenizer, qwen3_5_model, widen_weights
 from tests.test_parity import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -123,3 +123,14 @@ def test_the_language_model_of_a_vision_checkpoint_loads(tmp_path, make_llm, ran
     assert type(llm.model_runner.model).__name__ == "Qwen3_5ForConditionalGeneration"
     prompt = random_prompt(20, 140)
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(model.eval(), prompt, 40)
+
+
+def test_a_hybrid_config_with_a_layer_kind_the_engine_does_not_know_is_refused():
+    """transformers' config itself puts its own kinds in place of unknown ones read from a config.json; a config
+    object that keeps one (another library's, a newer family's) is refused by name."""
+    from engine.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    config = qwen3_5_model(moe=False).config
+    config.layer_types = ["linear_attention", "mamba", "linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"\['mamba'\].*linear_attention"):
+        Qwen3_5ForCausalLM(config, 512)

@@ -31,10 +31,11 @@ def hf_greedy(path, prompts, n, dtype=torch.float32):
 # gemma3: sliding-window layers; gpt_oss: a window, attention sinks and experts (Triton's sinks untried on a GPU yet);
 # both with KV-cache groups where steps run eagerly (untried on a GPU yet). qwen3_moe and gemma4_moe: the fused
 # Triton experts (engine/layers/fused_moe_triton.py); gemma4: global layers twice as wide as the sliding ones, and
-# shared-KV layers (all untried on a GPU yet)
-@pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3", "gemma3", "gpt_oss", "qwen3_moe", "gemma4", "gemma4_moe"]
-)
+# shared-KV layers; qwen3_5: Gated DeltaNet layers and their state slots (all untried on a GPU yet)
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "gpt_oss", "qwen3_moe", "gemma4", "gemma4_moe", "qwen3_5"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers_on_every_backend(tiny_models, family):
     expected = hf_greedy(tiny_models[family], PROMPTS, 48)
     for backend in ("torch", "triton"):
