@@ -142,6 +142,8 @@ def render_kv_cache(
         if blocks
         else '<p class="none">No KV cache yet: load a model to see its blocks.</p>'
     )
+    if stats.num_state_slots:
+        body += _state_row(stats)
     head = _ascii(
         f'<div class="pgd-kv"><div class="header"><div class="stats">{_chips(stats, tokens_per_s)}</div>'
         f'{_usage_bar(stats)}<div class="legend">{_legend(holders)}</div>'
@@ -271,6 +273,27 @@ def _chips(stats: EngineStats, tokens_per_s: float | None) -> str:
     if tokens_per_s is not None:
         chips.append(_chip(f"{tokens_per_s:.1f}", "tok/s", "generated tokens per second"))
     return "".join(chips)
+
+
+def _state_row(stats: EngineStats) -> str:
+    """A hybrid model's recurrent-state slots, a row of their own under the blocks: one a running chat holds
+    (whatever its length), then the prefix snapshots kept, then the free ones."""
+    mib = stats.state_slot_bytes / 2**20
+    running, snapshots = stats.used_state_slots, stats.state_snapshots
+    cells = (
+        '<i class="used own-none fill3"></i>' * running
+        + "<i></i>" * (stats.num_state_slots - running)
+        + '<i class="cached"></i>' * snapshots
+        + "<i></i>" * (stats.num_snapshot_slots - snapshots)
+    )
+    tip = (
+        f"recurrent state of the linear-attention layers, {mib:.1f} MiB a slot: {running} of "
+        f"{stats.num_state_slots} chat slots in use, {snapshots} of {stats.num_snapshot_slots} prefix snapshots kept"
+    )
+    return (
+        f'<p class="none">State slots ({running} chats, {snapshots} snapshots, {mib:.1f} MiB each)</p>'
+        f'<div class="grid states" title="{escape(tip)}">{cells}</div>'
+    )
 
 
 def _groups_chip(stats: EngineStats) -> str:

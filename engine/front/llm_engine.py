@@ -361,6 +361,8 @@ class LLMEngine:
             state_slot_bytes=self.model_runner.state_slots[2],
             used_state_slots=0 if bm.states is None else bm.states.num_running - len(bm.states.free_running),
             state_snapshots=0 if bm.states is None else len(bm.states.snapshots),
+            num_state_slots=0 if bm.states is None else bm.states.num_running,
+            num_snapshot_slots=0 if bm.states is None else bm.states.num_snapshots,
         )
 
     def kv_blocks(self) -> list[KVBlock]:

@@ -68,6 +68,8 @@ class EngineStats:
     state_slot_bytes: int = 0
     used_state_slots: int = 0
     state_snapshots: int = 0
+    num_state_slots: int = 0  # running requests' slots (at most that many run)
+    num_snapshot_slots: int = 0
 
     @property
     def held_bytes(self) -> int:

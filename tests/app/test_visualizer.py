@@ -417,3 +417,21 @@ def test_a_model_with_kv_cache_groups_says_which_group_each_block_holds():
     assert "2  KV-cache groups" in g.all_text
     plain = render(blocks, {"req-a": "Long chat"})  # one group: nothing about groups
     assert "group" not in plain.all_text and all("group" not in b["title"] for b in plain.blocks)
+
+
+def test_a_hybrid_models_state_slots_are_a_row_of_their_own():
+    """Qwen3.5's chats each hold a state slot whatever their length, and the prefix snapshots take slots too."""
+    blocks = [block(0, 1, False, 5, ["req-a"]), block(1)]
+    stats = stats_for(
+        blocks,
+        state_slot_bytes=49 << 20,
+        used_state_slots=1,
+        state_snapshots=2,
+        num_state_slots=3,
+        num_snapshot_slots=4,
+    )
+    html = render_kv_cache(blocks, stats)
+    row = html.split('<div class="grid states"')[1].split("</div>")[0]
+    assert row.count('class="used') == 1 and row.count('class="cached"') == 2 and row.count("<i></i>") == 4
+    assert "1 of 3 chat slots in use, 2 of 4 prefix snapshots kept" in row and "49.0 MiB" in row
+    assert '<div class="grid states"' not in render_kv_cache(blocks, stats_for(blocks))
