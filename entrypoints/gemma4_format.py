@@ -16,6 +16,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from entrypoints.harmony import special_token_ids, unread_text
 from entrypoints.openai.tool_calls import new_call
 
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
@@ -50,10 +51,9 @@ class Gemma4Stream:
     _drop: int = 0  # characters of the part's text that are no one's: a channel's name
 
     def __post_init__(self) -> None:
-        for token in (CHANNEL_OPEN, CHANNEL_CLOSE, CALL_OPEN, CALL_CLOSE, QUOTE, *ENDS):
-            token_id = self.tokenizer.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
-                self._specials[token_id] = token
+        self._specials = special_token_ids(
+            self.tokenizer, (CHANNEL_OPEN, CHANNEL_CLOSE, CALL_OPEN, CALL_CLOSE, QUOTE, *ENDS)
+        )
 
     def feed(self, token_ids: list[int]) -> tuple[str, str, list[dict]]:
         reasoning, content, calls = [], [], []
@@ -97,14 +97,9 @@ class Gemma4Stream:
 
     def _grow(self, final: bool) -> str:
         """The part's text not given out yet; while it grows, none while a last character misses bytes."""
-        if self._part in ("channel", "call") or self._read == len(self._body):
+        if self._part in ("channel", "call"):
             return ""
-        given = self.tokenizer.decode(self._body[self._prefix : self._read], skip_special_tokens=True)
-        text = self.tokenizer.decode(self._body[self._prefix :], skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self._body)
-        text = text[len(given) :]
+        text, self._prefix, self._read = unread_text(self.tokenizer, self._body, self._prefix, self._read, final)
         dropped = min(self._drop, len(text))
         text, self._drop = text[dropped:], self._drop - dropped
         if self._strip:

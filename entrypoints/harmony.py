@@ -23,6 +23,29 @@ ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a body ends at any of them; the 
 RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
 
 
+def special_token_ids(tokenizer, tokens: tuple[str, ...]) -> dict[int, str]:
+    """id -> text of each of `tokens` the tokenizer has as a token of its own."""
+    ids = {}
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids[token_id] = token
+    return ids
+
+
+def unread_text(tokenizer, tokens: list[int], prefix: int, read: int, final: bool) -> tuple[str, int, int]:
+    """(the text of tokens[read:], the new prefix and read): decoded in a short window from `prefix` beside the
+    tokens given out already (vLLM's incremental detokenizing, so a long body costs the same per token); none while
+    a last character misses bytes, unless `final`."""
+    if read == len(tokens):
+        return "", prefix, read
+    given = tokenizer.decode(tokens[prefix:read], skip_special_tokens=True)
+    text = tokenizer.decode(tokens[prefix:], skip_special_tokens=True)
+    if not final and text.endswith("\ufffd"):
+        return "", prefix, read
+    return text[len(given) :], read, len(tokens)
+
+
 def template_speaks_harmony(chat_template: str | None) -> bool:
     """Whether a chat template is gpt-oss's (it frames messages in harmony's channels)."""
     return bool(chat_template) and f"{CHANNEL}analysis{MESSAGE}" in chat_template
@@ -50,10 +73,8 @@ class HarmonyStream:
     _recipient: str | None = None
 
     def __post_init__(self) -> None:
-        for token in (START, END, MESSAGE, CHANNEL, "<|constrain|>", "<|return|>", "<|call|>"):
-            token_id = self.tokenizer.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
-                self._specials[token_id] = token
+        tokens = (START, END, MESSAGE, CHANNEL, "<|constrain|>", "<|return|>", "<|call|>")
+        self._specials = special_token_ids(self.tokenizer, tokens)
 
     def feed(self, token_ids: list[int]) -> tuple[str, str, list[dict]]:
         reasoning, content, calls = [], [], []
@@ -96,14 +117,8 @@ class HarmonyStream:
 
     def _grow(self, final: bool) -> str:
         """The body's text not given out yet; while it grows, none while a last character misses bytes."""
-        if self._read == len(self._body):
-            return ""
-        given = self.tokenizer.decode(self._body[self._prefix : self._read], skip_special_tokens=True)
-        text = self.tokenizer.decode(self._body[self._prefix :], skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self._body)
-        return text[len(given) :]
+        text, self._prefix, self._read = unread_text(self.tokenizer, self._body, self._prefix, self._read, final)
+        return text
 
     def _route(self, text: str, reasoning: list[str], content: list[str]) -> None:
         if not text or self._recipient is not None:  # a call's arguments come whole, with the call

@@ -12,6 +12,7 @@ import pytest
 from entrypoints.gemma4_format import Gemma4Stream, parse_arguments, template_speaks_gemma4
 from tests.chat_templates import real_chat_template
 from tests.test_harmony import FakeStream, SyncStream
+from tests.test_harmony import feed as feed_parser
 
 SPECIALS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>']
 SPECIALS += ["<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>", "<|think|>", "<bos>"]
@@ -34,15 +35,7 @@ def tokenizer(tmp_path_factory):
 
 
 def feed(tokenizer, text: str, piece: int) -> tuple[Gemma4Stream, str, str, list[dict]]:
-    stream = Gemma4Stream(tokenizer)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    reasoning, content, calls = [], [], []
-    for at in range(0, len(ids), piece):
-        r, c, k = stream.feed(ids[at : at + piece])
-        reasoning.append(r), content.append(c), calls.extend(k)
-    r, c, k = stream.finish()
-    reasoning.append(r), content.append(c), calls.extend(k)
-    return stream, "".join(reasoning), "".join(content), calls
+    return feed_parser(tokenizer, text, piece, Gemma4Stream)
 
 
 @pytest.mark.parametrize("piece", [1, 3, 1000])

@@ -26,8 +26,10 @@ def tokenizer(tmp_path_factory):
     return tok
 
 
-def feed(tokenizer, text: str, piece: int) -> tuple[HarmonyStream, str, str, list[dict]]:
-    stream = HarmonyStream(tokenizer)
+def feed(tokenizer, text: str, piece: int, parser=HarmonyStream) -> tuple[HarmonyStream, str, str, list[dict]]:
+    """`text`'s tokens through a new `parser`, `piece` tokens a call, then its finish: (the parser, and all it
+    gave: reasoning, content, calls)."""
+    stream = parser(tokenizer)
     ids = tokenizer.encode(text, add_special_tokens=False)
     reasoning, content, calls = [], [], []
     for at in range(0, len(ids), piece):
