@@ -46,6 +46,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its language model; images are not supported yet
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -53,7 +54,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_NAMES = (
     "Llama, Mistral, Ministral, SmolLM3, Phi-3/4-mini, Gemma 3, Gemma 4, Qwen2/2.5, Qwen3 (dense and MoE), "
-    "Qwen3.5 (dense and MoE), gpt-oss"
+    "Qwen3.5 (dense and MoE), Qwen3-Next, gpt-oss"
 )
 
 _DTYPE_BYTES = {
@@ -304,6 +305,14 @@ def count_active_params(
     return params - idle - vocab_size * hidden_size
 
 
+def expert_layers(config: dict[str, Any], layers: int) -> int:
+    """The layers that hold experts: every one, or every decoder_sparse_step-th but the mlp_only_layers (Qwen3-MoE,
+    Qwen3-Next), as the engine builds them."""
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or [])
+    return sum(1 for i in range(layers) if (i + 1) % step == 0 and i not in dense)
+
+
 def _params_label(params: int) -> str:
     if params >= 1e9:
         return f"{params / 1e9:.1f}".rstrip("0").rstrip(".") + "B"
@@ -363,7 +372,12 @@ def entry_from_config(
     expert_width = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
     moe = dict(num_experts=experts, moe_intermediate_size=expert_width) if experts else {}
     counted = count_params(**dims, tie_word_embeddings=tie, family=family, **moe) if all(dims.values()) else 0
-    if family in ("gemma4", "qwen3_5", "qwen3_5_moe"):  # layers unlike one another: counted on transformers' own model
+    if family in (
+        "gemma4",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+    ):  # layers unlike one another: counted on transformers' own model
         from app.config_shapes import counted_params
 
         counted = counted_params(cfg) or 0
@@ -383,7 +397,7 @@ def entry_from_config(
             params,
             hidden_size=hidden,
             vocab_size=cfg["vocab_size"],
-            num_hidden_layers=layers,
+            num_hidden_layers=expert_layers(cfg, layers),
             num_experts=experts,
             num_experts_per_tok=per_token,
             expert_intermediate_size=expert_width,

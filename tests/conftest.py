@@ -66,7 +66,7 @@ COMMON = dict(
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "smollm3", "phi3", "gemma3", "gpt_oss", "gemma4")
-FAMILIES += ("gemma4_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES += ("gemma4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def gemma4_config(moe: bool):
@@ -101,9 +101,10 @@ def gemma4_config(moe: bool):
     )
 
 
-def qwen3_5_model(moe: bool):
+def qwen3_5_model(moe: bool, qwen3_next: bool = False):
     """Three Gated DeltaNet layers, then a gated full-attention one (rotary over a quarter of each head); MoE: 8
-    experts (2 a token) and a shared expert in every layer."""
+    experts (2 a token) and a shared expert in every layer. Qwen3-Next: experts in the even layers (decoder sparse
+    step 2), a dense MLP in the others."""
     import transformers
 
     hybrid = dict(
@@ -119,6 +120,9 @@ def qwen3_5_model(moe: bool):
     if not moe:
         return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**hybrid))
     experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if qwen3_next:
+        config = transformers.Qwen3NextConfig(**hybrid, **experts, decoder_sparse_step=2)
+        return transformers.Qwen3NextForCausalLM(config)
     return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**hybrid, **experts))
 
 
@@ -157,6 +161,7 @@ def build_model(folder: Path, family: str) -> Path:
             "gemma4_moe": 11,
             "qwen3_5": 12,
             "qwen3_5_moe": 13,
+            "qwen3_next": 14,
         }[family]
     )
     if family == "llama":
@@ -217,8 +222,8 @@ def build_model(folder: Path, family: str) -> Path:
         model, dtype, shard = transformers.Gemma3ForCausalLM(config), torch.float32, None
     elif family in ("gemma4", "gemma4_moe"):
         model, dtype, shard = transformers.Gemma4ForCausalLM(gemma4_config(family == "gemma4_moe")), torch.float32, None
-    elif family in ("qwen3_5", "qwen3_5_moe"):
-        model, dtype, shard = qwen3_5_model(family == "qwen3_5_moe"), torch.float32, None
+    elif family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        model, dtype, shard = qwen3_5_model(family != "qwen3_5", family == "qwen3_next"), torch.float32, None
     elif family == "gpt_oss":
         # A 10-token window on layer 0 and full attention on layer 1, attention sinks, YaRN (factor 8 over a
         # 64-token pretraining length), 8 biased experts (2 a token) with the clamped SwiGLU

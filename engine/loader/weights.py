@@ -85,6 +85,9 @@ def load_tensors(
     owners = {n: m for n, m in model.named_modules() if hasattr(m, "load_checkpoint_tensor")}
     loaded: set[str] = set()
     rename = getattr(model, "checkpoint_name", None)  # a family whose checkpoints name tensors otherwise
+    split = getattr(model, "checkpoint_tensors", None)  # a family whose checkpoints fuse tensors otherwise
+    if split is not None:
+        tensors = (part for name, tensor in tensors for part in split(name, tensor))
     for name, tensor in tensors:
         if rename is not None:
             name = rename(name)

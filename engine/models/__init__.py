@@ -16,6 +16,7 @@ from engine.models.qwen3_5 import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextForCausalLM,
 )
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
@@ -37,6 +38,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
@@ -82,5 +84,6 @@ def model_class(hf_config) -> type[nn.Module]:
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
         f"supported: {', '.join(MODEL_REGISTRY)} (Gemma 3 and Gemma 4 text, gpt-oss, Llama, SmolLM2, SmolLM3, "
-        "TinyLlama, Mistral, Ministral, Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE, Qwen3.5 dense and MoE)"
+        "TinyLlama, Mistral, Ministral, Phi-3, Phi-4-mini, Qwen2/2.5, Qwen3 dense, Qwen3-MoE, Qwen3.5 dense and MoE, "
+        "Qwen3-Next)"
     )

@@ -70,7 +70,8 @@ class SharedExpertMoE(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        routing = Routing(config.num_experts, config.num_experts_per_tok, "softmax", renormalize=True)
+        renormalize = bool(getattr(config, "norm_topk_prob", True))  # Qwen3-Next says; Qwen3.5 always does
+        routing = Routing(config.num_experts, config.num_experts_per_tok, "softmax", renormalize)
         self.gate = TopKRouter(config.hidden_size, routing)
         self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert = Qwen3_5MLP(config.hidden_size, config.shared_expert_intermediate_size)
@@ -82,13 +83,23 @@ class SharedExpertMoE(nn.Module):
         return self.experts(x, weights, ids) + shared
 
 
+def feed_forward(config, index: int) -> nn.Module:
+    """Layer `index`'s MLP: experts where the config has them (every layer of Qwen3.5-MoE; Qwen3-Next's every
+    decoder_sparse_step-th but its mlp_only_layers), else a dense one."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = index in (getattr(config, "mlp_only_layers", None) or []) or (index + 1) % step
+    if getattr(config, "num_experts", 0) and not dense:
+        return SharedExpertMoE(config)
+    return Qwen3_5MLP(config.hidden_size, config.intermediate_size)
+
+
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config, kind: str, rotary: RotaryEmbedding):
+    def __init__(self, config, index: int, rotary: RotaryEmbedding):
         super().__init__()
+        kind = config.layer_types[index]
         self.linear_attn = GatedDeltaNet(config) if kind == "linear_attention" else None
         self.self_attn = GatedAttention(config, rotary) if kind == "full_attention" else None
-        moe = getattr(config, "num_experts", 0)  # Qwen3.5-MoE: experts in every layer
-        self.mlp = SharedExpertMoE(config) if moe else Qwen3_5MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = feed_forward(config, index)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -107,7 +118,7 @@ class Qwen3_5Model(nn.Module):
             raise ValueError(f"layer types {unknown} are not supported for Qwen3.5; supported: {LAYER_KINDS}")
         rotary = RotaryEmbedding(config.head_dim, max_position, rope_parameters(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, kind, rotary) for kind in config.layer_types)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, i, rotary) for i in range(len(config.layer_types)))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -147,6 +158,34 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5-MoE and Qwen3.6-35B-A3B: Qwen3.5's layers with experts and a shared expert in each."""
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    """Qwen3-Next: Qwen3.5-MoE's network, its checkpoints holding each linear layer's projections fused per key
+    head: in_proj_qkvz (each key head's q, k, then its value heads' v and z rows) and in_proj_ba (its value heads'
+    b, then a rows). They are split into Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as they load."""
+
+    def __init__(self, config, max_position: int, tp: TPGroup = SINGLE):
+        super().__init__(config, max_position, tp)
+        self.key_heads, self.k_dim = config.linear_num_key_heads, config.linear_key_head_dim
+        self.per_key = config.linear_num_value_heads // config.linear_num_key_heads
+        self.v_dim = config.linear_value_head_dim
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        stem = name.removesuffix("in_proj_qkvz.weight").removesuffix("in_proj_ba.weight")
+        if stem == name:
+            return [(name, tensor)]
+        if name.endswith("in_proj_ba.weight"):
+            b, a = tensor.view(self.key_heads, 2 * self.per_key, -1).split(self.per_key, dim=1)
+            return [(f"{stem}in_proj_b.weight", b.flatten(0, 1)), (f"{stem}in_proj_a.weight", a.flatten(0, 1))]
+        values = self.per_key * self.v_dim
+        q, k, v, z = (
+            part.flatten(0, 1)
+            for part in tensor.view(self.key_heads, -1, tensor.shape[-1]).split(
+                [self.k_dim, self.k_dim, values, values], 1
+            )
+        )
+        return [(f"{stem}in_proj_qkv.weight", torch.cat((q, k, v))), (f"{stem}in_proj_z.weight", z)]
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):

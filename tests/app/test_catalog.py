@@ -595,7 +595,7 @@ def test_a_gemma_4_config_counts_the_cache_the_engine_holds(moe, tiny_models, ma
         assert entry.active_params == entry.params - idle - 320 * 64
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_a_qwen3_5_config_counts_kv_for_its_full_attention_layers_only(family, tiny_models, make_llm):
     """Its linear layers keep a fixed-size state instead of a KV history: the estimate's KV is the one
     full-attention layer's of four, as the engine's cache."""
@@ -606,7 +606,7 @@ def test_a_qwen3_5_config_counts_kv_for_its_full_attention_layers_only(family, t
     assert entry.supported and entry.family == family and entry.num_kv_layers == 1
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert entry.params == sum(p.numel() for p in model.parameters())
-    if family == "qwen3_5_moe":  # 6 of 8 experts idle a token, in each of 4 layers; and the embedding
-        assert entry.active_params == entry.params - 4 * 6 * 3 * 64 * 32 - 320 * 64
+    if family != "qwen3_5":  # 6 of 8 experts idle a token, in each layer of experts; and the embedding
+        assert entry.active_params == entry.params - (4 if family == "qwen3_5_moe" else 2) * 6 * 3 * 64 * 32 - 320 * 64
     runner = make_llm(tiny_models[family]).model_runner
     assert entry.kv_bytes_per_token("float32") == runner.kv_layout.bytes_per_block // runner.block_size
