@@ -78,8 +78,9 @@ def memory(path: Path, chats: int, context: int) -> None:
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     llm.generate([prompt(context - 1, i) for i in range(chats)], params, use_tqdm=False)
     s = peak["stats"]
-    per_layer = s.bytes_per_block // s.layers_per_block // len(s.kv_groups)
-    all_attention = peak["blocks"] // len(s.kv_groups) * per_layer * QWEN3_5_LAYERS
+    # one KV-cache group (its full-attention layers alike): a block holds them all; all-attention, every layer
+    per_layer = s.bytes_per_block // s.layers_per_block
+    all_attention = peak["blocks"] * per_layer * QWEN3_5_LAYERS
     print(
         f"{chats} chats of {context} tokens ({time.perf_counter() - started:.0f} s): hybrid holds "
         f"{peak['held'] / 2**30:.2f} GiB ({peak['blocks']} blocks of {s.bytes_per_block / 2**20:.2f} MiB, "
