@@ -313,7 +313,9 @@ def main() -> int:
             tps1, steps1 = decode_tps(llm, prompt_len, n_new, 1)
             got["tps1"] = tps1
             weight_bytes = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
-            kv_bytes = llm.model_runner.kv_layout.bytes_per_block / llm.model_runner.block_size * (prompt_len + n_new / 2)
+            kv_bytes = (
+                llm.model_runner.kv_layout.bytes_per_block / llm.model_runner.block_size * (prompt_len + n_new / 2)
+            )
             # A step reads the weights and the KV once. A copy moves 2 bytes (one read, one written) per
             # byte copied, and the copy bandwidth above counts both, so it is the rate of bytes read here.
             roofline = bandwidth / (weight_bytes + kv_bytes)
