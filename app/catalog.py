@@ -118,6 +118,7 @@ class CatalogEntry:
         0  # layers holding a KV cache of their own (0: every layer; Gemma 4's shared-KV ones hold none)
     )
     kv_width: int = 0  # keys (or values) one token holds in one layer (0: num_key_value_heads x head_dim)
+    state_bytes: int = 0  # a hybrid model's recurrent state per chat, whatever its length (Qwen3.5)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -153,14 +154,14 @@ class CatalogEntry:
         return 2 * (self.num_kv_layers or self.num_hidden_layers) * width * dtype_bytes(dtype, self)
 
     def kv_bytes(self, context_len: int, dtype: str = "bfloat16", windows_release: bool = False) -> int:
-        """K and V of one sequence of `context_len` tokens. `windows_release`: the engine gives back what a
-        sliding window has passed (its KV-cache groups, where steps are not CUDA graphs), so a sliding layer holds
-        its window and a step's chunk of tokens, not the whole context."""
+        """K and V of one sequence of `context_len` tokens, and a hybrid model's recurrent state. `windows_release`:
+        the engine gives back what a sliding window has passed (its KV-cache groups, where steps are not CUDA
+        graphs), so a sliding layer holds its window and a step's chunk of tokens, not the whole context."""
         layers = self.num_kv_layers or self.num_hidden_layers
         per_layer = self.kv_bytes_per_token(dtype) // layers
         sliding = self.num_sliding_layers if windows_release and self.sliding_window else 0
         held = min(context_len, (self.sliding_window or 0) + SLIDING_CHUNK_TOKENS)
-        return per_layer * ((layers - sliding) * context_len + sliding * held)
+        return per_layer * ((layers - sliding) * context_len + sliding * held) + self.state_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -437,6 +438,7 @@ def entry_from_config(
         num_sliding_layers=shape.num_sliding_layers,
         num_kv_layers=shape.num_kv_layers,
         kv_width=shape.kv_width,
+        state_bytes=shape.state_bytes,
         gated=gated,
         license=license,
         description=" ".join(notes),

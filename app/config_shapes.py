@@ -20,6 +20,9 @@ class KVShape:
     num_sliding_layers: int = 0  # of the layers holding a cache, those that slide
     num_kv_layers: int = 0  # layers holding a cache of their own (0: every layer)
     kv_width: int = 0  # keys (or values) of one token in one layer: the widest layer's heads x head size (0: unknown)
+    state_bytes: int = (
+        0  # a hybrid model's recurrent state per chat, whatever its length (engine/layers/gated_deltanet)
+    )
 
 
 def text_config(config: dict[str, Any]):
@@ -45,7 +48,7 @@ def kv_shape(config: dict[str, Any]) -> KVShape:
         return KVShape()
     types = list(getattr(text, "layer_types", None) or [])
     if "linear_attention" in types:  # Qwen3.5: its linear layers keep a fixed-size state, not a KV history
-        return KVShape(num_kv_layers=types.count("full_attention"))
+        return KVShape(num_kv_layers=types.count("full_attention"), state_bytes=_state_bytes(text))
     try:
         windows = layer_windows(text)
         owners = [i for i, source in enumerate(kv_sources(text)) if source is None]
@@ -58,6 +61,15 @@ def kv_shape(config: dict[str, Any]) -> KVShape:
     sliding = [windows[i] for i in owners if windows[i] is not None]
     kv_layers = len(owners) if len(owners) < len(windows) else 0
     return KVShape(max(sliding) if sliding else None, len(sliding), kv_layers, width)
+
+
+def _state_bytes(text) -> int:
+    """One chat's Gated DeltaNet state, as the engine keeps it: each linear layer's recurrent state in float32 and
+    its convolution's last inputs in bfloat16."""
+    keys, values = text.linear_num_key_heads * text.linear_key_head_dim, text.linear_num_value_heads
+    recurrent = values * text.linear_key_head_dim * text.linear_value_head_dim * 4
+    conv = (2 * keys + values * text.linear_value_head_dim) * (text.linear_conv_kernel_dim - 1) * 2
+    return text.layer_types.count("linear_attention") * (recurrent + conv)
 
 
 def counted_params(config: dict[str, Any]) -> int | None:

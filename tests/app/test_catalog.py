@@ -608,5 +608,8 @@ def test_a_qwen3_5_config_counts_kv_for_its_full_attention_layers_only(family, t
     assert entry.params == sum(p.numel() for p in model.parameters())
     if family != "qwen3_5":  # 6 of 8 experts idle a token, in each layer of experts; and the embedding
         assert entry.active_params == entry.params - (4 if family == "qwen3_5_moe" else 2) * 6 * 3 * 64 * 32 - 320 * 64
-    runner = make_llm(tiny_models[family]).model_runner
-    assert entry.kv_bytes_per_token("float32") == runner.kv_layout.bytes_per_block // runner.block_size
+    llm = make_llm(tiny_models[family], dtype="bfloat16")  # the conv state in bf16, the recurrent one in float32
+    runner = llm.model_runner
+    assert entry.kv_bytes_per_token("float32") == 2 * runner.kv_layout.bytes_per_block // runner.block_size
+    assert entry.state_bytes == llm.stats().state_slot_bytes  # a chat's slot, whatever its length
+    assert entry.kv_bytes(1000) - entry.kv_bytes(100) == 900 * entry.kv_bytes_per_token()
