@@ -74,9 +74,12 @@ def memory(path: Path, chats: int, context: int) -> None:
 
     llm.step = recorded_step
     started = time.perf_counter()
-    # two tokens each: after the prefill every chat runs still, at `context` tokens
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
-    llm.generate([prompt(context - 1, i) for i in range(chats)], params, use_tqdm=False)
+    # Prefills take a step's token budget one after another: the first chats decode while the last ones prefill,
+    # and all run together once the last one has (its context is then `context`, the first ones' a little more)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    llm.generate([prompt(context - 64, i) for i in range(chats)], params, use_tqdm=False)
+    if not peak:
+        raise RuntimeError(f"the {chats} chats never ran together; give them more tokens to decode")
     s = peak["stats"]
     # one KV-cache group (its full-attention layers alike): a block holds them all; all-attention, every layer
     per_layer = s.bytes_per_block // s.layers_per_block
