@@ -173,7 +173,7 @@ class BlockManager:
     def plan_snapshots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """The snapshots `seq`'s next step writes: (tokens into the step, slot) at each multiple of the snapshot
         interval it reaches within its known tokens, each slot reserved now under the prefix's hash."""
-        every = self.states.snapshot_tokens if self.states is not None else 0
+        every = self.states.snapshot_tokens if self.states is not None and self.states.num_snapshots else 0
         start, end = seq.num_computed_tokens, min(seq.num_computed_tokens + num_new_tokens, len(seq.token_ids))
         if not every or end // every == start // every:
             return []

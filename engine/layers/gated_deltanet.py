@@ -129,9 +129,9 @@ class GatedDeltaNet(nn.Module):
         for snapshot, slot in meta.state_restores:  # sequences starting on a cached prefix: its state first
             self.conv_state[slot] = self.conv_state[snapshot]
             self.recurrent_state[slot] = self.recurrent_state[snapshot]
-        tokens = x.shape[0]
+        tokens, one_each = x.shape[0], meta.max_query_len == 1  # decode: every sequence's token at once
         qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
-        qkv = self._convolve(qkv, meta)
+        qkv = self._convolve_one_each(qkv, meta) if one_each else self._convolve(qkv, meta)
         key_size = self.num_k_heads * self.k_dim
         q, k, v = qkv.split([key_size, key_size, self.num_v_heads * self.v_dim], dim=-1)
         groups = self.num_v_heads // self.num_k_heads  # each q/k head serves this many value heads
@@ -141,7 +141,9 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(tokens, self.num_v_heads, self.v_dim).float()
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = self._delta_rule(q, k, v, g, beta, meta)
+        out = (
+            self._delta_rule_one_each(q, k, v, g, beta, meta) if one_each else self._delta_rule(q, k, v, g, beta, meta)
+        )
         out = self.norm(out.to(x.dtype).reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return self.out_proj(out.reshape(tokens, -1))
 
@@ -172,17 +174,35 @@ class GatedDeltaNet(nn.Module):
             out[start : start + n] = F.silu(mixed).T.to(qkv.dtype)
         return out
 
+    def _one_each(self, meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state slots, whether each starts from zeros) of a step of one token a sequence."""
+        slots = torch.tensor(meta.state_slots_cpu, device=device)
+        fresh = torch.tensor([length == 1 for length in meta.seq_lens_cpu], device=device)
+        return slots, fresh
+
+    def _keep_snapshots(self, state: torch.Tensor, meta: AttentionMetadata) -> None:
+        """A step of one token a sequence: a snapshot kept at a sequence's position is its state after it."""
+        for i, _, snapshot in meta.state_snapshots:
+            state[snapshot] = state[meta.state_slots_cpu[i]]
+
+    def _convolve_one_each(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        slots, fresh = self._one_each(meta, qkv.device)
+        past = self.conv_state[slots].masked_fill(fresh[:, None, None], 0)
+        inputs = torch.cat((past, qkv.to(past.dtype)[:, :, None]), dim=-1)  # [sequences, channels, kernel]
+        self.conv_state[slots] = inputs[:, :, 1:]
+        self._keep_snapshots(self.conv_state, meta)
+        return F.silu((inputs * self.conv1d_weight[:, 0]).sum(dim=-1)).to(qkv.dtype)
+
+    def _delta_rule_one_each(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
+        slots, fresh = self._one_each(meta, q.device)
+        state = self.recurrent_state[slots].masked_fill(fresh[:, None, None, None], 0)
+        out, self.recurrent_state[slots] = recurrent_delta_rule(q, k, v, g, beta, state)
+        self._keep_snapshots(self.recurrent_state, meta)
+        return out
+
     def _delta_rule(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
-        sequences = list(self._sequences(meta))
-        if all(n == 1 and not fresh for _, n, _, fresh, _ in sequences):  # decode: every sequence at once
-            slots = torch.tensor(meta.state_slots_cpu, device=q.device)
-            out, self.recurrent_state[slots] = recurrent_delta_rule(q, k, v, g, beta, self.recurrent_state[slots])
-            for _, _, slot, _, snapshots in sequences:
-                for _, snapshot in snapshots:
-                    self.recurrent_state[snapshot] = self.recurrent_state[slot]
-            return out
         out = torch.empty_like(v)
-        for start, n, slot, fresh, snapshots in sequences:
+        for start, n, slot, fresh, snapshots in self._sequences(meta):
             state = torch.zeros_like(self.recurrent_state[slot]) if fresh else self.recurrent_state[slot]
             kept = dict(snapshots)
             cuts = sorted({offset for offset in kept if 0 < offset < n} | {n})

@@ -375,6 +375,7 @@ def warmup(
         max_seq_len=1,
         query_lens_cpu=[1] * num_tokens,
         seq_lens_cpu=[1] * num_tokens,
+        state_slots_cpu=[0] * num_tokens,  # a hybrid model's recurrent layers: every sequence new, on slot 0
     )
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     hidden = model(ids, ids, meta)

@@ -204,6 +204,8 @@ class ModelRunner:
         (engine/runner/kv_cache.py); each attention layer is bound to its two. On a GPU without an explicit
         size, a warm-up step measures what is left."""
 
+        # The recurrent state first (a hybrid model's): on a GPU the KV cache gets what it leaves
+        self.state_slots = allocate_states(self.model, self.config, self.device, self.dtype)  # (running, snaps, bytes)
         layout, before = self.kv_layout, self._gpu_bytes_before
         measure = lambda: gpu_kv_budget(  # a warm-up step, run only where the GPU's free memory decides
             self.model, self.attention_layers, layout, self.config, self.device, before, self.use_graphs
@@ -216,7 +218,6 @@ class ModelRunner:
         kv_cache = allocate_kv_cache(
             self.kv_layout, num_blocks + extra, self.attention_layers, self.device, self.kv_groups
         )
-        self.state_slots = allocate_states(self.model, self.config, self.device, self.dtype)  # (running, snaps, bytes)
         return kv_cache, num_blocks
 
     def _capture_graphs(self) -> DecodeGraphs | None:
