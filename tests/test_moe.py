@@ -140,5 +140,5 @@ def test_quantizing_a_moe_model_is_refused(tiny_models, make_llm):
 def test_decode_steps_run_eagerly_and_stats_say_why(tiny_models, make_llm, monkeypatch):
     monkeypatch.setenv("PAGODA_CPU_COMPILE", "1")  # where a dense model would compile its decode steps
     llm = make_llm(tiny_models["qwen3_moe"])
-    assert llm.stats().decode == "eager (mixture-of-experts routing on the host)"
+    assert llm.stats().decode == "eager (its steps decide on the host)"
     assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 64

@@ -265,7 +265,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.decode_kind = "cuda-graphs"
         elif self.scratch_block is None:
-            self.decode_kind = "eager" if self.static_decode else "eager (mixture-of-experts routing on the host)"
+            self.decode_kind = "eager" if self.static_decode else "eager (its steps decide on the host)"
         else:
             self.decode_kind = "eager (compiling)"
             self._compiler = threading.Thread(target=self._compile_decode, name="pagoda-compile-decode", daemon=True)
