@@ -2,8 +2,8 @@
 # The one device check: GPU tests, then the GPU benchmarks, on a CUDA machine with only
 # torch, transformers and triton installed and no network. Prints one table last.
 #   bash bench/device_check.sh [output folder]
-# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_QUANT=1, SKIP_LAPTOP=1 or
-# SKIP_STRUCTURED=1.
+# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_HYBRID=1, SKIP_BENCH=1, SKIP_QUANT=1,
+# SKIP_LAPTOP=1 or SKIP_STRUCTURED=1.
 # Device time is short (one command may run 10 minutes): the parts run in order of importance within
 # DEVICE_BUDGET seconds (540 by default), each cut to the time left, and a part with under a minute left is not
 # started. The last line names the parts left for a rerun, with the switches that skip the rest.
@@ -40,6 +40,9 @@ run_part() {
 
 run_part tests SKIP_TESTS "${TEST_TIMEOUT:-230}" tests.log "GPU tests" \
     python3 -m pytest tests/gpu -q -p no:cacheprovider -s --durations=8
+run_part hybrid SKIP_HYBRID "${HYBRID_TIMEOUT:-150}" hybrid.log \
+    "Qwen3.5 (the delta-rule kernels at 4B shapes; batch-1 and 16-chat decode of a 4B-shaped model)" \
+    python3 -m bench.gpu_hybrid
 run_part bench SKIP_BENCH "${BENCH_TIMEOUT:-240}" bench.log "GPU benchmarks" \
     python3 -m bench.gpu_bench --json "$out/bench.json"
 run_part quantized SKIP_QUANT "${QUANT_TIMEOUT:-300}" quantized.log \
@@ -57,16 +60,16 @@ run_part structured SKIP_STRUCTURED "${STRUCTURED_TIMEOUT:-120}" structured.log 
     "Structured output (a constrained decode step against a free one, batch 1 and 32)" \
     env PYTHONPATH="$PWD/.device/site:$PYTHONPATH" python3 -m bench.structured_output --random-qwen3 /tmp/pagoda-random-qwen3 --tokens 48 --rounds 3
 
-echo "device_check: tests exit ${rc[tests]}, benchmarks exit ${rc[bench]}, quantized exit ${rc[quantized]}," \
+echo "device_check: tests exit ${rc[tests]}, hybrid exit ${rc[hybrid]}, benchmarks exit ${rc[bench]}, quantized exit ${rc[quantized]}," \
     "laptop exit ${rc[laptop]}, structured exit ${rc[structured]} (${SECONDS} s)"
 if [ ${#left_for_rerun[@]} -gt 0 ]; then
     skip_done=""
-    for switch in SKIP_TESTS SKIP_BENCH SKIP_QUANT SKIP_LAPTOP SKIP_STRUCTURED; do
+    for switch in SKIP_TESTS SKIP_HYBRID SKIP_BENCH SKIP_QUANT SKIP_LAPTOP SKIP_STRUCTURED; do
         [[ " ${left_for_rerun[*]} " == *" $switch "* ]] || skip_done+="$switch=1 "
     done
     echo "device_check: out of time for ${left_for_rerun[*]}; rerun with: ${skip_done}bash bench/device_check.sh"
     exit 3
 fi
-for part in tests bench quantized laptop structured; do
+for part in tests hybrid bench quantized laptop structured; do
     [[ "${rc[$part]}" =~ ^(0|skipped)$ ]] || exit 1
 done

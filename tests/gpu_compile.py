@@ -93,7 +93,7 @@ def record_launches(specs: list[dict]):
 def compile_in_subprocess(specs: list[dict], tmp_path) -> list[dict]:
     """Each distinct spec compiled for its "target" (a TARGETS value; TARGET when it names none) in a
     fresh process; one result per spec: the spec's kernel, its target, `error` (None when it
-    compiled) and the cubin's `registers` and `local_bytes` (spills)."""
+    compiled) and the cubin's `registers` and `local_bytes` (spills: local memory and stack)."""
     unique = list({json.dumps(s, sort_keys=True): s for s in specs}.values())
     path = tmp_path / "specs.json"
     path.write_text(json.dumps(unique))
@@ -124,8 +124,10 @@ def _resource_usage(cubin: bytes) -> dict:
         f.write(cubin)
         f.flush()
         out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+).*LOCAL:(\d+)", out)
-    return {"registers": int(found[1]), "local_bytes": int(found[2])} if found else {}
+    # A spill shows as LOCAL, or as a STACK frame of local memory where the compiler keeps arrays it cannot
+    # hold in registers
+    found = re.search(r"REG:(\d+) STACK:(\d+).*LOCAL:(\d+)", out)
+    return {"registers": int(found[1]), "local_bytes": int(found[2]) + int(found[3])} if found else {}
 
 
 def _compile_all(specs: list[dict]) -> list[dict]:
@@ -146,7 +148,7 @@ def _compile_all(specs: list[dict]) -> list[dict]:
             compiled = triton.compile(
                 source, target=target, options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
             )
-            result.update(_resource_usage(compiled.asm["cubin"]))
+            result.update(_resource_usage(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared)
         except Exception as e:  # reported, so that the test names every kernel that fails
             result["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
         results.append(result)

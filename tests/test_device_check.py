@@ -65,6 +65,15 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path):
         assert (tmp_path / written).is_file(), written
 
 
+def test_gpu_hybrid_smoke_runs_the_kernels_and_the_engine():
+    result = run_without_app("runpy.run_module('bench.gpu_hybrid', run_name='__main__')", "--smoke")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout[result.stdout.index("| benchmark | value | note |") :]
+    assert "FAILED" not in table
+    for name in ("delta rule, prefill of 2 x 1,000 tokens", "delta rule, decode of 16", "batch-16 decode"):
+        assert name in table, name
+
+
 def test_gpu_quantized_smoke_runs(tmp_path):
     result = run_without_app("runpy.run_module('bench.gpu_quantized', run_name='__main__')", "--smoke")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -116,6 +125,7 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
 
     env = {
         **os.environ,
+        "SKIP_HYBRID": "1",
         "SKIP_BENCH": "1",
         "SKIP_QUANT": "1",
         "SKIP_LAPTOP": "1",
@@ -127,8 +137,8 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (
-        "device_check: tests exit 0, benchmarks exit skipped, quantized exit skipped, laptop exit skipped, "
-        "structured exit skipped" in result.stdout
+        "device_check: tests exit 0, hybrid exit skipped, benchmarks exit skipped, quantized exit skipped, "
+        "laptop exit skipped, structured exit skipped" in result.stdout
     )
     assert "skipped" in (tmp_path / "tests.log").read_text()
 
@@ -141,6 +151,7 @@ def test_device_check_keeps_to_its_time_budget_and_says_how_to_rerun(tmp_path):
     env = {
         **os.environ,
         "SKIP_TESTS": "1",
+        "SKIP_HYBRID": "1",
         "SKIP_BENCH": "1",
         "DEVICE_BUDGET": "59",
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -152,5 +163,5 @@ def test_device_check_keeps_to_its_time_budget_and_says_how_to_rerun(tmp_path):
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     assert "quantized exit not run (time), laptop exit not run (time)" in result.stdout
     assert "out of time for SKIP_QUANT SKIP_LAPTOP" in result.stdout
-    assert "rerun with: SKIP_TESTS=1 SKIP_BENCH=1 " in result.stdout
+    assert "rerun with: SKIP_TESTS=1 SKIP_HYBRID=1 SKIP_BENCH=1 " in result.stdout
     assert "== Quantized weights" not in result.stdout

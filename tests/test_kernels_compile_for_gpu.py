@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from engine.attention import triton_kernels  # noqa: E402
 from engine.layers.activation import silu_and_mul  # noqa: E402
 from engine.layers.fused_moe_triton import fused_moe  # noqa: E402
+from engine.layers.gated_deltanet_triton import CHUNK, DeltaRulePlan, delta_rule  # noqa: E402
 from engine.layers.gemv import ROW_BUCKETS, gemv, tile_candidates  # noqa: E402
 from engine.layers.normed_gemv import normed_gemv, normed_tile_candidates  # noqa: E402
 from tests.attention_batches import make_batch  # noqa: E402
@@ -27,6 +28,10 @@ from tests.gpu_compile import TARGETS, compile_in_subprocess, record_launches  #
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 if not os.path.exists(CUOBJDUMP):
     pytest.skip("this Triton build has no NVIDIA backend tools", allow_module_level=True)
+
+
+# What a block may use (the opt-in maximum): 99 KiB on RTX 30 and 40, 227 KiB on Hopper
+SHARED_MEMORY_PER_BLOCK = {86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
 def bf16(*shape) -> torch.Tensor:
@@ -70,6 +75,22 @@ def launch_everything() -> None:
         ids = torch.arange(2 * tokens).view(tokens, 2) % experts
         gate_up, down = bf16(experts, 2 * inter, hidden).to(dtype), bf16(experts, hidden, inter).to(dtype)
         fused_moe(bf16(tokens, hidden).to(dtype), gate_up, down, torch.rand(tokens, 2), ids, silu_and_mul)
+    # Qwen3.5's linear layers: 16 key heads and 32 value heads of 128, tiled as llama.cpp's GGUF files store them
+    states = torch.zeros(4, 32, 128, 128)
+    for chunked, tiled in ((False, False), (True, False), (True, True)):
+        plan = DeltaRulePlan.build([1, 2], [0, 1], [False, True], [[(1, 2)], []], "cpu", CHUNK if chunked else None)
+        qk = torch.nn.functional.normalize(torch.randn(3, 16, 128), dim=-1)
+        delta_rule(
+            qk,
+            qk,
+            torch.randn(3, 32, 128),
+            -torch.rand(3, 32),
+            torch.rand(3, 32),
+            states,
+            plan,
+            chunked=chunked,
+            tiled=tiled,
+        )
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's masked exp2
@@ -85,6 +106,9 @@ def test_every_kernel_variant_compiles_for_sm86_sm89_and_sm90_without_spilling(t
         "_merge_splits_kernel",
         "_store_kvcache_kernel",
         "_grouped_matmul_kernel",
+        "_recurrent_kernel",
+        "_chunk_prepare_kernel",
+        "_chunk_state_kernel",
     } <= kernels
     results = compile_in_subprocess([s | {"target": t} for t in TARGETS.values() for s in specs], tmp_path)
     assert {r["target"] for r in results} == {arch for _, arch, _ in TARGETS.values()}
@@ -97,6 +121,12 @@ def test_every_kernel_variant_compiles_for_sm86_sm89_and_sm90_without_spilling(t
     ]
     assert not spilled, "register spills to local memory:\n" + "\n".join(spilled)
     assert all("registers" in r for r in results), "cuobjdump reported no resource usage"
+    too_much = [
+        f"{r['kernel']} {r['target']} {r['constexprs']}: {r['shared_bytes']} bytes"
+        for r in results
+        if r["shared_bytes"] > SHARED_MEMORY_PER_BLOCK[r["target"]]
+    ]
+    assert not too_much, "more shared memory than a block may have:\n" + "\n".join(too_much)
     # The fused norm kernel's tiles were chosen to stay near the plain GEMV's register use.
     assert max(r["registers"] for r in results if r["kernel"] == "_normed_gemv_kernel") <= 128
     for r in sorted(results, key=lambda r: -r["registers"]):

@@ -104,7 +104,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 def _grouped_matmul(a, w, c, weights, aligned, pairs_per_a_row: int, block_m: int) -> None:
     sorted_pairs, block_experts, num_padded = aligned
     n, k = w.shape[1], w.shape[2]
-    block_n, block_k = 64, 32 if k <= 64 else 64
+    # float32's exact products run on plain FMAs, whose operand tiles crowd registers: the narrow K tile
+    block_n, block_k = 64, 32 if k <= 64 or w.dtype == torch.float32 else 64
     grid = (sorted_pairs.numel() // block_m, triton.cdiv(n, block_n))
     _grouped_matmul_kernel[grid](
         a,

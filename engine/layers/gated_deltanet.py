@@ -14,7 +14,8 @@ silu(z), a projection of the layer's input.
 Two forms compute the same thing: the recurrent one above, a token at a time (decode), and the chunked one, which
 does 64 tokens at a time in matmuls and carries S from chunk to chunk (prefill). Both follow transformers'
 torch reference (its `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`) step for step, so the
-engine's tokens equal transformers'.
+engine's tokens equal transformers'. On NVIDIA GPUs both run as Triton kernels over the whole step instead
+(engine/layers/gated_deltanet_triton.py), held to these.
 
 The states live in per-layer pools, a slot per running request (`BlockManager`'s state slots, read from the step's
 `AttentionMetadata.state_slots_cpu`): conv_state [slots, channels, kernel - 1] and recurrent_state [slots, value
@@ -30,6 +31,11 @@ from engine.attention import AttentionMetadata
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 CHUNK = 64
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether the delta rule runs as Triton kernels (engine/layers/gated_deltanet_triton.py): on NVIDIA GPUs."""
+    return x.is_cuda
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -134,16 +140,18 @@ class GatedDeltaNet(nn.Module):
         qkv = self._convolve_one_each(qkv, meta) if one_each else self._convolve(qkv, meta)
         key_size = self.num_k_heads * self.k_dim
         q, k, v = qkv.split([key_size, key_size, self.num_v_heads * self.v_dim], dim=-1)
-        groups = self.num_v_heads // self.num_k_heads  # each q/k head serves this many value heads
         q, k = (l2norm(t.reshape(tokens, self.num_k_heads, self.k_dim).float()) for t in (q, k))
-        q, k = (t.repeat(1, groups, 1) if self.tiled else t.repeat_interleave(groups, dim=1) for t in (q, k))
         q = q * self.k_dim**-0.5
         v = v.reshape(tokens, self.num_v_heads, self.v_dim).float()
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = (
-            self._delta_rule_one_each(q, k, v, g, beta, meta) if one_each else self._delta_rule(q, k, v, g, beta, meta)
-        )
+        if uses_triton(x):
+            out = self._delta_rule_triton(q, k, v, g, beta, meta, chunked=not one_each)
+        else:
+            groups = self.num_v_heads // self.num_k_heads  # each q/k head serves this many value heads
+            q, k = (t.repeat(1, groups, 1) if self.tiled else t.repeat_interleave(groups, dim=1) for t in (q, k))
+            delta_rule = self._delta_rule_one_each if one_each else self._delta_rule
+            out = delta_rule(q, k, v, g, beta, meta)
         out = self.norm(out.to(x.dtype).reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return self.out_proj(out.reshape(tokens, -1))
 
@@ -199,6 +207,18 @@ class GatedDeltaNet(nn.Module):
         out, self.recurrent_state[slots] = recurrent_delta_rule(q, k, v, g, beta, state)
         self._keep_snapshots(self.recurrent_state, meta)
         return out
+
+    def _delta_rule_triton(self, q, k, v, g, beta, meta: AttentionMetadata, chunked: bool) -> torch.Tensor:
+        from engine.layers import gated_deltanet_triton as kernels  # Triton: imported where a GPU runs it
+
+        plan = meta.backend_cache.get(("delta_rule_plan", chunked))  # the same for every linear layer of the step
+        if plan is None:
+            sequences = list(self._sequences(meta))
+            plan = kernels.DeltaRulePlan.build(
+                *([s[i] for s in sequences] for i in (1, 2, 3, 4)), q.device, kernels.CHUNK if chunked else None
+            )
+            meta.backend_cache[("delta_rule_plan", chunked)] = plan
+        return kernels.delta_rule(q, k, v, g, beta, self.recurrent_state, plan, chunked=chunked, tiled=self.tiled)
 
     def _delta_rule(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(v)
