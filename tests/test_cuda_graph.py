@@ -51,3 +51,36 @@ def test_graph_replay_with_padding_matches_eager(tiny_llama, monkeypatch):
     assert runner.graphs.graphs[4].replays > 0
     # Padded rows wrote nothing, though their stale slot pointed at block 31.
     assert all(cache[31].abs().sum() == 0 for cache in runner.kv_cache)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_hybrid_models_graphs_carry_each_rows_state_slot(kernels, tiny_models, hf_model, random_prompt, monkeypatch):
+    """The tiny Qwen3.5's decode graphs read the state slots from their own buffers: 3 rows replay the 4-row
+    graph, a padding row's state goes to the scratch slot, and a reply that passes position 128 keeps a snapshot
+    from inside the graph, which the next turn starts from. On the Triton kernels too (the interpreter here)."""
+    from engine.layers import gated_deltanet
+    from tests.test_parity import hf_greedy
+
+    if kernels == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(gated_deltanet, "uses_triton", lambda x: True)
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, size: EagerReplay(self, size))
+    path = tiny_models["qwen3_5"]
+    llm = LLM(str(path), dtype="float32", num_kvcache_blocks=64, max_num_seqs=5)
+    runner = llm.model_runner
+    runner.graphs = DecodeGraphs(
+        runner.model, 64, torch.float32, torch.device("cpu"), 5, 16, llm.max_model_len, recurrent_state=True
+    )
+    runner.graphs.capture()
+    runner.graphs.states.slots.fill_(0)  # stale rows from an earlier, larger batch
+    runner.graphs.states.keep.fill_(1)
+    prompts = [random_prompt(120, 150), random_prompt(9, 151), random_prompt(30, 152)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    results = llm.generate(prompts, params, use_tqdm=False)
+    assert runner.graphs.graphs[4].replays > 0
+    for prompt, result in zip(prompts, results):
+        assert result["token_ids"] == hf_greedy(hf_model(path), prompt, 20)
+    turn2 = prompts[0] + results[0]["token_ids"] + [5, 6]
+    again = llm.generate([turn2], params, use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == 128  # the snapshot the graph kept at 128 tokens
+    assert again["token_ids"] == hf_greedy(hf_model(path), turn2, 20)

@@ -6,6 +6,28 @@ import torch
 
 
 @dataclass
+class DecodeStates:
+    """A step of one token a sequence, as a hybrid model's recurrent layers read it: device tensors, so that a
+    captured decode graph replays them. Each sequence's state slot (-1: none, a graph's padding row), whether its
+    state starts from zeros, and the snapshot slot that keeps its state after the token (-1: none). Layers send
+    the -1s to a scratch slot at the end of their pools, which no request holds."""
+
+    slots: torch.Tensor  # int32 [num_seqs]
+    fresh: torch.Tensor  # int32 [num_seqs]; 1 = a one-token prompt
+    keep: torch.Tensor  # int32 [num_seqs]
+
+    @classmethod
+    def of(cls, meta: "AttentionMetadata", device: torch.device) -> "DecodeStates":
+        """From the step's host lists (`state_slots_cpu`, `seq_lens_cpu`, `state_snapshots`)."""
+        keep = [-1] * meta.num_seqs
+        for seq, _, snapshot in meta.state_snapshots:
+            keep[seq] = snapshot
+        fresh = [int(length == 1) for length in meta.seq_lens_cpu]
+        rows = torch.tensor([meta.state_slots_cpu, fresh, keep], dtype=torch.int32).to(device, non_blocking=True)
+        return cls(*rows)
+
+
+@dataclass
 class AttentionMetadata:
     """Describes one batch of flattened query tokens and where their KV lives.
 
@@ -39,10 +61,18 @@ class AttentionMetadata:
     state_slots_cpu: list[int] | None = None
     state_restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot slot, slot) copied first
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # (sequence, tokens into it, slot)
+    # The same, for a step of one token a sequence, on the device: a graph's own (engine/runner/cuda_graph.py),
+    # else made from the lists above by the first layer that needs it (`decode_states`)
+    decode_state_rows: DecodeStates | None = field(default=None, repr=False)
 
     def for_group(self, group: int) -> "AttentionMetadata":
         """The metadata the layers of KV-cache group `group` read."""
         return self if self.groups is None else self.groups[group]
+
+    def decode_states(self, device: torch.device) -> DecodeStates:
+        if self.decode_state_rows is None:
+            self.decode_state_rows = DecodeStates.of(self, device)
+        return self.decode_state_rows
 
     @property
     def num_seqs(self) -> int:

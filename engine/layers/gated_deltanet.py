@@ -182,42 +182,44 @@ class GatedDeltaNet(nn.Module):
             out[start : start + n] = F.silu(mixed).T.to(qkv.dtype)
         return out
 
-    def _one_each(self, meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state slots, whether each starts from zeros) of a step of one token a sequence."""
-        slots = torch.tensor(meta.state_slots_cpu, device=device)
-        fresh = torch.tensor([length == 1 for length in meta.seq_lens_cpu], device=device)
-        return slots, fresh
+    def _one_each(self, meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(state slots, whether each starts from zeros, the slot that keeps each one's state after its token, -1
+        for none) of a step of one token a sequence, on the device: none of it is decided on the host, so a graph
+        replays it. A row with no slot (a graph's padding) uses the scratch slot."""
+        rows = meta.decode_states(device)
+        return self._or_scratch(rows.slots), rows.fresh.bool(), rows.keep
 
-    def _keep_snapshots(self, state: torch.Tensor, meta: AttentionMetadata) -> None:
-        """A step of one token a sequence: a snapshot kept at a sequence's position is its state after it."""
-        for i, _, snapshot in meta.state_snapshots:
-            state[snapshot] = state[meta.state_slots_cpu[i]]
+    def _or_scratch(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slots, with -1 sent to the pools' last slot: a scratch slot no request holds."""
+        return torch.where(slots < 0, self.recurrent_state.shape[0] - 1, slots).long()
 
     def _convolve_one_each(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        slots, fresh = self._one_each(meta, qkv.device)
+        slots, fresh, keep = self._one_each(meta, qkv.device)
         past = self.conv_state[slots].masked_fill(fresh[:, None, None], 0)
         inputs = torch.cat((past, qkv.to(past.dtype)[:, :, None]), dim=-1)  # [sequences, channels, kernel]
         self.conv_state[slots] = inputs[:, :, 1:]
-        self._keep_snapshots(self.conv_state, meta)
+        self.conv_state[self._or_scratch(keep)] = inputs[:, :, 1:]
         return F.silu((inputs * self.conv1d_weight[:, 0]).sum(dim=-1)).to(qkv.dtype)
 
     def _delta_rule_one_each(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
-        slots, fresh = self._one_each(meta, q.device)
+        slots, fresh, keep = self._one_each(meta, q.device)
         state = self.recurrent_state[slots].masked_fill(fresh[:, None, None, None], 0)
-        out, self.recurrent_state[slots] = recurrent_delta_rule(q, k, v, g, beta, state)
-        self._keep_snapshots(self.recurrent_state, meta)
+        out, state = recurrent_delta_rule(q, k, v, g, beta, state)
+        self.recurrent_state[slots] = state
+        self.recurrent_state[self._or_scratch(keep)] = state
         return out
 
     def _delta_rule_triton(self, q, k, v, g, beta, meta: AttentionMetadata, chunked: bool) -> torch.Tensor:
         from engine.layers import gated_deltanet_triton as kernels  # Triton: imported where a GPU runs it
 
         plan = meta.backend_cache.get(("delta_rule_plan", chunked))  # the same for every linear layer of the step
-        if plan is None:
+        if plan is None and chunked:
             sequences = list(self._sequences(meta))
-            plan = kernels.DeltaRulePlan.build(
-                *([s[i] for s in sequences] for i in (1, 2, 3, 4)), q.device, kernels.CHUNK if chunked else None
-            )
-            meta.backend_cache[("delta_rule_plan", chunked)] = plan
+            lists = ([s[i] for s in sequences] for i in (1, 2, 3, 4))
+            plan = kernels.DeltaRulePlan.build(*lists, q.device, kernels.CHUNK)
+        elif plan is None:
+            plan = kernels.DeltaRulePlan.one_each(*self._one_each(meta, q.device))
+        meta.backend_cache[("delta_rule_plan", chunked)] = plan
         return kernels.delta_rule(q, k, v, g, beta, self.recurrent_state, plan, chunked=chunked, tiled=self.tiled)
 
     def _delta_rule(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:

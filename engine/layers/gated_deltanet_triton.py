@@ -87,6 +87,13 @@ class DeltaRulePlan:
         flat = torch.tensor([x for v in values for x in v], dtype=torch.int32).to(device, non_blocking=True)
         return cls(*flat.split([len(v) for v in values]))
 
+    @classmethod
+    def one_each(cls, slots: torch.Tensor, fresh: torch.Tensor, keep: torch.Tensor) -> "DeltaRulePlan":
+        """A step of one token a sequence, from device tensors (a decode graph replays it): each sequence's slot,
+        whether it starts from zeros, and the slot that keeps its state after the token."""
+        rows = torch.arange(len(slots) + 1, dtype=torch.int32, device=slots.device)
+        return cls(slots, fresh.int(), rows, rows[:-1], torch.ones_like(rows[:-1]), keep)
+
 
 @triton.jit
 def _key_head(h, H: tl.constexpr, HK: tl.constexpr, TILED: tl.constexpr):

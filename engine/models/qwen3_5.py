@@ -129,7 +129,7 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    static_decode = False  # the linear layers loop over the sequences on the host
+    static_decode = True  # a decode step's state slots are device tensors (AttentionMetadata.decode_states)
     packed_modules = {
         **LlamaForCausalLM.packed_modules,
         "in_proj_qkv": ("in_proj", 0),
@@ -158,6 +158,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5-MoE and Qwen3.6-35B-A3B: Qwen3.5's layers with experts and a shared expert in each."""
+
+    static_decode = False  # the experts' loop is decided on the host (engine/layers/fused_moe.py)
 
 
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):

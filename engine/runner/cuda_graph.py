@@ -11,6 +11,7 @@ import bisect
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention.metadata import DecodeStates
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -36,7 +37,10 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         max_seq_len: int,
+        recurrent_state: bool = False,
     ):
+        """`recurrent_state`: the model has a hybrid model's recurrent layers, whose state slots the graphs read
+        from buffers of their own (engine/layers/gated_deltanet.py)."""
         self.forward = forward
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_seq_len = max_seq_len
@@ -49,10 +53,13 @@ class DecodeGraphs:
             self.seq_lens = torch.zeros(n, dtype=torch.int32)
             self.block_tables = torch.full((n, max_blocks_per_seq), -1, dtype=torch.int32)
             self.hidden = torch.zeros(n, hidden_size, dtype=dtype)
+            rows = lambda fill: torch.full((n,), fill, dtype=torch.int32)  # noqa: E731
+            self.states = DecodeStates(rows(-1), rows(1), rows(-1)) if recurrent_state else None
         self.graphs: dict = {}  # size -> torch.cuda.CUDAGraph
         self.pool = None
 
     def _meta(self, size: int) -> AttentionMetadata:
+        states = None if self.states is None else DecodeStates(*(t[:size] for t in vars(self.states).values()))
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],
@@ -63,6 +70,7 @@ class DecodeGraphs:
             query_lens_cpu=[1] * size,
             seq_lens_cpu=[self.max_seq_len] * size,
             host_lens_exact=False,
+            decode_state_rows=states,
         )
 
     @torch.inference_mode()
@@ -88,7 +96,9 @@ class DecodeGraphs:
         return graph
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode_only and pick_graph_size(self.sizes, meta.num_seqs) is not None
+        # A prompt that starts from a state snapshot copies it first, in its layers: eagerly
+        fits = pick_graph_size(self.sizes, meta.num_seqs) is not None
+        return meta.is_decode_only and fits and not meta.state_restores
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = meta.num_seqs
@@ -102,5 +112,10 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width] = meta.block_tables
         self.block_tables[:n, width:] = -1
+        if self.states is not None:  # padding rows: no slot, no snapshot
+            rows = meta.decode_states(self.input_ids.device)
+            for buffer, given in zip(vars(self.states).values(), vars(rows).values(), strict=True):
+                buffer[:n] = given
+                buffer[n:size] = -1
         self.graphs[size].replay()
         return self.hidden[:n]

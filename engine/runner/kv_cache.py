@@ -290,8 +290,8 @@ def allocate_states(
     quarter = (config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES) // 4
     running = max(1, min(config.max_num_seqs, quarter // slot_bytes))
     snapshots = min(MAX_STATE_SNAPSHOTS, quarter // slot_bytes) if config.enable_prefix_caching else 0
-    for layer, name, shape, kind in shapes:
-        setattr(layer, name, zeroed((running + snapshots, *shape), kind, device))
+    for layer, name, shape, kind in shapes:  # and a scratch slot last, for rows that keep nothing (a graph's padding)
+        setattr(layer, name, zeroed((running + snapshots + 1, *shape), kind, device))
     log.info(
         "recurrent state: %d slots and %d prefix snapshots of %.1f MiB each (requests beyond the slots wait)",
         running,

@@ -224,15 +224,11 @@ class ModelRunner:
         """The decode steps' CUDA graphs, captured with the compiled small ops; None where steps run eagerly."""
         if not self.use_graphs:
             return None
+        max_blocks, hidden = -(-self.max_model_len // self.block_size), self.hf_config.hidden_size
         graphs = DecodeGraphs(
-            self.model,
-            self.hf_config.hidden_size,
-            self.dtype,
-            self.device,
-            self.config.max_num_seqs,
-            -(-self.max_model_len // self.block_size),
-            self.max_model_len,
-        )
+            self.model, hidden, self.dtype, self.device, self.config.max_num_seqs, max_blocks, self.max_model_len,
+            recurrent_state=self.state_slots[0] > 0,
+        )  # fmt: skip
         with compiled_small_ops(self.model):
             graphs.capture()
         return graphs
@@ -249,6 +245,7 @@ class ModelRunner:
             and self.tp.size == 1
             and self.backend.name == "torch"
             and self.kv_layout.uniform(self.attention_layers, self.kv_groups)  # no strided views: untried compiled
+            and not self.state_slots[0]  # nor traced recurrent state
         )
 
     def _start_compiling_decode(self) -> None:
