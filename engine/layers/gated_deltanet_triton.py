@@ -101,6 +101,17 @@ def _key_head(h, H: tl.constexpr, HK: tl.constexpr, TILED: tl.constexpr):
 
 
 @triton.jit
+def _load_state(state_ptr, slot_ptr, fresh_ptr, stride_slot, seq, h, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr):
+    """A program's slice of its sequence's S (zeros for a fresh one), and where in the pool it lives."""
+    state_offs = h * K * V + offs_k[:, None] * V + offs_v[None, :]
+    state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    S = tl.load(state_ptr + slot * stride_slot + state_offs, mask=state_mask, other=0.0)
+    S = tl.where(tl.load(fresh_ptr + seq) == 0, S, 0.0)  # a fresh slot holds whatever its last request left
+    return S, slot, state_offs, state_mask
+
+
+@triton.jit
 def _recurrent_kernel(
     q_ptr,
     k_ptr,
@@ -132,11 +143,9 @@ def _recurrent_kernel(
     kh = _key_head(h, H, HK, TILED)
     offs_k, offs_v = tl.arange(0, K_PAD), vb * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < K, offs_v < V
-    state_offs = h * K * V + offs_k[:, None] * V + offs_v[None, :]
-    state_mask = mask_k[:, None] & mask_v[None, :]
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    S = tl.load(state_ptr + slot * stride_slot + state_offs, mask=state_mask, other=0.0)
-    S = tl.where(tl.load(fresh_ptr + seq) == 0, S, 0.0)  # a fresh slot holds whatever its last request left
+    S, slot, state_offs, state_mask = _load_state(
+        state_ptr, slot_ptr, fresh_ptr, stride_slot, seq, h, offs_k, offs_v, K, V
+    )
     for piece in range(tl.load(piece_ptr_ptr + seq), tl.load(piece_ptr_ptr + seq + 1)):
         start = tl.load(piece_start_ptr + piece).to(tl.int64)
         for token in range(start, start + tl.load(piece_len_ptr + piece)):
@@ -248,11 +257,9 @@ def _chunk_state_kernel(
     kh = _key_head(h, H, HK, TILED)
     rows, offs_k, offs_v = tl.arange(0, BT), tl.arange(0, K_PAD), vb * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < K, offs_v < V
-    state_offs = h * K * V + offs_k[:, None] * V + offs_v[None, :]
-    state_mask = mask_k[:, None] & mask_v[None, :]
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    S = tl.load(state_ptr + slot * stride_slot + state_offs, mask=state_mask, other=0.0)
-    S = tl.where(tl.load(fresh_ptr + seq) == 0, S, 0.0)  # a fresh slot holds whatever its last request left
+    S, slot, state_offs, state_mask = _load_state(
+        state_ptr, slot_ptr, fresh_ptr, stride_slot, seq, h, offs_k, offs_v, K, V
+    )
     for chunk in range(tl.load(piece_ptr_ptr + seq), tl.load(piece_ptr_ptr + seq + 1)):
         token = tl.load(piece_start_ptr + chunk).to(tl.int64) + rows
         live = rows < tl.load(piece_len_ptr + chunk)

@@ -4,9 +4,8 @@ gated_deltanet.py) to each gated full-attention layer. The attention layers' que
 head; norms are zero-centred (weights stored as an offset from 1, as Gemma's). The hub's checkpoints are
 Qwen3_5ForConditionalGeneration (a vision tower beside the language model): the engine serves the language model.
 
-Its full-attention layers keep a paged KV cache; its linear layers keep a state slot per running request. A prefix
-hit would skip tokens whose state no slot holds, so the prefix cache is off for these models (LLMEngine) until
-state snapshots exist.
+Its full-attention layers keep a paged KV cache; its linear layers keep a state slot per running request, and
+snapshots of it for the prefix cache (engine/core/state_slots.py).
 """
 
 import torch
