@@ -70,7 +70,7 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Copy every safetensors tensor of the checkpoint in `path` into `model` (see `load_tensors`)."""
-    load_tensors(model, (item for file in safetensors_files(path) for item in _read_tensors(file)), str(path))
+    load_tensors(model, (item for file in safetensors_files(path) for item in read_tensors(file)), str(path))
 
 
 def load_tensors(
@@ -126,13 +126,16 @@ def checkpoint_numel(files: list[Path]) -> int:
     return total
 
 
-def _read_tensors(file: Path):
+def read_tensors(file: Path, prefix: str = ""):
+    """(name, tensor) of each tensor in a safetensors file whose name starts with `prefix`; the others are not
+    read."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name.startswith(prefix):
+                    yield name, f.get_tensor(name)
     except Exception as e:
         raise _unreadable(file, e) from e
 

@@ -21,6 +21,7 @@ from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from engine.models.gemma3 import Gemma3ForConditionalGeneration, GemmaRMSNorm
 from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen3_5_mtp import MTP_PREFIX
 from engine.runner.distributed import SINGLE, TPGroup
 
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -93,9 +94,11 @@ def feed_forward(config, index: int) -> nn.Module:
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config, index: int, rotary: RotaryEmbedding):
+    def __init__(self, config, index: int, rotary: RotaryEmbedding, kind: str | None = None):
+        """Layer `index` of the model, of the kind config.layer_types gives it unless `kind` says (the MTP head's
+        layers, engine/models/qwen3_5_mtp.py, come after the model's)."""
         super().__init__()
-        kind = config.layer_types[index]
+        kind = kind or config.layer_types[index]
         self.linear_attn = GatedDeltaNet(config) if kind == "linear_attention" else None
         self.self_attn = GatedAttention(config, rotary) if kind == "full_attention" else None
         self.mlp = feed_forward(config, index)
@@ -151,7 +154,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         return []  # its norms are zero-centred, not the fused kernel's
 
     def checkpoint_name(self, name: str) -> str | None:
-        """The depthwise convolution's weight is a parameter of the layer here, not a Conv1d module's."""
+        """The depthwise convolution's weight is a parameter of the layer here, not a Conv1d module's. The
+        multi-token-prediction head (`mtp.*`) is not the model's: engine/models/qwen3_5_mtp.py loads it."""
+        if name.startswith(MTP_PREFIX):
+            return None
         return name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv1d_weight")
 
 

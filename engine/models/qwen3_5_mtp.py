@@ -1,0 +1,77 @@
+"""The multi-token-prediction (MTP) head that Qwen3.5, Qwen3.6 and Qwen3-Next checkpoints ship beside the model
+(their `mtp.*` tensors): the drafter of speculative decoding, which proposes the token after next from the model's
+last hidden state and the next token's embedding:
+
+    h = fc(concat(norm_embedding(embed(next token)), norm_hidden(hidden)))
+    h = a full-attention decoder layer of the model's own kind (experts in the MoE models), then norm
+
+and reads logits through the model's head. The model itself never runs it: loading a checkpoint skips these tensors
+(they take no memory), and `load_mtp_head` builds the head and loads them when a drafter is wanted. Its attention
+layer is not bound to a KV cache here; whoever runs the head gives it one.
+"""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.layers.linear import ColumnParallelLinear
+from engine.layers.rotary_embedding import RotaryEmbedding
+from engine.loader.weights import load_tensors, read_tensors, safetensors_files
+from engine.models.gemma3 import GemmaRMSNorm
+
+MTP_PREFIX = "mtp."
+
+
+def mtp_layer_count(config) -> int:
+    """The head's decoder layers, as the checkpoint's config names them (Qwen3.5: mtp_num_hidden_layers; Qwen3-Next:
+    num_nextn_predict_layers)."""
+    return int(getattr(config, "mtp_num_hidden_layers", 0) or getattr(config, "num_nextn_predict_layers", 0) or 1)
+
+
+class MultiTokenPredictor(nn.Module):
+    def __init__(self, model: nn.Module, config):
+        from engine.models.qwen3_5 import Qwen3_5DecoderLayer  # the model's file imports this one's name
+
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = ColumnParallelLinear.split(2 * size, [size])
+        self.pre_fc_norm_embedding = GemmaRMSNorm(size, eps)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(size, eps)
+        rotary: RotaryEmbedding = next(m for m in model.modules() if isinstance(m, RotaryEmbedding))
+        first = config.num_hidden_layers  # numbered after the model's layers, as vLLM numbers them
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, first + i, rotary, kind="full_attention")
+            for i in range(mtp_layer_count(config))
+        )
+        self.norm = GemmaRMSNorm(size, eps)
+        self.packed_modules = model.packed_modules
+        # The model's embedding and head serve the head too: plain attributes, not parameters of its own
+        self.__dict__["embed_tokens"] = model.model.embed_tokens
+        self.__dict__["lm_head"] = model.lm_head
+
+
+def load_mtp_head(model: nn.Module, config, path: Path | str) -> MultiTokenPredictor:
+    """The MTP head of the safetensors checkpoint in `path`, whose model (with config `config`) `model` is, built
+    on the device and in the dtype of `model`'s weights and loaded from the checkpoint's `mtp.*` tensors, read
+    alone. A checkpoint without them gets a ValueError that says so."""
+    path, config = Path(path), getattr(config, "text_config", config)
+    weight = model.model.embed_tokens.weight
+    with torch.device(weight.device):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(weight.dtype)
+        try:
+            head = MultiTokenPredictor(model, config)
+        finally:
+            torch.set_default_dtype(default)
+    tensors = (
+        (name.removeprefix(MTP_PREFIX), tensor)
+        for file in safetensors_files(path)
+        for name, tensor in read_tensors(file, MTP_PREFIX)
+    )
+    found = iter(tensors)
+    first = next(found, None)
+    if first is None:
+        raise ValueError(f"the checkpoint in {path} has no multi-token-prediction head (no {MTP_PREFIX}* tensors)")
+    load_tensors(head, (t for part in ([first], found) for t in part), f"{path} ({MTP_PREFIX}*)")
+    return head.eval()
