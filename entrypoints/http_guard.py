@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from entrypoints.anthropic.protocol import error_body, speaks_anthropic
+
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
 CORS_RESPONSE_HEADERS = frozenset(
@@ -273,7 +275,7 @@ class HTTPGuard:
                 if name
                 else "the request has no Host header; send one naming this server (e.g. Host: localhost)"
             )
-            return error(403, api, message, "host_not_allowed")
+            return error(403, path, message, "host_not_allowed")
         origin = headers.get("origin")
         if origin is not None and not self.policy.origin_allowed(origin):
             if normal_origin(origin):
@@ -283,22 +285,25 @@ class HTTPGuard:
                 )
             else:  # `null`: a sandboxed frame or a local file, which no setting can name
                 message = f"Requests from pages without an origin of their own ({origin!r}) are not allowed"
-            return error(403, api, message, "origin_not_allowed")
+            return error(403, path, message, "origin_not_allowed")
         if api and scope["type"] == "http" and scope["method"] == "POST":
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":
                 return error(
                     415,
-                    api,
+                    path,
                     f"/v1 takes JSON bodies: send `Content-Type: application/json` (got {kind or 'none'!r})",
                     "unsupported_media_type",
                 )
         return None
 
 
-def error(status: int, api: bool, message: str, code: str) -> tuple[int, str, bytes]:
-    """/v1 answers in OpenAI's error shape (what its clients parse); the page and Gradio's routes in plain text."""
-    if api:
+def error(status: int, path: str, message: str, code: str) -> tuple[int, str, bytes]:
+    """/v1 answers in its API's error shape (what its clients parse: Anthropic's under /v1/messages, else OpenAI's);
+    the page and Gradio's routes in plain text."""
+    if speaks_anthropic(path):
+        return status, "application/json", json.dumps(error_body(status, message)).encode()
+    if path == "/v1" or path.startswith("/v1/"):
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
         return status, "application/json", json.dumps(body).encode()
     return status, "text/plain; charset=utf-8", message.encode()

@@ -152,10 +152,26 @@ def schemathesis_node_id(request):
         request.node._nodeid = request.node.nodeid
 
 
+def anthropic_error(content: bytes) -> str | None:
+    """Why a body is not Anthropic's error object ({"type": "error", "error": {"type", "message"}}), or None."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return f"not JSON: {content[:200]!r}"
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or body.get("type") != "error" or not isinstance(error, dict):
+        return f"not {{'type': 'error', 'error': {{...}}}}: {body!r}"[:500]
+    if set(error) != {"type", "message"} or not all(isinstance(error[k], str) and error[k] for k in error):
+        return f"error is {error!r}, not a type and a message"
+    return None
+
+
 def openai_error_shape(ctx, response, case) -> None:
-    """schemathesis check: a 4xx under /v1 is OpenAI's error object."""
+    """schemathesis check: a 4xx under /v1 is that API's error object (Anthropic's under /v1/messages, else
+    OpenAI's)."""
     if 400 <= response.status_code < 500 and case.path.startswith("/v1"):
-        problem = openai_error(response.content)
+        shape = anthropic_error if case.path.startswith("/v1/messages") else openai_error
+        problem = shape(response.content)
         if problem is not None:
             raise AssertionError(f"{response.status_code} from {case.method} {case.path}: {problem}")
 

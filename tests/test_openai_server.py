@@ -113,6 +113,8 @@ def test_stop_strings_end_the_reply_and_are_not_returned(client):
     assert stop not in reply.choices[0].text
     assert free.choices[0].text.startswith(reply.choices[0].text)
     assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].stop_reason == stop  # vLLM's field: which stop string ended it
+    assert getattr(free.choices[0], "stop_reason", None) is None
 
 
 def test_max_tokens_ends_with_length_and_seed_repeats(client):

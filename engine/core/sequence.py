@@ -56,6 +56,7 @@ class Sequence:
         self.state_slot: int | None = None  # its recurrent layers' state slot while it runs (BlockManager)
         self.restore_slot: int | None = None  # a state snapshot its slot starts as, at admission on a cached prefix
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id it ended on (vLLM's)
         self.output_text = ""
         self.generator = None  # a torch.Generator when sampling_params.seed is set
         self.prefix_offset = self.read_offset = 0  # detokenizer window over the output tokens

@@ -39,7 +39,9 @@ def finish_reason(seq: Sequence, token: int, eos_token_ids: set[int], detokenize
     reason = None
     if seq.grammar is not None and seq.grammar.failure:  # before the end token a failed constraint forces
         reason = "error"
-    elif (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+    elif token in params.stop_token_ids:
+        reason, seq.stop_reason = "stop", token
+    elif token in eos_token_ids and not params.ignore_eos:
         reason = "stop"
     elif seq.grammar is not None and seq.grammar.finished:  # the reply is complete: nothing more may follow
         reason = "stop"
@@ -77,6 +79,7 @@ def request_output(
         None if token_logprobs is None else [token_logprobs],
         seq.prompt_logprobs if first else None,
         seq.grammar.failure if reason == "error" else None,
+        seq.stop_reason if reason == "stop" else None,
     )
 
 
@@ -89,5 +92,7 @@ def apply_stop_strings(seq: Sequence) -> str | None:
     hits = [i for i in (text.find(s, start) for s in seq.sampling_params.stop_list) if i >= 0]
     if not hits:
         return None
-    seq.output_text = text[: min(hits)]
+    first = min(hits)
+    seq.output_text = text[:first]
+    seq.stop_reason = next(s for s in seq.sampling_params.stop_list if text.find(s, start) == first)
     return "stop"

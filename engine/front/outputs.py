@@ -24,6 +24,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None, then one dict per prompt token; in the request's first output only
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # why the request failed (finish_reason "error": its constraint could not be followed)
+    # With finish_reason "stop": the stop string or stop token id (not the model's end token) that ended it
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)

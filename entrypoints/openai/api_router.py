@@ -53,6 +53,23 @@ def has_key(authorization: str, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
 
 
+def served_model(models: ModelSource, asked: str | None) -> ServedModel:
+    """The loaded model, if it is the one `asked` for (None: whichever is loaded); else a 503 or 404 that says why."""
+    model = models()
+    if model is None:
+        raise APIError(
+            503, "no model is loaded; load one in Pagoda's Models tab", type="server_error", code="model_not_loaded"
+        )
+    if asked is not None and asked != model.name:
+        raise APIError(
+            404,
+            f"the model {asked!r} does not exist; this server serves {model.name!r}",
+            code="model_not_found",
+            param="model",
+        )
+    return model
+
+
 def create_router(  # noqa: C901 (pyproject.toml says why)
     models: ModelSource,
     api_key: str | None = None,
@@ -87,19 +104,7 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
     told_of_dropped_tools: set[tuple] = set()
 
     def served(asked: str | None) -> ServedModel:
-        model = models()
-        if model is None:
-            raise APIError(
-                503, "no model is loaded; load one in Pagoda's Models tab", type="server_error", code="model_not_loaded"
-            )
-        if asked is not None and asked != model.name:
-            raise APIError(
-                404,
-                f"the model {asked!r} does not exist; this server serves {model.name!r}",
-                code="model_not_found",
-                param="model",
-            )
-        return model
+        return served_model(models, asked)
 
     def model_card(model: ServedModel) -> ModelCard:
         return ModelCard(id=model.name, max_model_len=model.engine.max_model_len)

@@ -386,6 +386,7 @@ class ChatChoice(Response):
     message: AssistantMessage
     logprobs: dict | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id it ended on
 
 
 class CompletionChoice(Response):
@@ -393,6 +394,7 @@ class CompletionChoice(Response):
     text: str
     logprobs: dict | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id it ended on
 
 
 class Delta(Response):
@@ -407,6 +409,7 @@ class ChatChunkChoice(Response):
     delta: Delta
     logprobs: dict | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id it ended on
 
 
 class CompletionResponse(Response):

@@ -79,6 +79,7 @@ class Reply:
         self.object = "chat.completion" if chat else "text_completion"
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = num_prompt_tokens, 0, 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.logprobs, self.texts, self.echo = logprobs, texts, echo
         self.token_ids: list[int] = []  # the reply's tokens, and their logprobs entries when asked
         self.entries: list[dict[int, float]] = []
@@ -154,7 +155,7 @@ class Reply:
         self.token_ids += out.new_token_ids
         self.entries += out.logprobs or []
         if out.finished and out.finish_reason in ("stop", "length"):
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
     def choice_logprobs(self, token_ids: list[int], entries: list, text_offset: int = 0) -> dict | None:
         """`choices[i].logprobs` for these tokens in the route's shape; None when not asked."""
@@ -210,6 +211,8 @@ class Reply:
             choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=self.choice_finish_reason)
         else:
             choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=self.finish_reason)
+        if self.stop_reason is not None:
+            choice.stop_reason = self.stop_reason
         return self.response([choice], self.usage()).json_body()
 
     def chunk(
@@ -220,6 +223,7 @@ class Reply:
         logprobs: dict | None = None,
         tool_calls: list[dict] | None = None,
         reasoning: str = "",
+        stop_reason: str | int | None = None,
     ) -> dict:
         if self.chat:
             delta = Delta()
@@ -234,6 +238,8 @@ class Reply:
             choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         else:
             choice = CompletionChoice(text=text or "", logprobs=logprobs, finish_reason=finish_reason)
+        if stop_reason is not None:
+            choice.stop_reason = stop_reason
         return self.response([choice], chunk=True).json_body()
 
     async def sse(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
@@ -247,7 +253,7 @@ class Reply:
         if self.chat:
             yield event(self.chunk("", role=True))
         try:
-            async with aclosing(self._chunks(stream)) as chunks:  # closed with this generator: aborts the request
+            async with aclosing(self.chunks(stream)) as chunks:  # closed with this generator: aborts the request
                 async for chunk in chunks:
                     yield event(chunk)
         except RequestFailed as e:  # headers are sent: the error goes in the stream, as OpenAI's does
@@ -258,7 +264,7 @@ class Reply:
             yield event(self.response([], self.usage(), chunk=True).json_body())
         yield "data: [DONE]\n\n"
 
-    async def _chunks(self, stream: RequestStream) -> AsyncIterator[dict]:
+    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict]:
         """The stream's chunks after the first (the role), its finish reason's last."""
         echoed = self.echo is None
         async for out in stream:
@@ -286,4 +292,4 @@ class Reply:
             reasoning, text, calls = self.take(None, final=True)
             if reasoning or text or calls:
                 yield self.chunk(text or None, tool_calls=calls, reasoning=reasoning)
-        yield self.chunk(None if self.chat else "", self.choice_finish_reason)
+        yield self.chunk(None if self.chat else "", self.choice_finish_reason, stop_reason=self.stop_reason)

@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from engine import EngineThread
+from entrypoints.anthropic.protocol import error_response, speaks_anthropic
+from entrypoints.anthropic.router import create_router as create_anthropic_router
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.openai import request_log
 from entrypoints.openai.api_router import create_router, has_key, key_required
@@ -87,23 +89,29 @@ def is_api_path(path: str) -> bool:
 
 
 def routing_error(request: Request, exc: HTTPException) -> JSONResponse | None:
-    """OpenAI's error for a path or method no /v1 route has (Starlette's 404 and 405), or None for others."""
+    """The API's error for a path or method no /v1 route has (Starlette's 404 and 405), or None for others."""
     if not is_api_path(request.url.path) or exc.status_code not in (404, 405):
         return None
     where = f"{request.method} {request.url.path}"
+    shaped = error_response if speaks_anthropic(request.url.path) else APIError.response
     if exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
-        return APIError(
-            405,
-            f"{where} is not supported: this route takes {allowed or 'other methods'}",
-            code="method_not_allowed",
-            headers=exc.headers,
-        ).response()
-    return APIError(
-        404,
-        f"Invalid URL ({where}): this server serves /v1/chat/completions, /v1/completions and /v1/models",
-        code="not_found",
-    ).response()
+        return shaped(
+            APIError(
+                405,
+                f"{where} is not supported: this route takes {allowed or 'other methods'}",
+                code="method_not_allowed",
+                headers=exc.headers,
+            )
+        )
+    return shaped(
+        APIError(
+            404,
+            f"Invalid URL ({where}): this server serves /v1/chat/completions, /v1/completions, /v1/messages "
+            "and /v1/models",
+            code="not_found",
+        )
+    )
 
 
 def add_api_error_handlers(app: FastAPI) -> None:
@@ -146,5 +154,6 @@ def create_app(
     app.add_middleware(request_log.RequestLog)  # outermost: requests the guard refuses are logged too
     add_api_error_handlers(app)
     app.include_router(create_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
+    app.include_router(create_anthropic_router(lambda: served, api_key, max_request_bytes))
     app.include_router(create_metrics_router(lambda: served))
     return app

@@ -11,7 +11,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine import EngineThread, RequestFailed, SamplingParams
+from engine import EngineThread, RequestFailed, RequestStream, SamplingParams
 from entrypoints.gemma4_format import template_speaks_gemma4
 from entrypoints.harmony import template_speaks_harmony
 from entrypoints.openai import request_log
@@ -210,8 +210,7 @@ def token_texts(tokenizer) -> TokenTexts:
     return TokenTexts(tokenizer)
 
 
-async def complete(
-    request: Request,
+async def start_reply(
     model: ServedModel,
     body: RequestBody,
     token_ids: list[int],
@@ -220,8 +219,9 @@ async def complete(
     chat: bool,
     echo: Echo | None = None,
     tools: ToolPlan | None = None,
-    headers: dict[str, str] | None = None,
-) -> object:
+) -> tuple[Reply, RequestStream]:
+    """The request submitted to the engine: its stream of increments, and the Reply that reads them (its
+    reasoning, answer and tool calls). Every API's routes start here."""
     engine = model.engine
     params = sampling_params(body, len(token_ids), max_tokens, engine.max_model_len, default_max_tokens, tools)
     try:
@@ -261,13 +261,13 @@ async def complete(
         reasoning,
         channels,
     )
-    request_log.record(request, reply)
-    if body.stream:
-        return StreamingResponse(
-            reply.sse(stream, body.include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
-        )
+    return reply, stream
+
+
+async def whole_text(
+    request: Request, reply: Reply, stream: RequestStream, body: RequestBody, tools: ToolPlan | None
+) -> str | None:
+    """The reply's text, read to its end; None if the client went away meanwhile (the request is aborted)."""
     text = []
     try:
         async for out in stream:
@@ -279,10 +279,38 @@ async def complete(
                     break
             if await request.is_disconnected():
                 stream.cancel()
-                return JSONResponse({}, status_code=499)
+                return None
     except RequestFailed as e:
         raise failure(e, constraint_field(body, tools)) from None
-    return JSONResponse(reply.whole("".join(text)), headers=headers)
+    return "".join(text)
+
+
+async def complete(
+    request: Request,
+    model: ServedModel,
+    body: RequestBody,
+    token_ids: list[int],
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    chat: bool,
+    echo: Echo | None = None,
+    tools: ToolPlan | None = None,
+    headers: dict[str, str] | None = None,
+) -> object:
+    """The request answered in OpenAI's shapes: a chat.completion or text_completion, or their chunks as
+    server-sent events."""
+    reply, stream = await start_reply(model, body, token_ids, max_tokens, default_max_tokens, chat, echo, tools)
+    request_log.record(request, reply)
+    if body.stream:
+        return StreamingResponse(
+            reply.sse(stream, body.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+    text = await whole_text(request, reply, stream, body, tools)
+    if text is None:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(reply.whole(text), headers=headers)
 
 
 def constraint_field(body: RequestBody, tools: ToolPlan | None) -> str | None:

@@ -1,0 +1,91 @@
+"""Anthropic's Messages routes: POST /v1/messages (whole, or streamed as Anthropic's events) and POST
+/v1/messages/count_tokens, for Claude Code and the anthropic SDK. A request becomes an OpenAI chat body and goes
+the way /v1/chat/completions goes (entrypoints/openai/serving.py); only the shapes differ. The API key may come as
+`x-api-key` (the anthropic SDK's) or `Authorization: Bearer`; every refusal is in Anthropic's error shape.
+
+Claude Code names Anthropic's models (claude-sonnet-..., and claude-haiku-... for its background tasks) unless
+told otherwise: a `claude-*` name is answered by the loaded model, and the response's X-Pagoda-Model header names
+it. Any other name must be the loaded model's.
+"""
+
+import functools
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from entrypoints.anthropic.protocol import MessagesBody, error_response, message
+from entrypoints.anthropic.stream import message_events
+from entrypoints.openai import request_log
+from entrypoints.openai.api_router import has_key, key_required, served_model
+from entrypoints.openai.body_reader import openapi_body, parse_body
+from entrypoints.openai.errors import APIError
+from entrypoints.openai.limits import MAX_REQUEST_BYTES
+from entrypoints.openai.serving import ModelSource, chat_prompt, start_reply, whole_text
+
+log = logging.getLogger("pagoda.api")
+MODEL_HEADER = "X-Pagoda-Model"
+
+
+class CountTokensBody(MessagesBody):
+    max_tokens: int = 1  # not part of a count_tokens request
+
+
+def create_router(
+    models: ModelSource, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES
+) -> APIRouter:
+    def guarded(route):
+        @functools.wraps(route)
+        async def answer(request: Request):
+            try:
+                given = request.headers.get("x-api-key")
+                bearer = request.headers.get("authorization", "")
+                if not has_key(bearer if given is None else f"Bearer {given}", api_key):
+                    raise key_required()
+                return await route(request)
+            except APIError as e:
+                request_log.record_error(request, e.message)
+                return error_response(e)
+            except Exception as e:  # a bug of ours: still Anthropic's error shape, and the traceback in the log
+                log.exception("%s %s failed", request.method, request.url.path)
+                message = f"Pagoda failed on this request ({type(e).__name__}: {e}); the server log has the details"
+                return error_response(APIError(500, message))
+
+        return answer
+
+    async def read(request: Request, kind: type[MessagesBody]):
+        body = await parse_body(request, kind, max_request_bytes)
+        model = served_model(models, None if body.model.startswith("claude-") else body.model)
+        chat = body.chat_body()
+        return body, chat, model, await chat_prompt(model.engine, chat)
+
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/messages", openapi_extra=openapi_body(MessagesBody))
+    @guarded
+    async def messages(request: Request):
+        body, chat, model, prompt = await read(request, MessagesBody)
+        headers = {MODEL_HEADER: model.name, **(prompt.headers() or {})}
+        reply, stream = await start_reply(
+            model, chat, prompt.token_ids, body.max_tokens, None, True, tools=prompt.tools
+        )
+        request_log.record(request, reply)
+        if body.stream:
+            return StreamingResponse(
+                message_events(reply, stream, body.stop_sequences, model.name),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+            )
+        text = await whole_text(request, reply, stream, chat, prompt.tools)
+        if text is None:
+            return JSONResponse({}, status_code=499)
+        whole = message(reply.whole(text), model.name, body.stop_sequences, reply.cached_tokens)
+        return JSONResponse(whole, headers=headers)
+
+    @router.post("/messages/count_tokens", openapi_extra=openapi_body(CountTokensBody))
+    @guarded
+    async def count_tokens(request: Request):
+        _, _, model, prompt = await read(request, CountTokensBody)
+        return JSONResponse({"input_tokens": len(prompt.token_ids)}, headers={MODEL_HEADER: model.name})
+
+    return router
