@@ -90,6 +90,7 @@ def guarded(policy: AccessPolicy) -> dict:
 def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | None, max_request_bytes: int) -> None:
     """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
     from entrypoints.anthropic.router import create_router as create_anthropic_router
+    from entrypoints.ollama.router import create_router as create_ollama_router
     from entrypoints.openai.api_router import create_router
     from entrypoints.openai.errors import APIError
     from entrypoints.openai.server import create_metrics_router
@@ -117,6 +118,7 @@ def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | 
     # Gradio has already built its FastAPI app; routes added now are matched like its own.
     demo.server_app.include_router(create_router(served, api_key, default_max_tokens, max_request_bytes))
     demo.server_app.include_router(create_anthropic_router(served, api_key, max_request_bytes))
+    demo.server_app.include_router(create_ollama_router(served, api_key, default_max_tokens, max_request_bytes))
     demo.server_app.include_router(create_metrics_router(served))
     log.info("OpenAI-compatible API at %s/v1%s", demo.local_url.rstrip("/"), " (API key required)" if api_key else "")
 

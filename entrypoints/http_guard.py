@@ -299,11 +299,13 @@ class HTTPGuard:
 
 
 def error(status: int, path: str, message: str, code: str) -> tuple[int, str, bytes]:
-    """/v1 answers in its API's error shape (what its clients parse: Anthropic's under /v1/messages, else OpenAI's);
-    the page and Gradio's routes in plain text."""
+    """An API answers in its own error shape (what its clients parse: Anthropic's under /v1/messages, OpenAI's
+    elsewhere under /v1, Ollama's under /api); the page and Gradio's routes in plain text."""
     if speaks_anthropic(path):
         return status, "application/json", json.dumps(error_body(status, message)).encode()
     if path == "/v1" or path.startswith("/v1/"):
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
         return status, "application/json", json.dumps(body).encode()
+    if path.startswith("/api/"):  # Ollama's
+        return status, "application/json", json.dumps({"error": message}).encode()
     return status, "text/plain; charset=utf-8", message.encode()

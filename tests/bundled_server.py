@@ -30,3 +30,10 @@ def serve_bundled(bundled_model: Path, log: Path) -> ServeProcess:
         "--dtype",
         "float32",
     ).wait_ready()
+
+
+def running_server(bundled_model: Path, tmp_path_factory):
+    """A module's `server` fixture: the bundled server while the module's tests run."""
+    srv = serve_bundled(bundled_model, tmp_path_factory.mktemp("serve") / "server.log")
+    yield srv
+    srv.stop()

@@ -7,9 +7,8 @@ import pytest
 
 anthropic = pytest.importorskip("anthropic")
 
-from tests.bundled_server import KEY, MODEL, serve_bundled  # noqa: E402
-from tests.processes import ServeProcess  # noqa: E402
-from tests.test_openai_reasoning import with_template  # noqa: E402
+from tests.bundled_server import KEY, MODEL, running_server  # noqa: E402
+from tests.test_openai_reasoning import thinking_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 GREEDY = {"temperature": 0}  # the SDK sends no temperature (Claude's models take none now); older SDKs did
@@ -23,9 +22,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server(bundled_model, tmp_path_factory):
-    srv = serve_bundled(bundled_model, tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
-    srv.stop()
+    yield from running_server(bundled_model, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +114,7 @@ def test_refusals_come_in_anthropics_error_shape(client, server):
 
 @pytest.fixture(scope="module")
 def qwen3(tiny_models, tmp_path_factory):
-    folder = with_template(tiny_models["qwen3"], tmp_path_factory.mktemp("qwen3") / "model", "Qwen-Qwen3-0.6B.jinja")
-    srv = ServeProcess(folder, folder.parent / "server.log", "--served-model-name", "qwen3", "--dtype", "float32")
-    yield srv.wait_ready(300)
-    srv.stop()
+    yield from thinking_server(tiny_models, tmp_path_factory)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -1,7 +1,7 @@
 """Fuzzing a real `python -m engine.serve`: schemathesis over its declared /openapi.json, and hypothesis over
 the request bodies (drawn by tests/request_bodies.py). Whatever a client sends, the answer is never a 5xx, every
-4xx under /v1 is in OpenAI's error shape, and afterwards the server still answers, with nothing left running or
-holding KV blocks.
+4xx is in its API's error shape (OpenAI's, Anthropic's under /v1/messages, Ollama's under /api), and afterwards
+the server still answers, with nothing left running or holding KV blocks.
 
 The tests share their servers (one on the tiny Llama, one on a tiny Qwen3 with Qwen3's own chat template) and
 run in file order: the health check comes last, after everything else has hit them."""
@@ -166,11 +166,23 @@ def anthropic_error(content: bytes) -> str | None:
     return None
 
 
+def ollama_error(content: bytes) -> str | None:
+    """Why a body is not Ollama's error object ({"error": "..."}), or None."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return f"not JSON: {content[:200]!r}"
+    if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str) and body["error"]):
+        return f"not {{'error': '...'}}: {body!r}"[:500]
+    return None
+
+
 def openai_error_shape(ctx, response, case) -> None:
-    """schemathesis check: a 4xx under /v1 is that API's error object (Anthropic's under /v1/messages, else
-    OpenAI's)."""
-    if 400 <= response.status_code < 500 and case.path.startswith("/v1"):
+    """schemathesis check: a 4xx of an API is its own error object (Anthropic's under /v1/messages, OpenAI's
+    elsewhere under /v1, Ollama's under /api)."""
+    if 400 <= response.status_code < 500 and case.path.startswith(("/v1", "/api/")):
         shape = anthropic_error if case.path.startswith("/v1/messages") else openai_error
+        shape = ollama_error if case.path.startswith("/api/") else shape
         problem = shape(response.content)
         if problem is not None:
             raise AssertionError(f"{response.status_code} from {case.method} {case.path}: {problem}")

@@ -2,6 +2,7 @@
 constrained decoding makes the model write the `<think>...</think>answer` shape a trained one would, and the
 server must return the two parts apart, as vLLM does (`reasoning_content`), whole and streamed."""
 
+import json
 import re
 import shutil
 
@@ -28,12 +29,21 @@ def with_template(source, folder, template_name):
     return folder
 
 
-@pytest.fixture(scope="module")
-def qwen3(tiny_models, tmp_path_factory):
+def thinking_server(tiny_models, tmp_path_factory, max_len: int | None = None):
+    """A module's server of the tiny Qwen3 with Qwen3's real template, served as "qwen3"; `max_len`: its
+    config's max_position_embeddings instead (room for Qwen3's tool prompt with the tiny tokenizer)."""
     folder = with_template(tiny_models["qwen3"], tmp_path_factory.mktemp("qwen3") / "model", "Qwen-Qwen3-0.6B.jinja")
+    if max_len is not None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": max_len}))
     srv = ServeProcess(folder, folder.parent / "server.log", "--served-model-name", "qwen3", "--dtype", "float32")
     yield srv.wait_ready(300)
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_models, tmp_path_factory):
+    yield from thinking_server(tiny_models, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.bundled_server import DEFAULT_MAX_TOKENS, KEY, MODEL, serve_bundled  # noqa: E402
+from tests.bundled_server import DEFAULT_MAX_TOKENS, KEY, MODEL, running_server  # noqa: E402
 from tests.processes import wait_until  # noqa: E402
 
 # Starting the server on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
@@ -22,9 +22,7 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def server(bundled_model, tmp_path_factory):
-    srv = serve_bundled(bundled_model, tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
-    srv.stop()
+    yield from running_server(bundled_model, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,17 @@ told otherwise: a `claude-*` name is answered by the loaded model, and the respo
 it. Any other name must be the loaded model's.
 """
 
-import functools
-import logging
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from entrypoints.anthropic.protocol import MessagesBody, error_response, message
 from entrypoints.anthropic.stream import message_events
 from entrypoints.openai import request_log
-from entrypoints.openai.api_router import has_key, key_required, served_model
+from entrypoints.openai.api_router import guard, served_model
 from entrypoints.openai.body_reader import openapi_body, parse_body
-from entrypoints.openai.errors import APIError
 from entrypoints.openai.limits import MAX_REQUEST_BYTES
 from entrypoints.openai.serving import ModelSource, chat_prompt, start_reply, whole_text
 
-log = logging.getLogger("pagoda.api")
 MODEL_HEADER = "X-Pagoda-Model"
 
 
@@ -34,24 +29,7 @@ class CountTokensBody(MessagesBody):
 def create_router(
     models: ModelSource, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES
 ) -> APIRouter:
-    def guarded(route):
-        @functools.wraps(route)
-        async def answer(request: Request):
-            try:
-                given = request.headers.get("x-api-key")
-                bearer = request.headers.get("authorization", "")
-                if not has_key(bearer if given is None else f"Bearer {given}", api_key):
-                    raise key_required()
-                return await route(request)
-            except APIError as e:
-                request_log.record_error(request, e.message)
-                return error_response(e)
-            except Exception as e:  # a bug of ours: still Anthropic's error shape, and the traceback in the log
-                log.exception("%s %s failed", request.method, request.url.path)
-                message = f"Pagoda failed on this request ({type(e).__name__}: {e}); the server log has the details"
-                return error_response(APIError(500, message))
-
-        return answer
+    guarded = guard(api_key, error_response, "x-api-key")
 
     async def read(request: Request, kind: type[MessagesBody]):
         body = await parse_body(request, kind, max_request_bytes)

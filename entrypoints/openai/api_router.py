@@ -8,9 +8,10 @@ with the traceback in the log).
 import functools
 import logging
 import secrets
+from collections.abc import Callable
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from entrypoints.openai import request_log
 from entrypoints.openai.body_reader import openapi_body, parse_body
@@ -70,6 +71,38 @@ def served_model(models: ModelSource, asked: str | None) -> ServedModel:
     return model
 
 
+def guard(api_key: str | None, respond: Callable[[APIError], Response], key_header: str | None = None) -> Callable:
+    """A decorator for an API's routes: the API key first (`Authorization: Bearer`, or `key_header` where the API
+    sends it so: Anthropic's x-api-key), then every refusal made into that API's error shape by `respond` (a bug
+    of ours is a 500 in that shape, with the traceback in the log)."""
+
+    def guarded(route):
+        @functools.wraps(route)  # FastAPI reads the route's own parameters through this wrapper
+        async def answer(request: Request, *args, **kwargs):
+            try:
+                given = request.headers.get(key_header) if key_header else None
+                authorization = request.headers.get("authorization", "") if given is None else f"Bearer {given}"
+                if not has_key(authorization, api_key):
+                    raise key_required()
+                return await route(request, *args, **kwargs)
+            except APIError as e:
+                request_log.record_error(request, e.message)
+                return respond(e)
+            except Exception as e:  # a bug of ours: still the API's error shape, and the traceback in the log
+                log.exception("%s %s failed", request.method, request.url.path)
+                return respond(
+                    APIError(
+                        500,
+                        f"Pagoda failed on this request ({type(e).__name__}: {e}); the server log has the details",
+                        type="server_error",
+                    )
+                )
+
+        return answer
+
+    return guarded
+
+
 def create_router(  # noqa: C901 (pyproject.toml says why)
     models: ModelSource,
     api_key: str | None = None,
@@ -80,25 +113,7 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
     `default_max_tokens`: for requests that send none (None: the rest of the context);
     `max_request_bytes`: larger bodies get a 413."""
 
-    def guarded(route):
-        @functools.wraps(route)  # FastAPI reads the route's own parameters through this wrapper
-        async def answer(request: Request, *args, **kwargs):
-            try:
-                if not has_key(request.headers.get("authorization", ""), api_key):
-                    raise key_required()
-                return await route(request, *args, **kwargs)
-            except APIError as e:
-                request_log.record_error(request, e.message)
-                return e.response()
-            except Exception as e:  # a bug of ours: still OpenAI's error shape, and the traceback in the log
-                log.exception("%s %s failed", request.method, request.url.path)
-                return APIError(
-                    500,
-                    f"Pagoda failed on this request ({type(e).__name__}: {e}); the server log has the details",
-                    type="server_error",
-                ).response()
-
-        return answer
+    guarded = guard(api_key, APIError.response)
 
     router = APIRouter(prefix="/v1")
     told_of_dropped_tools: set[tuple] = set()

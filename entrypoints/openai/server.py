@@ -17,6 +17,8 @@ from engine import EngineThread
 from entrypoints.anthropic.protocol import error_response, speaks_anthropic
 from entrypoints.anthropic.router import create_router as create_anthropic_router
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
+from entrypoints.ollama.protocol import error_response as ollama_error
+from entrypoints.ollama.router import create_router as create_ollama_router
 from entrypoints.openai import request_log
 from entrypoints.openai.api_router import create_router, has_key, key_required
 from entrypoints.openai.errors import APIError
@@ -90,10 +92,12 @@ def is_api_path(path: str) -> bool:
 
 def routing_error(request: Request, exc: HTTPException) -> JSONResponse | None:
     """The API's error for a path or method no /v1 route has (Starlette's 404 and 405), or None for others."""
-    if not is_api_path(request.url.path) or exc.status_code not in (404, 405):
+    path = request.url.path
+    ollama = path.startswith("/api/")
+    if not (is_api_path(path) or ollama) or exc.status_code not in (404, 405):
         return None
-    where = f"{request.method} {request.url.path}"
-    shaped = error_response if speaks_anthropic(request.url.path) else APIError.response
+    where = f"{request.method} {path}"
+    shaped = error_response if speaks_anthropic(path) else ollama_error if ollama else APIError.response
     if exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
         return shaped(
@@ -155,5 +159,6 @@ def create_app(
     add_api_error_handlers(app)
     app.include_router(create_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
     app.include_router(create_anthropic_router(lambda: served, api_key, max_request_bytes))
+    app.include_router(create_ollama_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
     app.include_router(create_metrics_router(lambda: served))
     return app

@@ -1,0 +1,212 @@
+"""Ollama's API routes, for the editor plugins, scripts and Open WebUI connections that speak it: /api/chat and
+/api/generate (whole, or streamed as NDJSON lines, Ollama's default), /api/tags, /api/ps, /api/show and
+/api/version. A request becomes an OpenAI body and goes the way /v1/chat/completions goes
+(entrypoints/openai/serving.py); only the shapes differ. Behind the same API key as /v1 (`Authorization: Bearer`),
+and every refusal in Ollama's error shape ({"error": "..."}).
+
+A model is named as /api/tags lists it (the served name), with or without Ollama's ":latest" tag. /api/embed and
+/api/embeddings answer that no embedding model is loaded: embeddings are not served yet.
+"""
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine import RequestFailed
+from entrypoints.ollama.protocol import (
+    OLLAMA_API_VERSION,
+    ChatBody,
+    GenerateBody,
+    counts,
+    error_response,
+    now,
+    ollama_calls,
+)
+from entrypoints.openai import request_log
+from entrypoints.openai.api_router import guard, served_model
+from entrypoints.openai.body_reader import openapi_body, parse_body
+from entrypoints.openai.errors import APIError
+from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
+from entrypoints.openai.protocol import ChatCompletionBody
+from entrypoints.openai.reply import Reply, failure
+from entrypoints.openai.serving import ModelSource, ServedModel, chat_prompt, refuse_what_cannot_fit, start_reply
+from entrypoints.openai.serving import whole_text as read_whole
+
+
+def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
+    models: ModelSource,
+    api_key: str | None = None,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> APIRouter:
+    guarded = guard(api_key, error_response)
+
+    def served(asked: str) -> ServedModel:
+        model = served_model(models, None)
+        if asked and asked.removesuffix(":latest") != model.name.removesuffix(":latest"):
+            raise APIError(404, f"model {asked!r} not found; this server serves {model.name!r}")
+        return model
+
+    def details(model: ServedModel) -> dict:
+        stats = model.engine.stats()
+        return {
+            "format": "",
+            "family": "",
+            "families": None,
+            "parameter_size": "",
+            "quantization_level": stats.quantization,
+        }
+
+    def listed(model: ServedModel) -> dict:
+        return {
+            "name": model.name,
+            "model": model.name,
+            "modified_at": now(),
+            "size": 0,
+            "digest": "",
+            "details": details(model),
+        }
+
+    async def reply_to(request: Request, body, model: ServedModel, key: str):
+        """The reply to a chat or generate request, whole or streamed; `key`: "message" or "response"."""
+        chat = isinstance(body, ChatCompletionBody)
+        if chat:
+            prompt = await chat_prompt(model.engine, body)
+            token_ids, tools, headers = prompt.token_ids, prompt.tools, prompt.headers()
+        else:
+            refuse_what_cannot_fit(model.engine, len(body.prompt), "prompt")
+            token_ids = await anyio.to_thread.run_sync(model.engine.tokenize, body.prompt)
+            tools, headers = None, None
+        started = time.perf_counter()
+        reply, stream = await start_reply(
+            model, body, token_ids, body.max_tokens, default_max_tokens, chat, tools=tools
+        )
+        request_log.record(request, reply)
+        if body.stream:
+            lines = ndjson(reply, stream, model.name, key, started)
+            return StreamingResponse(lines, media_type="application/x-ndjson", headers=headers)
+        text = await read_whole(request, reply, stream, body, tools)
+        if text is None:
+            return JSONResponse({}, status_code=499)
+        said = reply.whole(text)["choices"][0]
+        said = said.get("message") or {"content": said.get("text", "")}
+        out = {"model": model.name, "created_at": now()}
+        if key == "message":
+            message = {"role": "assistant", "content": said.get("content") or ""}
+            if said.get("reasoning_content"):
+                message["thinking"] = said["reasoning_content"]
+            if said.get("tool_calls"):
+                message["tool_calls"] = ollama_calls(said["tool_calls"])
+            out["message"] = message
+        else:
+            out["response"] = said.get("content") or ""
+            if said.get("reasoning_content"):
+                out["thinking"] = said["reasoning_content"]
+        return JSONResponse({**out, "done": True, **counts(reply, started)}, headers=headers)
+
+    router = APIRouter(prefix="/api")
+
+    @router.post("/chat", openapi_extra=openapi_body(ChatBody))
+    @guarded
+    async def chat(request: Request):
+        body = await parse_body(request, ChatBody, max_request_bytes)
+        return await reply_to(request, body.openai(), served(body.model), "message")
+
+    @router.post("/generate", openapi_extra=openapi_body(GenerateBody))
+    @guarded
+    async def generate(request: Request):
+        body = await parse_body(request, GenerateBody, max_request_bytes)
+        model = served(body.model)
+        if not body.prompt and not body.system:  # Ollama's way to load a model: it is loaded
+            return JSONResponse(
+                {"model": model.name, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
+            )
+        return await reply_to(request, body.openai(), model, "response")
+
+    @router.get("/tags")
+    @guarded
+    async def tags(request: Request):
+        model = models()
+        return {"models": [] if model is None else [listed(model)]}
+
+    @router.get("/ps")
+    @guarded
+    async def ps(request: Request):
+        model = models()
+        running = [] if model is None else [{**listed(model), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]
+        return {"models": running}
+
+    @router.post("/show")
+    @guarded
+    async def show(request: Request):
+        raw = await request.body()
+        try:
+            asked = json.loads(raw or b"{}")
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        name = asked.get("model") or asked.get("name") if isinstance(asked, dict) else None
+        if not isinstance(name, str):
+            raise APIError(400, 'send {"model": <name>}')
+        model = served(name)
+        template = model.engine.tokenizer.chat_template or ""
+        capabilities = ["completion"] + (["tools"] if "tools" in template else [])
+        capabilities += ["thinking"] if "think" in template else []
+        return {
+            "modified_at": now(),
+            "template": template,
+            "parameters": "",
+            "details": details(model),
+            "model_info": {"general.context_length": model.engine.max_model_len},
+            "capabilities": capabilities,
+        }
+
+    @router.get("/version")
+    @guarded
+    async def version(request: Request):
+        return {"version": OLLAMA_API_VERSION}
+
+    @router.post("/embed")
+    @guarded
+    async def embed(request: Request):
+        raise APIError(400, "this server has no embedding model loaded: Pagoda does not serve embeddings yet")
+
+    @router.post("/embeddings")
+    @guarded
+    async def embeddings(request: Request):
+        raise APIError(400, "this server has no embedding model loaded: Pagoda does not serve embeddings yet")
+
+    return router
+
+
+async def ndjson(reply: Reply, stream, model: str, key: str, started: float) -> AsyncIterator[str]:
+    """Ollama's stream: a JSON line per increment, then one with done and the counters. Tool calls come whole,
+    in a line of their own before it. A client that goes away closes this generator, which aborts the request."""
+
+    def line(fields: dict, done: bool = False) -> str:
+        return json.dumps({"model": model, "created_at": now(), **fields, "done": done}, ensure_ascii=False) + "\n"
+
+    def part(content: str, thinking: str = "") -> dict:
+        if key == "message":
+            message = {"role": "assistant", "content": content}
+            return {"message": {**message, "thinking": thinking} if thinking else message}
+        return {"response": content, **({"thinking": thinking} if thinking else {})}
+
+    try:
+        async with aclosing(reply.chunks(stream)) as chunks:
+            async for chunk in chunks:
+                for choice in chunk["choices"]:
+                    delta = choice.get("delta") or {"content": choice.get("text", "")}
+                    content, thinking = delta.get("content") or "", delta.get("reasoning_content") or ""
+                    if content or thinking:
+                        yield line(part(content, thinking))
+    except RequestFailed as e:  # headers are sent: the error goes in the stream, as Ollama's does
+        yield json.dumps({"error": failure(e).message}) + "\n"
+        return
+    if reply.calls and key == "message":
+        yield line({"message": {"role": "assistant", "content": "", "tool_calls": ollama_calls(reply.calls)}})
+    yield line({**part(""), **counts(reply, started)}, done=True)
