@@ -88,3 +88,20 @@ def test_unknown_v1_routes_answer_in_openai_shape_on_the_app_port_too(app):
         r = httpx.request(method, f"{proc.url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
         assert r.status_code == status and set(r.json()["error"]) >= {"message", "type", "code"}, r.text
     assert httpx.get(f"{proc.url}nothing", timeout=30).status_code == 404  # the page's own paths are Gradio's
+
+
+def test_anthropics_and_ollamas_apis_answer_on_the_app_port_too(app):
+    """Claude Code's and Ollama's clients reach the app's engine as the openai client does, behind the same key."""
+    anthropic = pytest.importorskip("anthropic")
+    ollama = pytest.importorskip("ollama")
+    proc, _ = app
+    claude = anthropic.Anthropic(base_url=proc.url.rstrip("/"), api_key=KEY, max_retries=0, timeout=120)
+    message = claude.messages.create(
+        model="claude-haiku-4-5", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert message.content[0].text and message.usage.output_tokens <= 8
+    local = ollama.Client(host=proc.url.rstrip("/"), headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    (listed,) = local.list().models
+    reply = local.chat(model=listed.model, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 8})
+    assert reply.done and reply.message.content
+    assert httpx.get(f"{proc.url}api/tags", timeout=10).status_code == 401
