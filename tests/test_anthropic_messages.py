@@ -130,3 +130,14 @@ def test_a_thinking_model_replies_with_a_thinking_block_then_text(qwen3, stream)
         message = client.messages.create(**kwargs)
     assert [b.type for b in message.content] == ["thinking", "text"]
     assert message.content[0].thinking.strip() == "hmm yes" and message.content[1].text.strip() == "hello there"
+
+
+def test_claude_codes_requests_are_taken_as_it_sends_them(client):
+    """Claude Code asks for 32,000 tokens whatever the model, and sends system messages between the turns: the
+    reply is bounded by the context instead (and the response says so), and the system message goes in."""
+    turns = [*HELLO, {"role": "system", "content": "Answer in English."}]
+    reply = client.messages.with_raw_response.create(
+        model=MODEL, max_tokens=32000, messages=turns, extra_body={**GREEDY, "context_management": {"edits": []}}
+    )
+    assert "max_tokens: 32000 is more than the context has room for" in reply.headers["x-pagoda-ignored"]
+    assert reply.parse().stop_reason in ("end_turn", "max_tokens")

@@ -43,7 +43,7 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class AnthropicMessage(BaseModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system messages between the turns too
     content: str | list[dict]
 
 

@@ -17,7 +17,7 @@ from entrypoints.openai import request_log
 from entrypoints.openai.api_router import guard, served_model
 from entrypoints.openai.body_reader import openapi_body, parse_body
 from entrypoints.openai.limits import MAX_REQUEST_BYTES
-from entrypoints.openai.serving import ModelSource, chat_prompt, start_reply, whole_text
+from entrypoints.openai.serving import IGNORED_HEADER, ModelSource, chat_prompt, start_reply, whole_text
 
 MODEL_HEADER = "X-Pagoda-Model"
 
@@ -44,9 +44,16 @@ def create_router(
     async def messages(request: Request):
         body, chat, model, prompt = await read(request, MessagesBody)
         headers = {MODEL_HEADER: model.name, **(prompt.headers() or {})}
-        reply, stream = await start_reply(
-            model, chat, prompt.token_ids, body.max_tokens, None, True, tools=prompt.tools
-        )
+        # Clients send the most a Claude model may write (Claude Code: 32,000) whatever the model: a bound, which
+        # the context's room lowers, not a request to refuse
+        room = model.engine.max_model_len - len(prompt.token_ids)
+        max_tokens = min(body.max_tokens, room) if room > 0 else body.max_tokens
+        if max_tokens < body.max_tokens:
+            lowered = (
+                f"max_tokens: {body.max_tokens} is more than the context has room for; the reply may run to {room}"
+            )
+            headers[IGNORED_HEADER] = "; ".join(filter(None, [headers.get(IGNORED_HEADER), lowered]))
+        reply, stream = await start_reply(model, chat, prompt.token_ids, max_tokens, None, True, tools=prompt.tools)
         request_log.record(request, reply)
         if body.stream:
             return StreamingResponse(
