@@ -95,6 +95,7 @@ def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | 
     from entrypoints.openai.errors import APIError
     from entrypoints.openai.server import create_metrics_router
     from entrypoints.openai.serving import ServedModel
+    from entrypoints.responses.router import create_router as create_responses_router
 
     def served() -> ServedModel | None:
         backend, engine = host.backend, host.engine
@@ -117,6 +118,7 @@ def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | 
 
     # Gradio has already built its FastAPI app; routes added now are matched like its own.
     demo.server_app.include_router(create_router(served, api_key, default_max_tokens, max_request_bytes))
+    demo.server_app.include_router(create_responses_router(served, api_key, default_max_tokens, max_request_bytes))
     demo.server_app.include_router(create_anthropic_router(served, api_key, max_request_bytes))
     demo.server_app.include_router(create_ollama_router(served, api_key, default_max_tokens, max_request_bytes))
     demo.server_app.include_router(create_metrics_router(served))

@@ -9,8 +9,9 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from entrypoints.openai.body_reader import body_from
 from entrypoints.openai.errors import APIError
-from entrypoints.openai.protocol import ChatCompletionBody, ChatMessage
+from entrypoints.openai.protocol import ChatCompletionBody
 
 # Anthropic's error types, by status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {
@@ -68,9 +69,9 @@ class MessagesBody(BaseModel):
 
     def chat_body(self) -> ChatCompletionBody:
         """The same request on the path every API shares: an OpenAI chat body."""
-        body = ChatCompletionBody(
+        fields = dict(
             model=self.model,
-            messages=[ChatMessage(**m) for m in [*system_messages(self.system), *chat_messages(self.messages)]],
+            messages=[*system_messages(self.system), *chat_messages(self.messages)],
             max_tokens=self.max_tokens,
             stop=self.stop_sequences or None,
             temperature=self.temperature,
@@ -87,12 +88,13 @@ class MessagesBody(BaseModel):
             raise APIError(400, 'tool_choice of type "tool" needs the tool\'s "name"', param="tool_choice")
         if kind not in ("auto", "any", "tool", "none"):
             raise APIError(400, f'tool_choice.type must be "auto", "any", "tool" or "none", got {kind!r}')
-        if body.tools:
-            body.tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
+        if fields["tools"]:
+            fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
                 "type": "function",
                 "function": {"name": choice["name"]},
             }
-            body.parallel_tool_calls = not choice.get("disable_parallel_tool_use", False)
+            fields["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use", False)
+        body = body_from(ChatCompletionBody, fields)
         self.read_output_config(body)
         if self.thinking is not None:
             kind = self.thinking.get("type")
@@ -101,7 +103,6 @@ class MessagesBody(BaseModel):
             body.reasoning_effort = "none" if kind == "disabled" else "medium"
             if "budget_tokens" in self.thinking:
                 body.ignored.append("thinking.budget_tokens: the model thinks until it is done; max_tokens bounds it")
-        body.check_supported()
         return body
 
     def read_output_config(self, body: ChatCompletionBody) -> None:

@@ -10,8 +10,9 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from entrypoints.openai.body_reader import body_from
 from entrypoints.openai.errors import APIError
-from entrypoints.openai.protocol import ChatCompletionBody, ChatMessage, CompletionBody
+from entrypoints.openai.protocol import ChatCompletionBody, CompletionBody
 from entrypoints.openai.tool_calls import new_call
 
 # The Ollama API version whose routes and fields these are: clients gate features (thinking, tools) on it
@@ -36,7 +37,7 @@ class OllamaMessage(BaseModel):
     tool_name: str | None = None
     thinking: str | None = None
 
-    def openai(self, index: int) -> ChatMessage:
+    def openai(self, index: int) -> dict:
         if self.images:
             raise APIError(
                 400, f"messages.{index}: images are not supported yet: Pagoda runs the language part of a model only"
@@ -54,7 +55,7 @@ class OllamaMessage(BaseModel):
                 calls.append(
                     new_call(function["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
                 )
-        return ChatMessage(role=self.role, content=self.content, tool_calls=calls, name=self.tool_name)
+        return {"role": self.role, "content": self.content, "tool_calls": calls, "name": self.tool_name}
 
 
 class OllamaBody(BaseModel):
@@ -88,7 +89,7 @@ class ChatBody(OllamaBody):
 
     def openai(self) -> ChatCompletionBody:
         messages = [m.openai(i) for i, m in enumerate(self.messages)]
-        return validated(ChatCompletionBody, {**self.common(), "messages": messages, "tools": self.tools})
+        return body_from(ChatCompletionBody, {**self.common(), "messages": messages, "tools": self.tools})
 
 
 class GenerateBody(OllamaBody):
@@ -106,21 +107,10 @@ class GenerateBody(OllamaBody):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported by /api/generate here; leave it out")
         if self.raw:
-            return validated(CompletionBody, {**self.common(), "prompt": self.prompt})
-        messages = [ChatMessage(role="system", content=self.system)] if self.system else []
-        messages.append(ChatMessage(role="user", content=self.prompt))
-        return validated(ChatCompletionBody, {**self.common(), "messages": messages})
-
-
-def validated(kind, fields: dict):
-    try:
-        body = kind(**fields)
-    except ValueError as e:  # pydantic's ValidationError, e.g. a temperature out of range in options
-        first = e.errors()[0] if hasattr(e, "errors") else None
-        where = ".".join(str(p) for p in first["loc"]) if first else "body"
-        raise APIError(400, f"{where}: {first['msg'] if first else e}") from None
-    body.check_supported()
-    return body
+            return body_from(CompletionBody, {**self.common(), "prompt": self.prompt})
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages.append({"role": "user", "content": self.prompt})
+        return body_from(ChatCompletionBody, {**self.common(), "messages": messages})
 
 
 def counts(reply, started: float) -> dict:

@@ -67,3 +67,16 @@ async def parse_body(request: Request, kind: type[RequestBody], limit: int = MAX
         raise APIError(400, f"{where}: {first['msg']}", param=where) from None
     body.check_supported()
     return body
+
+
+def body_from(kind: type[RequestBody], fields: dict) -> RequestBody:
+    """Another API's request, translated into `fields`, as `kind`: validated and checked as a body sent here would
+    be, a field that fails in a 400 that names it."""
+    try:
+        body = kind.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+    body.check_supported()
+    return body

@@ -24,6 +24,7 @@ from entrypoints.openai.api_router import create_router, has_key, key_required
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
 from entrypoints.openai.serving import ModelSource, ServedModel
+from entrypoints.responses.router import create_router as create_responses_router
 
 # ---- /metrics --------------------------------------------------------------------------------------
 METRICS = [  # vLLM's name, Prometheus type, help, the engine stat it reads
@@ -111,8 +112,8 @@ def routing_error(request: Request, exc: HTTPException) -> JSONResponse | None:
     return shaped(
         APIError(
             404,
-            f"Invalid URL ({where}): this server serves /v1/chat/completions, /v1/completions, /v1/messages "
-            "and /v1/models",
+            f"Invalid URL ({where}): this server serves /v1/chat/completions, /v1/completions, /v1/responses, "
+            "/v1/messages and /v1/models",
             code="not_found",
         )
     )
@@ -158,6 +159,7 @@ def create_app(
     app.add_middleware(request_log.RequestLog)  # outermost: requests the guard refuses are logged too
     add_api_error_handlers(app)
     app.include_router(create_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
+    app.include_router(create_responses_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
     app.include_router(create_anthropic_router(lambda: served, api_key, max_request_bytes))
     app.include_router(create_ollama_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
     app.include_router(create_metrics_router(lambda: served))
