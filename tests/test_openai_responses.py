@@ -100,9 +100,22 @@ def test_stored_responses_are_read_deleted_and_not_kept_when_asked(client):
         client.responses.create(model=MODEL, input="And?", previous_response_id=unkept.id, **GREEDY)
 
 
-def test_hosted_tools_and_images_are_refused_by_name(client):
-    with pytest.raises(openai.BadRequestError, match="web_search"):
-        client.responses.create(model=MODEL, input="News?", tools=[{"type": "web_search"}])
+def test_hosted_tools_are_left_out_and_images_refused(client):
+    """Codex CLI sends web_search and a namespace of functions beside its functions: the hosted tool is left out
+    (and the response says so), the namespace's functions go in."""
+    namespace = {"type": "namespace", "name": "weather", "description": "Weather tools.", "tools": [WEATHER]}
+    tools = [{"type": "web_search"}, namespace]
+    reply = client.responses.with_raw_response.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=40,
+    )
+    assert "web_search: OpenAI's hosted tools" in reply.headers["x-pagoda-ignored"]
+    assert [item.name for item in reply.parse().output if item.type == "function_call"] == ["get_weather"]
+    with pytest.raises(openai.BadRequestError, match="hosted tools"):
+        client.responses.create(model=MODEL, input="News?", tools=tools, tool_choice={"type": "web_search"})
     image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
     with pytest.raises(openai.BadRequestError, match="input_image is not supported"):
         client.responses.create(model=MODEL, input=[{"role": "user", "content": [image]}])

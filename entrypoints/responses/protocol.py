@@ -1,6 +1,7 @@
 """OpenAI's Responses API as Pagoda takes it: the request body, what it becomes on the request path every API shares
-(an OpenAI chat body), and the Response object and its output items. Tools other than functions (web search, file
-search, computer use, ...) and background runs are refused by name."""
+(an OpenAI chat body), and the Response object and its output items. OpenAI's hosted tools (web search, file
+search, ...) are left out, as Codex CLI sends them beside its functions (the X-Pagoda-Ignored header says so);
+naming one in tool_choice, images and background runs are refused."""
 
 import json
 import time
@@ -44,6 +45,7 @@ class ResponsesBody(BaseModel):
         """The request on the path every API shares, after `history` (the earlier turns of previous_response_id)."""
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
         messages += input_messages(self.input)
+        functions, hosted = chat_tools(self.tools or [])
         fields = dict(
             model=self.model,
             messages=messages,
@@ -51,7 +53,7 @@ class ResponsesBody(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             stream=self.stream,
-            tools=[chat_tool(t, i) for i, t in enumerate(self.tools or [])] or None,
+            tools=functions or None,
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format((self.text or {}).get("format")),
         )
@@ -59,11 +61,22 @@ class ResponsesBody(BaseModel):
             choice = self.tool_choice
             if isinstance(choice, dict) and choice.get("type") == "function":
                 choice = {"type": "function", "function": {"name": choice.get("name")}}
+            elif isinstance(choice, dict):
+                raise APIError(
+                    400,
+                    f"tool_choice {choice.get('type')!r}: Pagoda runs none of OpenAI's hosted tools",
+                    param="tool_choice",
+                )
             fields["tool_choice"] = choice
         effort = (self.reasoning or {}).get("effort")
         if effort is not None:
             fields["reasoning_effort"] = "high" if effort == "xhigh" else effort
-        return body_from(ChatCompletionBody, fields)
+        body = body_from(ChatCompletionBody, fields)
+        if hosted:
+            body.ignored.append(
+                f"tools: {', '.join(hosted)}: OpenAI's hosted tools, which Pagoda does not run; left out"
+            )
+        return body
 
 
 def input_messages(given: str | list[dict]) -> list[dict]:
@@ -111,18 +124,30 @@ def text_of(content: str | list, where: str) -> str:
     return "".join(parts)
 
 
-def chat_tool(tool: dict, index: int) -> dict:
-    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-        raise APIError(
-            400,
-            f"tools.{index}: {tool.get('type')!r} tools are not supported: Pagoda runs none of OpenAI's hosted tools; "
-            'send function tools ({"type": "function", "name", "parameters"})',
-            param=f"tools.{index}",
-        )
-    function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-    if tool.get("description"):
-        function["description"] = tool["description"]
-    return {"type": "function", "function": function}
+def chat_tools(tools: list[dict]) -> tuple[list[dict], list[str]]:
+    """Function tools as chat tools (a namespace's functions too, as Codex CLI groups some); and the kinds of the
+    others, OpenAI's hosted tools (web search, file search, ...), which Pagoda does not run and leaves out."""
+    functions, hosted = [], []
+    for index, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            more, others = chat_tools(tool["tools"])
+            functions, hosted = functions + more, hosted + others
+        elif kind != "function":
+            hosted.append(str(kind))
+        elif not isinstance(tool.get("name"), str):
+            raise APIError(
+                400, f'tools.{index} must be {{"type": "function", "name", "parameters"}}', param=f"tools.{index}"
+            )
+        else:
+            function = {
+                "name": tool["name"],
+                "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+            }
+            if tool.get("description"):
+                function["description"] = tool["description"]
+            functions.append({"type": "function", "function": function})
+    return functions, hosted
 
 
 def response_format(given: dict | None) -> dict | None:
