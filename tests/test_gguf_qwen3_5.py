@@ -106,16 +106,32 @@ def converted_tensors(model) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path) -> Path:
+def mtp_block(tensors: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
+    """A multi-token-prediction head as convert_hf_to_gguf appends it: one more block, a full-attention layer (here
+    the last one's tensors, perturbed) with its nextn tensors."""
+    last, head = config.num_hidden_layers - 1, config.num_hidden_layers
+    block = {
+        n.replace(f"blk.{last}.", f"blk.{head}."): w + 0.5 for n, w in tensors.items() if n.startswith(f"blk.{last}.")
+    }
+    size = config.hidden_size
+    block[f"blk.{head}.nextn.eh_proj.weight"] = np.ones((size, 2 * size), np.float32)
+    for norm in ("enorm", "hnorm", "shared_head_norm"):
+        block[f"blk.{head}.nextn.{norm}.weight"] = np.ones(size, np.float32)
+    return block
+
+
+def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path, mtp: bool = False) -> Path:
     """Attention, MLP, experts, embedding and head matrices in Q8_0; the linear layers' tensors, the routers and the
-    shared expert in F32."""
+    shared expert in F32. `mtp`: with a multi-token-prediction head's block after the model's."""
     config = model.config
     moe = bool(getattr(config, "num_experts", 0))
     arch = "qwen35moe" if moe else "qwen35"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + mtp)
+    if mtp:
+        writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
     if moe:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -135,11 +151,14 @@ def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path) -> Path:
     writer.add_uint32(f"{arch}.ssm.group_count", config.linear_num_key_heads)
     writer.add_uint32(f"{arch}.ssm.time_step_rank", config.linear_num_value_heads)
     writer.add_uint32(f"{arch}.ssm.inner_size", config.linear_value_head_dim * config.linear_num_value_heads)
-    writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types])
+    recurrent = [t == "linear_attention" for t in config.layer_types] + [False] * mtp
+    writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_uint32(f"{arch}.full_attention_interval", 4)
     writer.add_vocab_size(VOCAB)
     tokenizer_metadata(writer, tokenizer_dir)
-    for i, (gname, w) in enumerate(converted_tensors(model).items()):
+    tensors = converted_tensors(model)
+    tensors |= mtp_block(tensors, config) if mtp else {}
+    for i, (gname, w) in enumerate(tensors.items()):
         if not (gname.split(".", 2)[-1] if gname.startswith("blk.") else gname).startswith(QUANTIZED):
             writer.add_tensor(gname, w, raw_dtype=T.F32)
         elif w.ndim == 3:  # the experts' stacks, each expert's rows quantized
@@ -185,9 +204,11 @@ def tiny_qwen3_5(moe: bool):
     return model.eval()
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_qwen3_5_file_gives_transformers_tokens(moe, tokenizer_folder, tmp_path, exact_kernels):  # noqa: F811
-    path = write_qwen3_5_gguf(tmp_path / "qwen35.gguf", tiny_qwen3_5(moe), tokenizer_folder)
+@pytest.mark.parametrize("moe,mtp", [(False, False), (True, False), (False, True)], ids=["dense", "moe", "with-mtp"])
+def test_qwen3_5_file_gives_transformers_tokens(moe, mtp, tokenizer_folder, tmp_path, exact_kernels):  # noqa: F811
+    """with-mtp: a file that keeps the multi-token-prediction head (as llama.cpp's converter does for Qwen3.5) loads
+    the model alone."""
+    path = write_qwen3_5_gguf(tmp_path / "qwen35.gguf", tiny_qwen3_5(moe), tokenizer_folder, mtp)
     reference = with_file_weights(tiny_qwen3_5(moe), path)
     llm = make_llm(path, max_num_batched_tokens=16)  # chunked prefill too
     config = llm.model_runner.hf_config

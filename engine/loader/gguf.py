@@ -264,6 +264,8 @@ class GGUFCheckpoint:
         plan, unsupported = [], []
         for t in self._tensors:
             type_name = t.type_name
+            if self._is_mtp_block(t.name):
+                continue
             if type_name not in SUPPORTED_TYPES:
                 unsupported.append(f"{t.name} ({type_name})")
             if t.name in _CONFIG_TENSORS:
@@ -286,6 +288,14 @@ class GGUFCheckpoint:
                 "(Q4_K_M, Q5_K_M, Q6_K or Q8_0 are all readable)."
             )
         return plan
+
+    def _is_mtp_block(self, name: str) -> bool:
+        """A tensor of the multi-token-prediction head's blocks, which convert_hf_to_gguf appends after the model's
+        (Qwen3.5's `nextn_predict_layers`): speculative decoding's, not read with the model."""
+        arch = self.architecture
+        nextn = int(self.metadata(f"{arch}.nextn_predict_layers", 0) or 0)
+        match = re.match(r"blk\.(\d+)\.", name)
+        return nextn > 0 and match is not None and int(match[1]) >= int(self.field(f"{arch}.block_count")) - nextn
 
     def _llama_heads(self) -> tuple[int, int]:
         """(query heads, KV heads): how many heads llama.cpp interleaved the q and k rows of."""

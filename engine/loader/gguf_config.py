@@ -50,6 +50,8 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
     settings = {
         k: (float(v) if k == "rms_norm_eps" else int(v[0] if k in per_layer else v)) for k, v in settings.items()
     }
+    # A multi-token-prediction head (Qwen3.5's, as convert_hf_to_gguf keeps it): blocks after the model's own
+    settings["num_hidden_layers"] -= int(ckpt.metadata(f"{arch}.nextn_predict_layers", 0) or 0)
     vocab = ckpt.metadata(f"{arch}.vocab_size")
     settings["vocab_size"] = int(vocab) if vocab is not None else len(ckpt.field("tokenizer.ggml.tokens"))
     if ckpt.metadata(f"{arch}.expert_count") is not None:  # a mixture of experts (qwen3moe)
@@ -206,7 +208,9 @@ def _qwen35_settings(ckpt: GGUFCheckpoint, settings: dict) -> dict:
     over `rope.dimension_count` of each head (its multimodal sections all alike for text)."""
     arch, layers = ckpt.architecture, settings["num_hidden_layers"]
     recurrent = ckpt.metadata(f"{arch}.attention.recurrent_layers")
-    if recurrent is None:
+    if recurrent is not None:
+        recurrent = list(recurrent)[:layers]  # with an MTP head, its block's flag comes last
+    else:
         every = int(ckpt.metadata(f"{arch}.full_attention_interval", 4))
         recurrent = [(i + 1) % every != 0 for i in range(layers)]
     head_dim, value_heads = (
