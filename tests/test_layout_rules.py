@@ -63,3 +63,14 @@ def test_no_source_file_grows_past_the_line_limit():
         if (lines := len(path.read_text().splitlines())) > MAX_SOURCE_LINES
     }
     assert not too_long, f"over {MAX_SOURCE_LINES} lines (split each where its second job starts): {too_long}"
+
+
+def test_each_engine_package_imports_on_its_own():
+    """A fresh interpreter imports each package first: an import cycle (models -> loader -> models) fails here, not
+    in whichever entry point happens to import them in the one order that breaks."""
+    import subprocess
+    import sys
+
+    for package in ("engine.models", "engine.loader", "engine.layers", "engine.runner", "engine.front", "app.catalog"):
+        done = subprocess.run([sys.executable, "-c", f"import {package}"], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, f"import {package}: {done.stderr[-1500:]}"

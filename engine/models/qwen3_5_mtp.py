@@ -17,7 +17,6 @@ from torch import nn
 
 from engine.layers.linear import ColumnParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding
-from engine.loader.weights import load_tensors, read_tensors, safetensors_files
 from engine.models.gemma3 import GemmaRMSNorm
 
 MTP_PREFIX = "mtp."
@@ -55,6 +54,8 @@ def load_mtp_head(model: nn.Module, config, path: Path | str) -> MultiTokenPredi
     """The MTP head of the safetensors checkpoint in `path`, whose model (with config `config`) `model` is, built
     on the device and in the dtype of `model`'s weights and loaded from the checkpoint's `mtp.*` tensors, read
     alone. A checkpoint without them gets a ValueError that says so."""
+    from engine.loader.weights import load_tensors, read_tensors, safetensors_files  # the loader imports the models
+
     path, config = Path(path), getattr(config, "text_config", config)
     weight = model.model.embed_tokens.weight
     with torch.device(weight.device):

@@ -15,6 +15,7 @@ from app.catalog import (
     load_catalog,
     sliding_layers,
 )
+from app.config_shapes import counted_params, kv_shape
 from app.device_memory import GiB, MiB, available_memory
 from app.memory_estimate import estimate_memory, fit_report, quantization_advice, weights_bytes
 
@@ -31,6 +32,9 @@ REQUESTED = {
     "meta-llama/Llama-3.2-1B-Instruct",
     "meta-llama/Llama-3.2-3B-Instruct",
     "Qwen/Qwen3-8B",
+    "Qwen/Qwen3.5-4B",
+    "Qwen/Qwen3.5-9B",
+    "Qwen/Qwen3.6-35B-A3B",
     "meta-llama/Llama-3.1-8B-Instruct",
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "Qwen/Qwen3-8B-GGUF",
@@ -95,22 +99,32 @@ def test_every_entry_is_consistent(catalog):
             "qwen3_moe",
             "gemma3",
             "gpt_oss",
+            "qwen3_5",
+            "qwen3_5_moe",
         )
-        # The parameter count follows from the architecture numbers (tied embeddings counted once).
-        counted = count_params(
-            hidden_size=e.hidden_size,
-            intermediate_size=e.intermediate_size,
-            vocab_size=e.vocab_size,
-            num_hidden_layers=e.num_hidden_layers,
-            num_attention_heads=e.num_attention_heads,
-            num_key_value_heads=e.num_key_value_heads,
-            head_dim=e.head_dim,
-            tie_word_embeddings=e.tie_word_embeddings,
-            family=e.family,
-            num_experts=e.num_experts,
-            moe_intermediate_size=e.moe_intermediate_size,
+        # The parameter count follows from the architecture numbers (tied embeddings counted once); a hybrid
+        # model's, counted on transformers' own model of its config (its linear layers' sizes are not entry fields)
+        counted = (
+            counted_params(hybrid_config(e))
+            if e.family in HYBRID_VALUE_HEADS
+            else count_params(
+                hidden_size=e.hidden_size,
+                intermediate_size=e.intermediate_size,
+                vocab_size=e.vocab_size,
+                num_hidden_layers=e.num_hidden_layers,
+                num_attention_heads=e.num_attention_heads,
+                num_key_value_heads=e.num_key_value_heads,
+                head_dim=e.head_dim,
+                tie_word_embeddings=e.tie_word_embeddings,
+                family=e.family,
+                num_experts=e.num_experts,
+                moe_intermediate_size=e.moe_intermediate_size,
+            )
         )
         assert counted == e.params, e.repo_id
+        if e.family in HYBRID_VALUE_HEADS:  # a quarter of the layers hold a KV cache, beside a fixed state
+            shape = kv_shape(hybrid_config(e))
+            assert (e.num_kv_layers, e.state_bytes) == (shape.num_kv_layers, shape.state_bytes), e.repo_id
         if e.num_experts:  # what a token's step reads: the routed experts, not the embedding table
             assert e.active_params == count_active_params(
                 e.params,
@@ -135,6 +149,35 @@ def test_every_entry_is_consistent(catalog):
         assert e.gated == e.repo_id.startswith(("meta-llama/", "google/gemma", "mistralai/Ministral")), e.repo_id
         assert e.license and e.description and e.params_label
         assert e.params_label[:-1].replace(".", "").isdigit() and e.params_label[-1] in "MB"
+
+
+# Qwen3.5's linear layers (16 key heads and this many value heads, of 128): the checkpoints' configs, as copied in
+# public code (the hub is not reachable here); Qwen3.6-35B-A3B's parameter count matches llama.cpp's for its GGUF
+HYBRID_VALUE_HEADS = {"qwen3_5": 32, "qwen3_5_moe": 32}
+
+
+def hybrid_config(e) -> dict:
+    experts = {}
+    if e.num_experts:  # Qwen3.6-35B-A3B's shared expert is as wide as one routed expert
+        experts = dict(num_experts=e.num_experts, num_experts_per_tok=e.num_experts_per_tok)
+        experts.update(moe_intermediate_size=e.moe_intermediate_size, shared_expert_intermediate_size=512)
+    return dict(
+        model_type=f"{e.family}_text",
+        vocab_size=e.vocab_size,
+        hidden_size=e.hidden_size,
+        intermediate_size=e.intermediate_size,
+        num_hidden_layers=e.num_hidden_layers,
+        num_attention_heads=e.num_attention_heads,
+        num_key_value_heads=e.num_key_value_heads,
+        head_dim=e.head_dim,
+        linear_num_key_heads=16,
+        linear_num_value_heads=HYBRID_VALUE_HEADS[e.family],
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(e.num_hidden_layers)],
+        tie_word_embeddings=e.tie_word_embeddings,
+        **experts,
+    )
 
 
 @pytest.mark.parametrize("repo_id", sorted(KNOWN))
