@@ -80,7 +80,7 @@ def test_refusals_come_in_ollamas_error_shape(client, server):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="llama3.2", messages=HELLO)
     assert e.value.status_code == 404 and MODEL in e.value.error
-    with pytest.raises(ollama.ResponseError, match="no embedding model"):
+    with pytest.raises(ollama.ResponseError, match="is a chat model"):
         client.embed(model=MODEL, input="hello")
     with pytest.raises(ollama.ResponseError, match="mirostat"):
         client.chat(model=MODEL, messages=HELLO, options={"mirostat": 1})

@@ -382,3 +382,9 @@ def test_the_default_max_tokens_fits_the_context_and_0_means_all_of_it(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--default-max-tokens", "-1"])
     assert "--default-max-tokens must be 0" in capsys.readouterr().err
+
+
+def test_embeddings_of_a_chat_model_are_refused_with_what_to_load(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=MODEL, input="hello")
+    assert e.value.code == "model_not_embedding" and "Qwen3-Embedding" in e.value.message

@@ -5,7 +5,8 @@
 and every refusal in Ollama's error shape ({"error": "..."}).
 
 A model is named as /api/tags lists it (the served name), with or without Ollama's ":latest" tag. /api/embed and
-/api/embeddings answer that no embedding model is loaded: embeddings are not served yet.
+/api/embeddings answer, as /v1/embeddings does, that the loaded model is a chat model: embeddings are not served
+yet.
 """
 
 import json
@@ -28,7 +29,7 @@ from entrypoints.ollama.protocol import (
     ollama_calls,
 )
 from entrypoints.openai import request_log
-from entrypoints.openai.api_router import guard, served_model
+from entrypoints.openai.api_router import guard, no_embeddings, served_model
 from entrypoints.openai.body_reader import openapi_body, parse_body
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
@@ -173,12 +174,12 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     @router.post("/embed")
     @guarded
     async def embed(request: Request):
-        raise APIError(400, "this server has no embedding model loaded: Pagoda does not serve embeddings yet")
+        raise no_embeddings(served_model(models, None).name)
 
     @router.post("/embeddings")
     @guarded
     async def embeddings(request: Request):
-        raise APIError(400, "this server has no embedding model loaded: Pagoda does not serve embeddings yet")
+        raise no_embeddings(served_model(models, None).name)
 
     return router
 

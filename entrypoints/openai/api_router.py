@@ -54,6 +54,17 @@ def has_key(authorization: str, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
 
 
+def no_embeddings(model: str) -> APIError:
+    """What a request for embeddings gets while only a chat model is loaded."""
+    return APIError(
+        400,
+        f"{model!r} is a chat model, and Pagoda does not serve embedding models yet: embeddings need one (such as "
+        "Qwen/Qwen3-Embedding-0.6B) loaded beside the chat model",
+        code="model_not_embedding",
+        param="model",
+    )
+
+
 def served_model(models: ModelSource, asked: str | None) -> ServedModel:
     """The loaded model, if it is the one `asked` for (None: whichever is loaded); else a 503 or 404 that says why."""
     model = models()
@@ -160,6 +171,11 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
             tools=prompt.tools,
             headers=prompt.headers(),
         )
+
+    @router.post("/embeddings")
+    @guarded
+    async def embeddings(request: Request):
+        raise no_embeddings(served(None).name)
 
     @router.post("/completions", openapi_extra=openapi_body(CompletionBody))
     @guarded
