@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from entrypoints.anthropic.protocol import error_body, speaks_anthropic
+from entrypoints.anthropic.errors import error_body, speaks_anthropic
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})

@@ -56,14 +56,15 @@ def tile_candidates(bucket: int, w: TritonQuantWeight) -> list[Tile]:
         ]
     if bucket >= 4:
         # The dequantized tile sits in registers as fp32: at most 64 of them a thread (4 warps); a
-        # 128 x 128 x 128 tile reached the 255-register limit in the sm_86 and sm_90 code.
+        # 128 x 128 x 128 tile reached the 255-register limit in the sm_86 and sm_90 code. Beside it
+        # the accumulator: with a 128 x 64 one, a 64 x 128 tile spilled to a stack frame on sm_86/89.
         tiles += [
             Tile("matmul", bm, bn, bk)
             for bm in (16, 32, 64, 128)
             if bm <= max(16, bucket)
             for bn in (64, 128)
             for bk in (64, 128)
-            if bn * bk <= 8192
+            if bn * bk <= 8192 and bm * bn + bn * bk < 16384
         ]
     return [t for t in tiles if chunk_groups(w, t.block_k) is not None]
 

@@ -9,34 +9,12 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from entrypoints.anthropic.errors import error_body
 from entrypoints.openai.body_reader import body_from
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.protocol import ChatCompletionBody
 
-# Anthropic's error types, by status (https://docs.anthropic.com/en/api/errors)
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
-
-
-PATH = "/v1/messages"
-
-
-def speaks_anthropic(path: str) -> bool:
-    """Whether a request to `path` is answered in Anthropic's shapes (its errors included)."""
-    return path == PATH or path.startswith(PATH + "/")
-
-
-def error_body(status: int, message: str) -> dict:
-    """Anthropic's error object: {"type": "error", "error": {"type": ..., "message": ...}}."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 def error_response(e: APIError) -> JSONResponse:

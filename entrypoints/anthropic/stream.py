@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from engine import RequestFailed, RequestStream
-from entrypoints.anthropic.protocol import ERROR_TYPES, message_id, stop_reason, tool_use_block
+from entrypoints.anthropic.errors import ERROR_TYPES
+from entrypoints.anthropic.protocol import message_id, stop_reason, tool_use_block
 from entrypoints.openai.reply import Reply, failure
 
 

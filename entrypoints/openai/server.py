@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from engine import EngineThread
-from entrypoints.anthropic.protocol import error_response, speaks_anthropic
+from entrypoints.anthropic.errors import speaks_anthropic
+from entrypoints.anthropic.protocol import error_response
 from entrypoints.anthropic.router import create_router as create_anthropic_router
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
 from entrypoints.ollama.protocol import error_response as ollama_error
