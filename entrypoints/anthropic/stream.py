@@ -65,22 +65,19 @@ async def message_events(
     start = {"id": message_id(), "type": "message", "role": "assistant", "model": model, "content": []}
     yield event("message_start", {"message": {**start, "stop_reason": None, "stop_sequence": None, "usage": usage}})
     yield event("ping", {})
-    blocks, finish_reason, stopped_on = Blocks(), None, None
+    blocks = Blocks()
     try:
-        async with aclosing(reply.chunks(stream)) as chunks:
-            async for chunk in chunks:
-                for choice in chunk["choices"]:
-                    for text in blocks.of(choice.get("delta", {})):
-                        yield text
-                    finish_reason = choice.get("finish_reason") or finish_reason
-                    stopped_on = choice.get("stop_reason", stopped_on)
+        async with aclosing(reply.deltas(stream)) as deltas:
+            async for delta in deltas:
+                for text in blocks.of(delta):
+                    yield text
     except RequestFailed as e:  # headers are sent: the error goes in the stream, as Anthropic's does
         error = failure(e)
         yield event("error", {"error": {"type": ERROR_TYPES.get(error.status, "api_error"), "message": error.message}})
         return
     for text in blocks.stop():
         yield text
-    reason, sequence = stop_reason(finish_reason, stopped_on, stop_sequences)
+    reason, sequence = stop_reason(reply.choice_finish_reason, reply.stop_reason, stop_sequences)
     final = {
         "input_tokens": reply.prompt_tokens - reply.cached_tokens,
         "cache_read_input_tokens": reply.cached_tokens,

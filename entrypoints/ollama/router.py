@@ -198,13 +198,11 @@ async def ndjson(reply: Reply, stream, model: str, key: str, started: float) -> 
         return {"response": content, **({"thinking": thinking} if thinking else {})}
 
     try:
-        async with aclosing(reply.chunks(stream)) as chunks:
-            async for chunk in chunks:
-                for choice in chunk["choices"]:
-                    delta = choice.get("delta") or {"content": choice.get("text", "")}
-                    content, thinking = delta.get("content") or "", delta.get("reasoning_content") or ""
-                    if content or thinking:
-                        yield line(part(content, thinking))
+        async with aclosing(reply.deltas(stream)) as deltas:
+            async for delta in deltas:
+                content, thinking = delta.get("content") or "", delta.get("reasoning_content") or ""
+                if content or thinking:
+                    yield line(part(content, thinking))
     except RequestFailed as e:  # headers are sent: the error goes in the stream, as Ollama's does
         yield json.dumps({"error": failure(e).message}) + "\n"
         return

@@ -264,6 +264,15 @@ class Reply:
             yield event(self.response([], self.usage(), chunk=True).json_body())
         yield "data: [DONE]\n\n"
 
+    async def deltas(self, stream: RequestStream) -> AsyncIterator[dict]:
+        """Each chunk's delta (a completion's as {"content": its text}), for the APIs that shape a stream of their
+        own; the finish reason is `choice_finish_reason` and `stop_reason` once it ends. Closing this aborts the
+        request."""
+        async with aclosing(self.chunks(stream)) as chunks:
+            async for chunk in chunks:
+                for choice in chunk["choices"]:
+                    yield choice.get("delta") or {"content": choice.get("text", "")}
+
     async def chunks(self, stream: RequestStream) -> AsyncIterator[dict]:
         """The stream's chunks after the first (the role), its finish reason's last."""
         echoed = self.echo is None

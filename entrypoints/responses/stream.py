@@ -97,11 +97,10 @@ async def response_events(
     yield items.event("response.created", response=started)
     yield items.event("response.in_progress", response=started)
     try:
-        async with aclosing(reply.chunks(stream)) as chunks:
-            async for chunk in chunks:
-                for choice in chunk["choices"]:
-                    for text in items.of(choice.get("delta", {})):
-                        yield text
+        async with aclosing(reply.deltas(stream)) as deltas:
+            async for delta in deltas:
+                for text in items.of(delta):
+                    yield text
     except RequestFailed as e:  # headers are sent: the error goes in the stream
         yield items.event("error", message=failure(e).message, code=None, param=None)
         return
