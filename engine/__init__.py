@@ -14,6 +14,7 @@ _HOMES = {
     "RequestStream": "engine.front.engine_thread",
     "LLM": "engine.front.llm_engine",
     "LLMEngine": "engine.front.llm_engine",
+    "EmbeddingOutput": "engine.front.outputs",
     "EngineStats": "engine.front.outputs",
     "KVBlock": "engine.front.outputs",
     "RequestOutput": "engine.front.outputs",
@@ -25,6 +26,7 @@ __all__ = [
     "LLMEngine",
     "EngineFailed",
     "EngineThread",
+    "EmbeddingOutput",
     "EngineStats",
     "KVBlock",
     "RequestFailed",
@@ -38,7 +40,7 @@ __all__ = [
 if TYPE_CHECKING:
     from engine.front.engine_thread import ConstraintFailed, EngineFailed, EngineThread, RequestFailed, RequestStream
     from engine.front.llm_engine import LLM, LLMEngine
-    from engine.front.outputs import EngineStats, KVBlock, RequestOutput
+    from engine.front.outputs import EmbeddingOutput, EngineStats, KVBlock, RequestOutput
     from engine.front.sampling_params import SamplingParams, StructuredOutputsParams
 
 

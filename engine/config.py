@@ -7,6 +7,7 @@ from engine.quantization.methods import DEFAULT_GROUP_SIZE, METHODS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def setting(default, help: str, choices: tuple | None = None):
@@ -62,6 +63,11 @@ class EngineConfig:
     quantization_group_size: int = setting(
         DEFAULT_GROUP_SIZE, "columns that share one scale and offset in int4 weights"
     )
+    runner: str = setting(
+        "auto",
+        "generate text, or pool hidden states into embeddings (auto: what the checkpoint is)",
+        RUNNERS,
+    )
     seed: int = setting(0, "seed of the random generator that requests without their own seed sample from")
 
     def __post_init__(self) -> None:
@@ -75,6 +81,7 @@ class EngineConfig:
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
+        check(self.runner in RUNNERS, f"runner must be one of {RUNNERS}, got {self.runner!r}")
         check(
             self.max_model_len is None or self.max_model_len >= 2,
             f"max_model_len must be >= 2, got {self.max_model_len}",

@@ -38,7 +38,7 @@ def add_engine_settings(ap: argparse.ArgumentParser, defaults: dict | None = Non
     group = ap.add_argument_group("engine settings (see engine/config.py)")
     names = []
     for f in fields(EngineConfig):
-        if f.name == "model":
+        if f.name in ("model", "runner"):  # an embedding model is served beside the chat one: --embedding-model
             continue
         default = defaults.get(f.name, f.default if f.default is not MISSING else None)
         kinds = set(f.type.__args__) - {type(None)} if isinstance(f.type, types.UnionType) else {f.type}

@@ -26,7 +26,8 @@ from engine.core.state_slots import StateSlots
 from engine.front.detokenizer import Detokenizer
 from engine.front.model_files import eos_token_ids, open_model
 from engine.front.output_processor import finish_reason, request_output, take_logprobs
-from engine.front.outputs import EngineStats, KVBlock, RequestOutput
+from engine.front.outputs import EmbeddingOutput, EngineStats, KVBlock, RequestOutput
+from engine.front.pooling import embed_prompts, pooling_config, resolve_runner, set_up_pooling
 from engine.front.sampling_params import SamplingParams
 from engine.loader import GGUFCheckpoint, checkpoint_dtype, pick_device, pick_dtype
 from engine.runner.distributed import check_tensor_parallel
@@ -59,6 +60,10 @@ class LLMEngine:
     def __init__(self, model: str, **settings):
         self.config = config = EngineConfig.from_kwargs(str(model), **settings)
         path, hf_config, tokenizer = open_model(config)
+        config.runner = resolve_runner(config.runner, path, hf_config)
+        self.pooling = pooling_config(path, hf_config) if config.runner == "pooling" else None
+        if self.pooling is not None:
+            set_up_pooling(config, hf_config)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(
             config.dtype, self.device, quantized=isinstance(path, GGUFCheckpoint) or bool(config.quantization)
@@ -181,6 +186,11 @@ class LLMEngine:
         """Queue a request and return its id. Invalid requests raise and change nothing. `priority`: vLLM's,
         lower is more urgent; a step serves only the most urgent requests present (engine/core/scheduler.py).
         `grammar`: the request's constraint compiled beforehand (`compile_constraint`), else compiled here."""
+        if self.pooling is not None:
+            raise ValueError(
+                f"{self.config.model} is an embedding model: it makes vectors with embed(), not text; load a chat "
+                "model to generate"
+            )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int (lower is more urgent; 0 is the default), got {priority!r}")
         sampling_params = sampling_params or SamplingParams()
@@ -466,4 +476,10 @@ class LLMEngine:
 
 
 class LLM(LLMEngine):
-    """vLLM's offline entry point: `LLM(model, **settings).generate(prompts, sampling_params)`."""
+    """vLLM's offline entry point: `LLM(model, **settings).generate(prompts, sampling_params)`, and for an
+    embedding model `LLM(model).embed(inputs)`."""
+
+    def embed(self, prompts, dimensions: int | None = None) -> list[EmbeddingOutput]:
+        """One embedding per input (a string or token ids), in order; `dimensions`: truncated to that length,
+        where the model was trained for it (engine/front/pooling.py)."""
+        return embed_prompts(self, prompts, dimensions)

@@ -29,6 +29,14 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class EmbeddingOutput:
+    """One input's embedding (`LLM.embed`)."""
+
+    embedding: list[float]  # pooled, truncated to the dimensions asked for, normalized where the model says so
+    prompt_token_ids: list[int]  # the input as the model read it (with the special tokens its tokenizer adds)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine's counters and settings at one moment (`LLMEngine.stats()`)."""
 

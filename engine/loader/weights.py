@@ -2,8 +2,9 @@
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,9 +69,19 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
-    """Copy every safetensors tensor of the checkpoint in `path` into `model` (see `load_tensors`)."""
-    load_tensors(model, (item for file in safetensors_files(path) for item in read_tensors(file)), str(path))
+def load_weights(model: nn.Module, path: Path, headless: bool = False) -> None:
+    """Copy every safetensors tensor of the checkpoint in `path` into `model` (see `load_tensors`). `headless`: an
+    embedding model, whose head never runs: a head in the checkpoint is skipped, and a bare decoder's names
+    (`layers.0...`, as sentence-transformers saves Qwen3-Embedding) are read as the full model's."""
+    tensors = (item for file in safetensors_files(path) for item in read_tensors(file))
+    load_tensors(model, without_head(tensors) if headless else tensors, str(path))
+
+
+def without_head(tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """An embedding model's tensors: any head skipped, a bare decoder's names made the full model's."""
+    for name, tensor in tensors:
+        if not name.startswith("lm_head."):
+            yield (name if name.startswith("model.") else f"model.{name}"), tensor
 
 
 def load_tensors(

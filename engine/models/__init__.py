@@ -79,6 +79,8 @@ def language_config(hf_config):
 def model_class(hf_config) -> type[nn.Module]:
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for name in architectures:
+        # A bare decoder (`Qwen3Model`: an embedding model's checkpoint) is its family's network without the head
+        name = name[: -len("Model")] + "ForCausalLM" if name.endswith("Model") else name
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
     raise ValueError(

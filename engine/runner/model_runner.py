@@ -25,6 +25,7 @@ from engine.layers.attention import Attention
 from engine.layers.linear import OneDNNMatmul, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.loader import GGUFCheckpoint, load_tensors, load_weights
+from engine.loader.weights import without_head
 from engine.models import model_class
 from engine.quantization.mxfp4 import checkpoint_reads_mxfp4
 from engine.runner.background import EngineActivity
@@ -146,10 +147,12 @@ class ModelRunner:
             for module in model.modules():
                 if isinstance(module, RotaryEmbedding):
                     module.init_caches(self.device)
+        headless = self.config.runner == "pooling"  # an embedding model: its head never runs
         if self.gguf is not None:
-            load_tensors(model, self.gguf.tensors(), str(self.gguf.path))
+            tensors = self.gguf.tensors()
+            load_tensors(model, without_head(tensors) if headless else tensors, str(self.gguf.path))
         else:
-            load_weights(model, model_path)
+            load_weights(model, model_path, headless)
         if self.quantized:
             quantization.finalize(model)
         model.eval()
