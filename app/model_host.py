@@ -175,7 +175,7 @@ class ModelHost:
             old.close()  # its replies still streaming end as stopped; its memory goes back
         try:
             # Built in this thread, which ends once the load does: see EngineThread's note on OpenMP's pools.
-            engine = EngineThread(LLM(model, **settings))
+            engine = EngineThread(LLM(model, runner="generate", **settings))  # an embedding model is refused
         except Exception as e:  # any failure: say it, keep the previous backend
             log.exception("loading %s failed", model)
             after = (

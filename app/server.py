@@ -87,8 +87,11 @@ def guarded(policy: AccessPolicy) -> dict:
     return {"lifespan": lifespan}
 
 
-def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | None, max_request_bytes: int) -> None:
-    """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch."""
+def serve_openai_api(
+    demo, host, api_key: str | None, default_max_tokens: int | None, max_request_bytes: int, embedders=None
+) -> None:
+    """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch.
+    `embedders`: the embedding model's source (entrypoints/embeddings.py), if one was asked for."""
     from entrypoints.anthropic.router import create_router as create_anthropic_router
     from entrypoints.ollama.router import create_router as create_ollama_router
     from entrypoints.openai.api_router import create_router
@@ -117,10 +120,14 @@ def serve_openai_api(demo, host, api_key: str | None, default_max_tokens: int | 
         return ServedModel(engine, host.label) if engine is not None else None
 
     # Gradio has already built its FastAPI app; routes added now are matched like its own.
-    demo.server_app.include_router(create_router(served, api_key, default_max_tokens, max_request_bytes))
+    demo.server_app.include_router(
+        create_router(served, api_key, default_max_tokens, max_request_bytes, embedders=embedders)
+    )
     demo.server_app.include_router(create_responses_router(served, api_key, default_max_tokens, max_request_bytes))
     demo.server_app.include_router(create_anthropic_router(served, api_key, max_request_bytes))
-    demo.server_app.include_router(create_ollama_router(served, api_key, default_max_tokens, max_request_bytes))
+    demo.server_app.include_router(
+        create_ollama_router(served, api_key, default_max_tokens, max_request_bytes, embedders=embedders)
+    )
     demo.server_app.include_router(create_metrics_router(served))
     log.info("OpenAI-compatible API at %s/v1%s", demo.local_url.rstrip("/"), " (API key required)" if api_key else "")
 
@@ -175,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if getattr(demo, "share_url", None):
         policy.allow_host(urlsplit(demo.share_url).hostname)
-    serve_openai_api(demo, host, api_key, args.default_max_tokens or None, args.max_request_bytes)
+    embedders = None
+    if args.embedding_model:
+        from entrypoints.embeddings import EmbedderLoad
+
+        embedders = EmbedderLoad(args.embedding_model, {})
+    serve_openai_api(demo, host, api_key, args.default_max_tokens or None, args.max_request_bytes, embedders)
     if not args.no_browser:  # opened here rather than by launch(), once the share link's host is allowed
         webbrowser.open(demo.share_url or demo.local_url)
     if args.share and not getattr(demo, "share_url", None):

@@ -14,6 +14,7 @@ new setting is a flag without being listed here.
 import argparse
 import logging
 import os
+import re
 import secrets
 import socket
 import sys
@@ -77,6 +78,21 @@ def add_api_options(ap: argparse.ArgumentParser) -> None:
         help=f"larger API request bodies are refused with a 413 (default {MAX_REQUEST_BYTES:,})",
     )
 
+    ap.add_argument(
+        "--embedding-model",
+        metavar="MODEL",
+        help="an embedding model (folder, GGUF file or hub repo id, such as Qwen/Qwen3-Embedding-0.6B) served beside "
+        "the chat model for /v1/embeddings and /api/embed",
+    )
+
+
+def memory_size(text: str) -> int:
+    """Bytes from "12GiB", "512MiB", "8G" or a plain number of bytes (K, M and G are powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text.lower())
+    if match is None or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give one such as 12GiB, 512MiB or 8G")
+    return int(float(match[1]) * 1024 ** " kmg".index(match[2] or " "))
+
 
 def check_api_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.default_max_tokens < 0:
@@ -90,7 +106,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m engine.serve", description="Pagoda's engine behind an OpenAI-compatible API."
     )
     ap.add_argument(
-        "--model", help="a local Hugging Face model folder or hub repo id (default: the bundled SmolLM2-135M-Instruct)"
+        "--model",
+        action="append",
+        help="a local Hugging Face model folder, GGUF file or hub repo id (default: the bundled "
+        "SmolLM2-135M-Instruct). Give it again for more models served by name: the first loads at start, the "
+        "others when a request names them",
+    )
+    ap.add_argument(
+        "--ttl",
+        type=float,
+        metavar="SECONDS",
+        help="with several --model: unload a model other than the first after it has been idle this long "
+        "(default: never)",
+    )
+    ap.add_argument(
+        "--memory-budget",
+        type=memory_size,
+        metavar="SIZE",
+        help="with several --model: what the loaded models may hold together, weights and KV caches (such as "
+        "12GiB; default: no bound but the machine's free memory)",
     )
     ap.add_argument("--served-model-name", help="the model id clients send (default: the folder or repo name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -165,30 +199,56 @@ def main(argv: list[str] | None = None) -> int:
     api_key = resolve_api_key(args.api_key, exposed=exposed)
     import uvicorn
 
-    from engine import EngineThread
+    from entrypoints.embeddings import load_embedder
     from entrypoints.graceful_server import GracefulServer
+    from entrypoints.model_registry import ModelRegistry
+    from entrypoints.openai.errors import APIError
     from entrypoints.openai.server import create_app
 
     sock = bind(args.host, args.port)
-    model, name = default_model(args.model)
+    models = served_models(args)
+    registry = ModelRegistry(models, {**args.engine_settings}, args.ttl, args.memory_budget)
+    model, embedder = next(iter(models.values())), None
     try:
-        engine = EngineThread.load(model, **args.engine_settings)
+        registry.start()  # the first model, now; the others when a request names them
+        if args.embedding_model:
+            model = args.embedding_model
+            embedder = load_embedder(model, args.engine_settings)
     except Exception as e:
+        registry.shutdown()
         if args.debug:
             raise
         sock.close()
-        print(f"Cannot load {model}: {e}\n(--debug shows the traceback)", file=sys.stderr, flush=True)
+        why = e.__cause__ or e.message if isinstance(e, APIError) else e  # a load's own error, as the engine said it
+        print(f"Cannot load {model}: {why}\n(--debug shows the traceback)", file=sys.stderr, flush=True)
         return 1
-    name = args.served_model_name or name
     policy = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.cors_origins)
-    app = create_app(engine, name, api_key, policy, args.default_max_tokens or None, args.max_request_bytes, exposed)
+    app = create_app(
+        registry, None, api_key, policy, args.default_max_tokens or None, args.max_request_bytes, exposed, embedder
+    )
+    engine = registry.entries[registry.default].engine
     server = GracefulServer(uvicorn.Config(app, log_level="warning"), engine, args.shutdown_grace)
-    print(f"Serving {name} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
+    names = ", ".join(models) + (f", and {embedder.name} for embeddings" if embedder else "")
+    print(f"Serving {names} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
-        engine.shutdown()
+        registry.shutdown()
     return 0
+
+
+def served_models(args: argparse.Namespace) -> dict[str, str]:
+    """Name -> what loads it, for every --model (the first is the default, named by --served-model-name);
+    the bundled model when none is given."""
+    given = args.model or [None]
+    models: dict[str, str] = {}
+    for i, asked in enumerate(given):
+        source, name = default_model(asked)
+        name = args.served_model_name or name if i == 0 else name
+        if name in models:
+            raise SystemExit(f"two --model give the name {name!r}; serve each model once")
+        models[name] = source
+    return models
 
 
 if __name__ == "__main__":

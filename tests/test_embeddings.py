@@ -139,7 +139,7 @@ def test_chat_and_embedding_models_each_refuse_the_others_work(embedding_model, 
     embedder = make_llm(embedding_model)
     with pytest.raises(ValueError, match="embedding model.*embed"):
         embedder.generate(["hello"], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="runner='pooling'"):
+    with pytest.raises(ValueError, match="not a chat model: serve it beside one with --embedding-model"):
         make_llm(embedding_model, runner="generate")
 
 
@@ -151,3 +151,43 @@ def test_a_refused_input_runs_nothing_and_the_next_call_works(embedding_model, m
         llm.embed([TEXTS[0], []])
     assert llm.stats().free_blocks == 4
     assert len(llm.embed(TEXTS)) == len(TEXTS)
+
+
+def test_a_gguf_embedding_model_pools_as_its_metadata_says(tmp_path, make_llm):
+    """A Qwen3-Embedding GGUF as llama.cpp's converter writes one: `qwen3.pooling_type` 3 (the last token) and
+    `tokenizer.ggml.add_eos_token`, whose end token is the one pooled."""
+    import gguf
+    import transformers
+
+    from tests.test_gguf_engine import HEAD_DIM, write_model_gguf
+
+    build_tokenizer(tmp_path / "tokenizer")
+    torch.manual_seed(5)
+    config = transformers.Qwen3Config(
+        **{**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=HEAD_DIM, tie_word_embeddings=True
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    widen_weights(model)
+
+    def pools_last(writer: gguf.GGUFWriter) -> None:
+        writer.add_uint32("qwen3.pooling_type", 3)
+        writer.add_bool("tokenizer.ggml.add_eos_token", True)
+
+    path = write_model_gguf(
+        tmp_path / "embedding.gguf",
+        "qwen3",
+        model,
+        {"linear": "F32", "embed": "F32"},
+        tmp_path / "tokenizer",
+        pools_last,
+    )
+    llm = make_llm(path)
+    assert llm.config.runner == "pooling"
+    outputs = llm.embed(TEXTS)
+    expected = []
+    for out in outputs:
+        assert out.prompt_token_ids[-1] == 2  # the file's end token, added as llama.cpp adds it
+        with torch.no_grad():
+            states = model.model(input_ids=torch.tensor([out.prompt_token_ids])).last_hidden_state[0]
+        expected.append(torch.nn.functional.normalize(states[-1], dim=0))
+    assert torch.allclose(torch.tensor([o.embedding for o in outputs]), torch.stack(expected), atol=1e-4)

@@ -1,7 +1,7 @@
 """Fuzzing a real `python -m engine.serve`: schemathesis over its declared /openapi.json, and hypothesis over
-the request bodies (drawn by tests/request_bodies.py). Whatever a client sends, the answer is never a 5xx, every
-4xx is in its API's error shape (OpenAI's, Anthropic's under /v1/messages, Ollama's under /api), and afterwards
-the server still answers, with nothing left running or holding KV blocks.
+the request bodies (drawn by tests/request_bodies.py). Whatever a client sends (embeddings' routes included), the
+answer is never a 5xx, every 4xx is in its API's error shape (OpenAI's, Anthropic's under /v1/messages, Ollama's
+under /api), and afterwards the server still answers, with nothing left running or holding KV blocks.
 
 The tests share their servers (one on the tiny Llama, one on a tiny Qwen3 with Qwen3's own chat template) and
 run in file order: the health check comes last, after everything else has hit them."""
@@ -47,7 +47,12 @@ def serve(model, log, *more: str) -> ServeProcess:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = serve(tiny_llama, tmp_path_factory.mktemp("fuzz") / "server.log")
+    """The tiny Llama, with a tiny embedding model beside it: /v1/embeddings and /api/embed get fuzzed too."""
+    from tests.test_embeddings import build_embedding_model
+
+    folder = tmp_path_factory.mktemp("fuzz")
+    embedder = build_embedding_model(folder / "embedding")
+    srv = serve(tiny_llama, folder / "server.log", "--embedding-model", str(embedder))
     yield srv
     srv.stop()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -157,9 +158,11 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, folder: Path, pad_to: int | None
     )
 
 
-def write_model_gguf(path: Path, family: str, model, types: dict[str, str], tokenizer_folder: Path) -> Path:
+def write_model_gguf(
+    path: Path, family: str, model, types: dict[str, str], tokenizer_folder: Path, more: Callable | None = None
+) -> Path:
     """`types` maps a tensor kind ("linear", "embed", or a projection like "attn_v") to a GGUF type name;
-    norms and biases are F32, as llama.cpp stores them."""
+    norms and biases are F32, as llama.cpp stores them. `more(writer)` adds metadata of its own."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), family)
     writer.add_context_length(config.max_position_embeddings)
@@ -175,6 +178,8 @@ def write_model_gguf(path: Path, family: str, model, types: dict[str, str], toke
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
     tokenizer_metadata(writer, tokenizer_folder)
+    if more is not None:
+        more(writer)
     for i, (name, p) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue

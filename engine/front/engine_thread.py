@@ -18,8 +18,9 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from itertools import count
+from typing import TypeVar
 
 from engine.front.llm_engine import LLMEngine, StepFailed
 from engine.front.outputs import EngineStats, KVBlock, RequestOutput
@@ -27,6 +28,7 @@ from engine.front.sampling_params import SamplingParams
 
 log = logging.getLogger("engine")
 _DONE = object()
+T = TypeVar("T")
 
 
 class EngineFailed(RuntimeError):
@@ -42,6 +44,26 @@ class RequestFailed(RuntimeError):
 class ConstraintFailed(RequestFailed):
     """The request's structured-output constraint could not be followed mid-reply (llguidance's parser limits, or
     no way on): the request's own doing, so sending it again gives the same; change the constraint."""
+
+
+def in_a_passing_thread(work: Callable[[], T], name: str = "pagoda-passing") -> T:
+    """`work()` run in a thread that ends with it, its result or exception handed back: on a CPU, a thread that
+    lives on after running parallel work keeps an OpenMP pool, which slows the engine thread's steps (the module's
+    note). For loading a model, or for an embedding model's calls beside the chat engine."""
+    done: dict = {}
+
+    def run() -> None:
+        try:
+            done["value"] = work()
+        except BaseException as e:  # handed to the caller's thread, raised there
+            done["error"] = e
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 class EngineThread:
@@ -65,20 +87,7 @@ class EngineThread:
         (see the module's note on OpenMP's pools). Load errors are raised here, as LLM raises them."""
         from engine.front.llm_engine import LLM
 
-        built: dict = {}
-
-        def build() -> None:
-            try:
-                built["llm"] = LLM(model, **settings)
-            except BaseException as e:  # handed to the caller's thread, raised there
-                built["error"] = e
-
-        loader = threading.Thread(target=build, name=f"{name}-load")
-        loader.start()
-        loader.join()
-        if "error" in built:
-            raise built["error"]
-        return cls(built["llm"], name)
+        return cls(in_a_passing_thread(lambda: LLM(model, **settings), f"{name}-load"), name)
 
     # ---- caller side ----------------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ of the model; `close()` stops them (garbage collection and interpreter exit do t
 """
 
 import logging
+import threading
 from itertools import count
 
 import torch
@@ -56,8 +57,17 @@ def _breaks_the_device(error: BaseException) -> bool:
     )
 
 
+# Loads in one process take turns: two at once would each measure the free memory the other is about to take,
+# and race in transformers' lazy imports (an embedding model loading beside the app's chat model failed so).
+_LOADS = threading.Lock()
+
+
 class LLMEngine:
     def __init__(self, model: str, **settings):
+        with _LOADS:
+            self._load(model, settings)
+
+    def _load(self, model: str, settings: dict) -> None:
         self.config = config = EngineConfig.from_kwargs(str(model), **settings)
         path, hf_config, tokenizer = open_model(config)
         config.runner = resolve_runner(config.runner, path, hf_config)
@@ -479,7 +489,8 @@ class LLM(LLMEngine):
     """vLLM's offline entry point: `LLM(model, **settings).generate(prompts, sampling_params)`, and for an
     embedding model `LLM(model).embed(inputs)`."""
 
-    def embed(self, prompts, dimensions: int | None = None) -> list[EmbeddingOutput]:
-        """One embedding per input (a string or token ids), in order; `dimensions`: truncated to that length,
-        where the model was trained for it (engine/front/pooling.py)."""
-        return embed_prompts(self, prompts, dimensions)
+    def embed(self, prompts, dimensions: int | None = None, truncate: bool = False) -> list[EmbeddingOutput]:
+        """One embedding per input (a string or token ids), in order. `dimensions`: the vectors cut to that length,
+        where the model was trained for it (engine/front/pooling.py); `truncate`: an input longer than the model
+        reads is cut to its first tokens, not refused."""
+        return embed_prompts(self, prompts, dimensions, truncate)

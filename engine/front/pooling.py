@@ -128,8 +128,9 @@ def resolve_runner(requested: str, checkpoint, hf_config) -> str:
         return "pooling" if embedding else "generate"
     if requested == "generate" and embedding:
         raise ValueError(
-            "this checkpoint is an embedding model (it pools its hidden states and has no head to generate with); "
-            "load it with runner='pooling' (the server's --embedding-model) and use embed()"
+            "this checkpoint is an embedding model (it pools its hidden states and has no head to generate with), "
+            "not a chat model: serve it beside one with --embedding-model, or load it with runner='pooling' and "
+            "call embed()"
         )
     return requested
 
@@ -209,9 +210,10 @@ def set_up_pooling(config, hf_config) -> None:
     hf_config.tie_word_embeddings = True
 
 
-def encode_input(engine, text: str | list[int]) -> list[int]:
+def encode_input(engine, text: str | list[int], truncate: bool = False) -> list[int]:
     """An input's token ids, with the special tokens its tokenizer adds (Qwen3-Embedding's closing
-    <|endoftext|>, whose state is its embedding), refused with a ValueError where the model cannot read it."""
+    <|endoftext|>, whose state is its embedding), refused with a ValueError where the model cannot read it.
+    `truncate`: one longer than the model reads is cut to its first tokens instead (as Ollama does)."""
     if isinstance(text, str):
         ids = engine.tokenizer.encode(text)
     elif isinstance(text, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
@@ -225,12 +227,14 @@ def encode_input(engine, text: str | list[int]) -> list[int]:
     if outside:
         raise ValueError(f"token ids {outside[:5]} are outside the vocabulary (0..{vocab - 1})")
     most = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_manager.block_size)
+    if truncate:
+        ids = ids[:most]
     if len(ids) > most:
         raise ValueError(f"an input has {len(ids)} tokens, and this model reads at most {most}; shorten it")
     return ids
 
 
-def embed_prompts(engine, prompts, dimensions: int | None = None) -> list[EmbeddingOutput]:
+def embed_prompts(engine, prompts, dimensions: int | None = None, truncate: bool = False) -> list[EmbeddingOutput]:
     """`LLM.embed`: one EmbeddingOutput per input, in order. Every input is checked before any runs."""
     if engine.pooling is None:
         raise ValueError(
@@ -244,7 +248,7 @@ def embed_prompts(engine, prompts, dimensions: int | None = None) -> list[Embedd
             f"inputs must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
         )
     size = engine.pooling.check_dimensions(dimensions)
-    token_lists = [encode_input(engine, p) for p in prompts]
+    token_lists = [encode_input(engine, p, truncate) for p in prompts]
     vectors = pool_prompts(engine, token_lists, engine.pooling)
     return [
         EmbeddingOutput(finish_vector(v, engine.pooling, size).tolist(), ids)

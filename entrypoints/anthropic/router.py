@@ -33,7 +33,7 @@ def create_router(
 
     async def read(request: Request, kind: type[MessagesBody]):
         body = await parse_body(request, kind, max_request_bytes)
-        model = served_model(models, None if body.model.startswith("claude-") else body.model)
+        model = await served_model(models, None if body.model.startswith("claude-") else body.model)
         chat = body.chat_body()
         return body, chat, model, await chat_prompt(model.engine, chat)
 

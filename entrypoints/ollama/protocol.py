@@ -113,6 +113,26 @@ class GenerateBody(OllamaBody):
         return body_from(ChatCompletionBody, {**self.common(), "messages": messages})
 
 
+class EmbedBody(BaseModel):
+    """/api/embed's body; /api/embeddings' older one sends one `prompt` instead of `input`."""
+
+    model_config = ConfigDict(extra="allow")  # options and keep_alive change nothing in an embedding
+    model: str = ""
+    input: str | list[str] | None = None
+    prompt: str | None = None
+    truncate: bool = True  # Ollama's default: an input longer than the model reads is cut, not refused
+    dimensions: int | None = Field(None, ge=1)
+
+    def check_supported(self) -> None:
+        """What the OpenAI body checks (parse_body calls this)."""
+
+    def inputs(self) -> list[str]:
+        given = self.input if self.input is not None else self.prompt
+        if given is None:
+            raise APIError(400, "send the text to embed as `input` (a string or a list of them)")
+        return [given] if isinstance(given, str) else list(given)
+
+
 def counts(reply, started: float) -> dict:
     """Ollama's counters and durations (nanoseconds) of a finished reply."""
     total = int((time.perf_counter() - started) * 1e9)

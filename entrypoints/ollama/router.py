@@ -5,8 +5,8 @@
 and every refusal in Ollama's error shape ({"error": "..."}).
 
 A model is named as /api/tags lists it (the served name), with or without Ollama's ":latest" tag. /api/embed and
-/api/embeddings answer, as /v1/embeddings does, that the loaded model is a chat model: embeddings are not served
-yet.
+/api/embeddings answer from the embedding model served beside the chat model (entrypoints/embeddings.py), as
+/v1/embeddings does.
 """
 
 import json
@@ -19,9 +19,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import RequestFailed
+from entrypoints.embeddings import EmbedderSource, embed, find_embedder, listed_embedder
+from entrypoints.model_registry import ModelRegistry
 from entrypoints.ollama.protocol import (
     OLLAMA_API_VERSION,
     ChatBody,
+    EmbedBody,
     GenerateBody,
     counts,
     error_response,
@@ -29,7 +32,7 @@ from entrypoints.ollama.protocol import (
     ollama_calls,
 )
 from entrypoints.openai import request_log
-from entrypoints.openai.api_router import guard, no_embeddings, served_model
+from entrypoints.openai.api_router import guard, served_model
 from entrypoints.openai.body_reader import openapi_body, parse_body
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
@@ -44,34 +47,45 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     api_key: str | None = None,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    embedders: EmbedderSource | None = None,
 ) -> APIRouter:
     guarded = guard(api_key, error_response)
 
-    def served(asked: str) -> ServedModel:
-        model = served_model(models, None)
+    def embedder():
+        return listed_embedder(embedders)
+
+    async def served(asked: str) -> ServedModel:
+        if isinstance(models, ModelRegistry):  # Ollama's names may carry ":latest"
+            name = next(
+                (n for n in models.entries if n.removesuffix(":latest") == asked.removesuffix(":latest")), asked
+            )
+            return await served_model(models, name or None)
+        model = await served_model(models, None)
         if asked and asked.removesuffix(":latest") != model.name.removesuffix(":latest"):
             raise APIError(404, f"model {asked!r} not found; this server serves {model.name!r}")
         return model
 
-    def details(model: ServedModel) -> dict:
-        stats = model.engine.stats()
+    def details(engine) -> dict:
+        """Ollama's details of a model (of a registry's model not loaded: what is known without loading it)."""
         return {
             "format": "",
             "family": "",
             "families": None,
             "parameter_size": "",
-            "quantization_level": stats.quantization,
+            "quantization_level": engine.stats().quantization if engine is not None else "",
         }
 
-    def listed(model: ServedModel) -> dict:
-        return {
-            "name": model.name,
-            "model": model.name,
-            "modified_at": now(),
-            "size": 0,
-            "digest": "",
-            "details": details(model),
-        }
+    def listed(name: str, engine) -> dict:
+        return {"name": name, "model": name, "modified_at": now(), "size": 0, "digest": "", "details": details(engine)}
+
+    def served_now() -> list[tuple[str, object]]:
+        """(name, engine) of each model loaded: the chat models and the embedding model, where there are."""
+        if isinstance(models, ModelRegistry):
+            chats = [(e.name, e.engine) for e in models.listing() if e.engine is not None]
+        else:
+            chats = [(m.name, m.engine) for m in [models()] if m is not None]
+        other = embedder()
+        return chats + [(e.name, e.llm) for e in [other] if e]
 
     async def reply_to(request: Request, body, model: ServedModel, key: str):
         """The reply to a chat or generate request, whole or streamed; `key`: "message" or "response"."""
@@ -116,13 +130,13 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     @guarded
     async def chat(request: Request):
         body = await parse_body(request, ChatBody, max_request_bytes)
-        return await reply_to(request, body.openai(), served(body.model), "message")
+        return await reply_to(request, body.openai(), await served(body.model), "message")
 
     @router.post("/generate", openapi_extra=openapi_body(GenerateBody))
     @guarded
     async def generate(request: Request):
         body = await parse_body(request, GenerateBody, max_request_bytes)
-        model = served(body.model)
+        model = await served(body.model)
         if not body.prompt and not body.system:  # Ollama's way to load a model: it is loaded
             return JSONResponse(
                 {"model": model.name, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
@@ -132,14 +146,18 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     @router.get("/tags")
     @guarded
     async def tags(request: Request):
-        model = models()
-        return {"models": [] if model is None else [listed(model)]}
+        if isinstance(models, ModelRegistry):  # every model it can serve, loaded or not, as Ollama lists its own
+            loaded = dict(served_now())
+            every = [(e.name, e.engine) for e in models.listing()] + [
+                (n, e) for n, e in loaded.items() if n not in models.entries
+            ]
+            return {"models": [listed(name, engine) for name, engine in every]}
+        return {"models": [listed(name, engine) for name, engine in served_now()]}
 
     @router.get("/ps")
     @guarded
     async def ps(request: Request):
-        model = models()
-        running = [] if model is None else [{**listed(model), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]
+        running = [{**listed(*m), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0} for m in served_now()]
         return {"models": running}
 
     @router.post("/show")
@@ -153,7 +171,17 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
         name = asked.get("model") or asked.get("name") if isinstance(asked, dict) else None
         if not isinstance(name, str):
             raise APIError(400, 'send {"model": <name>}')
-        model = served(name)
+        other = embedder()
+        if other is not None and name.removesuffix(":latest") == other.name.removesuffix(":latest"):
+            return {
+                "modified_at": now(),
+                "template": "",
+                "parameters": "",
+                "details": details(other.llm),
+                "model_info": {"general.context_length": other.llm.max_model_len},
+                "capabilities": ["embedding"],
+            }
+        model = await served(name)
         template = model.engine.tokenizer.chat_template or ""
         capabilities = ["completion"] + (["tools"] if "tools" in template else [])
         capabilities += ["thinking"] if "think" in template else []
@@ -161,7 +189,7 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
             "modified_at": now(),
             "template": template,
             "parameters": "",
-            "details": details(model),
+            "details": details(model.engine),
             "model_info": {"general.context_length": model.engine.max_model_len},
             "capabilities": capabilities,
         }
@@ -171,15 +199,28 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     async def version(request: Request):
         return {"version": OLLAMA_API_VERSION}
 
-    @router.post("/embed")
-    @guarded
-    async def embed(request: Request):
-        raise no_embeddings(served_model(models, None).name)
+    async def embeddings_of(request: Request):
+        body = await parse_body(request, EmbedBody, max_request_bytes)
+        asked = body.model.removesuffix(":latest")
+        names = [name for name, _ in served_now()]
+        asked = next((n for n in names if n.removesuffix(":latest") == asked), asked)
+        chosen = find_embedder(embedders, models, asked)
+        started = time.perf_counter()
+        vectors, tokens = await embed(chosen, body.inputs(), body.dimensions, truncate=body.truncate)
+        took = int((time.perf_counter() - started) * 1e9)
+        return chosen.name, vectors, {"total_duration": took, "load_duration": 0, "prompt_eval_count": tokens}
 
-    @router.post("/embeddings")
+    @router.post("/embed", openapi_extra=openapi_body(EmbedBody))
     @guarded
-    async def embeddings(request: Request):
-        raise no_embeddings(served_model(models, None).name)
+    async def embed_route(request: Request):
+        name, vectors, timings = await embeddings_of(request)
+        return {"model": name, "embeddings": vectors, **timings}
+
+    @router.post("/embeddings", openapi_extra=openapi_body(EmbedBody))
+    @guarded
+    async def embeddings(request: Request):  # Ollama's older route: one prompt, one vector
+        _, vectors, _ = await embeddings_of(request)
+        return {"embedding": vectors[0]}
 
     return router
 

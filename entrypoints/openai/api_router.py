@@ -5,14 +5,18 @@ A route reads its body and finds the served model; serving.py does the rest. Eve
 with the traceback in the log).
 """
 
+import base64
 import functools
 import logging
 import secrets
+import struct
 from collections.abc import Callable
 
 import anyio
 from fastapi import APIRouter, Request, Response
 
+from entrypoints.embeddings import EmbedderSource, ServedEmbedder, embed, find_embedder, listed_embedder
+from entrypoints.model_registry import ModelEntry, ModelRegistry
 from entrypoints.openai import request_log
 from entrypoints.openai.body_reader import openapi_body, parse_body
 from entrypoints.openai.errors import APIError
@@ -20,6 +24,7 @@ from entrypoints.openai.limits import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
 from entrypoints.openai.protocol import (
     ChatCompletionBody,
     CompletionBody,
+    EmbeddingBody,
     ModelCard,
     ModelList,
 )
@@ -35,6 +40,11 @@ from entrypoints.openai.serving import (
 )
 
 log = logging.getLogger("pagoda.api")
+
+
+def as_base64(vector: list[float]) -> str:
+    """OpenAI's `encoding_format: base64`: the vector's float32 bytes, little-endian, in base64."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
 def key_required() -> APIError:
@@ -54,19 +64,11 @@ def has_key(authorization: str, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
 
 
-def no_embeddings(model: str) -> APIError:
-    """What a request for embeddings gets while only a chat model is loaded."""
-    return APIError(
-        400,
-        f"{model!r} is a chat model, and Pagoda does not serve embedding models yet: embeddings need one (such as "
-        "Qwen/Qwen3-Embedding-0.6B) loaded beside the chat model",
-        code="model_not_embedding",
-        param="model",
-    )
-
-
-def served_model(models: ModelSource, asked: str | None) -> ServedModel:
-    """The loaded model, if it is the one `asked` for (None: whichever is loaded); else a 503 or 404 that says why."""
+async def served_model(models: ModelSource | ModelRegistry, asked: str | None) -> ServedModel:
+    """The model `asked` for (None: whichever is serving): from a registry, loaded on first use; else the loaded
+    model if it is that one. A 503 or 404 says why not."""
+    if isinstance(models, ModelRegistry):
+        return await models.pick(asked)
     model = models()
     if model is None:
         raise APIError(
@@ -119,38 +121,51 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
     api_key: str | None = None,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    embedders: EmbedderSource | None = None,
 ) -> APIRouter:
     """The /v1 routes. With an api_key, every one of them wants `Authorization: Bearer <key>`.
     `default_max_tokens`: for requests that send none (None: the rest of the context);
-    `max_request_bytes`: larger bodies get a 413."""
+    `max_request_bytes`: larger bodies get a 413; `embedders`: the embedding model, if one is served."""
 
     guarded = guard(api_key, APIError.response)
 
     router = APIRouter(prefix="/v1")
     told_of_dropped_tools: set[tuple] = set()
 
-    def served(asked: str | None) -> ServedModel:
-        return served_model(models, asked)
+    async def served(asked: str | None) -> ServedModel:
+        return await served_model(models, asked)
 
-    def model_card(model: ServedModel) -> ModelCard:
-        return ModelCard(id=model.name, max_model_len=model.engine.max_model_len)
+    def model_card(model: ServedModel | ServedEmbedder | ModelEntry) -> ModelCard:
+        if isinstance(model, ModelEntry):  # a registry's: its state, and its context once loaded
+            length = model.engine.max_model_len if model.engine is not None else None
+            return ModelCard(id=model.name, max_model_len=length, status=model.state)
+        engine = model.engine if isinstance(model, ServedModel) else model.llm
+        return ModelCard(id=model.name, max_model_len=engine.max_model_len)
+
+    def embedder() -> ServedEmbedder | None:
+        return listed_embedder(embedders)
 
     @router.get("/models")
     @guarded
     async def list_models(request: Request):
-        model = models()
-        return ModelList(data=[] if model is None else [model_card(model)]).model_dump()
+        served_now = [*(models.listing() if isinstance(models, ModelRegistry) else [models()]), embedder()]
+        return ModelList(data=[model_card(m) for m in served_now if m is not None]).json_body()
 
     @router.get("/models/{model_id:path}")
     @guarded
     async def retrieve_model(request: Request, model_id: str):
-        return model_card(served(model_id)).model_dump()
+        other = embedder()
+        if other is not None and other.name == model_id:
+            return model_card(other).json_body()
+        if isinstance(models, ModelRegistry) and model_id in models.entries:  # asking about a model loads nothing
+            return model_card(models.entries[model_id]).json_body()
+        return model_card(await served(model_id)).json_body()
 
     @router.post("/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
     @guarded
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionBody, max_request_bytes)
-        model = served(body.model)
+        model = await served(body.model)
         if "priority" not in body.model_fields_set and body.looks_like_a_background_task:
             body.priority = BACKGROUND_PRIORITY  # out of the way of the user's visible chats
         prompt = await chat_prompt(model.engine, body)
@@ -172,16 +187,25 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
             headers=prompt.headers(),
         )
 
-    @router.post("/embeddings")
+    @router.post("/embeddings", openapi_extra=openapi_body(EmbeddingBody))
     @guarded
     async def embeddings(request: Request):
-        raise no_embeddings(served(None).name)
+        body = await parse_body(request, EmbeddingBody, max_request_bytes)
+        embedder = find_embedder(embedders, models, body.model)
+        vectors, tokens = await embed(embedder, body.inputs(), body.dimensions)
+        encoded = vectors if body.encoding_format == "float" else [as_base64(v) for v in vectors]
+        return {
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
+            "model": embedder.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
 
     @router.post("/completions", openapi_extra=openapi_body(CompletionBody))
     @guarded
     async def completions(request: Request):
         body = await parse_body(request, CompletionBody, max_request_bytes)
-        model = served(body.model)
+        model = await served(body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:

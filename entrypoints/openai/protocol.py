@@ -333,6 +333,23 @@ class CompletionBody(RequestBody):
         return self.echo and self.max_tokens == 0
 
 
+class EmbeddingBody(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `user` and the like change nothing
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    dimensions: int | None = Field(None, ge=1)
+    encoding_format: Literal["float", "base64"] = "float"
+
+    def check_supported(self) -> None:
+        """Nothing to refuse: every field Pagoda does not know leaves the vectors as they are."""
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a string, or token ids."""
+        given = self.input
+        return [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else list(given)
+
+
 # ---- responses ----------------------------------------------------------------------------------------------
 class Response(BaseModel):
     """A response object. In its JSON, a field left at None is absent unless the server set it (to None too), as
@@ -350,7 +367,8 @@ class ModelCard(Response):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "pagoda"
-    max_model_len: int
+    max_model_len: int | None  # None: not loaded, so not known yet
+    status: Literal["loaded", "loading", "not-loaded"] | None = None  # where several models are served by name
 
 
 class ModelList(Response):

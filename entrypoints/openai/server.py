@@ -17,7 +17,9 @@ from engine import EngineThread
 from entrypoints.anthropic.errors import speaks_anthropic
 from entrypoints.anthropic.protocol import error_response
 from entrypoints.anthropic.router import create_router as create_anthropic_router
+from entrypoints.embeddings import ServedEmbedder
 from entrypoints.http_guard import AccessPolicy, HTTPGuard
+from entrypoints.model_registry import ModelRegistry
 from entrypoints.ollama.protocol import error_response as ollama_error
 from entrypoints.ollama.router import create_router as create_ollama_router
 from entrypoints.openai import request_log
@@ -114,7 +116,7 @@ def routing_error(request: Request, exc: HTTPException) -> JSONResponse | None:
         APIError(
             404,
             f"Invalid URL ({where}): this server serves /v1/chat/completions, /v1/completions, /v1/responses, "
-            "/v1/messages and /v1/models",
+            "/v1/embeddings, /v1/messages and /v1/models",
             code="not_found",
         )
     )
@@ -141,27 +143,40 @@ def add_api_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(
-    engine: EngineThread,
-    model_name: str,
+    engine: EngineThread | ModelRegistry,
+    model_name: str | None,
     api_key: str | None,
     policy: AccessPolicy | None = None,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     exposed: bool = False,
+    embedder: ServedEmbedder | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving one EngineThread: the headless server. `policy`: the hosts and sites it answers
-    (default: this machine's loopback names only); `exposed`: reachable from other machines, where
-    /metrics and the API docs want the key as /v1 does."""
-    served = ServedModel(engine, model_name)
+    """A FastAPI app serving one EngineThread as `model_name`, or a ModelRegistry's models by their names: the
+    headless server. `policy`: the hosts and sites it answers (default: this machine's loopback names only);
+    `exposed`: reachable from other machines, where /metrics and the API docs want the key as /v1 does;
+    `embedder`: an embedding model served beside it."""
+    if isinstance(engine, ModelRegistry):
+        models = engine
+    else:
+        served = ServedModel(engine, model_name)
+
+        def models() -> ServedModel:
+            return served
+
     app = FastAPI(title="Pagoda OpenAI-compatible API")
     if exposed and api_key:
         app.add_middleware(KeyedPaths, api_key=api_key, paths=SIDE_PATHS)
     app.add_middleware(HTTPGuard, policy=policy or AccessPolicy())
     app.add_middleware(request_log.RequestLog)  # outermost: requests the guard refuses are logged too
     add_api_error_handlers(app)
-    app.include_router(create_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
-    app.include_router(create_responses_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
-    app.include_router(create_anthropic_router(lambda: served, api_key, max_request_bytes))
-    app.include_router(create_ollama_router(lambda: served, api_key, default_max_tokens, max_request_bytes))
-    app.include_router(create_metrics_router(lambda: served))
+    app.include_router(
+        create_router(models, api_key, default_max_tokens, max_request_bytes, embedders=lambda: embedder)
+    )
+    app.include_router(create_responses_router(models, api_key, default_max_tokens, max_request_bytes))
+    app.include_router(create_anthropic_router(models, api_key, max_request_bytes))
+    app.include_router(
+        create_ollama_router(models, api_key, default_max_tokens, max_request_bytes, embedders=lambda: embedder)
+    )
+    app.include_router(create_metrics_router(models))
     return app

@@ -63,7 +63,7 @@ def create_router(
     @guarded
     async def create(request: Request):
         body = await parse_body(request, ResponsesBody, max_request_bytes)
-        model = served_model(models, body.model)
+        model = await served_model(models, body.model)
         history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
         chat = body.chat_body(history)
         prompt = await chat_prompt(model.engine, chat)

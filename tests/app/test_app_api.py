@@ -5,6 +5,7 @@ import pytest
 
 from tests.app.app_process import AppProcess
 from tests.processes import wait_until
+from tests.test_embeddings import TEXTS, build_embedding_model
 
 # Starting the app on the bundled model (built once per session) takes minutes on a loaded 2-core machine.
 pytestmark = pytest.mark.timeout(900)
@@ -19,7 +20,8 @@ GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetitio
 @pytest.fixture(scope="module")
 def app(bundled_model, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("PAGODA_API_KEY", KEY)  # what --api-key reads when it is not given
-    proc = AppProcess(bundled_model, tmp_path_factory.mktemp("api_home"))
+    embedder = build_embedding_model(tmp_path_factory.mktemp("embedder") / "tiny-embedding")
+    proc = AppProcess(bundled_model, tmp_path_factory.mktemp("api_home"), "--embedding-model", str(embedder))
     client = proc.start()
     yield proc, client
     proc.kill()
@@ -101,7 +103,26 @@ def test_anthropics_and_ollamas_apis_answer_on_the_app_port_too(app):
     )
     assert message.content[0].text and message.usage.output_tokens <= 8
     local = ollama.Client(host=proc.url.rstrip("/"), headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-    (listed,) = local.list().models
+    listed, *others = local.list().models  # the chat model first; the embedding model too, once it has loaded
+    assert [m.model for m in others] in ([], ["tiny-embedding"])
     reply = local.chat(model=listed.model, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 8})
     assert reply.done and reply.message.content
     assert httpx.get(f"{proc.url}api/tags", timeout=10).status_code == 401
+
+
+def test_the_app_serves_its_embedding_model_beside_the_chat_model(app):
+    proc, _ = app
+    api = openai.OpenAI(base_url=f"{proc.url}v1", api_key=KEY, max_retries=0)
+
+    def embedded() -> bool:  # it loads in the background while the page already answers
+        try:
+            return len(api.embeddings.create(model="tiny-embedding", input=TEXTS).data) == len(TEXTS)
+        except openai.InternalServerError as e:
+            assert "Loading the embedding model" in e.message
+            return False
+
+    assert wait_until(embedded, 120, interval=0.5)
+    assert "tiny-embedding" in [m.id for m in api.models.list().data]
+    chat = api.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="is a chat model"):
+        api.embeddings.create(model=chat, input="hello")
