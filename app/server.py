@@ -87,12 +87,25 @@ def guarded(policy: AccessPolicy) -> dict:
     return {"lifespan": lifespan}
 
 
+# How long a model an API request loaded beside the chats' model stays loaded when no request names it
+# (LM Studio keeps such JIT-loaded models 60 minutes, Ollama 5): a laptop wants its memory back sooner.
+API_MODEL_TTL = 600.0
+
+
+def downloaded() -> dict[str, str]:
+    """The models downloaded from the Models tab, by repo id: what an API request may name."""
+    from app.download_jobs import DownloadManager
+
+    return {m.repo_id: str(m.load_path) for m in DownloadManager().local_models()}
+
+
 def serve_openai_api(
     demo, host, api_key: str | None, default_max_tokens: int | None, max_request_bytes: int, embedders=None
 ) -> None:
     """The engine's OpenAI-compatible API on the app's own port, so API calls and chats share one batch.
     `embedders`: the embedding model's source (entrypoints/embeddings.py), if one was asked for."""
     from entrypoints.anthropic.router import create_router as create_anthropic_router
+    from entrypoints.model_registry import ModelRegistry
     from entrypoints.ollama.router import create_router as create_ollama_router
     from entrypoints.openai.api_router import create_router
     from entrypoints.openai.errors import APIError
@@ -119,16 +132,18 @@ def serve_openai_api(
             )
         return ServedModel(engine, host.label) if engine is not None else None
 
+    # The chats' model, and beside it any downloaded model a request names, loaded then and unloaded when idle
+    models = ModelRegistry({}, {}, ttl=API_MODEL_TTL, pinned=served, discover=downloaded).start()
     # Gradio has already built its FastAPI app; routes added now are matched like its own.
     demo.server_app.include_router(
-        create_router(served, api_key, default_max_tokens, max_request_bytes, embedders=embedders)
+        create_router(models, api_key, default_max_tokens, max_request_bytes, embedders=embedders)
     )
-    demo.server_app.include_router(create_responses_router(served, api_key, default_max_tokens, max_request_bytes))
-    demo.server_app.include_router(create_anthropic_router(served, api_key, max_request_bytes))
+    demo.server_app.include_router(create_responses_router(models, api_key, default_max_tokens, max_request_bytes))
+    demo.server_app.include_router(create_anthropic_router(models, api_key, max_request_bytes))
     demo.server_app.include_router(
-        create_ollama_router(served, api_key, default_max_tokens, max_request_bytes, embedders=embedders)
+        create_ollama_router(models, api_key, default_max_tokens, max_request_bytes, embedders=embedders)
     )
-    demo.server_app.include_router(create_metrics_router(served))
+    demo.server_app.include_router(create_metrics_router(models))
     log.info("OpenAI-compatible API at %s/v1%s", demo.local_url.rstrip("/"), " (API key required)" if api_key else "")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 
 from engine import EngineThread
+from engine.loader import pick_device
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.serving import ServedModel
 
@@ -57,7 +58,11 @@ class ModelRegistry:
     """The models a server serves, by name; callable as a ModelSource (the model serving now: the default one,
     else the one used last). `budget_bytes`: what all loaded models may hold together (None: no bound of
     Pagoda's own; each load still checks the machine's free memory); `ttl`: seconds a model may stay idle
-    before it is unloaded (None: never); `clock`: for tests."""
+    before it is unloaded (None: never); `clock`: for tests.
+
+    In the app, `pinned` is the chat model (served from elsewhere: the registry never loads nor unloads it, and a
+    request naming it or no model gets it, so the chats keep their model), and `discover` names the downloaded
+    models that may be loaded beside it, looked up again when a request names one not known yet."""
 
     def __init__(
         self,
@@ -66,11 +71,14 @@ class ModelRegistry:
         ttl: float | None = None,
         budget_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pinned: Callable[[], ServedModel | None] | None = None,
+        discover: Callable[[], dict[str, str]] | None = None,
     ):
-        if not models:
+        if not models and pinned is None:
             raise ValueError("a registry needs at least one model")
         self.entries = {name: ModelEntry(name, source) for name, source in models.items()}
-        self.default = next(iter(self.entries))
+        self.default = None if pinned is not None else next(iter(self.entries))
+        self.pinned, self.discover = pinned, discover
         self.settings, self.ttl, self.budget_bytes, self.clock = settings, ttl, budget_bytes, clock
         self._loads = threading.Lock()  # loads take turns
         self._state = threading.Lock()  # an entry's engine and last use change together
@@ -79,6 +87,8 @@ class ModelRegistry:
 
     # ---- what the routes ask -------------------------------------------------------------------------------
     def __call__(self) -> ServedModel | None:
+        if self.pinned is not None:
+            return self.pinned()
         loaded = [e for e in self.entries.values() if e.engine is not None]
         if not loaded:
             return None
@@ -86,17 +96,50 @@ class ModelRegistry:
         return ServedModel(entry.engine, entry.name)
 
     def listing(self) -> list[ModelEntry]:
-        return list(self.entries.values())
+        """Every model it can serve: the pinned one first (when there is one now), then the others."""
+        self._look_again()
+        current = None
+        if self.pinned is not None:
+            try:
+                current = self.pinned()
+            except APIError:  # loading, or served by a remote server: not listed until it serves here
+                current = None
+        first = [ModelEntry(current.name, "", current.engine, "loaded")] if current is not None else []
+        return first + [e for e in self.entries.values() if current is None or e.name != current.name]
+
+    def names(self) -> list[str]:
+        """The names it answers to now, without looking for new models."""
+        try:
+            current = self.pinned() if self.pinned is not None else None
+        except APIError:
+            current = None
+        return ([current.name] if current is not None else []) + list(self.entries)
+
+    def _look_again(self) -> None:
+        """Add the models `discover` names now (a download that has finished)."""
+        if self.discover is not None:
+            for name, source in self.discover().items():
+                self.entries.setdefault(name, ModelEntry(name, source))
 
     async def pick(self, asked: str | None) -> ServedModel:
         """The model a request names (None: the default), loaded first if it is not: in a worker thread, so the
         server answers others meanwhile."""
+        current = self.pinned() if self.pinned is not None else None
+        if current is not None and (not asked or asked == current.name):
+            return current
         name = asked or self.default
+        if name not in self.entries:
+            self._look_again()
         entry = self.entries.get(name)
+        if entry is None and self.pinned is not None and current is None:
+            raise APIError(
+                503, "no model is loaded; load one in Pagoda's Models tab", type="server_error", code="model_not_loaded"
+            )
         if entry is None:
             raise APIError(
                 404,
-                f"the model {asked!r} does not exist; this server serves {', '.join(map(repr, self.entries))}",
+                f"the model {asked!r} does not exist; this server serves "
+                f"{', '.join(repr(e.name) for e in self.listing())}",
                 code="model_not_found",
                 param="model",
             )
@@ -118,8 +161,13 @@ class ModelRegistry:
             entry.state = "loading"
             if name != self.default:
                 log.info("loading %s (%s) for a request that names it", name, entry.source)
+            settings = dict(self.settings)
+            if name != self.default and pick_device(settings.get("device", "auto")).type == "cpu":
+                # A CPU's compiled decode steps keep about 160 MiB of each load after the engine closes
+                # (torch.compile's caches): a model that may load and unload again and again runs its steps eagerly.
+                settings.setdefault("enforce_eager", True)
             try:
-                engine = EngineThread.load(entry.source, runner="generate", **self.settings)
+                engine = EngineThread.load(entry.source, runner="generate", **settings)
             except Exception as e:
                 entry.state = "not-loaded"
                 if name != self.default:  # the default's failure is the server's start-up error
@@ -174,8 +222,9 @@ class ModelRegistry:
         return gone
 
     def start(self) -> "ModelRegistry":
-        """Load the default model now, and start the idle timer (if there is a TTL)."""
-        self.load(self.default)
+        """Load the default model now (if it is the registry's own), and start the idle timer (if there is a TTL)."""
+        if self.default is not None:
+            self.load(self.default)
         if self.ttl is not None:
             self._reaper = threading.Thread(target=self._reap, name="pagoda-ttl", daemon=True)
             self._reaper.start()

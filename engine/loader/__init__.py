@@ -17,6 +17,7 @@ from engine.loader.weights import (
     pick_dtype,
     resolve_model_path,
     safetensors_files,
+    without_head,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "checkpoint_numel",
     "cpu_has_fast_bf16",
     "load_tensors",
+    "without_head",
     "load_weights",
     "pick_device",
     "pick_dtype",

@@ -4,7 +4,11 @@ On a GPU, KV sizing measures free device memory (kv_cache). On the CPU nothing s
 too-large weight load or KV cache until the kernel kills the process, taking the app with it.
 """
 
+import ctypes
+import gc
 import os
+
+import torch
 
 from engine import quantization
 from engine.config import EngineConfig
@@ -26,6 +30,20 @@ def available_host_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def give_back_freed_memory(device: torch.device) -> None:
+    """Let a closed engine's memory go now: modules and graphs can sit in reference cycles, a GPU's caching
+    allocator keeps what it freed, and glibc keeps freed heap pages for reuse (90 MiB of the bundled model's
+    220 MiB stayed in the process, not free to the rest of the machine)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc: nothing to hand back this way
+        pass
 
 
 def check_host_memory(needed: int, what: str, advice: str) -> None:

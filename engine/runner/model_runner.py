@@ -1,14 +1,13 @@
 """Runs the model for one scheduled batch: uploads its inputs, owns the KV cache, samples.
 
-With tensor parallelism, every rank has a ModelRunner over its shard of the weights and KV
-cache. Rank 0 builds each step's inputs and sends them to the workers (engine/runner/tp_workers.py),
-which `execute` the same step; only rank 0 gets logits and samples.
+With tensor parallelism, every rank has a ModelRunner over its shard of the weights and KV cache. Rank 0 builds each
+step's inputs and sends them to the workers (engine/runner/tp_workers.py), which `execute` the same step; only rank 0
+gets logits and samples.
 
 The host arrays of a step come from engine/runner/step_inputs.py, the KV cache's size and layout from
 engine/runner/kv_cache.py; this file keeps what touches the device.
 """
 
-import gc
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -24,8 +23,7 @@ from engine.core.scheduler import ScheduledSeq
 from engine.layers.attention import Attention
 from engine.layers.linear import OneDNNMatmul, can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding
-from engine.loader import GGUFCheckpoint, load_tensors, load_weights
-from engine.loader.weights import without_head
+from engine.loader import GGUFCheckpoint, load_tensors, load_weights, without_head
 from engine.models import model_class
 from engine.quantization.mxfp4 import checkpoint_reads_mxfp4
 from engine.runner.background import EngineActivity
@@ -41,7 +39,7 @@ from engine.runner.kv_cache import (
     gpu_kv_budget,
     plan_kv_cache,
 )
-from engine.runner.memory import check_weights_fit
+from engine.runner.memory import check_weights_fit, give_back_freed_memory
 from engine.runner.staging import StagingBuffer
 from engine.runner.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step
 from engine.runner.tracing import MODULE_CALLS
@@ -52,8 +50,8 @@ __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old h
 
 log = logging.getLogger("engine")
 
-# Prompt logprobs need the logits of every prompt row: taken this many floats at a time, so a long
-# chunk's [rows, vocab] logits never sit in memory whole (the KV cache was sized without them).
+# Prompt logprobs need the logits of every prompt row: taken this many floats at a time, so a long chunk's
+# [rows, vocab] logits never sit in memory whole (the KV cache was sized without them).
 _PROMPT_LOGITS_FLOATS = 1 << 25
 
 
@@ -252,10 +250,9 @@ class ModelRunner:
         )
 
     def _start_compiling_decode(self) -> None:
-        """Trace and compile the decode steps in a background thread (runner/compiled_decode.py) that stops while
-        the engine has requests (runner/background.py): a load is not held up by the compiler. The engine's
-        thread then measures the graphs, at its next `launch` (or in `wait_for_compiled_decode`), and keeps
-        those that pay. `compiled_decode_ready` is set once that is decided."""
+        """Trace and compile the decode steps in a background thread (runner/compiled_decode.py) that stops while the
+        engine has requests (runner/background.py): a load is not held up by the compiler. The engine's thread then
+        measures the graphs at its next `launch` (or in `wait_for_compiled_decode`) and keeps those that pay."""
         self.compiled_decode: CompiledDecode | None = None
         self.engine_activity = EngineActivity()
         self.compiled_decode_ready = threading.Event()
@@ -277,7 +274,7 @@ class ModelRunner:
     def _compile_decode(self) -> None:
         yield_to_the_engine()
         args = (self.model, self.config.max_num_seqs, self.block_size, self.scratch_block, len(self.kv_groups.windows))
-        try:  # published once this thread no longer stops for the engine, which joins it when adopting
+        try:  # published once this thread no longer stops for the engine, which joins it when adopting (None: closed)
             self._captured = self.engine_activity.run_when_idle(lambda: CompiledDecode(*args))
         except Exception as e:  # no C++ compiler, an op inductor cannot lower, a refused trace: still serve
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -334,13 +331,13 @@ class ModelRunner:
     def release(self) -> None:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
         the device. `launch` refuses to run afterwards."""
-        self.graphs = self.compiled_decode = self.model = self.kv_cache = self.last_sampled = None
+        self.graphs = self.compiled_decode = self._captured = self.model = self.kv_cache = self.last_sampled = None
         self.attention_layers, self.last_sampled_rows, self.logprobs_rows = [], SampledRows([]), []
         self.staging = self.readback = None
-        self.engine_activity.set_busy(False)  # a compile still running ends rather than wait forever
-        gc.collect()  # modules and graphs can sit in reference cycles; their memory must go now (a CPU's too)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.engine_activity.cancel()  # a compile still running stops at its next call
+        if self._compiler is not None:
+            self._compiler.join(timeout=60)
+        give_back_freed_memory(self.device)
 
     # ---- one step -------------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq], plan: LogprobsPlan | None = None) -> StepInputs:

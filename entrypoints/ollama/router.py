@@ -57,7 +57,7 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     async def served(asked: str) -> ServedModel:
         if isinstance(models, ModelRegistry):  # Ollama's names may carry ":latest"
             name = next(
-                (n for n in models.entries if n.removesuffix(":latest") == asked.removesuffix(":latest")), asked
+                (n for n in models.names() if n.removesuffix(":latest") == asked.removesuffix(":latest")), asked
             )
             return await served_model(models, name or None)
         model = await served_model(models, None)
@@ -147,10 +147,8 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     @guarded
     async def tags(request: Request):
         if isinstance(models, ModelRegistry):  # every model it can serve, loaded or not, as Ollama lists its own
-            loaded = dict(served_now())
-            every = [(e.name, e.engine) for e in models.listing()] + [
-                (n, e) for n, e in loaded.items() if n not in models.entries
-            ]
+            every = [(e.name, e.engine) for e in models.listing()]
+            every += [(n, e) for n, e in served_now() if n not in dict(every)]  # the embedding model
             return {"models": [listed(name, engine) for name, engine in every]}
         return {"models": [listed(name, engine) for name, engine in served_now()]}
 

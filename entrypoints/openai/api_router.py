@@ -140,7 +140,7 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
             length = model.engine.max_model_len if model.engine is not None else None
             return ModelCard(id=model.name, max_model_len=length, status=model.state)
         engine = model.engine if isinstance(model, ServedModel) else model.llm
-        return ModelCard(id=model.name, max_model_len=engine.max_model_len)
+        return ModelCard(id=model.name, max_model_len=engine.max_model_len, status="loaded")
 
     def embedder() -> ServedEmbedder | None:
         return listed_embedder(embedders)

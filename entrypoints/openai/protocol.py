@@ -368,7 +368,7 @@ class ModelCard(Response):
     created: int = 0
     owned_by: str = "pagoda"
     max_model_len: int | None  # None: not loaded, so not known yet
-    status: Literal["loaded", "loading", "not-loaded"] | None = None  # where several models are served by name
+    status: Literal["loaded", "loading", "not-loaded"]  # LM Studio's word: models served by name load on first use
 
 
 class ModelList(Response):

@@ -1,5 +1,8 @@
 """The app serves the engine's OpenAI-compatible API on its own port: one engine, one batch for chats and API calls."""
 
+import shutil
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -17,11 +20,30 @@ SYSTEM = "You are Pagoda, a careful assistant. You answer briefly."
 GREEDY = [0.0, 1.0, -1, 0.0, 1.0]  # temperature, top_p, top_k, min_p, repetition_penalty
 
 
+DOWNLOADED = "pagoda-test/tiny-qwen2"
+
+
+def downloaded_cache(root: Path, repo_id: str, files: Path) -> Path:
+    """A Hugging Face cache holding `files` as the snapshot of `repo_id`, as a finished download leaves it."""
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(files, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    return root
+
+
 @pytest.fixture(scope="module")
-def app(bundled_model, tmp_path_factory, monkeypatch_module):
+def app(bundled_model, tiny_models, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("PAGODA_API_KEY", KEY)  # what --api-key reads when it is not given
     embedder = build_embedding_model(tmp_path_factory.mktemp("embedder") / "tiny-embedding")
-    proc = AppProcess(bundled_model, tmp_path_factory.mktemp("api_home"), "--embedding-model", str(embedder))
+    cache = downloaded_cache(tmp_path_factory.mktemp("hub"), DOWNLOADED, tiny_models["qwen2"])
+    proc = AppProcess(
+        bundled_model,
+        tmp_path_factory.mktemp("api_home"),
+        "--embedding-model",
+        str(embedder),
+        env={"HF_HUB_CACHE": str(cache)},
+    )
     client = proc.start()
     yield proc, client
     proc.kill()
@@ -104,7 +126,7 @@ def test_anthropics_and_ollamas_apis_answer_on_the_app_port_too(app):
     assert message.content[0].text and message.usage.output_tokens <= 8
     local = ollama.Client(host=proc.url.rstrip("/"), headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     listed, *others = local.list().models  # the chat model first; the embedding model too, once it has loaded
-    assert [m.model for m in others] in ([], ["tiny-embedding"])
+    assert [m.model for m in others] in ([DOWNLOADED], [DOWNLOADED, "tiny-embedding"])
     reply = local.chat(model=listed.model, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 8})
     assert reply.done and reply.message.content
     assert httpx.get(f"{proc.url}api/tags", timeout=10).status_code == 401
@@ -126,3 +148,21 @@ def test_the_app_serves_its_embedding_model_beside_the_chat_model(app):
     chat = api.models.list().data[0].id
     with pytest.raises(openai.BadRequestError, match="is a chat model"):
         api.embeddings.create(model=chat, input="hello")
+
+
+def test_a_downloaded_model_named_by_a_request_loads_beside_the_chats_model(app):
+    proc, client = app
+    api = openai.OpenAI(base_url=f"{proc.url}v1", api_key=KEY, max_retries=0)
+    chat_model = api.models.list().data[0].id
+    states = {m.id: m.status for m in api.models.list().data}
+    assert states[DOWNLOADED] in ("not-loaded", "loaded")  # listed from the download cache
+    reply = api.chat.completions.create(
+        model=DOWNLOADED, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert reply.model == DOWNLOADED and reply.usage.completion_tokens > 0
+    assert {m.id: m.status for m in api.models.list().data}[DOWNLOADED] == "loaded"
+    # the page's chats keep the model they were started with
+    assert api.models.list().data[0].id == chat_model
+    conv = client.predict(SYSTEM, "", api_name="/new_chat")["value"]
+    list(client.submit(conv, "Say hello.", SYSTEM, *GREEDY, 16, api_name="/respond"))
+    assert client.predict(conv, api_name="/messages")[-1]["content"].strip()
