@@ -36,6 +36,7 @@ class ModelEntry:
     state: str = "not-loaded"  # one of STATES
     held_bytes: int = 0  # its weights and KV cache while loaded
     last_used: float = 0.0  # the registry's clock at its last request
+    keep_alive: float | None = None  # idle seconds before it unloads, as a request set it (None: the TTL; inf: never)
 
 
 def checkpoint_bytes(source: str) -> int:
@@ -201,16 +202,15 @@ class ModelRegistry:
             )
 
     def unload_idle(self) -> list[str]:
-        """Unload every model but the default one idle for the TTL (no request running or waiting, none naming it
-        since); returns their names."""
-        if self.ttl is None:
-            return []
+        """Unload every model but the default one idle for its keep_alive or the TTL (no request running or
+        waiting, none naming it since); returns their names."""
         gone = []
         with self._loads:
             for entry in self.entries.values():
                 with self._state:
                     engine, idle = entry.engine, self.clock() - entry.last_used
-                    if entry.name == self.default or engine is None or idle < self.ttl:
+                    ttl = entry.keep_alive if entry.keep_alive is not None else self.ttl
+                    if entry.name == self.default or engine is None or ttl is None or idle < ttl:
                         continue
                     stats = engine.stats()
                     if stats.num_running or stats.num_waiting:
@@ -221,17 +221,25 @@ class ModelRegistry:
                 gone.append(entry.name)
         return gone
 
+    def keep(self, name: str, seconds: float) -> bool:
+        """Ollama's keep_alive: `name` unloads after `seconds` idle from now on (0: as soon as it is idle; inf:
+        never). Whether that was taken: the default model stays loaded whatever a request asks."""
+        entry = self.entries.get(name)
+        if entry is None or name == self.default:
+            return False
+        entry.keep_alive = seconds
+        return True
+
     def start(self) -> "ModelRegistry":
-        """Load the default model now (if it is the registry's own), and start the idle timer (if there is a TTL)."""
+        """Load the default model now (if it is the registry's own), and start the idle timer."""
         if self.default is not None:
             self.load(self.default)
-        if self.ttl is not None:
-            self._reaper = threading.Thread(target=self._reap, name="pagoda-ttl", daemon=True)
-            self._reaper.start()
+        self._reaper = threading.Thread(target=self._reap, name="pagoda-ttl", daemon=True)
+        self._reaper.start()
         return self
 
     def _reap(self) -> None:
-        while not self._stop.wait(min(max(self.ttl / 4, 0.1), 5.0)):
+        while not self._stop.wait(min(max((self.ttl or 4.0) / 4, 0.1), 1.0)):
             try:
                 self.unload_idle()
             except Exception:  # noqa: BLE001 - the timer goes on; the next round tries again

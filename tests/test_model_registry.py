@@ -3,6 +3,8 @@ an idle one unloads after the TTL (its memory goes back), one that does not fit 
 with what it needs and what is free while the others keep serving; and the same through a real server and the
 openai and ollama clients."""
 
+import math
+
 import anyio
 import httpx
 import pytest
@@ -67,6 +69,11 @@ def test_jit_loads_ttl_unloads_and_a_model_that_does_not_fit_is_refused(tiny_mod
         assert registry.entries["qwen2"].state == "not-loaded" and registry.entries["qwen2"].held_bytes == 0
         assert qwen2.engine.engine.model_runner.model is None  # its weights and KV cache are let go
         assert anyio.run(registry.pick, "qwen3").name == "qwen3"  # the room it freed serves another
+        # Ollama's keep_alive: a model kept forever outlives the TTL; one kept for 0 s goes as soon as it is idle
+        assert registry.keep("qwen3", math.inf) and not registry.keep("llama", 0)  # never the default's
+        clock.now += 1000
+        assert registry.unload_idle() == []
+        assert registry.keep("qwen3", 0) and registry.unload_idle() == ["qwen3"]
         with pytest.raises(APIError) as unknown:
             anyio.run(registry.pick, "gpt-4o")
         assert unknown.value.status == 404 and "'qwen2'" in unknown.value.message
@@ -110,5 +117,9 @@ def test_two_models_named_in_turn_both_answer_and_the_idle_one_unloads(server):
     assert [m.model for m in local.ps().models] == ["llama"]
     again = local.chat(model="qwen2:latest", messages=HELLO, options={"num_predict": 4, "temperature": 0})
     assert again.done and again.model == "qwen2"
+    # `ollama stop`: an empty generate with keep_alive 0 unloads the model once it is idle
+    assert local.generate(model="qwen2", keep_alive=0).done_reason == "unload"
+    assert wait_until(lambda: [m.model for m in local.ps().models] == ["llama"], 30, interval=0.2)
+    assert local.generate(model="llama", keep_alive=0).done_reason == "load"  # the default stays
     card = httpx.get(f"{server.url}/models/qwen2", timeout=10).json()
     assert card["status"] in ("loaded", "not-loaded") and card["id"] == "qwen2"

@@ -298,5 +298,6 @@ def test_ollamas_names_for_the_apis_fields_are_taken(qwen3, smollm2):
     assert ignored.status_code == 200
     assert ignored.headers["X-Pagoda-Ignored"] == (
         "num_ctx: the context is set when the model loads (--max-model-len); "
-        "keep_alive: the model stays loaded until the server stops; reasoning_effort: this model does not think"
+        "keep_alive: the server decides how long a model stays loaded (its --ttl); reasoning_effort: this model does "
+        "not think"
     )

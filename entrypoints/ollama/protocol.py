@@ -3,6 +3,8 @@ API shares (an OpenAI body: entrypoints/openai/protocol.py, whose ollama_fields.
 names), and the replies in Ollama's shape. Its errors are {"error": "..."}."""
 
 import json
+import math
+import re
 import time
 from datetime import datetime, timezone
 from typing import Literal
@@ -131,6 +133,23 @@ class EmbedBody(BaseModel):
         if given is None:
             raise APIError(400, "send the text to embed as `input` (a string or a list of them)")
         return [given] if isinstance(given, str) else list(given)
+
+
+GO_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: str | int | float) -> float:
+    """Ollama's keep_alive in seconds: a number of seconds or a Go duration ("5m", "1h30m"); negative: forever."""
+    text = str(value).strip()
+    unsigned = text.removeprefix("-")
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", unsigned)
+    if re.fullmatch(r"\d+(?:\.\d+)?", unsigned):
+        seconds = float(unsigned)
+    elif parts and "".join(n + u for n, u in parts) == unsigned:
+        seconds = sum(float(n) * GO_DURATION_UNITS[u] for n, u in parts)
+    else:
+        raise APIError(400, f'keep_alive must be a duration such as "5m" or a number of seconds, got {value!r}')
+    return math.inf if text.startswith("-") and seconds > 0 else seconds
 
 
 def counts(reply, started: float) -> dict:

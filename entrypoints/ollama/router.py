@@ -28,6 +28,7 @@ from entrypoints.ollama.protocol import (
     GenerateBody,
     counts,
     error_response,
+    keep_alive_seconds,
     now,
     ollama_calls,
 )
@@ -126,22 +127,44 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
 
     router = APIRouter(prefix="/api")
 
+    def keep_alive(body, model: ServedModel, asked=None) -> bool:
+        """Ollama's keep_alive where several models are served by name: how long `model` stays loaded once idle.
+        Taken (True) for all but the default model; then `asked` (the request's OpenAI body) no longer lists it
+        among the fields it ignored."""
+        if body.keep_alive is None or not isinstance(models, ModelRegistry):
+            return False
+        taken = models.keep(model.name, keep_alive_seconds(body.keep_alive))
+        if taken and asked is not None:
+            asked.ignored[:] = [note for note in asked.ignored if not note.startswith("keep_alive:")]
+        return taken
+
     @router.post("/chat", openapi_extra=openapi_body(ChatBody))
     @guarded
     async def chat(request: Request):
         body = await parse_body(request, ChatBody, max_request_bytes)
-        return await reply_to(request, body.openai(), await served(body.model), "message")
+        asked, model = body.openai(), await served(body.model)
+        keep_alive(body, model, asked)
+        return await reply_to(request, asked, model, "message")
 
     @router.post("/generate", openapi_extra=openapi_body(GenerateBody))
     @guarded
     async def generate(request: Request):
         body = await parse_body(request, GenerateBody, max_request_bytes)
         model = await served(body.model)
-        if not body.prompt and not body.system:  # Ollama's way to load a model: it is loaded
+        if not body.prompt and not body.system:  # Ollama's way to load a model, or with keep_alive 0 to unload it
+            unloads = keep_alive(body, model) and keep_alive_seconds(body.keep_alive) == 0
             return JSONResponse(
-                {"model": model.name, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
+                {
+                    "model": model.name,
+                    "created_at": now(),
+                    "response": "",
+                    "done": True,
+                    "done_reason": "unload" if unloads else "load",
+                }
             )
-        return await reply_to(request, body.openai(), model, "response")
+        asked = body.openai()
+        keep_alive(body, model, asked)
+        return await reply_to(request, asked, model, "response")
 
     @router.get("/tags")
     @guarded

@@ -26,7 +26,7 @@ OLLAMA_SAMPLER_FIELDS = {
 # decide them, so they are ignored and the response says so (X-Pagoda-Ignored)
 OLLAMA_RUNTIME_FIELDS = {
     "num_ctx": "the context is set when the model loads (--max-model-len)",
-    "keep_alive": "the model stays loaded until the server stops",
+    "keep_alive": "the server decides how long a model stays loaded (its --ttl)",
     "num_thread": "the server sets its threads",
     "num_gpu": "the server places the model",
     "num_batch": "the server batches requests itself",
