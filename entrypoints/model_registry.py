@@ -96,9 +96,11 @@ class ModelRegistry:
         entry = self.entries[self.default] if self.entries[self.default].engine else max(loaded, key=_last_used)
         return ServedModel(entry.engine, entry.name)
 
-    def listing(self) -> list[ModelEntry]:
-        """Every model it can serve: the pinned one first (when there is one now), then the others."""
-        self._look_again()
+    def listing(self, look: bool = True) -> list[ModelEntry]:
+        """Every model it can serve: the pinned one first (when there is one now), then the others. `look`: ask
+        `discover` for new ones first (file I/O: from a worker thread, not the event loop)."""
+        if look:
+            self._look_again()
         current = None
         if self.pinned is not None:
             try:
@@ -130,7 +132,7 @@ class ModelRegistry:
             return current
         name = asked or self.default
         if name not in self.entries:
-            self._look_again()
+            await anyio.to_thread.run_sync(self._look_again)
         entry = self.entries.get(name)
         if entry is None and self.pinned is not None and current is None:
             raise APIError(
@@ -140,7 +142,7 @@ class ModelRegistry:
             raise APIError(
                 404,
                 f"the model {asked!r} does not exist; this server serves "
-                f"{', '.join(repr(e.name) for e in self.listing())}",
+                f"{', '.join(repr(e.name) for e in self.listing(look=False))}",
                 code="model_not_found",
                 param="model",
             )

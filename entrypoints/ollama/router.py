@@ -82,7 +82,7 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     def served_now() -> list[tuple[str, object]]:
         """(name, engine) of each model loaded: the chat models and the embedding model, where there are."""
         if isinstance(models, ModelRegistry):
-            chats = [(e.name, e.engine) for e in models.listing() if e.engine is not None]
+            chats = [(e.name, e.engine) for e in models.listing(look=False) if e.engine is not None]
         else:
             chats = [(m.name, m.engine) for m in [models()] if m is not None]
         other = embedder()
@@ -170,7 +170,7 @@ def create_router(  # noqa: C901 (one closure per route, as the /v1 router)
     @guarded
     async def tags(request: Request):
         if isinstance(models, ModelRegistry):  # every model it can serve, loaded or not, as Ollama lists its own
-            every = [(e.name, e.engine) for e in models.listing()]
+            every = [(e.name, e.engine) for e in await anyio.to_thread.run_sync(models.listing)]
             every += [(n, e) for n, e in served_now() if n not in dict(every)]  # the embedding model
             return {"models": [listed(name, engine) for name, engine in every]}
         return {"models": [listed(name, engine) for name, engine in served_now()]}

@@ -148,7 +148,8 @@ def create_router(  # noqa: C901 (pyproject.toml says why)
     @router.get("/models")
     @guarded
     async def list_models(request: Request):
-        served_now = [*(models.listing() if isinstance(models, ModelRegistry) else [models()]), embedder()]
+        chats = await anyio.to_thread.run_sync(models.listing) if isinstance(models, ModelRegistry) else [models()]
+        served_now = [*chats, embedder()]
         return ModelList(data=[model_card(m) for m in served_now if m is not None]).json_body()
 
     @router.get("/models/{model_id:path}")
