@@ -147,18 +147,26 @@ class CatalogEntry:
         """Whether Pagoda's engine has a model class for this architecture."""
         return self.architecture in SUPPORTED_ARCHITECTURES
 
-    def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
-        """K and V for one token across all layers. Where layers differ in width (Gemma 4), the engine gives every
-        layer the widest one's rows (engine/runner/kv_cache.py), and so does this."""
+    def kv_bytes_per_token(self, dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> int:
+        """K and V for one token across all layers, at `dtype` or quantized (`kv_cache_dtype`: a row of bytes per
+        head, engine/attention/kv_format.py). Where layers differ in width (Gemma 4), the engine gives every layer
+        the widest one's rows (engine/runner/kv_cache.py), and so does this."""
         width = self.kv_width or self.num_key_value_heads * self.head_dim
-        return 2 * (self.num_kv_layers or self.num_hidden_layers) * width * dtype_bytes(dtype, self)
+        layers = self.num_kv_layers or self.num_hidden_layers
+        if kv_cache_dtype == "auto" or not self.head_dim:
+            return 2 * layers * width * dtype_bytes(dtype, self)
+        from engine.attention.kv_format import kv_format
 
-    def kv_bytes(self, context_len: int, dtype: str = "bfloat16", windows_release: bool = False) -> int:
+        return 2 * layers * width * kv_format(kv_cache_dtype).row_width(self.head_dim) // self.head_dim
+
+    def kv_bytes(
+        self, context_len: int, dtype: str = "bfloat16", windows_release: bool = False, kv_cache_dtype: str = "auto"
+    ) -> int:
         """K and V of one sequence of `context_len` tokens, and a hybrid model's recurrent state. `windows_release`:
         the engine gives back what a sliding window has passed (its KV-cache groups, where steps are not CUDA
         graphs), so a sliding layer holds its window and a step's chunk of tokens, not the whole context."""
         layers = self.num_kv_layers or self.num_hidden_layers
-        per_layer = self.kv_bytes_per_token(dtype) // layers
+        per_layer = self.kv_bytes_per_token(dtype, kv_cache_dtype) // layers
         sliding = self.num_sliding_layers if windows_release and self.sliding_window else 0
         held = min(context_len, (self.sliding_window or 0) + SLIDING_CHUNK_TOKENS)
         return per_layer * ((layers - sliding) * context_len + sliding * held) + self.state_bytes

@@ -33,13 +33,20 @@ class LastModel:
 
 
 def load_at_start(
-    host: ModelHost, last: LastModel, cli_model: str | None, downloaded: dict[str, Path], max_num_seqs: int
+    host: ModelHost,
+    last: LastModel,
+    cli_model: str | None,
+    downloaded: dict[str, Path],
+    max_num_seqs: int,
+    kv_cache_dtype: str | None = None,
 ) -> None:
     """Start the load Pagoda begins with: the command line's model when given, else the model used last when it
-    is still here (`downloaded`: repo id -> its files, as the Models tab lists them), else the bundled one."""
+    is still here (`downloaded`: repo id -> its files, as the Models tab lists them), else the bundled one.
+    `kv_cache_dtype` (the command line's) applies to whichever it is; None keeps what the model used last had."""
+    given = {"max_num_seqs": max_num_seqs, **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {})}
     recalled = None if cli_model else last.recall()
     if recalled is None:
-        host.load_default(cli_model, max_num_seqs=max_num_seqs)
+        host.load_default(cli_model, **given)
         return
     choice, settings = recalled
     try:
@@ -48,9 +55,9 @@ def load_at_start(
         log.info("%s, the model used last, is no longer here: loading the bundled model", choice)
         host.load_default(
             None,
-            max_num_seqs=max_num_seqs,
             note=f"({choice}, the model used last, is no longer on this computer: download it again "
             "from the Models tab.)",
+            **given,
         )
         return
 
@@ -58,8 +65,8 @@ def load_at_start(
         log.warning("%s, the model used last, did not load: loading the bundled model", choice)
         host.load_default(
             None,
-            max_num_seqs=max_num_seqs,
             note=f"({choice}, the model used last, did not load: {why} The bundled model serves instead.)",
+            **given,
         )
 
     # The chat slots follow this start's --max-chats, not the last one's
@@ -69,5 +76,5 @@ def load_at_start(
         remember_as=choice,
         note="(The model used last, loaded again at start.)",
         on_failure=instead,
-        **{**settings, "max_num_seqs": max_num_seqs},
+        **{**settings, **given},
     )

@@ -52,6 +52,7 @@ class MemoryEstimate:
     dtype: str = "bfloat16"
     quantization: str = "none"  # "none", "int8", "int4" or "GGUF Q4_K_M"
     windows_release: bool = False  # sliding-window layers hold only their window (CatalogEntry.kv_bytes)
+    kv_cache_dtype: str = "auto"  # the KV cache at `dtype`, or quantized: "int8", "fp8", "int4"
 
 
 @dataclass
@@ -154,15 +155,16 @@ def estimate_memory(
     num_seqs: int = 1,
     on_cpu: bool = False,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> MemoryEstimate:
     """Memory to serve `num_seqs` sequences of `context_len` tokens: weights (see `weights_bytes`), the KV cache
-    at `dtype`, and the runtime."""
+    at `dtype` (or `kv_cache_dtype`), and the runtime."""
     if int(context_len) <= 0:
         raise ValueError(f"context_len must be positive, got {context_len}")
     if int(num_seqs) <= 0:
         raise ValueError(f"num_seqs must be at least 1, got {num_seqs}")
     weights = weights_bytes(entry, dtype, quantization, on_cpu)
-    kv = entry.kv_bytes(int(context_len), dtype, windows_release=on_cpu) * int(num_seqs)
+    kv = entry.kv_bytes(int(context_len), dtype, on_cpu, kv_cache_dtype) * int(num_seqs)
     overhead = _OVERHEAD_FIXED + int(_OVERHEAD_WEIGHT_FRACTION * weights)
     name = dtype.lower().removeprefix("torch.") if dtype != "auto" else entry.checkpoint_dtype
     return MemoryEstimate(
@@ -175,6 +177,7 @@ def estimate_memory(
         name,
         quantization_label(entry, quantization),
         windows_release=on_cpu,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -184,7 +187,7 @@ def _max_context(entry: CatalogEntry, est: MemoryEstimate, free_bytes: int) -> i
     room = free_bytes * _HEADROOM - est.weights_bytes - est.overhead_bytes
 
     def fits(ctx: int) -> bool:
-        return entry.kv_bytes(ctx, est.dtype, est.windows_release) * est.num_seqs <= room
+        return entry.kv_bytes(ctx, est.dtype, est.windows_release, est.kv_cache_dtype) * est.num_seqs <= room
 
     low, high = 0, entry.max_position_embeddings // 256  # in steps of 256 tokens: the KV grows with the context
     while low < high:
@@ -203,6 +206,10 @@ def _window_note(entry: CatalogEntry, est: MemoryEstimate) -> str:
     if est.windows_release:
         return f", its {entry.num_sliding_layers} sliding-window layers holding only their window"
     return ", every layer keeping the whole context (on a GPU the sliding-window saving is still to come)"
+
+
+def _kv_note(est: MemoryEstimate) -> str:
+    return "" if est.kv_cache_dtype == "auto" else f" in {est.kv_cache_dtype}"
 
 
 def _experts_note(entry: CatalogEntry) -> str:
@@ -234,15 +241,15 @@ def fit_report(
     free_bytes: int | None = None,
     device_name: str | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> FitReport:
-    """Whether `entry` fits on `device` at this context length and quantization, as a sentence with the numbers
-    behind it.
+    """Whether `entry` fits on `device` at this context length, quantization and KV-cache dtype, as a sentence with
+    the numbers behind it.
 
     `free_bytes`/`device_name` override the measurement (tests, or a UI that measured already)."""
     free_bytes, device_name = _measure(device, free_bytes, device_name)
-    est = estimate_memory(
-        entry, context_len, dtype, num_seqs, on_cpu=device_name.startswith("CPU"), quantization=quantization
-    )
+    on_cpu = device_name.startswith("CPU")
+    est = estimate_memory(entry, context_len, dtype, num_seqs, on_cpu, quantization, kv_cache_dtype)
     budget = free_bytes * _HEADROOM
     max_context = _max_context(entry, est, free_bytes)
 
@@ -250,7 +257,7 @@ def fit_report(
     stored = est.dtype if est.quantization == "none" else f"{est.quantization} weights, {est.dtype}"
     head = (
         f"{entry.name} needs about {format_gib(est.total_bytes)} GiB (weights {format_gib(est.weights_bytes)} + "
-        f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs}{_window_note(entry, est)} + "
+        f"KV {format_gib(est.kv_bytes)} at {est.context_len:,} tokens{seqs}{_kv_note(est)}{_window_note(entry, est)} + "
         f"{format_gib(est.overhead_bytes)} runtime, "
         f"{stored}); {format_gib(free_bytes)} GiB free on {device_name}"
     )
@@ -293,6 +300,7 @@ def quantization_advice(
     free_bytes: int | None = None,
     device_name: str | None = None,
     quantized_dtype: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> QuantAdvice:
     """Which quantization fits `device`, with how much context each leaves, and the one to pick: the most
     precise that leaves room for `context_len` tokens (or the trained length, if shorter), else the one that
@@ -309,7 +317,7 @@ def quantization_advice(
     for quant in kinds:
         quantized = entry.is_gguf or quant != "none"
         load_dtype = quantized_dtype if quantized and quantized_dtype else dtype
-        est = estimate_memory(entry, 256, load_dtype, num_seqs, on_cpu, quantization=quant)
+        est = estimate_memory(entry, 256, load_dtype, num_seqs, on_cpu, quant, kv_cache_dtype)
         options.append(QuantOption(quant, est.weights_bytes, _max_context(entry, est, free_bytes)))
     if entry.is_gguf:
         ctx = options[0].max_context_len

@@ -193,6 +193,7 @@ class ModelHost:
         s = engine.stats()
         took = time.time() - self.state.started
         weights = f", {s.quantization} weights" if s.quantization != "none" else ""
+        weights += f", {s.kv_cache_dtype} KV cache" if s.kv_cache_dtype != "auto" else ""
         self.state = LoadState(
             "ready",
             f"{self.label} is ready on {s.device} ({s.dtype}{weights}, context "

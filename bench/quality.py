@@ -1,14 +1,16 @@
 """What quantization costs in quality: perplexity, and KL divergence from the full-precision model.
 
-    python -m bench.quality TEXT_FILE [--model M] [--variants none,int8,int4,gguf] [--max-tokens N] [--window W]
+    python -m bench.quality TEXT_FILE [--model M] [--variants none,int8,int4,gguf,kv:int8] [--max-tokens N] [--window W]
 
 The text is tokenized and cut into windows of --window tokens (at most --max-tokens in all); each
 variant scores every window through the engine's `prompt_logprobs`, so the numbers come from the
 same paged, chunked path that serves chats. Variant `none` is the model as loaded (the reference;
 it runs first even when not listed); `int8`, `int4` and `int4/gN` (groups of N) are passed as
 `LLM(model, quantization=...)`; `gguf` is the bundled model's own Q4_1 file (whose dequantized
-weights the default model folder holds) and a path to a .gguf file is served as it is. A variant
-the engine cannot load is reported and skipped.
+weights the default model folder holds) and a path to a .gguf file is served as it is. `kv:int8`,
+`kv:fp8` and `kv:int4` keep the weights and quantize the KV cache (`kv_cache_dtype`): every scored
+window's keys and values are written to the cache and read back from it. A variant the engine
+cannot load is reported and skipped.
 
 - Perplexity: exp of the mean negative logprob of each token after the first of its window.
 - Mean KL: KL(reference || variant) per position, averaged. The engine returns the top
@@ -51,9 +53,11 @@ def windows(token_ids: list[int], window: int, max_tokens: int) -> list[list[int
 
 def variant_load(model: str, variant: str, settings: dict) -> tuple[str, dict]:
     """(what to load, its settings) for a variant: `none`; `int8`, `int4`, `int4/gN` (groups of N);
-    `gguf` (the bundled model's own Q4_1 file); or a path to a .gguf file."""
+    `gguf` (the bundled model's own Q4_1 file); a path to a .gguf file; or `kv:NAME` (the KV cache's dtype)."""
     if variant == "none":
         return model, dict(settings)
+    if variant.startswith("kv:"):
+        return model, {**settings, "kv_cache_dtype": variant.removeprefix("kv:")}
     if variant == "gguf":
         from engine.loader.bundled import bundled_gguf_path
 

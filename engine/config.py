@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field, fields
 
+from engine.attention.kv_format import KV_CACHE_DTYPES
 from engine.quantization.methods import DEFAULT_GROUP_SIZE, METHODS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -34,6 +35,12 @@ class EngineConfig:
     kvcache_block_size: int = setting(16, "tokens per KV block: the unit prefixes are shared in")
     num_kvcache_blocks: int | None = setting(None, "KV blocks (default: sized from memory)")
     kv_cache_memory_bytes: int | None = setting(None, "KV cache budget on a CPU, in bytes (default 1 GiB)")
+    kv_cache_dtype: str = setting(
+        "auto",
+        "how the KV cache stores keys and values: auto (the model's dtype), or quantized, holding more tokens in the "
+        "same memory: int8 or fp8 (about 2x; a scale per token and head), int4 (about 3.5x; a scale per 32 values)",
+        KV_CACHE_DTYPES,
+    )
     gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
     enable_prefix_caching: bool = setting(True, "share the KV blocks of identical prompt prefixes")
     state_snapshot_tokens: int = setting(
@@ -80,6 +87,10 @@ class EngineConfig:
         check(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
         )
         check(self.runner in RUNNERS, f"runner must be one of {RUNNERS}, got {self.runner!r}")
         check(

@@ -150,7 +150,9 @@ def _compile_all(specs: list[dict]) -> list[dict]:
             )
             result.update(_resource_usage(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared)
         except Exception as e:  # reported, so that the test names every kernel that fails
-            result["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+            cause = e.__cause__ or e.__context__  # where the compiler failed inside a helper it called
+            because = f"\ncaused by {type(cause).__name__}: {str(cause)[-1500:]}" if cause is not None else ""
+            result["error"] = f"{type(e).__name__}: {str(e)[-2000:]}{because}"
         results.append(result)
     return results
 

@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from engine.attention import triton_kernels  # noqa: E402
+from engine.attention.kv_format import kv_format  # noqa: E402
 from engine.layers.activation import silu_and_mul  # noqa: E402
 from engine.layers.fused_moe_triton import fused_moe  # noqa: E402
 from engine.layers.gated_deltanet_triton import CHUNK, DeltaRulePlan, delta_rule  # noqa: E402
@@ -70,6 +71,13 @@ def launch_everything() -> None:
     triton_kernels.paged_attention_impl(query, k_cache, v_cache, meta, 0.1, window=128, sinks=sinks)
     key, value = bf16(3, 8, 128), bf16(3, 8, 128)
     triton_kernels.store_kvcache(key, value, k_cache, v_cache, torch.tensor([0, -1, 37]))
+    for name in ("int8", "fp8", "int4"):  # a quantized cache (kv_cache_dtype), in decode and prefill
+        fmt = kv_format(name)
+        for q_lens, seq_lens in (([1, 1], [40, 17]), ([5, 12], [40, 12])):
+            query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, **shape)
+            k_rows, v_rows = (fmt.pack(c.flatten(0, 1)).view(*c.shape[:3], -1) for c in (k_cache, v_cache))
+            triton_kernels.paged_attention_impl(query, k_rows, v_rows, meta, 0.1, num_splits=1, kv_format=fmt)
+        triton_kernels.store_kvcache(fmt.pack(key), fmt.pack(value), k_rows, v_rows, torch.tensor([0, -1, 37]))
     experts, hidden, inter = 4, 256, 48  # the second matmul's K of 48 takes the narrow K tile
     for tokens, dtype in ((1, torch.bfloat16), (64, torch.bfloat16), (3, torch.float32)):  # decode, prefill, fp32
         ids = torch.arange(2 * tokens).view(tokens, 2) % experts

@@ -198,3 +198,43 @@ def test_kernels_refuse_a_cache_they_cannot_index():
     with pytest.raises(ValueError, match="same 3 tokens"):
         key = query[:, :2].contiguous()
         tk.store_kvcache(key, key[:2], k_cache, v_cache, meta.slot_mapping)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize(
+    "case,dtype",
+    [("prefix_hits_and_chunks", torch.float32), ("block_size_8_group_3_dim_48", torch.float32), ("decode", None)],
+)
+def test_a_quantized_cache_is_read_as_the_reference_reads_it(kv_cache_dtype, case, dtype):
+    """The kernel dequantizes the cache's rows in registers (`_load_kv`): the torch reference's output over the same
+    bytes. Decode in bf16 with split KV, prefills with prefix hits in fp32, and head_dim 48 (int4: groups of 16)."""
+    from engine.attention.kv_format import kv_format
+
+    fmt = kv_format(kv_cache_dtype)
+    if case == "decode":
+        q_lens, seq_lens, kw, dtype = [1] * 5, [1, 70, 0, 33, 5], dict(group=2, head_dim=64), torch.bfloat16
+    else:
+        q_lens, seq_lens, kw = CASES[case]
+    query, k_plain, v_plain, meta = make_batch(q_lens, seq_lens, dtype=dtype, seed=5, **kw)
+    head_dim = query.shape[-1]
+    k_cache, v_cache = (fmt.pack(c.flatten(0, 1)).view(*c.shape[:3], -1) for c in (k_plain, v_plain))
+    scale = head_dim**-0.5
+    expected = ref.paged_attention(query, k_cache, v_cache, meta, scale, kv_format=fmt)
+    for splits in (1, 4) if case == "decode" else (None,):
+        got = tk.paged_attention_impl(query, k_cache, v_cache, meta, scale, num_splits=splits, kv_format=fmt)
+        tolerance = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+def test_the_store_kernel_writes_a_quantized_caches_rows():
+    from engine.attention.kv_format import kv_format
+
+    fmt = kv_format("int4")
+    keys, values = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    k_cache = torch.zeros(3, 16, 2, fmt.row_width(64), dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, 17, -1, 33, 47])
+    tk.store_kvcache(fmt.pack(keys), fmt.pack(values), k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    ref.store_kvcache(fmt.pack(keys), fmt.pack(values), want_k, want_v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

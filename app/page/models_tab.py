@@ -3,7 +3,9 @@ a connection to a remote OpenAI-compatible server instead of a local model.
 
 The load form offers the engine's weight-only quantization (none, int8, int4). It starts at the
 recommendation for the chosen model on this machine (app.memory_estimate.quantization_advice) and is
-switched off for GGUF models, whose weights are quantized already."""
+switched off for GGUF models, whose weights are quantized already. The KV cache's precision (the engine's
+kv_cache_dtype) is a field of its own, counted in the estimate: int8 or fp8 hold about twice the context in the
+same memory, int4 about three and a half times."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from app.memory_estimate import QUANTIZATIONS, QuantAdvice, fit_report, format_g
 from app.model_host import resolve_model
 from app.page import user_error
 from app.remote import RemoteError
+from engine.attention.kv_format import KV_CACHE_DTYPES
 from engine.loader import pick_dtype
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
@@ -48,7 +51,9 @@ def _estimate_dtype(dtype_name: str, device_name: str, quantized: bool = False) 
     return str(pick_dtype("auto", device, quantized)).removeprefix("torch.")
 
 
-def _advice(entry: CatalogEntry, ctx: int, dtype_name: str, memory: tuple[str, int]) -> QuantAdvice:
+def _advice(
+    entry: CatalogEntry, ctx: int, dtype_name: str, memory: tuple[str, int], kv_cache_dtype: str = "auto"
+) -> QuantAdvice:
     """The quantization advice, each option sized at the dtype its own load gets. The one place the form
     asks for it: the preselected quantization and context and the sentences under them must agree (a CPU
     gives quantized weights float32 KV, twice bf16's, and an advice sized at bf16 preselected a context
@@ -61,14 +66,20 @@ def _advice(entry: CatalogEntry, ctx: int, dtype_name: str, memory: tuple[str, i
         free_bytes=free,
         device_name=device_name,
         quantized_dtype=_estimate_dtype(dtype_name, device_name, quantized=True),
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
 def estimate_text(
-    repo_id: str | None, dtype_name: str, ctx, quantization: str | None, memory: tuple[str, int] | None = None
+    repo_id: str | None,
+    dtype_name: str,
+    ctx,
+    quantization: str | None,
+    memory: tuple[str, int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> str:
     """The estimate under the load form: download size, whether the model fits at this precision,
-    quantization and context, and which quantization fits this machine with how much context.
+    quantization, KV-cache precision and context, and which quantization fits this machine with how much context.
     `memory` is (device description, free bytes); measured when not given."""
     entry = entry_for_repo(repo_id or "")
     if entry is None:
@@ -83,8 +94,11 @@ def estimate_text(
     else:
         size = f"Download: {format_gib(entry.download_bytes)} GiB. "
     quant = None if entry.is_gguf else quantization
-    report = fit_report(entry, ctx, dtype, free_bytes=free, device_name=device_name, quantization=quant)
-    advice = _advice(entry, ctx, dtype_name, (device_name, free))
+    kv = kv_cache_dtype or "auto"
+    report = fit_report(
+        entry, ctx, dtype, free_bytes=free, device_name=device_name, quantization=quant, kv_cache_dtype=kv
+    )
+    advice = _advice(entry, ctx, dtype_name, (device_name, free), kv)
     return f"{size}{report.message}\n\n{advice.message}"
 
 
@@ -125,12 +139,25 @@ def default_context(
     return option.max_context_len
 
 
-def load_settings(repo_id: str | None, dtype_name: str, ctx, kv, quantization: str | None, max_num_seqs: int) -> dict:
+def load_settings(
+    repo_id: str | None,
+    dtype_name: str,
+    ctx,
+    kv,
+    quantization: str | None,
+    max_num_seqs: int,
+    kv_cache_dtype: str | None = "auto",
+) -> dict:
     """The engine settings a Load press passes on. Quantization is dropped for a GGUF model (the engine
     refuses to quantize one again)."""
     settings = {"dtype": dtype_name, "max_model_len": int(ctx) if ctx else None, "max_num_seqs": max_num_seqs}
     if kv:
         settings["kv_cache_memory_bytes"] = int(float(kv) * 2**30)
+    kv_dtype = (kv_cache_dtype or "auto").strip().lower()
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise user_error(f"Unknown KV cache precision {kv_cache_dtype!r}: pick {', '.join(KV_CACHE_DTYPES)}.")
+    if kv_dtype != "auto":
+        settings["kv_cache_dtype"] = kv_dtype
     quant = (quantization or "none").strip().lower()
     if quant not in QUANTIZATIONS:
         raise user_error(f"Unknown quantization {quantization!r}: pick none, int8 or int4.")
@@ -210,6 +237,7 @@ class LoadForm:
     quant: gr.Dropdown
     context: gr.Number
     kv_gib: gr.Number
+    kv_dtype: gr.Dropdown
     fit: gr.Markdown
     download_btn: gr.Button
     load_btn: gr.Button
@@ -274,12 +302,20 @@ def render_load_form(ui) -> LoadForm:
         context = gr.Number(value=first_context, precision=0, label="Context length (tokens)", scale=1)
         # The engine's own default shown as it is: an empty Number reads 0, and its label said "empty = 1".
         kv_gib = gr.Number(value=1, minimum=0.25, label="KV cache memory on a CPU, GiB", scale=1)
+        kv_dtype = gr.Dropdown(
+            list(KV_CACHE_DTYPES),
+            value="auto",
+            label="KV cache precision",
+            info="auto: as the model computes; int8/fp8 hold about 2x the context, int4 about 3.5x",
+            elem_id="kv-cache-dtype",
+            scale=1,
+        )
     fit = gr.Markdown(estimate_text(first, "auto", first_context, first_quant["value"], memory), elem_id="fit-estimate")
     with gr.Row():
         download_btn = gr.Button("Download")
         load_btn = gr.Button("Load", variant="primary")
         unload_btn = gr.Button("Unload")
-    return LoadForm(status, repo, dtype, quant, context, kv_gib, fit, download_btn, load_btn, unload_btn)
+    return LoadForm(status, repo, dtype, quant, context, kv_gib, kv_dtype, fit, download_btn, load_btn, unload_btn)
 
 
 def render_download_rows(manager: DownloadManager) -> tuple[gr.State, gr.Markdown]:
@@ -343,17 +379,24 @@ def wire_load_form(form: LoadForm, manager: DownloadManager, rows: gr.State) -> 
     """A picked model gets its quantization, context and estimate; each field redoes the estimate; Download
     starts a row."""
 
-    def pick_model(repo_id: str, dtype_name: str, ctx):
+    def pick_model(repo_id: str, dtype_name: str, ctx, kv_dtype: str = "auto"):
         """A new model: its recommended quantization (or none, off, for a GGUF), the context it can serve
         here, and its estimate."""
         memory = available_memory("auto")
         field = quantization_field(repo_id, dtype_name, 4096, memory)
         ctx = default_context(repo_id, dtype_name, field["value"], memory) or ctx
-        return gr.update(**field), gr.update(value=ctx), estimate_text(repo_id, dtype_name, ctx, field["value"], memory)
+        estimate = estimate_text(repo_id, dtype_name, ctx, field["value"], memory, kv_dtype)
+        return gr.update(**field), gr.update(value=ctx), estimate
 
-    form.repo.change(pick_model, [form.repo, form.dtype, form.context], [form.quant, form.context, form.fit])
-    for control in (form.dtype, form.context, form.quant):
-        control.change(estimate_text, [form.repo, form.dtype, form.context, form.quant], form.fit)
+    def estimate(repo_id: str, dtype_name: str, ctx, quantization: str, kv_dtype: str = "auto") -> str:
+        return estimate_text(repo_id, dtype_name, ctx, quantization, kv_cache_dtype=kv_dtype)
+
+    fields = [form.repo, form.dtype, form.context, form.quant, form.kv_dtype]
+    form.repo.change(
+        pick_model, [form.repo, form.dtype, form.context, form.kv_dtype], [form.quant, form.context, form.fit]
+    )
+    for control in (form.dtype, form.context, form.quant, form.kv_dtype):
+        control.change(estimate, fields, form.fit)
 
     def start_download(repo_id: str):
         repo_id = (repo_id or "").strip()
@@ -397,12 +440,12 @@ def publish_download_api(manager: DownloadManager) -> None:
 def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
     """Load (the form's choice, remembered for the next start once it serves) and Unload."""
 
-    def load(repo_id: str, dtype_name: str, ctx, kv, quantization: str = "none"):
+    def load(repo_id: str, dtype_name: str, ctx, kv, quantization: str = "none", kv_dtype: str = "auto"):
         try:
             source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path for m in manager.local_models()})
         except RuntimeError as e:
             raise user_error(str(e)) from e
-        settings = load_settings(repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats)
+        settings = load_settings(repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats, kv_dtype)
         try:
             ui.host.load(source, label=label, remember_as=repo_id.strip(), **settings)  # the next start loads it
         except RuntimeError as e:
@@ -410,7 +453,10 @@ def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
         return ui.host.status_message()
 
     form.load_btn.click(
-        load, [form.repo, form.dtype, form.context, form.kv_gib, form.quant], form.status, api_name="load"
+        load,
+        [form.repo, form.dtype, form.context, form.kv_gib, form.quant, form.kv_dtype],
+        form.status,
+        api_name="load",
     )
     form.unload_btn.click(lambda: (ui.host.unload(), ui.host.state.message)[1], None, form.status)
 

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from engine.attention.kv_format import KV_FORMAT_BACKENDS
 from engine.attention.metadata import AttentionMetadata
 
 FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn 2's paged kernels read pages of a multiple of 256 tokens
@@ -61,19 +62,31 @@ def flash_attn_unusable(device: torch.device, dtype: torch.dtype, block_size: in
 
 
 def select_backend(
-    requested: str, device: torch.device, dtype: torch.dtype, block_size: int, sinks: bool = False
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    sinks: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """`auto` takes flash-attn's kernels on CUDA where they apply (package installed, half precision,
     blocks of a multiple of 256 tokens), else Triton kernels on CUDA when Triton is installed, else
-    the torch reference. `sinks`: the model's attention has sinks, which only SINK_BACKENDS compute."""
+    the torch reference. `sinks`: the model's attention has sinks, which only SINK_BACKENDS compute.
+    A quantized KV cache (`kv_cache_dtype`) is read by KV_FORMAT_BACKENDS only."""
     name = requested
     if requested != "auto" and sinks and requested not in SINK_BACKENDS:
         raise ValueError(
             f"attention_backend={requested!r} does not compute attention sinks yet, which this model's attention "
             f"has; use {' or '.join(repr(b) for b in SINK_BACKENDS)} (or 'auto')"
         )
+    if kv_cache_dtype != "auto" and requested not in ("auto", *KV_FORMAT_BACKENDS):
+        raise ValueError(
+            f"attention_backend={requested!r} cannot read a quantized KV cache (kv_cache_dtype={kv_cache_dtype!r}) "
+            f"yet; use attention_backend={' or '.join(repr(b) for b in KV_FORMAT_BACKENDS)} (or 'auto'), "
+            "or kv_cache_dtype='auto'"
+        )
     if requested == "auto":
-        if sinks:  # flash-attn 2 has no sinks
+        if sinks or kv_cache_dtype != "auto":  # flash-attn 2 has no sinks, and reads no quantized cache
             name = "triton" if device.type == "cuda" and triton_available() else "torch"
         elif flash_attn_unusable(device, dtype, block_size) is None:
             name = "flash-attn"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention.kv_format import PLAIN, KVFormat
 from engine.attention.metadata import AttentionMetadata
 from engine.runner.tracing import tracing_decode_step
 
@@ -80,6 +81,11 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """KV of whole blocks: cache [num_blocks, block_size, Hkv, D], blocks [..., n] -> [..., n * block_size, Hkv, D]."""
     picked = cache.index_select(0, blocks.reshape(-1))
     return picked.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
+
+
+def _numbers(rows: torch.Tensor, kv_format: KVFormat, like: torch.Tensor) -> torch.Tensor:
+    """Keys or values read from the cache [..., Hkv, row] as numbers of the query's dtype and head size."""
+    return kv_format.unpack(rows, like.dtype, like.shape[-1])
 
 
 def _decode_plan(
@@ -195,20 +201,22 @@ def paged_attention(
     scale: float,
     window: int | None = None,  # a sliding-window layer's: each query sees its last `window` positions
     sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (gpt-oss): see `attend`
+    kv_format: KVFormat = PLAIN,  # how the cache stores keys and values (a quantized cache: kv_format.py)
 ) -> torch.Tensor:
     if tracing_decode_step():
-        return compiled_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, sinks)
+        blocks, lens = meta.block_tables, meta.seq_lens
+        return compiled_decode(query, k_cache, v_cache, blocks, lens, scale, window, sinks, kv_format)
     decodes, prefills = _plan(meta, k_cache.shape[1], window)
     if len(decodes) == 1 and decodes[0].token_idx is None and not prefills:
-        return _decode(query, k_cache, v_cache, decodes[0], scale, sinks)
+        return _decode(query, k_cache, v_cache, decodes[0], scale, sinks, kv_format)
     out = torch.zeros_like(query)
     for d in decodes:
-        out.index_copy_(0, d.token_idx, _decode(query[d.token_idx], k_cache, v_cache, d, scale, sinks))
+        out.index_copy_(0, d.token_idx, _decode(query[d.token_idx], k_cache, v_cache, d, scale, sinks, kv_format))
     for p in prefills:
         # 4-D inputs: with 3-D ones, SDPA on CPU falls back to its unfused path, 3-4x slower.
         q = query[p.start : p.start + p.q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
-        k = _gather(k_cache, p.blocks)[: p.kv_len].transpose(0, 1)[None].to(q.dtype)
-        v = _gather(v_cache, p.blocks)[: p.kv_len].transpose(0, 1)[None].to(q.dtype)
+        k = _numbers(_gather(k_cache, p.blocks)[: p.kv_len], kv_format, q).transpose(0, 1)[None]
+        v = _numbers(_gather(v_cache, p.blocks)[: p.kv_len], kv_format, q).transpose(0, 1)[None]
         o = attend(q, k, v, p.mask, scale, sinks, causal=True)
         out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     return out
@@ -221,9 +229,10 @@ def _decode(
     plan: _Decode,
     scale: float,
     sinks: torch.Tensor | None = None,
+    kv_format: KVFormat = PLAIN,
 ) -> torch.Tensor:
-    k = _gather(k_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
-    v = _gather(v_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2).to(query.dtype)
+    k = _numbers(_gather(k_cache, plan.blocks)[:, : plan.kv_len], kv_format, query).transpose(1, 2)  # [S, Hkv, L, D]
+    v = _numbers(_gather(v_cache, plan.blocks)[:, : plan.kv_len], kv_format, query).transpose(1, 2)
     o = attend(query.unsqueeze(2), k, v, plan.mask, scale, sinks).squeeze(2)
     return o if plan.live is None else torch.where(plan.live, o, 0.0)
 
@@ -237,6 +246,7 @@ def compiled_decode(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    kv_format: KVFormat = PLAIN,
 ) -> torch.Tensor:
     """Decode rows (one query token per sequence) from device tensors only: every row reads all of
     `block_tables`' blocks (-1 entries read block 0), masked to its own length (and window)."""
@@ -244,8 +254,8 @@ def compiled_decode(
     rows, length = blocks.shape[0], blocks.shape[1] * k_cache.shape[1]
     # Indexing, not `_gather`'s index_select: after the in-place KV write of the same step, inductor
     # copied the whole cache around an index_select (60 copies of 18 MB a step on SmolLM2), not around this.
-    k = k_cache[blocks].view(rows, length, *k_cache.shape[2:]).transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
-    v = v_cache[blocks].view(rows, length, *v_cache.shape[2:]).transpose(1, 2).to(query.dtype)
+    k = _numbers(k_cache[blocks].view(rows, length, *k_cache.shape[2:]), kv_format, query).transpose(1, 2)
+    v = _numbers(v_cache[blocks].view(rows, length, *v_cache.shape[2:]), kv_format, query).transpose(1, 2)
     positions = torch.arange(length, device=query.device)[None, :]
     valid = positions < seq_lens[:, None]
     if window is not None:

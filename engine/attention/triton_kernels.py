@@ -12,6 +12,8 @@ the tests compare against it); see ``AttentionMetadata`` for the contract. In sh
 * KV position ``p`` of sequence ``i`` lives in slot
   ``block_tables[i, p // block_size] * block_size + p % block_size``.
 * ``seq_lens[i] == 0`` marks a padding row (CUDA-graph batches): its output is zeros.
+* A quantized cache (kv_format.py) holds bytes: each head's row has its quantized values, then their float16
+  scales. ``_load_kv`` turns a tile of rows back into numbers in registers (``KV_QUANT``).
 
 Kernels:
 
@@ -49,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.kv_format import PLAIN, SCALE_BYTES, KVFormat
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.triton_store import check_cache, row_offset, store_kvcache
 
@@ -70,6 +73,66 @@ def _dot_operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+KV_QUANT_CODES = {"auto": 0, "int8": 1, "fp8": 2, "int4": 3}  # the kernel's KV_QUANT for each kv_cache_dtype
+_SCALE_BYTES = tl.constexpr(SCALE_BYTES)  # a global a kernel may read
+
+
+@triton.jit
+def _load_scale(at, mask):
+    """float16 scales read a byte at a time: a row's scales need not be 2-byte aligned (an int4 row whose head_dim
+    is 2 mod 4)."""
+    low = tl.load(at, mask=mask, other=0).to(tl.uint16)
+    high = tl.load(at + 1, mask=mask, other=0).to(tl.uint16)
+    return (low | (high << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_kv(
+    cache_ptr,
+    kv_off,
+    n_valid,
+    d,
+    kv_mask,
+    OUT: tl.constexpr,  # the attention's dtype: a product in float32 rounded to it is the reference's product in it
+    KV_QUANT: tl.constexpr,
+    KV_GROUP: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """A tile of keys or values [BLOCK_N, BLOCK_D]: as stored (KV_QUANT 0), or dequantized from rows of bytes: int8
+    (1), fp8 e4m3 (2) or two 4-bit values a byte, stored + 8 (3), times the float16 scale of each KV_GROUP values
+    (a row's for int8 and fp8), which sit SCALE_OFF bytes into the row."""
+    rows = cache_ptr + kv_off[:, None]
+    if KV_QUANT == 0:
+        tile = tl.load(rows + d[None, :], mask=kv_mask, other=0.0)
+    elif KV_QUANT == 3:
+        packed = tl.load(rows + (d // 2)[None, :], mask=kv_mask, other=0)
+        values = (((packed >> ((d % 2) * 4).to(tl.uint8)[None, :]) & 15).to(tl.int8) - 8).to(tl.float32)
+        GROUPS: tl.constexpr = BLOCK_D // KV_GROUP
+        g = tl.arange(0, GROUPS)
+        scale = _load_scale(
+            rows + SCALE_OFF + _SCALE_BYTES * g[None, :], n_valid[:, None] & (g < HEAD_DIM // KV_GROUP)[None, :]
+        )
+        grouped = tl.reshape(values, (BLOCK_N, GROUPS, KV_GROUP)) * scale.to(tl.float32)[:, :, None]
+        tile = tl.reshape(grouped, (BLOCK_N, BLOCK_D)).to(OUT)
+    else:
+        raw = tl.load(rows + d[None, :], mask=kv_mask, other=0)
+        if KV_QUANT == 1:
+            values = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            # e4m3 by hand (Triton converts float8e4nv only on sm_89 and later, and RTX 30 is sm_86): its exponent
+            # and mantissa bits moved into a float16's, whose exponent bias is 8 more, then times 2^8; exact,
+            # subnormals included
+            sign = (raw & 0x80).to(tl.uint16) << 8
+            half = (sign | ((raw & 0x7F).to(tl.uint16) << 7)).to(tl.float16, bitcast=True)
+            values = half.to(tl.float32) * 256.0
+        scale = _load_scale(cache_ptr + kv_off + SCALE_OFF, n_valid)
+        tile = (values * scale.to(tl.float32)[:, None]).to(OUT)
+    return tile
 
 
 @triton.jit
@@ -106,6 +169,9 @@ def _paged_attention_kernel(
     UPCAST_DOT: tl.constexpr,  # feed tl.dot fp32 (interpreter only: its bf16 dot is broken)
     WINDOW: tl.constexpr,  # a sliding-window layer's window (each query sees its last WINDOW positions); 0: none
     HAS_SINKS: tl.constexpr,  # attention sinks (gpt-oss): added to the softmax's denominator here, or in the merge
+    KV_QUANT: tl.constexpr,  # how the cache stores keys and values: see _load_kv
+    KV_GROUP: tl.constexpr,  # values per scale in a quantized cache
+    SCALE_OFF: tl.constexpr,  # where a quantized row's scales start, in bytes
 ):
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
     IN_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -171,8 +237,10 @@ def _paged_attention_kernel(
         page = tl.load(table + n // PAGE_SIZE, mask=n_valid, other=0)
         kv_off = row_offset(page, stride_cb) + (n % PAGE_SIZE) * stride_cs + head_off
         kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # fmt: off
+        k = _load_kv(k_cache_ptr, kv_off, n_valid, d, kv_mask, IN_DTYPE, KV_QUANT, KV_GROUP, SCALE_OFF, HEAD_DIM, BLOCK_N, BLOCK_D)  # noqa: E501
+        v = _load_kv(v_cache_ptr, kv_off, n_valid, d, kv_mask, IN_DTYPE, KV_QUANT, KV_GROUP, SCALE_OFF, HEAD_DIM, BLOCK_N, BLOCK_D)  # noqa: E501
+        # fmt: on
         # The reference casts the cache to the query dtype before attending; so do we.
         k = _dot_operand(k, IN_DTYPE, UPCAST_DOT)
         v = _dot_operand(v, IN_DTYPE, UPCAST_DOT)
@@ -292,8 +360,9 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (gpt-oss)
+    kv_format: KVFormat = PLAIN,  # how the cache stores keys and values (kv_format.py)
 ) -> torch.Tensor:
-    return paged_attention_impl(query, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
+    return paged_attention_impl(query, k_cache, v_cache, meta, scale, window=window, sinks=sinks, kv_format=kv_format)
 
 
 def paged_attention_impl(
@@ -307,6 +376,7 @@ def paged_attention_impl(
     block_n: int | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    kv_format: KVFormat = PLAIN,
 ) -> torch.Tensor:
     """``paged_attention`` with its tuning knobs exposed (for tests and benchmarks).
 
@@ -315,7 +385,7 @@ def paged_attention_impl(
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    check_cache(k_cache, v_cache, num_kv_heads, kv_format.row_width(head_dim))
     if num_heads % num_kv_heads:
         raise ValueError(f"paged_attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     num_seqs = meta.num_seqs
@@ -351,9 +421,10 @@ def paged_attention_impl(
         block_rows = triton.next_power_of_2(max(block_rows, group_pad, 16))
         block_m, group_rows = block_rows // group_pad, group_pad
     rows = block_m * group_rows
-    if block_n is None:
-        block_n = 32 if (is_fp32 or block_d > 128) else 64
-    num_warps = 8 if rows * block_d >= 128 * 128 else 4
+    if block_n is None:  # a quantized cache's tiles take more registers to dequantize: half as many keys
+        block_n = 32 if (is_fp32 or block_d > 128 or kv_format.quantized) else 64
+    # Dequantizing a tile spilled registers to local memory at 4 warps (tests/test_kernels_compile_for_gpu.py)
+    num_warps = 8 if rows * block_d >= 128 * 128 or kv_format.quantized else 4
 
     if decode and num_splits is None:
         num_splits = _default_num_splits(num_seqs, num_kv_heads, query.device)
@@ -372,6 +443,9 @@ def paged_attention_impl(
         UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
         WINDOW=window or 0,
         HAS_SINKS=sinks is not None,
+        KV_QUANT=KV_QUANT_CODES[kv_format.name],
+        KV_GROUP=kv_format.group(head_dim),
+        SCALE_OFF=kv_format.row_width(head_dim) - SCALE_BYTES * (head_dim // kv_format.group(head_dim)),
         num_warps=num_warps,
         num_stages=2,
     )

@@ -378,6 +378,7 @@ class LLMEngine:
             used_blocks_per_group=tuple(bm.used_blocks_per_group),
             layers_per_block=self.model_runner.kv_layout.num_layers,
             bytes_per_block=self.model_runner.kv_layout.bytes_per_block,
+            kv_cache_dtype=self.config.kv_cache_dtype,
             state_slot_bytes=self.model_runner.state_slots[2],
             used_state_slots=0 if bm.states is None else bm.states.num_running - len(bm.states.free_running),
             state_snapshots=0 if bm.states is None else len(bm.states.snapshots),

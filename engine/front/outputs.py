@@ -73,6 +73,8 @@ class EngineStats:
     used_blocks_per_group: tuple[int, ...] = ()
     layers_per_block: int = 0
     bytes_per_block: int = 0  # of every layer's keys and values a block holds
+    # How the cache stores them: "auto" (the model's dtype), or quantized: "int8", "fp8", "int4"
+    kv_cache_dtype: str = "auto"
     # A hybrid model's recurrent state (engine/core/state_slots.py): one slot's bytes, the slots running requests
     # hold, and the prefix snapshots kept
     state_slot_bytes: int = 0

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.kv_format import PLAIN, KVFormat, hadamard
 
 
 class Attention(nn.Module):
@@ -34,7 +35,18 @@ class Attention(nn.Module):
         # Set by the ModelRunner once the cache is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
         self.kv_group = 0  # its KV-cache group, whose block table and slots it reads (engine/runner/kv_cache.py)
+        self.kv_format = PLAIN  # how its cache stores keys and values (engine/attention/kv_format.py)
+        self.kv_rotation: torch.Tensor | None = None  # a quantized cache's Hadamard rotation (see use_kv_format)
         self.backend: AttentionBackend | None = None
+
+    def use_kv_format(self, kv_format: KVFormat, device: torch.device) -> None:
+        """Store keys and values as `kv_format` says; a quantized cache holds them rotated (kv_format.py), and so
+        the query is rotated to meet them and the output rotated back."""
+        self.kv_format = kv_format
+        self.kv_rotation = hadamard(self.head_dim, device) if kv_format.quantized else None
+
+    def _rotated(self, x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+        return x if rotation is None else (x.float() @ rotation).to(x.dtype)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata
@@ -43,16 +55,23 @@ class Attention(nn.Module):
         by the source earlier in this step) it reads."""
         owner = self if self.kv_source is None else self.kv_source
         meta = meta.for_group(owner.kv_group)
+        kv_format, rotation = owner.kv_format, owner.kv_rotation
+        q = self._rotated(q, rotation)
         if owner is self:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            k_rows, v_rows = kv_format.pack(self._rotated(k, rotation)), kv_format.pack(self._rotated(v, rotation))
+            self.backend.store_kvcache(k_rows, v_rows, self.k_cache, self.v_cache, meta.slot_mapping)
         k_cache, v_cache = owner.k_cache, owner.v_cache
-        # Backends' own defaults where the layer has neither, so a test's stand-in backend needs no window or sinks
+        # Backends' own defaults where the layer has none, so a test's stand-in backend needs no window or sinks
         extra = {} if self.sinks is None else {"sinks": self.sinks}
+        if kv_format.quantized:
+            extra["kv_format"] = kv_format
         if self.sliding_window is None and not extra:
             return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, **extra)
+        out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, **extra)
+        return self._rotated(out, rotation)
 
     def extra_repr(self) -> str:
         parts = [] if self.sliding_window is None else [f"sliding_window={self.sliding_window}"]
         parts += [] if self.sinks is None else ["sinks"]
+        parts += [f"kv_cache_dtype={self.kv_format.name}"] if self.kv_format.quantized else []
         return ", ".join(parts + ([] if self.kv_source is None else ["shares an earlier layer's KV cache"]))

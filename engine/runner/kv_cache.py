@@ -125,7 +125,7 @@ class KVCacheLayout:
     ) -> "KVCacheLayout":
         widths = [0] * groups.group_size
         for layer, slot in zip(attention_layers, groups.layer_slots, strict=True):
-            widths[slot] = max(widths[slot], layer.num_kv_heads * layer.head_dim)
+            widths[slot] = max(widths[slot], row_width(layer))
         return cls(tuple(widths), block_size, dtype)
 
     @property
@@ -144,7 +144,7 @@ class KVCacheLayout:
     def uniform(self, attention_layers: Sequence[Attention], groups: KVCacheGroups) -> bool:
         """Whether every layer fills its tensor's whole rows: then each layer's cache is a contiguous tensor."""
         return all(
-            layer.num_kv_heads * layer.head_dim == self.slot_widths[slot]
+            row_width(layer) == self.slot_widths[slot]
             for layer, slot in zip(attention_layers, groups.layer_slots, strict=True)
         )
 
@@ -152,10 +152,13 @@ class KVCacheLayout:
 def plan_kv_cache(
     attention_layers: Sequence[Attention], block_size: int, dtype: torch.dtype, split: bool, strided: bool
 ) -> tuple[KVCacheGroups, KVCacheLayout]:
-    """The KV-cache groups (split by window where `split`) and their layout. `strided`: whether the attention
-    backend reads a cache that is a strided view; where it does not and the groups would put layers of
-    different widths in one tensor, every layer keeps a tensor of its own (the groups not split: sliding
-    layers then hold every block, as full ones do)."""
+    """The KV-cache groups (split by window where `split`) and their layout, in `dtype` or the bytes of the layers'
+    quantized format (`Attention.kv_format`). `strided`: whether the attention backend reads a cache that is a
+    strided view; where it does not and the groups would put layers of different widths in one tensor, every
+    layer keeps a tensor of its own (the groups not split: sliding layers then hold every block, as full ones do)."""
+    for layer in attention_layers:
+        layer.kv_format.check_head_dim(layer.head_dim)
+    dtype = attention_layers[0].kv_format.storage_dtype(dtype) if attention_layers else dtype
     windows = [layer.sliding_window for layer in attention_layers]
     groups = KVCacheGroups.of(windows, split)
     layout = KVCacheLayout.of(attention_layers, block_size, dtype, groups)
@@ -165,12 +168,19 @@ def plan_kv_cache(
     return groups, layout
 
 
+def row_width(layer: Attention) -> int:
+    """Elements of the cache tensor one token of `layer` takes: num_kv_heads x head_dim, or the rows of a quantized
+    cache (engine/attention/kv_format.py)."""
+    return layer.num_kv_heads * layer.kv_format.row_width(layer.head_dim)
+
+
 def layer_view(cache: torch.Tensor, layer: Attention) -> torch.Tensor:
     """`layer`'s keys (or values) in a cache tensor: (num_blocks, block_size, num_kv_heads, head_dim), the first
-    num_kv_heads x head_dim of each token's row. Strided where the layer is narrower than the row."""
-    width = layer.num_kv_heads * layer.head_dim
+    num_kv_heads x head_dim of each token's row (for a quantized cache, a row of bytes per head in place of
+    head_dim). Strided where the layer is narrower than the row."""
+    width = row_width(layer)
     rows = cache if width == cache.shape[-1] else cache[..., :width]
-    return rows.view(*cache.shape[:2], layer.num_kv_heads, layer.head_dim)
+    return rows.view(*cache.shape[:2], layer.num_kv_heads, width // layer.num_kv_heads)
 
 
 def blocks_for_budget(budget: int, bytes_per_block: int) -> int:

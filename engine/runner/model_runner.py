@@ -18,6 +18,7 @@ from torch import nn
 
 from engine import quantization
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
+from engine.attention.kv_format import kv_format
 from engine.config import EngineConfig, batched_token_budget
 from engine.core.scheduler import ScheduledSeq
 from engine.layers.attention import Attention
@@ -173,10 +174,13 @@ class ModelRunner:
         """The model's attention layers that hold a KV cache (not those reading another's), every attention layer
         set to run the configured backend's kernels."""
         attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        sinks = any(layer.sinks is not None for layer in attention_layers)
-        backend = select_backend(self.config.attention_backend, self.device, self.dtype, self.block_size, sinks)
+        sinks, kv_dtype = any(layer.sinks is not None for layer in attention_layers), self.config.kv_cache_dtype
+        backend = select_backend(
+            self.config.attention_backend, self.device, self.dtype, self.block_size, sinks, kv_dtype
+        )
         for layer in attention_layers:
             layer.backend = backend
+            layer.use_kv_format(kv_format(kv_dtype), self.device)
         return [layer for layer in attention_layers if layer.kv_source is None], backend
 
     def _create_step_buffers(self) -> None:

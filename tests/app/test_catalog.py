@@ -656,3 +656,22 @@ def test_a_qwen3_5_config_counts_kv_for_its_full_attention_layers_only(family, t
     assert entry.kv_bytes_per_token("float32") == 2 * runner.kv_layout.bytes_per_block // runner.block_size
     assert entry.state_bytes == llm.stats().state_slot_bytes  # a chat's slot, whatever its length
     assert entry.kv_bytes(1000) - entry.kv_bytes(100) == 900 * entry.kv_bytes_per_token()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
+def test_a_quantized_kv_cache_is_counted_as_the_engine_holds_it(kv_cache_dtype, tiny_llama, make_llm):
+    """The estimate's KV bytes for kv_cache_dtype are the bytes a token takes in the engine's quantized cache, and
+    the context that fits grows by as much."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(tiny_llama)
+    entry = entry_from_config("someone/tiny-llama", config.to_dict(), 0)
+    runner = make_llm(tiny_llama, kv_cache_dtype=kv_cache_dtype).model_runner
+    per_token = runner.kv_layout.bytes_per_block // runner.block_size
+    assert entry.kv_bytes_per_token("float32", kv_cache_dtype) == per_token
+    plain = estimate_memory(entry, 4096, "float32", on_cpu=True)
+    quantized = estimate_memory(entry, 4096, "float32", on_cpu=True, kv_cache_dtype=kv_cache_dtype)
+    assert quantized.kv_bytes == 4096 * per_token < plain.kv_bytes
+    assert quantized.weights_bytes == plain.weights_bytes
+    report = fit_report(entry, 4096, "float32", free_bytes=GiB, device_name="CPU", kv_cache_dtype=kv_cache_dtype)
+    assert f"tokens in {kv_cache_dtype}" in report.message

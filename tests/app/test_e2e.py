@@ -86,7 +86,7 @@ def test_a_model_too_big_for_memory_is_refused_and_the_previous_one_keeps_servin
     proc, client = app
     before = client.predict(api_name="/model_status")
     # The Models tab's Load button, with a KV cache far larger than this machine's memory.
-    client.predict(str(proc.model), "auto", 2048, 100_000, "none", api_name="/load")
+    client.predict(str(proc.model), "auto", 2048, 100_000, "none", "auto", api_name="/load")
     assert wait_until(lambda: client.predict(api_name="/model_status")["status"] != "loading", timeout=60)
     status = client.predict(api_name="/model_status")
     assert status["status"] == "error"

@@ -11,10 +11,12 @@ from app.ui import PagodaUI
 from tests.processes import wait_until
 
 
-def load_from_the_models_tab(ui: PagodaUI, tmp_path, model: str, dtype: str, ctx: int) -> None:
+def load_from_the_models_tab(
+    ui: PagodaUI, tmp_path, model: str, dtype: str, ctx: int, kv_cache_dtype: str = "auto"
+) -> None:
     demo = build(ui, models_tab=lambda ui: models_tab.render_models_tab(ui, DownloadManager(tmp_path / "hub")))
     [load] = [fn for fn in demo.fns.values() if fn.api_name == "load"]
-    load.fn(model, dtype, ctx, None, "none")
+    load.fn(model, dtype, ctx, None, "none", kv_cache_dtype)
     assert wait_until(lambda: ui.host.state.status != "loading", timeout=120)
     assert ui.host.state.status == "ready", ui.host.state.message
 
@@ -22,7 +24,8 @@ def load_from_the_models_tab(ui: PagodaUI, tmp_path, model: str, dtype: str, ctx
 def test_a_restart_loads_the_model_used_last_with_its_settings(tmp_path, tiny_llama):
     store = ConversationStore(tmp_path / "chats.db")
     ui = PagodaUI(store, ModelHost(remember=LastModel(store).remember), max_concurrent_chats=2)
-    load_from_the_models_tab(ui, tmp_path, str(tiny_llama), "float32", 256)
+    load_from_the_models_tab(ui, tmp_path, str(tiny_llama), "float32", 256, kv_cache_dtype="int8")
+    assert ", int8 KV cache, context 256 tokens" in ui.host.status_message()
     ui.host.unload()
     store.close()
 
@@ -32,9 +35,18 @@ def test_a_restart_loads_the_model_used_last_with_its_settings(tmp_path, tiny_ll
     try:
         assert wait_until(lambda: host.state.status != "loading", timeout=120)
         assert host.label == tiny_llama.name
-        assert host.engine.stats().dtype == "float32" and host.engine.stats().max_model_len == 256
+        stats = host.engine.stats()
+        assert (stats.dtype, stats.max_model_len, stats.kv_cache_dtype) == ("float32", 256, "int8")
         assert host.status_message().endswith("(The model used last, loaded again at start.)")
         assert host.state.settings["max_num_seqs"] == 3  # this start's --max-chats
+    finally:
+        host.unload()
+
+    host = ModelHost()  # again, with --kv-cache-dtype int4: the command line's wins over the remembered int8
+    load_at_start(host, LastModel(store), None, {}, max_num_seqs=3, kv_cache_dtype="int4")
+    try:
+        assert wait_until(lambda: host.state.status != "loading", timeout=120)
+        assert host.engine.stats().kv_cache_dtype == "int4"
     finally:
         host.unload()
 
@@ -58,9 +70,13 @@ def test_the_command_lines_model_wins_over_the_one_used_last(tmp_path, monkeypat
     LastModel(store).remember("Qwen/Qwen3-0.6B", {})
     host = ModelHost()
     loads = []
-    monkeypatch.setattr(host, "load", lambda source, label=None, note="", **settings: loads.append((source, note)))
+    monkeypatch.setattr(host, "load", lambda source, label=None, note="", **settings: loads.append((source, settings)))
     load_at_start(host, LastModel(store), str(tiny_llama), downloaded={}, max_num_seqs=2)
-    assert loads == [(str(tiny_llama), "")]
+    load_at_start(host, LastModel(store), str(tiny_llama), downloaded={}, max_num_seqs=2, kv_cache_dtype="fp8")
+    assert loads == [
+        (str(tiny_llama), {"max_num_seqs": 2}),
+        (str(tiny_llama), {"max_num_seqs": 2, "kv_cache_dtype": "fp8"}),
+    ]
 
 
 def test_a_model_used_last_that_no_longer_loads_gives_the_bundled_one_and_the_reason(tmp_path, monkeypatch):

@@ -96,7 +96,13 @@ def test_the_estimate_follows_the_quantization(page):
     _, demo = page
     quant = component(demo, gr.Dropdown, "Quantization")
     estimate = handler(demo, quant)
-    assert [c.label for c in estimate.inputs] == ["Model", "Precision", "Context length (tokens)", "Quantization"]
+    assert [c.label for c in estimate.inputs] == [
+        "Model",
+        "Precision",
+        "Context length (tokens)",
+        "Quantization",
+        "KV cache precision",
+    ]
     int4 = estimate.fn("Qwen/Qwen3-8B", "bfloat16", 4096, "int4")
     assert "(weights 5.0 + KV 0.56 at 4,096 tokens + 0.75 runtime, int4 weights, bfloat16)" in int4
     assert ": fits." in int4
@@ -108,7 +114,7 @@ def test_load_passes_the_quantization_to_the_engine_settings(page, monkeypatch, 
     ui, demo = page
     loads = recording_load(ui, monkeypatch)
     load = handler(demo, None, api_name="load")
-    assert [c.label for c in load.inputs][-1] == "Quantization"
+    assert [c.label for c in load.inputs][-2:] == ["Quantization", "KV cache precision"]
     folder = tmp_path / "some-model"
     folder.mkdir()
     load.fn(str(folder), "auto", 2048, None, "int4")
@@ -218,6 +224,7 @@ def test_the_e2e_load_call_matches_the_form(page):
         "Context length (tokens)",
         "KV cache memory on a CPU, GiB",
         "Quantization",
+        "KV cache precision",
     ]
 
 
@@ -277,3 +284,27 @@ def test_the_preselected_quantization_and_context_fit_by_the_estimate_under_them
     assert "does not fit" not in estimate and f"at {ctx:,} tokens" in estimate
     label = {"none": "full precision"}.get(chosen, chosen)
     assert f"{label} leaves room for {ctx:,} tokens of context (recommended" in advice
+
+
+def test_the_kv_cache_precision_field_is_in_the_estimate_and_the_load(monkeypatch):
+    """The estimate counts the KV cache at the chosen precision (a context that did not fit, fits in int4), and Load
+    passes it on as kv_cache_dtype."""
+    from app.catalog import load_catalog
+
+    entry = next(e for e in load_catalog() if not e.bundled and not e.is_gguf)
+    weights_only = models_tab.estimate_text(entry.repo_id, "bfloat16", 256, "int4", ("CPU", 64 * GiB))
+    ctx = entry.max_position_embeddings
+    # free memory for the weights and runtime plus 60% of the context's bf16 KV: int4's fits, bf16's does not
+    kv = entry.kv_bytes(ctx, "bfloat16", True)
+    free = int(float(weights_only.split("needs about ")[1].split(" GiB")[0]) * GiB + 0.6 * kv)
+    memory = ("CPU (test)", free)
+    plain = models_tab.estimate_text(entry.repo_id, "bfloat16", ctx, "int4", memory)
+    int4 = models_tab.estimate_text(entry.repo_id, "bfloat16", ctx, "int4", memory, "int4")
+    report = {name: text.split("\n\n")[0] for name, text in (("plain", plain), ("int4", int4))}
+    assert "does not fit" in report["plain"] and "in int4" not in report["plain"]
+    assert f"at {ctx:,} tokens in int4" in report["int4"] and ": fits" in report["int4"]
+    settings = models_tab.load_settings(entry.repo_id, "auto", 4096, 1, "none", 4, "int8")
+    assert settings["kv_cache_dtype"] == "int8"
+    assert "kv_cache_dtype" not in models_tab.load_settings(entry.repo_id, "auto", 4096, 1, "none", 4, "auto")
+    with pytest.raises(gr.Error, match="Unknown KV cache precision 'q4'"):
+        models_tab.load_settings(entry.repo_id, "auto", 4096, 1, "none", 4, "q4")

@@ -2,6 +2,7 @@
 
 Every CUDA backend is checked against the torch reference backend and against transformers."""
 
+import dataclasses
 import random
 
 import pytest
@@ -441,3 +442,32 @@ def test_engine_with_norms_fused_matches_unfused_logits(tiny_models, monkeypatch
     for a, b in zip(fused[: same + 1], plain[: same + 1]):
         assert ((a - b).norm() / b.norm()).item() < 2e-2
     print(f"norms fused vs not: {same} of 6 greedy tokens equal")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
+def test_a_quantized_kv_cache_on_the_gpu(tiny_models, kv_cache_dtype):
+    """The Triton kernels read a quantized cache as the torch reference does (in registers, on the GPU, CUDA graphs
+    included), and the tokens' logprobs stay close to the plain cache's."""
+    from engine.attention import triton_kernels
+    from engine.attention.kv_format import kv_format
+    from tests.attention_batches import make_batch
+
+    fmt = kv_format(kv_cache_dtype)
+    query, k_plain, v_plain, meta = make_batch([1, 1, 9, 1], [300, 17, 40, 1], head_dim=128, dtype=torch.bfloat16)
+    k_rows, v_rows = (fmt.pack(c.flatten(0, 1)).view(*c.shape[:3], -1).cuda() for c in (k_plain, v_plain))
+    tensors = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+    meta = dataclasses.replace(meta, **{name: getattr(meta, name).cuda() for name in tensors})
+    query = query.cuda()
+    ref = torch_backend.paged_attention(query, k_rows, v_rows, meta, 128**-0.5, kv_format=fmt).float()
+    out = triton_kernels.paged_attention(query, k_rows, v_rows, meta, 128**-0.5, kv_format=fmt).float()
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    plain = LLM(str(tiny_models["qwen3"]), num_kvcache_blocks=64).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(str(tiny_models["qwen3"]), num_kvcache_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    assert llm.stats().attention_backend == "triton" and llm.stats().decode == "cuda-graphs"
+    quantized = llm.generate(PROMPTS, params, use_tqdm=False)
+    first = [
+        abs(q["logprobs"][0][q["token_ids"][0]] - p["logprobs"][0][p["token_ids"][0]]) for q, p in zip(quantized, plain)
+    ]
+    assert max(first) < {"int8": 0.05, "fp8": 0.15, "int4": 0.5}[kv_cache_dtype]
