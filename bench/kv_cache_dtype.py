@@ -4,9 +4,10 @@ speed at a long context, against `auto` (the model's dtype) in the same run (iss
     python -m bench.kv_cache_dtype [--model M] [--dtypes auto,int8,fp8,int4] [--context 4096] [--budget-mib 256]
 
 Each dtype loads the model (default: the bundled SmolLM2 Q4_1 GGUF) as its own engine with the same KV budget, and
-its decode steps compile as they would for a user. Decode speed: a --context-token prompt is prefilled once; then
-each round times, for every engine in turn, the prompt answered with 1 token and with 1 + --decode tokens (both hit
-the prefix cache for all but the prompt's last block), and takes the difference; each engine keeps its best round.
+its decode steps compile as they would for a user (--eager: they run eagerly). Decode speed: a --context-token
+prompt is prefilled once; then each round times, for every engine in turn, the prompt answered with 1 token and
+with 1 + --decode tokens (both hit the prefix cache for all but the prompt's last block), and takes the
+difference; each engine keeps its best round.
 """
 
 import argparse
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", help="the model's dtype (default: the engine's choice for this CPU)")
+    ap.add_argument("--eager", action="store_true", help="eager decode steps (default: compiled, which takes minutes)")
     args = ap.parse_args()
     dtypes = [d.strip() for d in args.dtypes.split(",")]
     unknown = sorted(set(dtypes) - set(KV_CACHE_DTYPES))
@@ -57,6 +59,7 @@ def main() -> None:
             kv_cache_dtype=name,
             kv_cache_memory_bytes=args.budget_mib << 20,
             max_model_len=args.context + args.decode + 1,
+            enforce_eager=args.eager,
             **({"dtype": args.dtype} if args.dtype else {}),
         )
         llm.model_runner.wait_for_compiled_decode()

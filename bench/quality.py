@@ -112,7 +112,12 @@ def main() -> None:
         model = str(bundled_model_path())
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     variants = ["none"] + [v for v in variants if v != "none"]
-    settings = {"max_model_len": args.window + 1, **({"dtype": args.dtype} if args.dtype else {})}
+    # Eager: scoring runs no decode step, and generate() would wait for the decode steps to compile (minutes)
+    settings = {
+        "max_model_len": args.window + 1,
+        "enforce_eager": True,
+        **({"dtype": args.dtype} if args.dtype else {}),
+    }
 
     from transformers import AutoTokenizer
 
