@@ -11,7 +11,7 @@ import webbrowser
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
-from engine.attention.kv_format import KV_CACHE_DTYPES
+from engine.config import KV_CACHE_DTYPES
 from entrypoints.cli import add_api_options, check_api_options
 from entrypoints.http_guard import AccessPolicy, HTTPGuard, add_access_options
 

@@ -2,13 +2,18 @@
 
 from dataclasses import dataclass, field, fields
 
-from engine.attention.kv_format import KV_CACHE_DTYPES
 from engine.quantization.methods import DEFAULT_GROUP_SIZE, METHODS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 RUNNERS = ("auto", "generate", "pooling")
+KV_CACHE_DTYPES = (
+    "auto",
+    "int8",
+    "fp8",
+    "int4",
+)  # how the KV cache stores keys and values: engine/attention/kv_format.py
 
 
 def setting(default, help: str, choices: tuple | None = None):

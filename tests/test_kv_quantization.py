@@ -172,3 +172,10 @@ def test_compiled_cpu_decode_reads_the_quantized_cache_as_eager_steps_do(
     scored = eager.generate([prompt + out["token_ids"]], scoring, use_tqdm=False)[0]["prompt_logprobs"]
     pairs = enumerate(zip(out["logprobs"], out["token_ids"], strict=True))
     assert max(abs(float(lp[t]) - float(scored[len(prompt) + i][t])) for i, (lp, t) in pairs) < 1e-4
+
+
+def test_the_apps_command_line_takes_a_kv_cache_dtype():
+    from app.server import parse_args
+
+    assert parse_args(["--kv-cache-dtype", "int4"]).kv_cache_dtype == "int4"
+    assert parse_args([]).kv_cache_dtype is None  # the model's last settings, else auto

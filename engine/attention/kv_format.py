@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")
+from engine.config import KV_CACHE_DTYPES
+
 KV_FORMAT_BACKENDS = ("torch", "triton")  # the attention backends that read a quantized cache
 INT4_GROUP = 32  # values sharing one int4 scale (fewer where head_dim is not a multiple of it)
 SCALE_BYTES = 2  # a float16 scale
