@@ -215,8 +215,8 @@ def paged_attention(
     for p in prefills:
         # 4-D inputs: with 3-D ones, SDPA on CPU falls back to its unfused path, 3-4x slower.
         q = query[p.start : p.start + p.q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
-        k = _numbers(_gather(k_cache, p.blocks)[: p.kv_len], kv_format, q).transpose(0, 1)[None]
-        v = _numbers(_gather(v_cache, p.blocks)[: p.kv_len], kv_format, q).transpose(0, 1)[None]
+        k = _numbers(_gather(k_cache, p.blocks)[: p.kv_len].transpose(0, 1), kv_format, q)[None]
+        v = _numbers(_gather(v_cache, p.blocks)[: p.kv_len].transpose(0, 1), kv_format, q)[None]
         o = attend(q, k, v, p.mask, scale, sinks, causal=True)
         out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     return out
@@ -231,8 +231,9 @@ def _decode(
     sinks: torch.Tensor | None = None,
     kv_format: KVFormat = PLAIN,
 ) -> torch.Tensor:
-    k = _numbers(_gather(k_cache, plan.blocks)[:, : plan.kv_len], kv_format, query).transpose(1, 2)  # [S, Hkv, L, D]
-    v = _numbers(_gather(v_cache, plan.blocks)[:, : plan.kv_len], kv_format, query).transpose(1, 2)
+    # [S, Hkv, L, D]: a quantized cache dequantizes into that order, contiguous (SDPA reads it fastest)
+    k = _numbers(_gather(k_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2), kv_format, query)
+    v = _numbers(_gather(v_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2), kv_format, query)
     o = attend(query.unsqueeze(2), k, v, plan.mask, scale, sinks).squeeze(2)
     return o if plan.live is None else torch.where(plan.live, o, 0.0)
 
@@ -254,8 +255,8 @@ def compiled_decode(
     rows, length = blocks.shape[0], blocks.shape[1] * k_cache.shape[1]
     # Indexing, not `_gather`'s index_select: after the in-place KV write of the same step, inductor
     # copied the whole cache around an index_select (60 copies of 18 MB a step on SmolLM2), not around this.
-    k = _numbers(k_cache[blocks].view(rows, length, *k_cache.shape[2:]), kv_format, query).transpose(1, 2)
-    v = _numbers(v_cache[blocks].view(rows, length, *v_cache.shape[2:]), kv_format, query).transpose(1, 2)
+    k = _numbers(k_cache[blocks].view(rows, length, *k_cache.shape[2:]).transpose(1, 2), kv_format, query)
+    v = _numbers(v_cache[blocks].view(rows, length, *v_cache.shape[2:]).transpose(1, 2), kv_format, query)
     positions = torch.arange(length, device=query.device)[None, :]
     valid = positions < seq_lens[:, None]
     if window is not None:
