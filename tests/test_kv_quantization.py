@@ -10,8 +10,10 @@ import torch
 
 from engine import SamplingParams
 from engine.attention import select_backend, torch_backend
-from engine.attention.kv_format import FP8_MAX, KVFormat, kv_format
+from engine.attention.kv_format import FP8_MAX, KVFormat, kv_format, rotate_and_pack
 from engine.config import EngineConfig
+from engine.layers.attention import Attention
+from engine.runner.kernel_passes import compiled_small_ops
 from tests.attention_batches import make_batch
 
 QUANTIZED = ["int8", "fp8", "int4"]
@@ -119,6 +121,23 @@ def test_the_same_bytes_hold_more_tokens(name, tiny_llama, make_llm):
     assert quantized.bytes_per_block * 64 == plain.bytes_per_block * kv_format(name).row_width(head_dim)
     assert quantized.num_blocks == (1 << 20) // quantized.bytes_per_block
     assert quantized.num_blocks >= {"int4": 5, "int8": 3, "fp8": 3}[name] * plain.num_blocks
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_graph_capture_quantizes_with_a_compiled_kernel_that_writes_the_same_bytes(name, tiny_llama, make_llm):
+    """CUDA graphs capture the compiled small ops (kernel_passes.compiled_small_ops): a quantized cache's rotation and
+    quantizer among them, one fused kernel for a dozen eager ones. Compiled for this CPU here, it must write the
+    bytes the eager steps write, and the layer gets its eager function back afterwards."""
+    model = make_llm(tiny_llama, kv_cache_dtype=name, enforce_eager=True).model_runner.model
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    layer = layers[0]
+    keys = torch.randn(5, layer.num_kv_heads, layer.head_dim, generator=torch.Generator().manual_seed(1)) * 3
+    eager = layer.pack_fn(keys, layer.kv_rotation, layer.kv_format)
+    with compiled_small_ops(model):
+        assert all(m.pack_fn is not rotate_and_pack for m in layers)
+        compiled = layer.pack_fn(keys, layer.kv_rotation, layer.kv_format)
+    assert all(m.pack_fn is rotate_and_pack for m in layers)
+    assert torch.equal(compiled, eager)
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

@@ -137,6 +137,13 @@ def _scales(rows: torch.Tensor, count: int) -> torch.Tensor:
     return rows[..., rows.shape[-1] - SCALE_BYTES * count :].contiguous().view(torch.float16)
 
 
+def rotate_and_pack(x: torch.Tensor, rotation: torch.Tensor | None, kv_format: KVFormat) -> torch.Tensor:
+    """A step's new keys (or values) -> the rows the cache stores: rotated first where the format quantizes (see the
+    module docstring), in float32 straight into the quantizer. One function so that a CUDA graph captures it
+    compiled (engine/runner/kernel_passes.py): one fused kernel where the eager ops are a dozen small ones."""
+    return kv_format.pack(x if rotation is None else x.float() @ rotation)
+
+
 @functools.cache
 def hadamard(size: int, device: torch.device) -> torch.Tensor:
     """A symmetric orthogonal float32 matrix of ±1/sqrt(n) entries: Sylvester's Hadamard matrix of size n, the largest

@@ -4,10 +4,12 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.attention.kv_format import PLAIN, KVFormat, hadamard
+from engine.attention.kv_format import PLAIN, KVFormat, hadamard, rotate_and_pack
 
 
 class Attention(nn.Module):
+    pack_fn = staticmethod(rotate_and_pack)  # a compiled version under CUDA graph capture (kernel_passes.py)
+
     def __init__(
         self,
         num_heads: int,
@@ -58,7 +60,7 @@ class Attention(nn.Module):
         kv_format, rotation = owner.kv_format, owner.kv_rotation
         q = self._rotated(q, rotation)
         if owner is self:
-            k_rows, v_rows = kv_format.pack(self._rotated(k, rotation)), kv_format.pack(self._rotated(v, rotation))
+            k_rows, v_rows = self.pack_fn(k, rotation, kv_format), self.pack_fn(v, rotation, kv_format)
             self.backend.store_kvcache(k_rows, v_rows, self.k_cache, self.v_cache, meta.slot_mapping)
         k_cache, v_cache = owner.k_cache, owner.v_cache
         # Backends' own defaults where the layer has none, so a test's stand-in backend needs no window or sinks

@@ -14,7 +14,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from engine.attention.kv_format import rotate_and_pack
 from engine.layers.activation import SiluAndMul, silu_and_mul
+from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from engine.layers.linear import PackableLinear
 from engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, norm_and_rotate
@@ -73,7 +75,8 @@ def choose_normed(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 @contextmanager
 def compiled_small_ops(model: nn.Module) -> Iterator[None]:
-    """Swap in torch.compile'd versions of the elementwise ops between the GEMMs, for graph capture.
+    """Swap in torch.compile'd versions of the elementwise ops between the GEMMs (and a quantized KV cache's
+    quantizer), for graph capture.
 
     Each op is one plain function compiled once with dynamic shapes and shared by every layer.
     Inside a graph they cost nothing on the host; called eagerly, each compiled call spends
@@ -82,7 +85,7 @@ def compiled_small_ops(model: nn.Module) -> Iterator[None]:
         _COMPILED.update(
             {
                 fn: torch.compile(fn, dynamic=True)
-                for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary, norm_and_rotate)
+                for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary, norm_and_rotate, rotate_and_pack)
             }
         )
     swaps = []
@@ -93,6 +96,8 @@ def compiled_small_ops(model: nn.Module) -> Iterator[None]:
             swaps.append((m, "fn", silu_and_mul))
         elif isinstance(m, RotaryEmbedding):
             swaps += [(m, "fn", apply_rotary), (m, "norm_fn", norm_and_rotate)]
+        elif isinstance(m, Attention) and m.kv_format.quantized:  # a quantized cache's rotation and quantizer
+            swaps.append((m, "pack_fn", rotate_and_pack))
     for module, name, fn in swaps:
         setattr(module, name, _COMPILED[fn])
     try:
