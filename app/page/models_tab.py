@@ -306,7 +306,8 @@ def render_load_form(ui) -> LoadForm:
             list(KV_CACHE_DTYPES),
             value="auto",
             label="KV cache precision",
-            info="auto: as the model computes; int8/fp8 hold about 2x the context, int4 about 3.5x",
+            info="auto: as the model computes; int8 holds about 2x the context at no measurable loss, fp8 2x, "
+            "int4 about 3.5x with a visible loss on small models",
             elem_id="kv-cache-dtype",
             scale=1,
         )
