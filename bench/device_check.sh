@@ -2,7 +2,7 @@
 # The one device check: GPU tests, then the GPU benchmarks, on a CUDA machine with only
 # torch, transformers and triton installed and no network. Prints one table last.
 #   bash bench/device_check.sh [output folder]
-# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_HYBRID=1, SKIP_BENCH=1, SKIP_QUANT=1,
+# A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_HYBRID=1, SKIP_BENCH=1, SKIP_QUANT=1, SKIP_KV=1,
 # SKIP_LAPTOP=1 or SKIP_STRUCTURED=1.
 # Device time is short (one command may run 10 minutes): the parts run in order of importance within
 # DEVICE_BUDGET seconds (540 by default), each cut to the time left, and a part with under a minute left is not
@@ -48,6 +48,9 @@ run_part bench SKIP_BENCH "${BENCH_TIMEOUT:-240}" bench.log "GPU benchmarks" \
 run_part quantized SKIP_QUANT "${QUANT_TIMEOUT:-300}" quantized.log \
     "Quantized weights (int4 Qwen3-8B shape in an 8 GiB budget, against bf16; 0.6B against its reference)" \
     python3 -m bench.gpu_quantized
+run_part kv SKIP_KV "${KV_TIMEOUT:-150}" kv.log \
+    "Quantized KV cache (decode at a 32k context against auto, Qwen3-0.6B shape; issue 36)" \
+    python3 -m bench.kv_cache_dtype --random-qwen3 /tmp/pagoda-random-qwen3 --context 32768 --budget-mib 4096 --rounds 2
 run_part laptop SKIP_LAPTOP "${LAPTOP_TIMEOUT:-200}" laptop.log \
     "Laptop GPUs (Qwen3-1.7B and 4B shapes under an 8 GiB cap, with the app's defaults)" \
     python3 -m bench.gpu_laptop
@@ -61,15 +64,15 @@ run_part structured SKIP_STRUCTURED "${STRUCTURED_TIMEOUT:-120}" structured.log 
     env PYTHONPATH="$PWD/.device/site:$PYTHONPATH" python3 -m bench.structured_output --random-qwen3 /tmp/pagoda-random-qwen3 --tokens 48 --rounds 3
 
 echo "device_check: tests exit ${rc[tests]}, hybrid exit ${rc[hybrid]}, benchmarks exit ${rc[bench]}, quantized exit ${rc[quantized]}," \
-    "laptop exit ${rc[laptop]}, structured exit ${rc[structured]} (${SECONDS} s)"
+    "kv exit ${rc[kv]}, laptop exit ${rc[laptop]}, structured exit ${rc[structured]} (${SECONDS} s)"
 if [ ${#left_for_rerun[@]} -gt 0 ]; then
     skip_done=""
-    for switch in SKIP_TESTS SKIP_HYBRID SKIP_BENCH SKIP_QUANT SKIP_LAPTOP SKIP_STRUCTURED; do
+    for switch in SKIP_TESTS SKIP_HYBRID SKIP_BENCH SKIP_QUANT SKIP_KV SKIP_LAPTOP SKIP_STRUCTURED; do
         [[ " ${left_for_rerun[*]} " == *" $switch "* ]] || skip_done+="$switch=1 "
     done
     echo "device_check: out of time for ${left_for_rerun[*]}; rerun with: ${skip_done}bash bench/device_check.sh"
     exit 3
 fi
-for part in tests hybrid bench quantized laptop structured; do
+for part in tests hybrid bench quantized kv laptop structured; do
     [[ "${rc[$part]}" =~ ^(0|skipped)$ ]] || exit 1
 done

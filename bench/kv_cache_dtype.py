@@ -2,19 +2,23 @@
 speed at a long context, against `auto` (the model's dtype) in the same run (issue 36).
 
     python -m bench.kv_cache_dtype [--model M] [--dtypes auto,int8,fp8,int4] [--context 4096] [--budget-mib 256]
+                                   [--random-qwen3 FOLDER]
 
 Each dtype loads the model (default: the bundled SmolLM2 Q4_1 GGUF) as its own engine with the same KV budget, and
 its decode steps compile as they would for a user (--eager: they run eagerly). Decode speed: a --context-token
 prompt is prefilled once; then each round times, for every engine in turn, the prompt answered with 1 token and
 with 1 + --decode tokens (both hit the prefix cache for all but the prompt's last block), and takes the
-difference; each engine keeps its best round.
+difference; each engine keeps its best round. `--random-qwen3`: a random-weight model of Qwen3-0.6B's shape (28
+layers, 8 KV heads of 128) in bfloat16, for a GPU without the bundled model (bench/device_check.sh: 32k context).
 """
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
+from bench.common import qwen3_06b_config, save_random_model
 from bench.quantized import cpu_flags
 from engine import LLM, SamplingParams
 from engine.attention.kv_format import KV_CACHE_DTYPES
@@ -38,6 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", help="the model's dtype (default: the engine's choice for this CPU)")
     ap.add_argument("--eager", action="store_true", help="eager decode steps (default: compiled, which takes minutes)")
+    ap.add_argument("--random-qwen3", metavar="FOLDER", help="build and load a random Qwen3-0.6B-shaped model there")
     args = ap.parse_args()
     dtypes = [d.strip() for d in args.dtypes.split(",")]
     unknown = sorted(set(dtypes) - set(KV_CACHE_DTYPES))
@@ -46,7 +51,10 @@ def main() -> None:
     dtypes = ["auto"] + [d for d in dtypes if d != "auto"]  # the baseline every ratio divides by
     torch.set_num_threads(args.threads)
     model = args.model
-    if model is None:
+    if args.random_qwen3:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = str(save_random_model(qwen3_06b_config(), Path(args.random_qwen3), torch.bfloat16, device))
+    elif model is None:
         from engine.loader.bundled import bundled_gguf_path
 
         model = str(bundled_gguf_path())
