@@ -13,7 +13,7 @@ from engine.attention import select_backend, torch_backend
 from engine.attention.kv_format import FP8_MAX, KVFormat, kv_format, rotate_and_pack
 from engine.config import EngineConfig
 from engine.layers.attention import Attention
-from engine.runner.kernel_passes import compiled_small_ops
+from engine.runner.kernel_passes import compiled_small_ops, quantizer_compiles
 from tests.attention_batches import make_batch
 
 QUANTIZED = ["int8", "fp8", "int4"]
@@ -138,6 +138,17 @@ def test_graph_capture_quantizes_with_a_compiled_kernel_that_writes_the_same_byt
         compiled = layer.pack_fn(keys, layer.kv_rotation, layer.kv_format)
     assert all(m.pack_fn is rotate_and_pack for m in layers)
     assert torch.equal(compiled, eager)
+
+
+def test_an_rtx_30_gpu_keeps_the_eager_fp8_quantizer(monkeypatch):
+    """Inductor's Triton code cannot convert to float8 e4m3 below sm_89: compiled for an RTX 30 GPU (sm_86), the fp8
+    quantizer would fail the graph capture and with it the load."""
+    cuda = torch.device("cuda", 0)
+    for capability, compiles in [((8, 6), False), ((8, 9), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert quantizer_compiles(kv_format("fp8"), cuda) is compiles
+        assert quantizer_compiles(kv_format("int8"), cuda) and quantizer_compiles(kv_format("int4"), cuda)
+    assert quantizer_compiles(kv_format("fp8"), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

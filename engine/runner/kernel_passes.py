@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from engine.attention.kv_format import rotate_and_pack
+from engine.attention.kv_format import KVFormat, rotate_and_pack
 from engine.layers.activation import SiluAndMul, silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
@@ -73,6 +73,15 @@ def choose_normed(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return used
 
 
+def quantizer_compiles(kv_format: KVFormat, device: torch.device) -> bool:
+    """Whether a quantized cache's quantizer may be compiled for `device`: inductor's Triton code converts to float8
+    e4m3 only on sm_89 and later (RTX 40, H100), so an RTX 30 GPU (sm_86) keeps the eager fp8 quantizer, whose
+    conversion ATen does."""
+    if kv_format.name != "fp8" or device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 @contextmanager
 def compiled_small_ops(model: nn.Module) -> Iterator[None]:
     """Swap in torch.compile'd versions of the elementwise ops between the GEMMs (and a quantized KV cache's
@@ -96,7 +105,7 @@ def compiled_small_ops(model: nn.Module) -> Iterator[None]:
             swaps.append((m, "fn", silu_and_mul))
         elif isinstance(m, RotaryEmbedding):
             swaps += [(m, "fn", apply_rotary), (m, "norm_fn", norm_and_rotate)]
-        elif isinstance(m, Attention) and m.kv_format.quantized:  # a quantized cache's rotation and quantizer
+        elif isinstance(m, Attention) and m.kv_format.quantized and quantizer_compiles(m.kv_format, m.k_cache.device):
             swaps.append((m, "pack_fn", rotate_and_pack))
     for module, name, fn in swaps:
         setattr(module, name, _COMPILED[fn])
