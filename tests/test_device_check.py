@@ -105,6 +105,14 @@ def test_gpu_laptop_smoke_runs_with_the_catalog_but_no_gradio():
         assert f"| Qwen3 1.7B: {name} |" in table, name
 
 
+def test_the_kv_cache_bench_runs_without_the_app():
+    """The device check's KV part (bench/kv_cache_dtype.py --random-qwen3) imports nothing of the app's; its options
+    parse (a full run builds a 0.6B model: too long for here)."""
+    result = run_without_app("runpy.run_module('bench.kv_cache_dtype', run_name='__main__')", "--help")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "--random-qwen3" in result.stdout
+
+
 def test_the_laptop_check_loads_with_the_apps_default_chats():
     from app.server import parse_args
     from bench.gpu_laptop import APP_MAX_CHATS
@@ -128,6 +136,7 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
         "SKIP_HYBRID": "1",
         "SKIP_BENCH": "1",
         "SKIP_QUANT": "1",
+        "SKIP_KV": "1",
         "SKIP_LAPTOP": "1",
         "SKIP_STRUCTURED": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -138,7 +147,7 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (
         "device_check: tests exit 0, hybrid exit skipped, benchmarks exit skipped, quantized exit skipped, "
-        "laptop exit skipped, structured exit skipped" in result.stdout
+        "kv exit skipped, laptop exit skipped, structured exit skipped" in result.stdout
     )
     assert "skipped" in (tmp_path / "tests.log").read_text()
 
@@ -156,12 +165,13 @@ def test_device_check_keeps_to_its_time_budget_and_says_how_to_rerun(tmp_path):
         "DEVICE_BUDGET": "59",
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
     }
-    env.pop("SKIP_QUANT", None), env.pop("SKIP_LAPTOP", None), env.pop("SKIP_STRUCTURED", None)
+    for part in ("SKIP_QUANT", "SKIP_KV", "SKIP_LAPTOP", "SKIP_STRUCTURED"):
+        env.pop(part, None)
     result = subprocess.run(
         ["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True, capture_output=True, timeout=120
     )
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "quantized exit not run (time), laptop exit not run (time)" in result.stdout
-    assert "out of time for SKIP_QUANT SKIP_LAPTOP" in result.stdout
+    assert "quantized exit not run (time), kv exit not run (time), laptop exit not run (time)" in result.stdout
+    assert "out of time for SKIP_QUANT SKIP_KV SKIP_LAPTOP" in result.stdout
     assert "rerun with: SKIP_TESTS=1 SKIP_HYBRID=1 SKIP_BENCH=1 " in result.stdout
     assert "== Quantized weights" not in result.stdout
