@@ -39,7 +39,9 @@ class EngineConfig:
     )
     kvcache_block_size: int = setting(16, "tokens per KV block: the unit prefixes are shared in")
     num_kvcache_blocks: int | None = setting(None, "KV blocks (default: sized from memory)")
-    kv_cache_memory_bytes: int | None = setting(None, "KV cache budget on a CPU, in bytes (default 1 GiB)")
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV cache budget in bytes (default: 1 GiB on a CPU; on a GPU, what gpu_memory_utilization leaves)"
+    )
     kv_cache_dtype: str = setting(
         "auto",
         "how the KV cache stores keys and values: auto (the model's dtype), or quantized, holding more tokens in the "
