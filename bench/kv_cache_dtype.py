@@ -8,7 +8,8 @@ Each dtype loads the model (default: the bundled SmolLM2 Q4_1 GGUF) as its own e
 its decode steps compile as they would for a user (--eager: they run eagerly). Decode speed: a --context-token
 prompt is prefilled once; then each round times, for every engine in turn, the prompt answered with 1 token and
 with 1 + --decode tokens (both hit the prefix cache for all but the prompt's last block), and takes the
-difference; each engine keeps its best round. `--random-qwen3`: a random-weight model of Qwen3-0.6B's shape (28
+difference; each engine keeps its best round. The first prefill of the prompt is timed once per engine (a cold
+cache, so only a rough figure). `--random-qwen3`: a random-weight model of Qwen3-0.6B's shape (28
 layers, 8 KV heads of 128) in bfloat16, for a GPU without the bundled model (bench/device_check.sh: 32k context).
 """
 
@@ -73,8 +74,8 @@ def main() -> None:
         llm.model_runner.wait_for_compiled_decode()
         engines[name] = llm
     prompt = [1000 + (i * 7919) % 20000 for i in range(args.context)]
-    for llm in engines.values():
-        seconds(llm, prompt, 2)  # prefill the context once, and the decode step's first calls
+    # prefill the context once (its time: one measurement, with the first calls' warm-up), and decode's first calls
+    prefill = {name: seconds(llm, prompt, 2) for name, llm in engines.items()}
 
     best = {name: float("inf") for name in engines}
     for _ in range(args.rounds):
@@ -85,14 +86,15 @@ def main() -> None:
     base = engines["auto"].stats()
     print(
         f"{'kv_cache_dtype':<15} {'bytes/token':>12} {'tokens held':>12} {'x auto':>7} "
-        f"{'decode tok/s @' + str(args.context):>19} {'x auto':>7}"
+        f"{'decode tok/s @' + str(args.context):>19} {'x auto':>7} {'prefill s':>10} {'x auto':>7}"
     )
     for name, llm in engines.items():
         s = llm.stats()
         held, base_held = s.num_blocks * s.block_size, base.num_blocks * base.block_size
         print(
             f"{name:<15} {s.bytes_per_block // s.block_size:>12,} {held:>12,} {held / base_held:>7.2f} "
-            f"{1 / best[name]:>19.1f} {best['auto'] / best[name]:>7.2f}"
+            f"{1 / best[name]:>19.1f} {best['auto'] / best[name]:>7.2f} {prefill[name]:>10.2f} "
+            f"{prefill[name] / prefill['auto']:>7.2f}"
         )
     print(f"model dtype {base.dtype}; decode: {base.decode}; KV budget {args.budget_mib} MiB for every dtype")
 

@@ -4,7 +4,7 @@ formats the engine does not have yet can be scored before they are built.
 
     python -m bench.kv_key_study TEXT_FILE [--calibration TEXT_FILE] [--variants int4,int4/keys,int4@pre+mean]
 
-A variant is FORMAT[/keys|/values][@pre][+mean]:
+A variant is FORMAT[/keys|/values][@pre][+mean|+rmean]:
 - FORMAT: one of the engine's quantized kv_cache_dtypes (int8, fp8, int4), applied as kv_format.py packs and
   unpacks them, after the same Hadamard rotation;
 - /keys or /values: quantize only those (default: both);
@@ -12,6 +12,8 @@ A variant is FORMAT[/keys|/values][@pre][+mean]:
 - +mean: subtract a per-layer, per-head mean key before quantizing and add it back after (exact for attention: a
   vector added to every key adds the same score to every position), measured on --calibration's first 512 tokens.
   After the rotary embedding such a vector is the same at every position only in the dimensions that barely turn.
+- +rmean: the engine's centred keys (engine/attention/key_mean.py): the mean key before the rotary embedding,
+  turned to each key's position and subtracted after it; the same as @pre+mean for attention, without moving keys.
 
 Each variant reports perplexity against the unquantized model over the text (windows as bench/quality.py cuts
 them) and the mean KL, as bench/quality.py does. For a model whose keys are normalised per head before the rotary
@@ -33,8 +35,9 @@ from engine.layers.rotary_embedding import RotaryEmbedding
 
 class Variant:
     def __init__(self, spec: str, num_layers: int):
-        name, self.pre, self.mean = spec, "@pre" in spec, "+mean" in spec
-        name = name.replace("@pre", "").replace("+mean", "")
+        name, self.pre, self.mean, self.rmean = spec, "@pre" in spec, "+mean" in spec, "+rmean" in spec
+        name = name.replace("@pre", "").replace("+rmean", "").replace("+mean", "")
+        self.mean = self.mean or self.rmean
         name, _, which = name.partition("/")
         if which not in ("", "keys", "values"):
             raise SystemExit(f"variant {spec!r}: after '/' comes keys or values")
@@ -73,11 +76,24 @@ def applied(variant: Variant, calibrating: bool = False) -> Iterator[None]:
     attention_forward, rotary_forward = Attention.forward, RotaryEmbedding.forward
 
     def attend(self, q, k, v, meta):
-        if k is not None and not variant.pre:
+        if k is not None and not variant.pre and not variant.rmean:
             k = variant.keys_at(k, calibrating)
         if v is not None and variant.values and not calibrating:
             v = variant.quantized(v)
         return attention_forward(self, q, k, v, meta)
+
+    def rotate_rmean(self, positions, qk, num_q_heads, q_norm=None, k_norm=None):
+        out = rotary_forward(self, positions, qk, num_q_heads, q_norm, k_norm)
+        cos, signed_sin = self._lookup(positions, torch.float32)
+        layer = variant.calls % variant.num_layers
+        if calibrating:  # the keys before the rotation: rotated back
+            variant.keys_at(self.fn(out[:, num_q_heads:].float(), cos, -signed_sin), True)
+            return out
+        variant.calls += 1
+        mean = variant.offsets[layer].expand(len(positions), -1, -1)
+        mean_at = self.fn(mean, cos, signed_sin)  # the mean key, rotated to each key's position
+        keys = (variant.quantized(out[:, num_q_heads:].float() - mean_at) + mean_at).to(out.dtype)
+        return torch.cat((out[:, :num_q_heads], keys), 1)
 
     def rotate(self, positions, qk, num_q_heads, q_norm=None, k_norm=None):
         keys = variant.keys_at(qk[:, num_q_heads:], calibrating)
@@ -86,6 +102,8 @@ def applied(variant: Variant, calibrating: bool = False) -> Iterator[None]:
     Attention.forward = attend
     if variant.pre:
         RotaryEmbedding.forward = rotate
+    elif variant.rmean:
+        RotaryEmbedding.forward = rotate_rmean
     try:
         yield
     finally:

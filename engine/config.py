@@ -45,7 +45,8 @@ class EngineConfig:
     kv_cache_dtype: str = setting(
         "auto",
         "how the KV cache stores keys and values: auto (the model's dtype), or quantized, holding more tokens in the "
-        "same memory: int8 or fp8 (about 2x; a scale per token and head), int4 (about 3.5x; a scale per 32 values)",
+        "same memory: int8 or fp8 (about 2x; a scale per token and head), int4 (about 3.5x; a scale per 32 "
+        "values); fp8 and int4 store keys less a mean key measured at load",
         KV_CACHE_DTYPES,
     )
     gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
@@ -147,6 +148,11 @@ class EngineConfig:
         check(
             self.quantization is None or self.tensor_parallel_size == 1,
             "quantization does not work with tensor_parallel_size > 1 yet; use one of them",
+        )
+        check(
+            self.kv_cache_dtype not in ("fp8", "int4") or self.tensor_parallel_size == 1,
+            f"kv_cache_dtype={self.kv_cache_dtype!r} does not work with tensor_parallel_size > 1 yet (its keys are "
+            "centred on a mean measured at load, on one process); use kv_cache_dtype='int8'",
         )
         check(
             not (self.async_scheduling and self.tensor_parallel_size > 1),

@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from engine.attention import triton_kernels  # noqa: E402
+from engine.attention.key_mean import MeanScores  # noqa: E402
 from engine.attention.kv_format import kv_format  # noqa: E402
 from engine.layers.activation import silu_and_mul  # noqa: E402
 from engine.layers.fused_moe_triton import fused_moe  # noqa: E402
@@ -77,6 +78,11 @@ def launch_everything() -> None:
             query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, **shape)
             k_rows, v_rows = (fmt.pack(c.flatten(0, 1)).view(*c.shape[:3], -1) for c in (k_cache, v_cache))
             triton_kernels.paged_attention_impl(query, k_rows, v_rows, meta, 0.1, num_splits=1, kv_format=fmt)
+            if fmt.centres_keys:  # the mean's share of each score: one more float32 tl.dot a tile
+                scores = MeanScores(torch.zeros(query.shape[0], 16, 128), torch.zeros(4096, 128))  # rotary on every dim
+                triton_kernels.paged_attention_impl(
+                    query, k_rows, v_rows, meta, 0.1, num_splits=16, kv_format=fmt, mean_scores=scores
+                )
         triton_kernels.store_kvcache(fmt.pack(key), fmt.pack(value), k_rows, v_rows, torch.tensor([0, -1, 37]))
     experts, hidden, inter = 4, 256, 48  # the second matmul's K of 48 takes the narrow K tile
     for tokens, dtype in ((1, torch.bfloat16), (64, torch.bfloat16), (3, torch.float32)):  # decode, prefill, fp32

@@ -202,8 +202,9 @@ def test_settings_that_cannot_work_are_refused_at_load(tiny_llama, make_llm):
         make_llm(tiny_llama, kv_cache_dtype="fp8", attention_backend="flash-attn")
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])  # int4: centred keys (key_mean.py) too
 def test_compiled_cpu_decode_reads_the_quantized_cache_as_eager_steps_do(
-    monkeypatch, tiny_llama, make_llm, random_prompt
+    name, monkeypatch, tiny_llama, make_llm, random_prompt
 ):
     """Compiled decode steps write and read the same bytes as eager steps: the compiled engine's tokens, scored by the
     eager one, get the same logprobs to float32 noise. (A compiled step skips a float16 rounding of the scale that
@@ -213,12 +214,12 @@ def test_compiled_cpu_decode_reads_the_quantized_cache_as_eager_steps_do(
     prompt = random_prompt(21, 5)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
     monkeypatch.setenv(compiled_decode.ENV_SWITCH, "1")
-    compiled = make_llm(tiny_llama, kv_cache_dtype="int8", max_num_seqs=2)
+    compiled = make_llm(tiny_llama, kv_cache_dtype=name, max_num_seqs=2)
     assert compiled.model_runner.wait_for_compiled_decode(timeout=600)
     assert compiled.stats().decode == "compiled (1 row, 2-2 rows)"
     out = compiled.generate([prompt], params, use_tqdm=False)[0]
     monkeypatch.setenv(compiled_decode.ENV_SWITCH, "0")
-    eager = make_llm(tiny_llama, kv_cache_dtype="int8", max_num_seqs=2)
+    eager = make_llm(tiny_llama, kv_cache_dtype=name, max_num_seqs=2)
     scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     scored = eager.generate([prompt + out["token_ids"]], scoring, use_tqdm=False)[0]["prompt_logprobs"]
     pairs = enumerate(zip(out["logprobs"], out["token_ids"], strict=True))

@@ -238,3 +238,37 @@ def test_the_store_kernel_writes_a_quantized_caches_rows():
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     ref.store_kvcache(fmt.pack(keys), fmt.pack(values), want_k, want_v, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+CENTRED_CASES = {  # (q_lens, seq_lens, window)
+    "mixed_decode_prefill_padding": ([1, 6, 1, 1, 12], [29, 6, 0, 45, 30], None),
+    "decode_split": ([1] * 4, [70, 0, 33, 5], None),
+    "window": ([1, 1, 9], [70, 5, 60], 24),
+}
+
+
+@pytest.mark.parametrize("rotary", ["full", "partial", "none"])
+@pytest.mark.parametrize("case", list(CENTRED_CASES))
+def test_centred_keys_scores_are_added_as_the_reference_adds_them(rotary, case):
+    """A cache that centres keys (engine/attention/key_mean.py): the kernel adds each score's share of the mean in
+    float32 with one more tl.dot a tile, as the torch reference adds it; rotary over the whole head, a quarter of it
+    (a column of ones for the rest), or none (one row for every position)."""
+    from engine.attention.key_mean import KeyMean
+    from engine.attention.kv_format import kv_format
+    from engine.layers.rotary_embedding import RotaryEmbedding
+
+    fmt, (q_lens, seq_lens, window) = kv_format("int4"), CENTRED_CASES[case]
+    query, k_plain, v_plain, meta = make_batch(q_lens, seq_lens, seed=11, group=3, head_dim=64)
+    params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25 if rotary == "partial" else 1.0}
+    mean = KeyMean(k_plain.shape[2], 64, None if rotary == "none" else RotaryEmbedding(64, 128, params), query.device)
+    mean.mean.copy_(torch.randn(mean.mean.shape, generator=torch.Generator().manual_seed(1)) * 2)
+    k_cache, v_cache = (fmt.pack(c.flatten(0, 1)).view(*c.shape[:3], -1) for c in (k_plain, v_plain))
+    scores = mean.scores(query)
+    expected = ref.paged_attention(query, k_cache, v_cache, meta, 0.125, window, kv_format=fmt, mean_scores=scores)
+    plain = ref.paged_attention(query, k_cache, v_cache, meta, 0.125, window, kv_format=fmt)
+    for splits in (1, 4) if case == "decode_split" else (None,):
+        got = tk.paged_attention_impl(
+            query, k_cache, v_cache, meta, 0.125, num_splits=splits, window=window, kv_format=fmt, mean_scores=scores
+        )
+        torch.testing.assert_close(got, expected, **FP32_TOL)
+    assert (rotary == "none") == torch.allclose(plain, expected, **FP32_TOL)

@@ -74,6 +74,18 @@ class AttentionMetadata:
             self.decode_state_rows = DecodeStates.of(self, device)
         return self.decode_state_rows
 
+    def token_positions(self, num_tokens: int) -> torch.Tensor:
+        """Each query token's position in its sequence, int64 [num_tokens] (0 for tokens no sequence owns). A step
+        of one token a sequence (a captured or compiled decode step's too) reads only device tensors."""
+        if self.max_query_len == 1 and num_tokens == self.seq_lens.shape[0]:
+            return (self.seq_lens.long() - 1).clamp(min=0)
+        if "positions" not in self.backend_cache:
+            spans = [range(s - q, s) for q, s in zip(self.query_lens_cpu, self.seq_lens_cpu, strict=True)]
+            positions = [p for span in spans for p in span]
+            positions += [0] * (num_tokens - len(positions))
+            self.backend_cache["positions"] = torch.tensor(positions, device=self.seq_lens.device)
+        return self.backend_cache["positions"]
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

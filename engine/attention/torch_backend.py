@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention.key_mean import MeanScores
 from engine.attention.kv_format import PLAIN, KVFormat
 from engine.attention.metadata import AttentionMetadata
 from engine.runner.tracing import tracing_decode_step
 
 DECODE_GROUP_ROWS = 8  # decode rows per length group (fewer calls vs. less padding)
 MAX_DECODE_GROUPS = 4
+BIAS_ELEMENTS = 1 << 24  # a prefill with centred keys' scores (MeanScores) takes this many of them at a time
 
 
 def store_kvcache(
@@ -66,6 +68,7 @@ class _Prefill:
     kv_len: int
     blocks: torch.Tensor  # [ceil(kv_len / block_size)] the blocks holding KV positions 0..kv_len-1
     mask: torch.Tensor | None  # [q_len, kv_len] for a prefix hit or a later chunk; None when plain causal
+    first_position: int = 0  # of the first key read (a sliding window skips whole blocks)
 
 
 @dataclass
@@ -75,6 +78,7 @@ class _Decode:
     kv_len: int  # KV positions to read from those blocks
     mask: torch.Tensor | None  # [S, 1, 1, kv_len]; None when every row has kv_len positions
     live: torch.Tensor | None  # [S, 1, 1]: False for padding rows (seq_len 0), whose output is zero
+    positions: torch.Tensor | None = None  # [S, kv_len] each key's position; None: 0..kv_len-1
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -124,7 +128,7 @@ def _window_decode_plan(meta, pick, lens: list[int], token_idx, block_size: int,
     blocks = pick(meta.block_tables).gather(1, index).clamp(min=0).long()
     positions = first_block[:, None] * block_size + torch.arange(num_blocks * block_size, device=dev)[None, :]
     valid = (positions < seq_lens[:, None]) & (positions >= seq_lens[:, None] - window)
-    return _Decode(token_idx, blocks, num_blocks * block_size, valid[:, None, None, :], None)
+    return _Decode(token_idx, blocks, num_blocks * block_size, valid[:, None, None, :], None, positions)
 
 
 def _plan(meta: AttentionMetadata, block_size: int, window: int | None):
@@ -161,7 +165,7 @@ def _plan(meta: AttentionMetadata, block_size: int, window: int | None):
             mask = kv_pos <= q_pos
             if window is not None:
                 mask &= kv_pos > q_pos - window
-        prefills.append(_Prefill(starts[i], q_len, kv_len - first * block_size, blocks, mask))
+        prefills.append(_Prefill(starts[i], q_len, kv_len - first * block_size, blocks, mask, first * block_size))
     meta.backend_cache[key] = plan = (decodes, prefills)
     return plan
 
@@ -174,19 +178,22 @@ def attend(
     scale: float,
     sinks: torch.Tensor | None = None,
     causal: bool = False,
+    bias: torch.Tensor | None = None,  # broadcastable to [B, H, Lq, Lk]: added to the scaled scores
 ) -> torch.Tensor:
     """SDPA. With `sinks` (a logit per head, gpt-oss), each head's softmax also counts exp(sink) in its
     denominator: an extra key of zeros takes the sink as its score, and its value (zeros) adds nothing."""
-    if sinks is None:
+    if sinks is None and bias is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=True
         )
     (batch, heads, q_len, _), k_len = q.shape, k.shape[2]
-    if mask is None:
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)
-        if causal:
-            mask = mask.tril(k_len - q_len)
-    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    if mask is None and causal:
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    bias = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
+    if mask is not None:
+        bias = bias.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
     sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
     bias = torch.cat((bias.expand(batch, heads, q_len, k_len), sink), dim=-1)
     k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
@@ -202,24 +209,52 @@ def paged_attention(
     window: int | None = None,  # a sliding-window layer's: each query sees its last `window` positions
     sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (gpt-oss): see `attend`
     kv_format: KVFormat = PLAIN,  # how the cache stores keys and values (a quantized cache: kv_format.py)
+    mean_scores: MeanScores | None = None,  # what centred keys took out of the scores (key_mean.py)
 ) -> torch.Tensor:
     if tracing_decode_step():
         blocks, lens = meta.block_tables, meta.seq_lens
-        return compiled_decode(query, k_cache, v_cache, blocks, lens, scale, window, sinks, kv_format)
+        return compiled_decode(query, k_cache, v_cache, blocks, lens, scale, window, sinks, kv_format, mean_scores)
     decodes, prefills = _plan(meta, k_cache.shape[1], window)
     if len(decodes) == 1 and decodes[0].token_idx is None and not prefills:
-        return _decode(query, k_cache, v_cache, decodes[0], scale, sinks, kv_format)
+        return _decode(query, k_cache, v_cache, decodes[0], scale, sinks, kv_format, mean_scores)
     out = torch.zeros_like(query)
     for d in decodes:
-        out.index_copy_(0, d.token_idx, _decode(query[d.token_idx], k_cache, v_cache, d, scale, sinks, kv_format))
+        rows = query[d.token_idx], None if mean_scores is None else _rows(mean_scores, d.token_idx)
+        out.index_copy_(0, d.token_idx, _decode(rows[0], k_cache, v_cache, d, scale, sinks, kv_format, rows[1]))
     for p in prefills:
         # 4-D inputs: with 3-D ones, SDPA on CPU falls back to its unfused path, 3-4x slower.
         q = query[p.start : p.start + p.q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
         k = _numbers(_gather(k_cache, p.blocks)[: p.kv_len].transpose(0, 1), kv_format, q)[None]
         v = _numbers(_gather(v_cache, p.blocks)[: p.kv_len].transpose(0, 1), kv_format, q)[None]
-        o = attend(q, k, v, p.mask, scale, sinks, causal=True)
-        out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
+        if mean_scores is None:
+            out[p.start : p.start + p.q_len] = attend(q, k, v, p.mask, scale, sinks, causal=True)[0].transpose(0, 1)
+            continue
+        # The scores' bias is [H, q_len, kv_len] floats: a long prefill takes its queries a slice at a time
+        key_rows = mean_scores.rows(p.first_position + torch.arange(p.kv_len, device=q.device))
+        step = max(1, BIAS_ELEMENTS // (q.shape[1] * p.kv_len))
+        mask = p.mask
+        if mask is None:  # plain causal: query j sees keys 0..kv_len - q_len + j
+            mask = torch.ones(p.q_len, p.kv_len, dtype=torch.bool, device=q.device).tril(p.kv_len - p.q_len)
+        for i in range(0, p.q_len, step):
+            end = min(i + step, p.q_len)
+            terms = mean_scores.query_terms[p.start + i : p.start + end].transpose(0, 1)[None]
+            bias = (terms @ key_rows.T) * scale
+            o = attend(q[:, :, i:end], k, v, mask[i:end], scale, sinks, bias=bias)
+            out[p.start + i : p.start + end] = o[0].transpose(0, 1)
     return out
+
+
+def _rows(mean_scores: MeanScores, token_idx: torch.Tensor) -> MeanScores:
+    return MeanScores(mean_scores.query_terms[token_idx], mean_scores.table)
+
+
+def _decode_bias(mean_scores: MeanScores, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode rows' share of centred keys' scores: query_terms [S, H, W], key positions [L] or [S, L] ->
+    [S, H, 1, L], scaled as SDPA scales the scores it adds it to."""
+    key_rows = mean_scores.rows(positions)  # [L, W] or [S, L, W]
+    if key_rows.dim() == 3:
+        key_rows = key_rows[:, None]
+    return (mean_scores.query_terms[:, :, None] @ key_rows.transpose(-1, -2)) * scale
 
 
 def _decode(
@@ -230,11 +265,16 @@ def _decode(
     scale: float,
     sinks: torch.Tensor | None = None,
     kv_format: KVFormat = PLAIN,
+    mean_scores: MeanScores | None = None,
 ) -> torch.Tensor:
     # [S, Hkv, L, D]: a quantized cache dequantizes into that order, contiguous (SDPA reads it fastest)
     k = _numbers(_gather(k_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2), kv_format, query)
     v = _numbers(_gather(v_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2), kv_format, query)
-    o = attend(query.unsqueeze(2), k, v, plan.mask, scale, sinks).squeeze(2)
+    bias = None
+    if mean_scores is not None:
+        positions = torch.arange(plan.kv_len, device=query.device) if plan.positions is None else plan.positions
+        bias = _decode_bias(mean_scores, positions, scale)
+    o = attend(query.unsqueeze(2), k, v, plan.mask, scale, sinks, bias=bias).squeeze(2)
     return o if plan.live is None else torch.where(plan.live, o, 0.0)
 
 
@@ -248,6 +288,7 @@ def compiled_decode(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     kv_format: KVFormat = PLAIN,
+    mean_scores: MeanScores | None = None,
 ) -> torch.Tensor:
     """Decode rows (one query token per sequence) from device tensors only: every row reads all of
     `block_tables`' blocks (-1 entries read block 0), masked to its own length (and window)."""
@@ -261,4 +302,5 @@ def compiled_decode(
     valid = positions < seq_lens[:, None]
     if window is not None:
         valid &= positions >= seq_lens[:, None] - window
-    return attend(query.unsqueeze(2), k, v, valid[:, None, None, :], scale, sinks).squeeze(2)
+    bias = None if mean_scores is None else _decode_bias(mean_scores, positions[0], scale)
+    return attend(query.unsqueeze(2), k, v, valid[:, None, None, :], scale, sinks, bias=bias).squeeze(2)

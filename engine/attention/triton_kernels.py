@@ -13,7 +13,7 @@ the tests compare against it); see ``AttentionMetadata`` for the contract. In sh
   ``block_tables[i, p // block_size] * block_size + p % block_size``.
 * ``seq_lens[i] == 0`` marks a padding row (CUDA-graph batches): its output is zeros.
 * A quantized cache (kv_format.py) holds bytes: each head's row has its quantized values, then their float16
-  scales. ``_load_kv`` turns a tile of rows back into numbers in registers (``KV_QUANT``).
+  scales. ``load_kv`` (triton_dequant.py) turns a tile of rows back into numbers in registers (``KV_QUANT``).
 
 Kernels:
 
@@ -51,8 +51,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.key_mean import MeanScores
 from engine.attention.kv_format import PLAIN, SCALE_BYTES, KVFormat
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.triton_dequant import KV_QUANT_CODES, load_kv
 from engine.attention.triton_store import check_cache, row_offset, store_kvcache
 
 __all__ = ["paged_attention", "paged_attention_impl", "store_kvcache"]  # the backend: store, then attend
@@ -75,66 +77,6 @@ def _dot_operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     return x
 
 
-KV_QUANT_CODES = {"auto": 0, "int8": 1, "fp8": 2, "int4": 3}  # the kernel's KV_QUANT for each kv_cache_dtype
-_SCALE_BYTES = tl.constexpr(SCALE_BYTES)  # a global a kernel may read
-
-
-@triton.jit
-def _load_scale(at, mask):
-    """float16 scales read a byte at a time: a row's scales need not be 2-byte aligned (an int4 row whose head_dim
-    is 2 mod 4)."""
-    low = tl.load(at, mask=mask, other=0).to(tl.uint16)
-    high = tl.load(at + 1, mask=mask, other=0).to(tl.uint16)
-    return (low | (high << 8)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _load_kv(
-    cache_ptr,
-    kv_off,
-    n_valid,
-    d,
-    kv_mask,
-    OUT: tl.constexpr,  # the attention's dtype: a product in float32 rounded to it is the reference's product in it
-    KV_QUANT: tl.constexpr,
-    KV_GROUP: tl.constexpr,
-    SCALE_OFF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """A tile of keys or values [BLOCK_N, BLOCK_D]: as stored (KV_QUANT 0), or dequantized from rows of bytes: int8
-    (1), fp8 e4m3 (2) or two 4-bit values a byte, stored + 8 (3), times the float16 scale of each KV_GROUP values
-    (a row's for int8 and fp8), which sit SCALE_OFF bytes into the row."""
-    rows = cache_ptr + kv_off[:, None]
-    if KV_QUANT == 0:
-        tile = tl.load(rows + d[None, :], mask=kv_mask, other=0.0)
-    elif KV_QUANT == 3:
-        packed = tl.load(rows + (d // 2)[None, :], mask=kv_mask, other=0)
-        values = (((packed >> ((d % 2) * 4).to(tl.uint8)[None, :]) & 15).to(tl.int8) - 8).to(tl.float32)
-        GROUPS: tl.constexpr = BLOCK_D // KV_GROUP
-        g = tl.arange(0, GROUPS)
-        scale = _load_scale(
-            rows + SCALE_OFF + _SCALE_BYTES * g[None, :], n_valid[:, None] & (g < HEAD_DIM // KV_GROUP)[None, :]
-        )
-        grouped = tl.reshape(values, (BLOCK_N, GROUPS, KV_GROUP)) * scale.to(tl.float32)[:, :, None]
-        tile = tl.reshape(grouped, (BLOCK_N, BLOCK_D)).to(OUT)
-    else:
-        raw = tl.load(rows + d[None, :], mask=kv_mask, other=0)
-        if KV_QUANT == 1:
-            values = raw.to(tl.int8, bitcast=True).to(tl.float32)
-        else:
-            # e4m3 by hand (Triton converts float8e4nv only on sm_89 and later, and RTX 30 is sm_86): its exponent
-            # and mantissa bits moved into a float16's, whose exponent bias is 8 more, then times 2^8; exact,
-            # subnormals included
-            sign = (raw & 0x80).to(tl.uint16) << 8
-            half = (sign | ((raw & 0x7F).to(tl.uint16) << 7)).to(tl.float16, bitcast=True)
-            values = half.to(tl.float32) * 256.0
-        scale = _load_scale(cache_ptr + kv_off + SCALE_OFF, n_valid)
-        tile = (values * scale.to(tl.float32)[:, None]).to(OUT)
-    return tile
-
-
 @triton.jit
 def _paged_attention_kernel(
     q_ptr,
@@ -143,6 +85,9 @@ def _paged_attention_kernel(
     out_ptr,  # SPLIT_KV: fp32 [num_seqs, num_heads, NUM_SPLITS, BLOCK_D]; else like q
     lse_ptr,  # SPLIT_KV: fp32 [num_seqs, num_heads, NUM_SPLITS]; else unused
     sinks_ptr,  # HAS_SINKS: fp32 [num_heads], each head's sink logit in base 2; else unused
+    mean_q_ptr,  # MEAN_W: fp32 [num_tokens, num_heads, MEAN_W], centred keys' query terms (key_mean.py); else unused
+    mean_table_ptr,  # MEAN_W: fp32 [mean_rows, MEAN_W], their key positions' rows; else unused
+    mean_rows,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -172,6 +117,8 @@ def _paged_attention_kernel(
     KV_QUANT: tl.constexpr,  # how the cache stores keys and values: see _load_kv
     KV_GROUP: tl.constexpr,  # values per scale in a quantized cache
     SCALE_OFF: tl.constexpr,  # where a quantized row's scales start, in bytes
+    MEAN_W: tl.constexpr,  # the width of centred keys' terms; 0: the keys are stored whole
+    MEAN_PAD: tl.constexpr,  # MEAN_W rounded up to a power of 2 (>= 16 for tl.dot)
 ):
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
     IN_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -207,6 +154,11 @@ def _paged_attention_kernel(
         other=0.0,
     )
     q = _dot_operand(q, IN_DTYPE, UPCAST_DOT)
+    if MEAN_W > 0:  # what centring took out of each score: q_terms . table[key position], rounded as q and k are
+        w = tl.arange(0, MEAN_PAD)
+        w_valid = w < MEAN_W
+        # read again each tile (from L1) rather than held in registers for the loop, which spilled them
+        q_terms_at = mean_q_ptr + (token * NUM_HEADS + head)[:, None] * MEAN_W + w[None, :]
 
     # KV range of this program: causal limit of its last query (never past seq_len; 0 for a
     # padding row), and for split-KV the split's share of it, rounded to whole tiles.
@@ -238,13 +190,21 @@ def _paged_attention_kernel(
         kv_off = row_offset(page, stride_cb) + (n % PAGE_SIZE) * stride_cs + head_off
         kv_mask = n_valid[:, None] & d_valid[None, :]
         # fmt: off
-        k = _load_kv(k_cache_ptr, kv_off, n_valid, d, kv_mask, IN_DTYPE, KV_QUANT, KV_GROUP, SCALE_OFF, HEAD_DIM, BLOCK_N, BLOCK_D)  # noqa: E501
-        v = _load_kv(v_cache_ptr, kv_off, n_valid, d, kv_mask, IN_DTYPE, KV_QUANT, KV_GROUP, SCALE_OFF, HEAD_DIM, BLOCK_N, BLOCK_D)  # noqa: E501
+        k = load_kv(k_cache_ptr, kv_off, n_valid, d, kv_mask, IN_DTYPE, KV_QUANT, KV_GROUP, SCALE_OFF, HEAD_DIM, BLOCK_N, BLOCK_D)  # noqa: E501
+        v = load_kv(v_cache_ptr, kv_off, n_valid, d, kv_mask, IN_DTYPE, KV_QUANT, KV_GROUP, SCALE_OFF, HEAD_DIM, BLOCK_N, BLOCK_D)  # noqa: E501
         # fmt: on
         # The reference casts the cache to the query dtype before attending; so do we.
         k = _dot_operand(k, IN_DTYPE, UPCAST_DOT)
         v = _dot_operand(v, IN_DTYPE, UPCAST_DOT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MEAN_W > 0:  # a layer without rotary has one row for every position
+            at = mean_table_ptr + tl.minimum(n, mean_rows - 1)[:, None] * MEAN_W + w[None, :]
+            q_terms = tl.load(q_terms_at, mask=row_valid[:, None] & w_valid[None, :], other=0.0)
+            q_terms = _dot_operand(q_terms, IN_DTYPE, UPCAST_DOT)
+            key_terms = _dot_operand(
+                tl.load(at, mask=n_valid[:, None] & w_valid[None, :], other=0.0), IN_DTYPE, UPCAST_DOT
+            )
+            s += tl.dot(q_terms, tl.trans(key_terms), input_precision=DOT_PRECISION) * qk_scale
         seen = (n[None, :] <= pos[:, None]) & n_valid[None, :]
         if WINDOW > 0:
             seen = seen & (n[None, :] > pos[:, None] - WINDOW)
@@ -352,6 +312,10 @@ def _default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) 
     return min(64, triton.next_power_of_2(triton.cdiv(target, programs)))
 
 
+def _mean_inputs(mean_scores: MeanScores) -> tuple[torch.Tensor, torch.Tensor]:
+    return mean_scores.query_terms.float().contiguous(), mean_scores.table.float().contiguous()
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -361,8 +325,11 @@ def paged_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (gpt-oss)
     kv_format: KVFormat = PLAIN,  # how the cache stores keys and values (kv_format.py)
+    mean_scores: MeanScores | None = None,  # what centred keys took out of the scores (key_mean.py)
 ) -> torch.Tensor:
-    return paged_attention_impl(query, k_cache, v_cache, meta, scale, window=window, sinks=sinks, kv_format=kv_format)
+    return paged_attention_impl(
+        query, k_cache, v_cache, meta, scale, window=window, sinks=sinks, kv_format=kv_format, mean_scores=mean_scores
+    )
 
 
 def paged_attention_impl(
@@ -377,6 +344,7 @@ def paged_attention_impl(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     kv_format: KVFormat = PLAIN,
+    mean_scores: MeanScores | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` with its tuning knobs exposed (for tests and benchmarks).
 
@@ -446,6 +414,8 @@ def paged_attention_impl(
         KV_QUANT=KV_QUANT_CODES[kv_format.name],
         KV_GROUP=kv_format.group(head_dim),
         SCALE_OFF=kv_format.row_width(head_dim) - SCALE_BYTES * (head_dim // kv_format.group(head_dim)),
+        MEAN_W=0 if mean_scores is None else mean_scores.table.shape[1],
+        MEAN_PAD=16 if mean_scores is None else max(16, triton.next_power_of_2(mean_scores.table.shape[1])),
         num_warps=num_warps,
         num_stages=2,
     )
@@ -465,17 +435,28 @@ def paged_attention_impl(
     )
     # The kernels' softmax runs in base 2: so do the sinks
     sinks2 = out if sinks is None else sinks.float() * _LOG2E
+    mean = (out, out, 1) if mean_scores is None else (*_mean_inputs(mean_scores), mean_scores.table.shape[0])
     if not split:
         grid = (num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, block_m))
         _paged_attention_kernel[grid](
-            query, k_cache, v_cache, out, out, sinks2, *args, SPLIT_KV=False, NUM_SPLITS=1, **common
+            query, k_cache, v_cache, out, out, sinks2, *mean, *args, SPLIT_KV=False, NUM_SPLITS=1, **common
         )
         return out
 
     part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
     part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, part_out, part_lse, sinks2, *args, SPLIT_KV=True, NUM_SPLITS=num_splits, **common
+        query,
+        k_cache,
+        v_cache,
+        part_out,
+        part_lse,
+        sinks2,
+        *mean,
+        *args,
+        SPLIT_KV=True,
+        NUM_SPLITS=num_splits,
+        **common,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out,

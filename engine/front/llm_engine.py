@@ -89,7 +89,7 @@ class LLMEngine:
         self.workers = None
         self._worker_parameter_bytes: list[int] = []
         if config.tensor_parallel_size == 1:
-            self.model_runner = ModelRunner(config, hf_config, path, self.device, self.dtype)
+            self.model_runner = ModelRunner(config, hf_config, path, self.device, self.dtype, tokenizer=tokenizer)
         else:
             self._start_tensor_parallel(hf_config, path)
         self.tokenizer = tokenizer.result()

@@ -4,7 +4,9 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.key_mean import KeyMean
 from engine.attention.kv_format import PLAIN, KVFormat, hadamard, rotate_and_pack
+from engine.layers.rotary_embedding import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -39,13 +41,17 @@ class Attention(nn.Module):
         self.kv_group = 0  # its KV-cache group, whose block table and slots it reads (engine/runner/kv_cache.py)
         self.kv_format = PLAIN  # how its cache stores keys and values (engine/attention/kv_format.py)
         self.kv_rotation: torch.Tensor | None = None  # a quantized cache's Hadamard rotation (see use_kv_format)
+        self.key_mean: KeyMean | None = None  # what a centring format takes out of each key (key_mean.py)
         self.backend: AttentionBackend | None = None
 
-    def use_kv_format(self, kv_format: KVFormat, device: torch.device) -> None:
+    def use_kv_format(self, kv_format: KVFormat, device: torch.device, rotary: RotaryEmbedding | None) -> None:
         """Store keys and values as `kv_format` says; a quantized cache holds them rotated (kv_format.py), and so
-        the query is rotated to meet them and the output rotated back."""
+        the query is rotated to meet them and the output rotated back. `rotary`: what turned this layer's keys,
+        which a format that centres keys needs (key_mean.py); its mean is zero until `KeyMean.calibrate` runs."""
         self.kv_format = kv_format
         self.kv_rotation = hadamard(self.head_dim, device) if kv_format.quantized else None
+        centred = kv_format.centres_keys and self.kv_source is None
+        self.key_mean = KeyMean(self.num_kv_heads, self.head_dim, rotary, device) if centred else None
 
     def _rotated(self, x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
         return x if rotation is None else (x.float() @ rotation).to(x.dtype)
@@ -57,14 +63,20 @@ class Attention(nn.Module):
         by the source earlier in this step) it reads."""
         owner = self if self.kv_source is None else self.kv_source
         meta = meta.for_group(owner.kv_group)
-        kv_format, rotation = owner.kv_format, owner.kv_rotation
+        kv_format, rotation, key_mean = owner.kv_format, owner.kv_rotation, owner.key_mean
+        # Backends' own defaults where the layer has none, so a test's stand-in backend needs no window or sinks
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        if key_mean is not None:
+            extra["mean_scores"] = key_mean.scores(q)
+            if owner is self:
+                positions = meta.token_positions(k.shape[0])
+                key_mean.observe(k, positions)
+                k = k.float() - key_mean.at(positions)
         q = self._rotated(q, rotation)
         if owner is self:
             k_rows, v_rows = self.pack_fn(k, rotation, kv_format), self.pack_fn(v, rotation, kv_format)
             self.backend.store_kvcache(k_rows, v_rows, self.k_cache, self.v_cache, meta.slot_mapping)
         k_cache, v_cache = owner.k_cache, owner.v_cache
-        # Backends' own defaults where the layer has none, so a test's stand-in backend needs no window or sinks
-        extra = {} if self.sinks is None else {"sinks": self.sinks}
         if kv_format.quantized:
             extra["kv_format"] = kv_format
         if self.sliding_window is None and not extra:

@@ -10,7 +10,8 @@ engine/runner/kv_cache.py; this file keeps what touches the device.
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,10 +29,11 @@ from engine.loader import GGUFCheckpoint, load_tensors, load_weights, without_he
 from engine.models import model_class
 from engine.quantization.mxfp4 import checkpoint_reads_mxfp4
 from engine.runner.background import EngineActivity
-from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env, yield_to_the_engine
+from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env, with_groups, yield_to_the_engine
 from engine.runner.cuda_graph import DecodeGraphs
 from engine.runner.distributed import SINGLE, TPGroup
 from engine.runner.kernel_passes import choose_gemv, choose_normed, compiled_small_ops
+from engine.runner.key_means import calibrate_key_means, layer_rotaries
 from engine.runner.kv_cache import (
     allocate_kv_cache,
     allocate_states,
@@ -79,8 +81,10 @@ class ModelRunner:
         dtype: torch.dtype,
         tp: TPGroup = SINGLE,
         workers=None,
+        tokenizer: Future | None = None,
     ):
-        """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any.
+        """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any; `tokenizer`:
+        a future of the model's, which a KV-cache format that centres keys needs (engine/runner/key_means.py).
 
         Each step needs the ones before it: the host check refuses a load that would not fit; the
         kernel passes time their candidates while the memory the KV cache will take is still free;
@@ -112,6 +116,7 @@ class ModelRunner:
         self.kv_groups, self.kv_layout = plan_kv_cache(self.attention_layers, self.block_size, dtype, split, strided)
         self._create_step_buffers()
         self.kv_cache, self.num_blocks = self._allocate_kv_cache()
+        calibrate_key_means(self, tokenizer, config.max_model_len or hf_config.max_position_embeddings)
         chunk = batched_token_budget(config, device.type)
         self.max_model_len = fitting_max_model_len(
             config.max_model_len,
@@ -178,9 +183,10 @@ class ModelRunner:
         backend = select_backend(
             self.config.attention_backend, self.device, self.dtype, self.block_size, sinks, kv_dtype
         )
+        rotaries = layer_rotaries(self.model)
         for layer in attention_layers:
             layer.backend = backend
-            layer.use_kv_format(kv_format(kv_dtype), self.device)
+            layer.use_kv_format(kv_format(kv_dtype), self.device, rotaries.get(id(layer)))
         return [layer for layer in attention_layers if layer.kv_source is None], backend
 
     def _create_step_buffers(self) -> None:
@@ -198,8 +204,7 @@ class ModelRunner:
         self.logprobs_rows: list[torch.Tensor] = []
         # Sampled tokens come back through two pinned buffers taking turns (StagingBuffer's mirror for
         # the way back): one step's are read while the next's arrive.
-        self.readback = self.readback_done = None
-        self.readback_turn = 0
+        self.readback, self.readback_done, self.readback_turn = None, None, 0
         if device.type == "cuda":
             self.readback = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self.readback_done = [torch.cuda.Event() for _ in range(2)]
@@ -239,9 +244,8 @@ class ModelRunner:
         return graphs
 
     def _decode_compiles(self) -> bool:
-        """Whether decode steps get compiled graphs: on the CPU, with one process and the torch attention
-        backend, for a model whose steps decide nothing on the host, unless enforce_eager or
-        PAGODA_CPU_COMPILE=0 says no (a GPU has CUDA graphs instead)."""
+        """Whether decode steps get compiled graphs: on the CPU, with one process and the torch attention backend, for
+        a model whose steps decide nothing on the host, unless enforce_eager or PAGODA_CPU_COMPILE=0 says no."""
         return (
             self.device.type == "cpu"
             and self.static_decode
@@ -395,12 +399,8 @@ class ModelRunner:
             state_restores=step.state_restores,
             state_snapshots=step.state_snapshots,
         )
-        if group_tables:  # the other KV-cache groups: their own slots and tables, the same lengths
-            meta.groups = [meta] + [
-                replace(meta, slot_mapping=slots, block_tables=tables, backend_cache={}, groups=None)
-                for slots, tables in zip(group_slots, group_tables, strict=True)
-            ]
-        return token_ids, positions, meta, logits_index, logprobs_rows
+        pairs = zip(group_slots, group_tables, strict=True)  # the other KV-cache groups': the same lengths
+        return token_ids, positions, with_groups(meta, sum(pairs, ())), logits_index, logprobs_rows
 
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq]) -> LaunchedStep:
