@@ -261,7 +261,7 @@ def test_centred_keys_scores_are_added_as_the_reference_adds_them(rotary, case):
     query, k_plain, v_plain, meta = make_batch(q_lens, seq_lens, seed=11, group=3, head_dim=64)
     params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25 if rotary == "partial" else 1.0}
     mean = KeyMean(k_plain.shape[2], 64, None if rotary == "none" else RotaryEmbedding(64, 128, params), query.device)
-    mean.mean.copy_(torch.randn(mean.mean.shape, generator=torch.Generator().manual_seed(1)) * 2)
+    mean.set_mean(torch.randn(mean.mean.shape, generator=torch.Generator().manual_seed(1)) * 2)
     k_cache, v_cache = (fmt.pack(c.flatten(0, 1)).view(*c.shape[:3], -1) for c in (k_plain, v_plain))
     scores = mean.scores(query)
     expected = ref.paged_attention(query, k_cache, v_cache, meta, 0.125, window, kv_format=fmt, mean_scores=scores)

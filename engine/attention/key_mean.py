@@ -29,23 +29,48 @@ from engine.layers.rotary_embedding import RotaryEmbedding
 @dataclass
 class MeanScores:
     """What centred keys took out of the scores: query_terms[t] . table[n] for query token t and key position n.
-    Positions past the table's end read its last row (a layer without rotary has one row for every position)."""
+    Positions past the table's end read its last row (a layer without rotary has one row for every position).
+    A backend adds that to the scores (cheap for a few queries: decode), or the mean back to the keys it read
+    (`mean_keys`: cheap for many: a prefill)."""
 
     query_terms: torch.Tensor  # float32 [num_tokens, num_heads, width]
     table: torch.Tensor  # float32 [positions, width]
+    key_mean: "KeyMean | None" = None
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
         """The table's rows for key positions (any shape) -> [..., width]."""
         return self.table[positions.clamp(max=self.table.shape[0] - 1)]
 
+    def first_rows(self, length: int) -> torch.Tensor:
+        """The rows of positions 0..length-1 [length, width]: a view where the table is that long."""
+        table = self.table
+        if length > len(table):
+            table = torch.cat((table, table[-1:].expand(length - len(table), -1)))
+        return table[:length]
+
+    def mean_keys(self, positions: torch.Tensor) -> torch.Tensor:
+        """What to add to the keys read back at `positions` [L] (as the cache stores them, rotated by its Hadamard
+        matrix) to have the keys again: float32 [L, num_kv_heads, head_dim]."""
+        return torch.einsum("lw,kwd->lkd", self.rows(positions), self.key_mean.stored_map)
+
 
 class KeyMean:
-    """One attention layer's mean key per KV head [num_kv_heads, head_dim] (zeros until calibrated), with the rotary
-    tables its keys were turned by (None: a layer without positions, such as SmolLM3's NoPE layers)."""
+    """One attention layer's mean key per KV head (zeros until calibrated), with the rotary tables its keys were
+    turned by (None: a layer without positions, such as SmolLM3's NoPE layers), and `rotation`, the Hadamard matrix
+    its cache stores keys under.
 
-    def __init__(self, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding | None, device: torch.device):
-        self.mean = torch.zeros(num_kv_heads, head_dim, device=device)
-        self.rotary_dim = 0 if rotary is None else rotary.rotary_dim
+    The mean turned to position n is linear in the table's row n: at(n) = table[n] @ map (`map` [kv heads, width,
+    head_dim], made from the mean), and so is a query's share, query @ map^T. Both are one small matmul a layer."""
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding | None,
+        device: torch.device,
+        rotation: torch.Tensor | None = None,
+    ):
+        self.rotary_dim, self.rotation = 0 if rotary is None else rotary.rotary_dim, rotation
         half = self.rotary_dim // 2
         if rotary is None:
             self.cos = self.signed_sin = None
@@ -57,35 +82,41 @@ class KeyMean:
             if self.rotary_dim < head_dim:  # the unrotated dimensions' share: the same at every position
                 columns.append(torch.ones_like(self.cos[:, :1]))
             self.table = torch.cat(columns, dim=1)
+        self.set_mean(torch.zeros(num_kv_heads, head_dim, device=device))
         self._sums: torch.Tensor | None = None  # while calibrating: the keys before rotation, summed
         self._count = 0
 
+    def set_mean(self, mean: torch.Tensor) -> None:
+        """[num_kv_heads, head_dim] float32; builds the maps the steps use."""
+        self.mean = mean.float()
+        r, half = self.rotary_dim, self.rotary_dim // 2
+        if r == 0:
+            self.map = self.mean[:, None, :].clone()
+        else:
+            m1, m2 = self.mean[:, :half], self.mean[:, half:r]
+            self.map = torch.zeros(len(mean), self.table.shape[1], mean.shape[1], device=mean.device)
+            index = torch.arange(half, device=mean.device)
+            # at(n)[i] = m1 cos - m2 sin, at(n)[half + i] = m2 cos + m1 sin; the unrotated rest: the mean itself
+            self.map[:, index, index], self.map[:, half + index, index] = m1, -m2
+            self.map[:, index, half + index], self.map[:, half + index, half + index] = m2, m1
+            if r < mean.shape[1]:
+                self.map[:, -1, r:] = self.mean[:, r:]
+        self.stored_map = self.map if self.rotation is None else self.map @ self.rotation
+
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """The mean key as the rotary embedding turned keys at `positions` [T]: float32 [T, num_kv_heads, head_dim]."""
-        mean = self.mean.expand(len(positions), -1, -1)
-        if self.cos is None:
-            return mean
-        r = self.rotary_dim
-        cos, signed_sin = self.cos[positions, None], self.signed_sin[positions, None]
-        turned = mean[..., :r] * cos + mean[..., :r].roll(r // 2, -1) * signed_sin
-        return torch.cat((turned, mean[..., r:]), dim=-1)
+        rows = self.table[positions.clamp(max=self.table.shape[0] - 1)]
+        return torch.einsum("tw,kwd->tkd", rows, self.map)
 
     def scores(self, query: torch.Tensor) -> MeanScores:
-        """query [T, num_heads, head_dim], as it meets the keys (rotary applied, not the cache's Hadamard rotation)."""
-        q = query.float()
-        mean = self.mean.repeat_interleave(q.shape[1] // self.mean.shape[0], dim=0)  # each query head's KV head's
-        if self.cos is None:
-            return MeanScores((q * mean).sum(-1, keepdim=True), self.table)
-        r, half = self.rotary_dim, self.rotary_dim // 2
-        q1, q2, m1, m2 = q[..., :half], q[..., half:r], mean[:, :half], mean[:, half:r]
-        terms = [q1 * m1 + q2 * m2, q2 * m1 - q1 * m2]
-        if r < q.shape[-1]:
-            terms.append((q[..., r:] * mean[:, r:]).sum(-1, keepdim=True))
-        return MeanScores(torch.cat(terms, dim=-1), self.table)
+        """query [T, num_heads, head_dim], as it meets the keys (rotary applied, not the cache's rotation)."""
+        q = query.float().unflatten(1, (self.map.shape[0], -1))  # [T, kv heads, its query heads, head_dim]
+        terms = torch.einsum("tkgd,kwd->tkgw", q, self.map).flatten(1, 2)
+        return MeanScores(terms, self.table, self)
 
     # ---- calibration: the model's keys over a text, turned back to before the rotary embedding ----
     def start_calibration(self) -> None:
-        self.mean.zero_()
+        self.set_mean(torch.zeros_like(self.mean))
         self._sums, self._count = torch.zeros_like(self.mean), 0
 
     def observe(self, keys: torch.Tensor, positions: torch.Tensor) -> None:
@@ -104,5 +135,5 @@ class KeyMean:
 
     def finish_calibration(self) -> None:
         if self._sums is not None and self._count:
-            self.mean.copy_(self._sums / self._count)
+            self.set_mean(self._sums / self._count)
         self._sums, self._count = None, 0

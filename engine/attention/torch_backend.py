@@ -13,7 +13,7 @@ step (engine/runner/compiled_decode.py) nothing is read on the host: `compiled_d
 device tensors alone, so the compiler traces no Python values it would have to specialise on.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,6 @@ from engine.runner.tracing import tracing_decode_step
 
 DECODE_GROUP_ROWS = 8  # decode rows per length group (fewer calls vs. less padding)
 MAX_DECODE_GROUPS = 4
-BIAS_ELEMENTS = 1 << 24  # a prefill with centred keys' scores (MeanScores) takes this many of them at a time
 
 
 def store_kvcache(
@@ -226,34 +225,26 @@ def paged_attention(
         q = query[p.start : p.start + p.q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
         k = _numbers(_gather(k_cache, p.blocks)[: p.kv_len].transpose(0, 1), kv_format, q)[None]
         v = _numbers(_gather(v_cache, p.blocks)[: p.kv_len].transpose(0, 1), kv_format, q)[None]
-        if mean_scores is None:
-            out[p.start : p.start + p.q_len] = attend(q, k, v, p.mask, scale, sinks, causal=True)[0].transpose(0, 1)
-            continue
-        # The scores' bias is [H, q_len, kv_len] floats: a long prefill takes its queries a slice at a time
-        key_rows = mean_scores.rows(p.first_position + torch.arange(p.kv_len, device=q.device))
-        step = max(1, BIAS_ELEMENTS // (q.shape[1] * p.kv_len))
-        mask = p.mask
-        if mask is None:  # plain causal: query j sees keys 0..kv_len - q_len + j
-            mask = torch.ones(p.q_len, p.kv_len, dtype=torch.bool, device=q.device).tril(p.kv_len - p.q_len)
-        for i in range(0, p.q_len, step):
-            end = min(i + step, p.q_len)
-            terms = mean_scores.query_terms[p.start + i : p.start + end].transpose(0, 1)[None]
-            bias = (terms @ key_rows.T) * scale
-            o = attend(q[:, :, i:end], k, v, mask[i:end], scale, sinks, bias=bias)
-            out[p.start + i : p.start + end] = o[0].transpose(0, 1)
+        if mean_scores is not None:  # the mean back into the keys: for many queries, cheaper than their scores
+            positions = p.first_position + torch.arange(p.kv_len, device=q.device)
+            k += mean_scores.mean_keys(positions).transpose(0, 1).to(k.dtype)
+        o = attend(q, k, v, p.mask, scale, sinks, causal=True)
+        out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     return out
 
 
 def _rows(mean_scores: MeanScores, token_idx: torch.Tensor) -> MeanScores:
-    return MeanScores(mean_scores.query_terms[token_idx], mean_scores.table)
+    return replace(mean_scores, query_terms=mean_scores.query_terms[token_idx])
 
 
-def _decode_bias(mean_scores: MeanScores, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode rows' share of centred keys' scores: query_terms [S, H, W], key positions [L] or [S, L] ->
-    [S, H, 1, L], scaled as SDPA scales the scores it adds it to."""
-    key_rows = mean_scores.rows(positions)  # [L, W] or [S, L, W]
-    if key_rows.dim() == 3:
-        key_rows = key_rows[:, None]
+def _decode_bias(mean_scores: MeanScores, positions: torch.Tensor | int, scale: float) -> torch.Tensor:
+    """Decode rows' share of centred keys' scores: query_terms [S, H, W], key positions [L] or [S, L] (or an int L:
+    0..L-1) -> [S, H, 1, L], scaled as SDPA scales the scores it adds it to."""
+    if isinstance(positions, int):
+        key_rows = mean_scores.first_rows(positions)  # [L, W]
+    else:
+        key_rows = mean_scores.rows(positions)
+        key_rows = key_rows[:, None] if key_rows.dim() == 3 else key_rows  # [S, 1, L, W] or [L, W]
     return (mean_scores.query_terms[:, :, None] @ key_rows.transpose(-1, -2)) * scale
 
 
@@ -272,8 +263,7 @@ def _decode(
     v = _numbers(_gather(v_cache, plan.blocks)[:, : plan.kv_len].transpose(1, 2), kv_format, query)
     bias = None
     if mean_scores is not None:
-        positions = torch.arange(plan.kv_len, device=query.device) if plan.positions is None else plan.positions
-        bias = _decode_bias(mean_scores, positions, scale)
+        bias = _decode_bias(mean_scores, plan.kv_len if plan.positions is None else plan.positions, scale)
     o = attend(query.unsqueeze(2), k, v, plan.mask, scale, sinks, bias=bias).squeeze(2)
     return o if plan.live is None else torch.where(plan.live, o, 0.0)
 
@@ -302,5 +292,6 @@ def compiled_decode(
     valid = positions < seq_lens[:, None]
     if window is not None:
         valid &= positions >= seq_lens[:, None] - window
+    # positions[0] indexed, not a slice of the table: a slice would make the trace assume a length
     bias = None if mean_scores is None else _decode_bias(mean_scores, positions[0], scale)
     return attend(query.unsqueeze(2), k, v, valid[:, None, None, :], scale, sinks, bias=bias).squeeze(2)

@@ -51,7 +51,7 @@ class Attention(nn.Module):
         self.kv_format = kv_format
         self.kv_rotation = hadamard(self.head_dim, device) if kv_format.quantized else None
         centred = kv_format.centres_keys and self.kv_source is None
-        self.key_mean = KeyMean(self.num_kv_heads, self.head_dim, rotary, device) if centred else None
+        self.key_mean = KeyMean(self.num_kv_heads, self.head_dim, rotary, device, self.kv_rotation) if centred else None
 
     def _rotated(self, x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
         return x if rotation is None else (x.float() @ rotation).to(x.dtype)
