@@ -26,6 +26,10 @@ import torch
 from engine.layers.rotary_embedding import RotaryEmbedding
 
 
+def table_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return table[positions.clamp(max=table.shape[0] - 1)]
+
+
 @dataclass
 class MeanScores:
     """What centred keys took out of the scores: query_terms[t] . table[n] for query token t and key position n.
@@ -39,7 +43,7 @@ class MeanScores:
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
         """The table's rows for key positions (any shape) -> [..., width]."""
-        return self.table[positions.clamp(max=self.table.shape[0] - 1)]
+        return table_rows(self.table, positions)
 
     def first_rows(self, length: int) -> torch.Tensor:
         """The rows of positions 0..length-1 [length, width]: a view where the table is that long."""
@@ -105,8 +109,7 @@ class KeyMean:
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """The mean key as the rotary embedding turned keys at `positions` [T]: float32 [T, num_kv_heads, head_dim]."""
-        rows = self.table[positions.clamp(max=self.table.shape[0] - 1)]
-        return torch.einsum("tw,kwd->tkd", rows, self.map)
+        return torch.einsum("tw,kwd->tkd", table_rows(self.table, positions), self.map)
 
     def scores(self, query: torch.Tensor) -> MeanScores:
         """query [T, num_heads, head_dim], as it meets the keys (rotary applied, not the cache's rotation)."""

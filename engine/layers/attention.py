@@ -47,7 +47,8 @@ class Attention(nn.Module):
     def use_kv_format(self, kv_format: KVFormat, device: torch.device, rotary: RotaryEmbedding | None) -> None:
         """Store keys and values as `kv_format` says; a quantized cache holds them rotated (kv_format.py), and so
         the query is rotated to meet them and the output rotated back. `rotary`: what turned this layer's keys,
-        which a format that centres keys needs (key_mean.py); its mean is zero until `KeyMean.calibrate` runs."""
+        which a format that centres keys needs (key_mean.py); its mean is zero until measured
+        (engine/runner/key_means.py)."""
         self.kv_format = kv_format
         self.kv_rotation = hadamard(self.head_dim, device) if kv_format.quantized else None
         centred = kv_format.centres_keys and self.kv_source is None
