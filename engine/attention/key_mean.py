@@ -5,16 +5,17 @@ for it leaves the part that differs between tokens only a few quantization level
 key from another. So the cache stores each key less the head's mean key, and attention adds back exactly what that
 took out of every score.
 
-The mean is measured before the rotary embedding, where it is one vector at every position (`calibrate`, on a text
-run through the model at load). After the embedding, the key at position n carries the mean turned by the same
-rotation, R(n) mean, so the cache stores k_n - R(n) mean (`at`), and a query's score with that key misses
-q . R(n) mean. With a rotation by cos/sin pairs (i, i + R/2) that product splits into a part of the query and a part
-of the position:
+The mean is measured before the rotary embedding, where it is one vector at every position (on a text run through
+the model at load: engine/runner/key_means.py). After the embedding, the key at position n carries the mean turned
+by the same rotation, R(n) mean, so the cache stores k_n - R(n) mean (`at`), and a query's score with that key
+misses q . R(n) mean. With a rotation by cos/sin pairs (i, i + R/2) that product splits into a part of the query
+and a part of the position:
 
     q . R(n) mean = query_terms(q) . table[n],   table[n] = (cos_n[:R/2], sin_n[:R/2], 1 where the head has
                                                                                         unrotated dimensions)
 
-so a backend adds one small dot product per score (`MeanScores`): a torch matmul, or one more tl.dot per tile.
+so a backend adds one small dot product per score (`MeanScores`): a torch matmul, or one more tl.dot per tile; or,
+where many queries read the same keys (a prefill), it adds the turned mean back to the keys instead.
 Every score comes back exactly; only the quantization of the (now smaller) rest differs. Measured on the bundled
 model (bench/RESULTS.md): fp8 +0.68% perplexity -> +0.27%, int4 +6.3% -> +2.1%.
 """
