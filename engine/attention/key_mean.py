@@ -20,11 +20,14 @@ Every score comes back exactly; only the quantization of the (now smaller) rest 
 model (bench/RESULTS.md): fp8 +0.68% perplexity -> +0.27%, int4 +6.3% -> +2.1%.
 """
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from engine.layers.rotary_embedding import RotaryEmbedding
+
+_TABLES: "weakref.WeakKeyDictionary[RotaryEmbedding, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 def table_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -83,10 +86,13 @@ class KeyMean:
         else:
             self.cos = rotary.cos_cache.float().to(device)
             self.signed_sin = rotary.signed_sin_cache.float().to(device)
-            columns = [self.cos[:, :half], self.signed_sin[:, half:]]  # cos, and sin with its sign
-            if self.rotary_dim < head_dim:  # the unrotated dimensions' share: the same at every position
-                columns.append(torch.ones_like(self.cos[:, :1]))
-            self.table = torch.cat(columns, dim=1)
+            # One table for every layer its rotary turns: [max_position, width] floats, MBs at a long context
+            self.table = _TABLES.get(rotary)
+            if self.table is None:
+                columns = [self.cos[:, :half], self.signed_sin[:, half:]]  # cos, and sin with its sign
+                if self.rotary_dim < head_dim:  # the unrotated dimensions' share: the same at every position
+                    columns.append(torch.ones_like(self.cos[:, :1]))
+                self.table = _TABLES[rotary] = torch.cat(columns, dim=1)
         self.set_mean(torch.zeros(num_kv_heads, head_dim, device=device))
         self._sums: torch.Tensor | None = None  # while calibrating: the keys before rotation, summed
         self._count = 0
