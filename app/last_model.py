@@ -39,11 +39,15 @@ def load_at_start(
     downloaded: dict[str, Path],
     max_num_seqs: int,
     kv_cache_dtype: str | None = None,
+    speculative_config: dict | None = None,
 ) -> None:
     """Start the load Pagoda begins with: the command line's model when given, else the model used last when it
     is still here (`downloaded`: repo id -> its files, as the Models tab lists them), else the bundled one.
-    `kv_cache_dtype` (the command line's) applies to whichever it is; None keeps what the model used last had."""
+    `kv_cache_dtype` and `speculative_config` (the command line's) apply to whichever it is; None keeps what the model
+    used last had."""
     given = {"max_num_seqs": max_num_seqs, **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {})}
+    if speculative_config is not None:
+        given["speculative_config"] = speculative_config
     recalled = None if cli_model else last.recall()
     if recalled is None:
         host.load_default(cli_model, **given)

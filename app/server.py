@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
 from engine.config import KV_CACHE_DTYPES
-from entrypoints.cli import add_api_options, check_api_options
+from entrypoints.cli import add_api_options, check_api_options, json_object
 from entrypoints.http_guard import AccessPolicy, HTTPGuard, add_access_options
 
 log = logging.getLogger("pagoda")
@@ -48,6 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=KV_CACHE_DTYPES,
         help="how the model loaded at start stores its KV cache: auto (the model's dtype), int8 or fp8 (about twice "
         "the context in the same memory), int4 (about 3.5x) (default: as that model was last loaded, else auto)",
+    )
+    ap.add_argument(
+        "--speculative-config",
+        type=json_object,
+        help='speculative decoding for the model loaded at start, as vLLM takes it, e.g. \'{"method": "ngram", '
+        "\"num_speculative_tokens\": 4}': guesses from the chat's own text, checked in one step; replies stay the "
+        "same (on a CPU it does not pay yet: see the README) (default: off)",
     )
     add_access_options(ap)
     add_api_options(ap)
@@ -174,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     last_model = LastModel(store)
     host = ModelHost(remember=last_model.remember)
     downloaded = {m.repo_id: m.load_path for m in DownloadManager().local_models()}
-    load_at_start(host, last_model, args.model, downloaded, args.max_chats, args.kv_cache_dtype)
+    load_at_start(
+        host, last_model, args.model, downloaded, args.max_chats, args.kv_cache_dtype, args.speculative_config
+    )
     ui = PagodaUI(store, host, max_concurrent_chats=args.max_chats)
     demo = build(ui, models_tab=render_models_tab)
     demo.queue(default_concurrency_limit=4)

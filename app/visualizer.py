@@ -272,6 +272,15 @@ def _chips(stats: EngineStats, tokens_per_s: float | None) -> str:
     ]
     if tokens_per_s is not None:
         chips.append(_chip(f"{tokens_per_s:.1f}", "tok/s", "generated tokens per second"))
+    if stats.speculative_method and stats.spec_steps:
+        chips.append(
+            _chip(
+                f"{stats.spec_mean_accepted_length:.1f}",
+                f"tok/step ({stats.speculative_method}, {stats.spec_acceptance_rate:.0%} accepted)",
+                f"speculative decoding: {stats.spec_accepted_tokens:,} of {stats.spec_draft_tokens:,} drafted tokens "
+                f"accepted over {stats.spec_steps:,} request-steps",
+            )
+        )
     return "".join(chips)
 
 

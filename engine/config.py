@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field, fields
 
 from engine.quantization.methods import DEFAULT_GROUP_SIZE, METHODS
+from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -84,6 +85,12 @@ class EngineConfig:
         RUNNERS,
     )
     seed: int = setting(0, "seed of the random generator that requests without their own seed sample from")
+    speculative_config: dict | None = setting(
+        None,
+        'speculative decoding, with vLLM\'s keys, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}: n-gram drafts from the request\'s own text, checked '
+        "in one step; greedy output is unchanged, sampled output keeps its distribution (default: off)",
+    )
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -158,6 +165,17 @@ class EngineConfig:
             not (self.async_scheduling and self.tensor_parallel_size > 1),
             "async_scheduling does not work with tensor_parallel_size > 1; turn one of them off",
         )
+
+        self.speculative = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+        check(
+            self.speculative is None or (self.tensor_parallel_size == 1 and not self.async_scheduling),
+            "speculative_config does not work with tensor_parallel_size > 1 or async_scheduling yet; turn those off",
+        )
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafted tokens a request checks in one step (0 without speculative decoding)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     @classmethod
     def from_kwargs(cls, model: str, **settings) -> "EngineConfig":

@@ -12,6 +12,7 @@ new setting is a flag without being listed here.
 """
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -30,6 +31,17 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Where the headless server's defaults differ from the engine's: fewer sequence slots (a GPU
 # captures a decode graph per batch size up to this many).
 SERVE_DEFAULTS = {"max_num_seqs": 64}
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object, e.g. --speculative-config '{"method": "ngram"}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f'not JSON ({e}); give an object such as \'{{"method": "ngram"}}\'') from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'give a JSON object such as \'{{"method": "ngram"}}\', not {text!r}')
+    return value
 
 
 def add_engine_settings(ap: argparse.ArgumentParser, defaults: dict | None = None) -> list[str]:
@@ -51,7 +63,7 @@ def add_engine_settings(ap: argparse.ArgumentParser, defaults: dict | None = Non
         if kind is bool:
             extra["action"] = argparse.BooleanOptionalAction
         else:
-            extra["type"] = kind
+            extra["type"] = json_object if kind is dict else kind
             if f.metadata.get("choices"):
                 extra["choices"] = f.metadata["choices"]
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=argparse.SUPPRESS, **extra)

@@ -89,7 +89,26 @@ def test_matches_attention_written_out_per_sequence(case):
     if rows > 8:
         assert len(decodes) > 1  # the long batch really was split into length groups
     if case in ("one decode row", "equal lengths"):
-        assert decodes[0].mask is None  # the unmasked path was the one checked
+        assert decodes[0].live is None  # the one-length path was the one checked: no padding rows
+        assert (decodes[0].mask is None) == (decode_lens[0] % BLOCK == 0)  # whole blocks, masked to the length
+
+
+def test_a_decode_row_attends_the_same_alone_and_in_any_batch():
+    """Bit for bit: a row's output does not depend on the rows beside it or on how far past its length the batch
+    reads (whole blocks, masked). Speculative decoding checks drafts as decode rows of one request at successive
+    lengths, and relies on this to give the tokens plain decoding gives."""
+    rng = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 300, (6,), generator=rng).tolist()
+    query, k_cache, v_cache, meta, tables = batch([1] * len(lens), lens)
+    scale = query.shape[-1] ** -0.5
+    together = torch_backend.paged_attention(query, k_cache, v_cache, meta, scale)
+    for i, length in enumerate(lens):
+        q, k, v, alone_meta, _ = batch([1], [length])
+        q[0] = query[i]
+        # the same blocks as row i read in the batch
+        alone_meta.block_tables = meta.block_tables[i : i + 1, : -(-length // BLOCK)].clone()
+        alone = torch_backend.paged_attention(q, k_cache, v_cache, alone_meta, scale)
+        assert torch.equal(alone[0], together[i]), (i, length)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 37, 300])

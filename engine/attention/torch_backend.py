@@ -103,9 +103,13 @@ def _decode_plan(
         return _window_decode_plan(meta, pick, lens, token_idx, block_size, window)
     num_blocks = min(-(-max(lens) // block_size), meta.block_tables.shape[1])
     blocks = pick(meta.block_tables)[:, :num_blocks].clamp(min=0).long()
-    # One length (always so at batch 1): no mask, no padding rows.
+    # One length (always so at batch 1): no padding rows. Whole blocks still, masked: SDPA's CPU kernel then gives a
+    # row the same result in any batch (it rounds differently over an exact length), so the rows of a request
+    # checking drafts (speculative decoding) compute what its plain decode steps would, bit for bit.
     if meta.host_lens_exact and min(lens) == max(lens) > 0:
-        return _Decode(token_idx, blocks, lens[0], None, None)
+        return _Decode(
+            token_idx, blocks, num_blocks * block_size, _length_mask(lens[0], num_blocks * block_size, dev), None
+        )
     seq_lens = pick(meta.seq_lens).long()
     positions = torch.arange(num_blocks * block_size, device=dev)[None, :]
     valid = positions < seq_lens[:, None]
@@ -113,6 +117,11 @@ def _decode_plan(
         valid &= positions >= seq_lens[:, None] - window
     valid[:, 0] |= seq_lens == 0  # padding rows (seq_len 0) attend to something finite, then get zeroed
     return _Decode(token_idx, blocks, num_blocks * block_size, valid[:, None, None, :], (seq_lens > 0)[:, None, None])
+
+
+def _length_mask(length: int, padded: int, device: torch.device) -> torch.Tensor | None:
+    """[1, 1, 1, padded]: the first `length` keys; None when that is all of them."""
+    return None if length == padded else (torch.arange(padded, device=device) < length)[None, None, None, :]
 
 
 def _window_decode_plan(meta, pick, lens: list[int], token_idx, block_size: int, window: int) -> _Decode:

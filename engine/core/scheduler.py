@@ -35,6 +35,8 @@ def _priority(seq: Sequence) -> int:
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # KV rows to compute this step: tokens num_computed .. num_computed + n - 1
+    # Speculative decoding: proposed tokens after the sequence's last one, the last of the new tokens
+    draft_token_ids: list[int] = field(default_factory=list)
     samples: bool = field(init=False)  # the chunk reaches the end of the sequence, so a token gets sampled
     # A hybrid model's recurrent state (engine/core/state_slots.py): the snapshot the sequence's slot starts as,
     # and the snapshots this step writes, (tokens into the step, slot)
@@ -42,7 +44,7 @@ class ScheduledSeq:
     snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == len(self.seq)
 
 
 class Scheduler:
@@ -86,6 +88,9 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
+            # A decode checks its drafts (speculative decoding) in the same step, as far as the budget allows.
+            drafts = seq.draft_token_ids[: budget - 1] if seq.num_uncomputed_tokens == 1 else []
+            n += len(drafts)
             bm.release_out_of_window(seq)
             needed = bm.blocks_needed(seq, n)
             while needed > bm.num_free_blocks:
@@ -97,7 +102,7 @@ class Scheduler:
             else:
                 if needed:
                     bm.allocate(seq, n)
-                batch.append(self._scheduled(seq, n))
+                batch.append(self._scheduled(seq, n, drafts))
                 budget -= n
                 i += 1
 
@@ -129,8 +134,8 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
-        item = ScheduledSeq(seq, n)
+    def _scheduled(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
+        item = ScheduledSeq(seq, n, drafts or [])
         if self.block_manager.states is not None:
             item.restore_from, seq.restore_slot = seq.restore_slot, None
             item.snapshots = self.block_manager.plan_snapshots(seq, n)

@@ -72,6 +72,10 @@ class Sequence:
         # An llguidance matcher when sampling_params.structured_outputs is set: it has taken every output
         # token the host has read, and masks what may come next (engine/sample/structured_output.py)
         self.grammar = None
+        # Speculative decoding (engine/spec_decode/): the tokens proposed for the next step to check after its input,
+        # and how proposing goes for this request (a DraftState), while a speculative_config is set
+        self.draft_token_ids: list[int] = []
+        self.draft_state = None
 
     @property
     def block_table(self) -> list[int]:

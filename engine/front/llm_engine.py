@@ -20,11 +20,12 @@ from itertools import count
 import torch
 
 from engine.config import EngineConfig, batched_token_budget
-from engine.core.block_manager import NO_BLOCK, BlockManager
-from engine.core.scheduler import Scheduler
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import ScheduledSeq, Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.state_slots import StateSlots
 from engine.front.detokenizer import Detokenizer
+from engine.front.introspection import engine_stats, kv_block_map
 from engine.front.model_files import eos_token_ids, open_model
 from engine.front.output_processor import finish_reason, request_output, take_logprobs
 from engine.front.outputs import EmbeddingOutput, EngineStats, KVBlock, RequestOutput
@@ -34,6 +35,7 @@ from engine.loader import GGUFCheckpoint, checkpoint_dtype, pick_device, pick_dt
 from engine.runner.distributed import check_tensor_parallel
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.sample.structured_output import Grammar, StructuredOutputs
+from engine.spec_decode.speculator import make_speculator
 
 log = logging.getLogger("engine")
 
@@ -113,12 +115,14 @@ class LLMEngine:
         self._request_ids = count()
         self.num_generated_tokens = 0
         self.max_batch_size = 0  # see EngineStats.max_batch_size
+        self.speculator = make_speculator(config.speculative, self.model_runner)
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = (
                 self.device.type == "cuda"
                 and config.tensor_parallel_size == 1
                 and self.model_runner.backend.name != "torch"
+                and self.speculator is None  # a step's drafts come from the tokens of the step before
             )
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back (async scheduling)
         self._stepping: list[Sequence] = []  # the requests of the step being run (what a failure aborts)
@@ -318,27 +322,43 @@ class LLMEngine:
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Take in a launched step's sampled tokens (waiting for them) and advance its requests."""
         tokens = self.model_runner.collect(launched)
-        sampled = iter(tokens)
+        sampled = iter(tokens)  # a token per sampling item; with drafts, one per row (engine/sample/rejection.py)
         logprobs = iter(take_logprobs(launched, tokens) if launched.logprobs_plan else ())
         outputs = []
         for item in launched.batch:
             if not item.samples:
                 continue
-            seq, token = item.seq, next(sampled)
+            seq, new_tokens = item.seq, [next(sampled) for _ in range(1 + len(item.draft_token_ids))]
             token_logprobs = next(logprobs) if seq.output_logprobs is not None else None
             seq.num_pending_tokens -= 1
             if seq.is_finished:  # it stopped, or was aborted, while this step ran: drop the token
                 continue
-            seq.token_ids.append(token)
-            if seq.grammar is not None:
-                seq.grammar.consume(token, seq.request_id)
-            if token_logprobs is not None:
-                seq.output_logprobs.append(token_logprobs)
-            if len(seq.token_ids) <= seq.num_computed_tokens:  # it was pending, and a launched step's input
-                self.block_manager.register_full_blocks(seq)  # so a block waiting for it may be complete
-            self.num_generated_tokens += 1
-            outputs.append(self._advance(seq, token, token_logprobs))
+            if item.draft_token_ids:
+                new_tokens = self._take_accepted(item, new_tokens)
+            for token in new_tokens:
+                seq.token_ids.append(token)
+                if seq.grammar is not None:
+                    seq.grammar.consume(token, seq.request_id)
+                if token_logprobs is not None:
+                    seq.output_logprobs.append(token_logprobs)
+                if len(seq.token_ids) <= seq.num_computed_tokens:  # it was pending, and a launched step's input
+                    self.block_manager.register_full_blocks(seq)  # so a block waiting for it may be complete
+                self.num_generated_tokens += 1
+                outputs.append(self._advance(seq, token, token_logprobs))
+                if seq.is_finished:  # on a stop token or string among accepted drafts: the rest is not the reply
+                    break
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return outputs
+
+    def _take_accepted(self, item: ScheduledSeq, row_tokens: list[int]) -> list[int]:
+        """The tokens a request gets from a step that checked its drafts: the accepted ones and one more. The KV of
+        the rejected drafts is given up: the next step writes over it. The blocks the accepted ones fill are
+        registered as they are appended, as a pending token's are."""
+        new_tokens = row_tokens[: row_tokens.index(-1)] if -1 in row_tokens else row_tokens
+        item.seq.num_computed_tokens -= len(row_tokens) - len(new_tokens)
+        self.speculator.record(item.seq, len(item.draft_token_ids), len(new_tokens) - 1)
+        return new_tokens
 
     def _advance(self, seq: Sequence, token: int, token_logprobs: dict[int, float] | None = None) -> RequestOutput:
         reason = finish_reason(seq, token, self.eos_token_ids, self.detokenizer)
@@ -350,65 +370,11 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm, sched = self.block_manager, self.scheduler
-        return EngineStats(
-            num_blocks=bm.num_blocks,
-            free_blocks=bm.num_free_blocks,
-            cached_blocks=bm.num_cached_free_blocks,
-            used_blocks=bm.num_blocks - bm.num_free_blocks,
-            block_size=bm.block_size,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_preemptions=sched.num_preemptions,
-            num_generated_tokens=self.num_generated_tokens,
-            max_model_len=self.max_model_len,
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
-            attention_backend=self.model_runner.backend.name,
-            matmul=self.model_runner.matmul_kind,
-            quantization=self.model_runner.weight_format,
-            sampler=self.model_runner.sampler.kind,
-            decode=self.model_runner.decode_kind,
-            async_scheduling=self.async_scheduling,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            max_batch_size=self.max_batch_size,
-            kv_groups=tuple("full" if w is None else f"sliding {w}" for w in bm.group_windows),
-            used_blocks_per_group=tuple(bm.used_blocks_per_group),
-            layers_per_block=self.model_runner.kv_layout.num_layers,
-            bytes_per_block=self.model_runner.kv_layout.bytes_per_block,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            state_slot_bytes=self.model_runner.state_slots[2],
-            used_state_slots=0 if bm.states is None else bm.states.num_running - len(bm.states.free_running),
-            state_snapshots=0 if bm.states is None else len(bm.states.snapshots),
-            num_state_slots=0 if bm.states is None else bm.states.num_running,
-            num_snapshot_slots=0 if bm.states is None else bm.states.num_snapshots,
-        )
+        return engine_stats(self)
 
     def kv_blocks(self) -> list[KVBlock]:
         """One entry per KV block, in block id order (see KVBlock)."""
-        bs = self.block_manager.block_size
-        owners: dict[int, list[str]] = {}
-        filled: dict[int, int] = {}
-        for seq in self.scheduler.running:
-            for table in seq.block_tables:
-                for i, block_id in enumerate(table):
-                    if block_id == NO_BLOCK:
-                        continue
-                    owners.setdefault(block_id, []).append(seq.request_id)
-                    filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
-        return [
-            KVBlock(
-                b.block_id,
-                b.ref_count,
-                b.hash is not None,
-                bs if b.hash is not None else filled.get(b.block_id, 0),
-                tuple(owners.get(b.block_id, ())),
-                b.group,
-            )
-            for b in self.block_manager.blocks
-        ]
+        return kv_block_map(self.block_manager, self.scheduler.running)
 
     # ---- offline API ----------------------------------------------------------------------------
     def generate(

@@ -23,7 +23,8 @@ def take_logprobs(launched: LaunchedStep, tokens: list[int]) -> list[dict[int, f
                     seq.prompt_logprobs.append(row)
     if launched.sample_logprobs is None:
         return []
-    launched_seqs = [item.seq for item in launched.batch if item.samples]
+    # a sequence per row of sampled tokens: one per draft a request checked, and one more
+    launched_seqs = [item.seq for item in launched.batch if item.samples for _ in range(1 + len(item.draft_token_ids))]
     rows = plan.sample_rows.tolist()
     return launched.sample_logprobs.dicts(
         [tokens[r] for r in rows], [launched_seqs[r].sampling_params.logprobs for r in rows]

@@ -82,6 +82,20 @@ class EngineStats:
     state_snapshots: int = 0
     num_state_slots: int = 0  # running requests' slots (at most that many run)
     num_snapshot_slots: int = 0
+    # Speculative decoding (engine/spec_decode/): the method; request-steps that checked drafts; drafted, accepted
+    speculative_method: str | None = None
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a speculating request gained per step: its accepted drafts and the one token every step gives."""
+        return (self.spec_accepted_tokens + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
 
     @property
     def held_bytes(self) -> int:

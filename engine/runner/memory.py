@@ -12,6 +12,7 @@ import torch
 
 from engine import quantization
 from engine.config import EngineConfig
+from engine.layers.linear import OneDNNMatmul
 from engine.loader import GGUFCheckpoint, checkpoint_numel, safetensors_files
 
 HEADROOM = 0.9  # leave a tenth of what is available to the rest of the process and the system
@@ -75,3 +76,12 @@ def check_weights_fit(
         # the packed (or quantized) head is a second copy of the embedding
         weights += int(hf_config.vocab_size * hf_config.hidden_size * bytes_per_weight) // tp_size
     check_host_memory(weights, "the model's weights", "use a smaller model or a lower precision")
+
+
+def held_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights `model` holds: parameters, oneDNN-packed copies and quantized tensors (a tied table
+    counted once, unless packed apart)."""
+    packed = [m.packed for m in model.modules() if isinstance(m, OneDNNMatmul)]
+    held = [*model.parameters(), *packed, *quantization.weight_tensors(model)]
+    tensors = {id(t): t for t in held}  # a tied table is counted once
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -23,11 +23,10 @@ from engine.attention.kv_format import kv_format
 from engine.config import EngineConfig, batched_token_budget
 from engine.core.scheduler import ScheduledSeq
 from engine.layers.attention import Attention
-from engine.layers.linear import OneDNNMatmul, can_pack_for_cpu, pack_for_cpu
+from engine.layers.linear import can_pack_for_cpu, pack_for_cpu
 from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.loader import GGUFCheckpoint, load_tensors, load_weights, without_head
 from engine.models import model_class
-from engine.quantization.mxfp4 import checkpoint_reads_mxfp4
 from engine.runner.background import EngineActivity
 from engine.runner.compiled_decode import CompiledDecode, compile_disabled_by_env, with_groups, yield_to_the_engine
 from engine.runner.cuda_graph import DecodeGraphs
@@ -42,20 +41,17 @@ from engine.runner.kv_cache import (
     gpu_kv_budget,
     plan_kv_cache,
 )
-from engine.runner.memory import check_weights_fit, give_back_freed_memory
+from engine.runner.memory import check_weights_fit, give_back_freed_memory, held_weight_bytes
 from engine.runner.staging import StagingBuffer
 from engine.runner.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step
 from engine.runner.tracing import MODULE_CALLS
-from engine.sample.logprobs import LogprobsTensors, gather_logprobs
+from engine.sample.logprobs import LogprobsTensors, gather_logprobs, prompt_logprobs
+from engine.sample.rejection import verify_drafts
 from engine.sample.sampler import Sampler
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepInputs"]  # StepInputs: its old home, for importers
 
 log = logging.getLogger("engine")
-
-# Prompt logprobs need the logits of every prompt row: taken this many floats at a time, so a long chunk's
-# [rows, vocab] logits never sit in memory whole (the KV cache was sized without them).
-_PROMPT_LOGITS_FLOATS = 1 << 25
 
 
 @dataclass
@@ -206,7 +202,8 @@ class ModelRunner:
         # the way back): one step's are read while the next's arrive.
         self.readback, self.readback_done, self.readback_turn = None, None, 0
         if device.type == "cuda":
-            self.readback = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            rows = config.max_num_seqs * (1 + config.max_draft_tokens)  # a row per draft, and one more
+            self.readback = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self.readback_done = [torch.cuda.Event() for _ in range(2)]
 
     def _allocate_kv_cache(self) -> tuple[list[torch.Tensor], int]:
@@ -317,25 +314,6 @@ class ModelRunner:
             self._adopt_compiled_decode()
         return self.compiled_decode_ready.is_set()
 
-    @property
-    def matmul_kind(self) -> str:
-        """How linear layers multiply: "onednn-packed" (CPU), "torch", or "torch+triton-gemv" when
-        some layers run few-row products with the Triton kernel (engine/layers/gemv.py), followed by
-        how many projections run the norm before them, where any do (engine/layers/normed_gemv.py)."""
-        if self.quantized:
-            return quantization.kernel_summary(self.model)
-        if self.packed_weights:
-            return "onednn-packed"
-        kind = "torch+triton-gemv" if any(self.gemv_layers_by_rows.values()) else "torch"
-        return kind + (f" (norm fused into {self.normed_layers} projections)" if self.normed_layers else "")
-
-    @property
-    def weight_format(self) -> str:
-        """How the weights are stored, for stats(): see quantization.describe."""
-        stored = f"GGUF {quantization.weight_types(self.model)}" if self.from_gguf else None
-        stored = "MXFP4 experts, as the checkpoint stores them" if checkpoint_reads_mxfp4(self.hf_config) else stored
-        return quantization.describe(self.config.quantization, self.config.quantization_group_size, stored)
-
     def release(self) -> None:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
         the device. `launch` refuses to run afterwards."""
@@ -421,12 +399,7 @@ class ModelRunner:
                     logits, prompt_logprobs = self.execute(step)
             sample_logprobs = tokens = None
             if logits is not None:
-                sampling = [s for s in batch if s.samples]
-                sampling_batch = self.sampler.prepare(
-                    [s.seq for s in sampling], self.upload, self.last_sampled, self.last_sampled_rows
-                )
-                tokens = self.sampler(logits, sampling_batch)
-                self.last_sampled, self.last_sampled_rows = tokens, SampledRows([s.seq for s in sampling])
+                tokens = self._sample(logits, [s for s in batch if s.samples], step)
                 if plan is not None and plan.sample_rows.size:
                     sample_logprobs = self._sample_logprobs(logits, tokens, step)
         if self.readback is None:  # the CPU: everything is computed already
@@ -445,6 +418,22 @@ class ModelRunner:
         host.copy_(tokens, non_blocking=True)
         self.readback_done[turn].record(torch.cuda.current_stream(self.device))
         return LaunchedStep(batch, host, self.readback_done[turn], plan, sample_logprobs, prompt_logprobs)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq], step: StepInputs) -> torch.Tensor:
+        """The token each sampling row gets; where requests check drafts (speculative decoding), one per row of
+        logits, -1 past a request's last (engine/sample/rejection.py)."""
+        if step.draft_token_ids.size:  # speculation runs synchronously: no later step's input comes from these
+            rows = self.sampler.prepare(
+                [s.seq for s in sampling for _ in range(1 + len(s.draft_token_ids))], self.upload
+            )
+            self.last_sampled, self.last_sampled_rows = None, SampledRows([])
+            return verify_drafts(logits, rows, *self.upload([step.draft_token_ids, step.draft_offsets], torch.int64))
+        seqs = [s.seq for s in sampling]
+        tokens = self.sampler(
+            logits, self.sampler.prepare(seqs, self.upload, self.last_sampled, self.last_sampled_rows)
+        )
+        self.last_sampled, self.last_sampled_rows = tokens, SampledRows(seqs)
+        return tokens
 
     def _sample_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, step: StepInputs) -> LogprobsTensors:
         """The raw logprobs of the sampled tokens of the rows that asked, from the logits they were sampled from."""
@@ -476,23 +465,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_index]), prompt_logprobs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> LogprobsTensors | None:
-        """The logprobs of the prompt tokens at `step.prompt_logits_index`'s rows, computed a slice of
-        rows at a time. Every rank computes the logits with rank 0 (the head gathers across ranks)."""
+        """The logprobs of the prompt tokens at `step.prompt_logits_index`'s rows (engine/sample/logprobs.py)."""
         _, rows, targets = self.logprobs_rows
-        per_slice = max(1, _PROMPT_LOGITS_FLOATS // self.vocab_size)
-        parts = []
-        for i in range(0, len(step.prompt_logits_index), per_slice):
-            logits = self.model.compute_logits(hidden[rows[i : i + per_slice]])
-            if logits is not None:
-                parts.append(gather_logprobs(logits, targets[i : i + per_slice], step.num_prompt_logprobs))
-        return LogprobsTensors.cat(parts) if parts else None
+        return prompt_logprobs(
+            self.model.compute_logits, hidden, rows, targets, step.num_prompt_logprobs, self.vocab_size
+        )
 
     def parameter_bytes(self) -> int:
-        """Bytes of the weights this rank holds (a tied head counted once, unless packed apart)."""
-        packed = [m.packed for m in self.model.modules() if isinstance(m, OneDNNMatmul)]
-        held = [*self.model.parameters(), *packed, *quantization.weight_tensors(self.model)]
-        tensors = {id(t): t for t in held}  # a tied table is counted once
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        """Bytes of the weights this rank holds (engine/runner/memory.py)."""
+        return held_weight_bytes(self.model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(meta):

@@ -46,6 +46,10 @@ class StepInputs:
     prompt_logits_index: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # rows giving prompt logprobs
     prompt_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # the token each of those predicts
     num_prompt_logprobs: int = 0
+    # Speculative decoding, where some request checks drafts: per row of logits_index, the drafted token the row
+    # checks (-1 for none: the row after a request's last draft), and the row's place among its request's rows
+    draft_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    draft_offsets: np.ndarray = field(default_factory=lambda: _NO_ROWS)
 
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -126,7 +130,7 @@ def logprobs_plan(batch: list[ScheduledSeq]) -> LogprobsPlan | None:
             if params.logprobs is not None:
                 sample_rows.append(sample)
                 num_logprobs = max(num_logprobs, params.logprobs)
-            sample += 1
+            sample += 1 + len(s.draft_token_ids)  # a request checking drafts has a row of logits for each
         if seq.prompt_logprobs is not None:
             start = seq.num_computed_tokens
             first = max(start, len(seq.prompt_logprobs) - 1)
@@ -177,7 +181,9 @@ def prepare_step(
     else:
         token_ids = []
         for s, start, n in zip(batch, starts.tolist(), query_lens.tolist(), strict=True):
-            token_ids += s.seq.token_ids[start : start + n] or [0]  # empty only for a pending input
+            drafts = s.draft_token_ids
+            token_ids += s.seq.token_ids[start : start + n - len(drafts)] or [0]  # empty only for a pending input
+            token_ids += drafts
         seq_index = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[seq_index]
         pending_rows = query_start_loc[pending]
@@ -192,7 +198,7 @@ def prepare_step(
         query_lens,
         seq_lens,
         tables,
-        query_start_loc[1:][sample_rows] - 1,
+        query_start_loc[1:][sample_rows] - 1,  # widened below where requests check drafts
         pending_rows,
         rows_in_last_sampled([batch[i].seq for i in pending], sampled_rows),
     )
@@ -202,11 +208,41 @@ def prepare_step(
         step.state_restores = [(s.restore_from, s.seq.state_slot) for s in batch if s.restore_from is not None]
         step.state_snapshots = [(i, n, slot) for i, s in enumerate(batch) for n, slot in s.snapshots]
     step.group_slot_mappings = [t[seq_index, positions // bs] * bs + positions % bs for t in more_tables]
+    if any(s.draft_token_ids for s in batch):
+        add_draft_rows(step, batch)
     if plan is not None:
         step.sample_logprobs_rows, step.num_logprobs = plan.sample_rows, plan.num_logprobs
         step.prompt_logits_index, step.prompt_token_ids = plan.prompt_rows, plan.prompt_token_ids
         step.num_prompt_logprobs = plan.num_prompt_logprobs
     return step
+
+
+def add_draft_rows(step: StepInputs, batch: list[ScheduledSeq]) -> None:
+    """A request that checks k drafts gets k + 1 rows of logits, those of its last input and of its drafts; and
+    to attention it is k + 1 decode rows, one query token each, reading its block table up to that token's
+    position. The step then runs as a decode step does (a compiled decode graph takes it, where one serves), and
+    each verified token's attention rounds as in a plain decode step (the torch backend's decode reads whole
+    blocks, masked, which SDPA's CPU kernel computes the same in any batch): greedy replies stay the same."""
+    num_drafts = np.fromiter((len(s.draft_token_ids) for s in batch), np.int64, len(batch))
+    sampling = [s for s in batch if s.samples]
+    counts = np.fromiter((1 + len(s.draft_token_ids) for s in sampling), np.int64, len(sampling))
+    first_rows = np.repeat(step.logits_index - counts + 1, counts)
+    step.draft_offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    step.logits_index = first_rows + step.draft_offsets
+    step.draft_token_ids = np.fromiter(
+        chain.from_iterable([*s.draft_token_ids, -1] for s in sampling), np.int64, len(step.draft_offsets)
+    )
+    # each checking request's tokens as sequences of one token
+    rows = np.where(num_drafts > 0, step.query_lens, 1)
+    splits = np.repeat(num_drafts > 0, rows)
+    offsets = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)  # row within its request
+    seq_lens, query_lens = np.repeat(step.seq_lens, rows), np.repeat(step.query_lens, rows)
+    step.seq_lens = np.where(splits, seq_lens - query_lens + offsets + 1, seq_lens)
+    step.query_lens = query_lens = np.where(splits, 1, query_lens)
+    step.query_start_loc = np.zeros(len(query_lens) + 1, np.int64)
+    np.cumsum(query_lens, out=step.query_start_loc[1:])
+    step.block_tables = np.repeat(step.block_tables, rows, axis=0)
+    step.group_block_tables = [np.repeat(t, rows, axis=0) for t in step.group_block_tables]
 
 
 def block_tables(batch: list[ScheduledSeq], group: int) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Logprobs of chosen tokens and of each row's top tokens, from the raw logits (vLLM's "raw_logprobs")."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,3 +56,28 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Lo
         top_values = logprobs.new_empty(logprobs.shape[0], 0)
         top_ids = torch.empty(logprobs.shape[0], 0, dtype=torch.int64, device=logprobs.device)
     return LogprobsTensors(chosen, top_ids, top_values)
+
+
+# Prompt logprobs need the logits of every prompt row: taken this many floats at a time, so a long chunk's
+# [rows, vocab] logits never sit in memory whole (the KV cache was sized without them).
+PROMPT_LOGITS_FLOATS = 1 << 25
+
+
+def prompt_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    vocab_size: int,
+) -> LogprobsTensors | None:
+    """The logprobs of `targets` (and the top `k`) from the logits of `hidden`'s `rows`, a slice of rows at a time.
+    Every tensor-parallel rank computes the logits with rank 0 (the head gathers across ranks), which alone gets
+    them (`compute_logits` gives the others None)."""
+    per_slice = max(1, PROMPT_LOGITS_FLOATS // vocab_size)
+    parts = []
+    for i in range(0, len(rows), per_slice):
+        logits = compute_logits(hidden[rows[i : i + per_slice]])
+        if logits is not None:
+            parts.append(gather_logprobs(logits, targets[i : i + per_slice], k))
+    return LogprobsTensors.cat(parts) if parts else None

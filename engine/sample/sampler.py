@@ -144,6 +144,46 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def adjust_logits(
+    logits: torch.Tensor,
+    logit_bias: torch.Tensor | None = None,
+    repetition_penalties: torch.Tensor | None = None,
+    seen_tokens: torch.Tensor | None = None,
+    presence_penalties: torch.Tensor | None = None,
+    frequency_penalties: torch.Tensor | None = None,
+    output_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The float32 logits a row samples from, before temperature, in vLLM's order: logit bias, repetition
+    penalty, presence and frequency penalties."""
+    logits = logits.float()
+    if logit_bias is not None:
+        logits = logits + logit_bias
+    if repetition_penalties is not None:
+        logits = apply_repetition_penalty(logits, seen_tokens, repetition_penalties)
+    if presence_penalties is not None:
+        logits = apply_output_penalties(logits, output_counts, presence_penalties, frequency_penalties)
+    return logits
+
+
+def sampling_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """The distribution each row samples from: adjusted logits (`adjust_logits`) through temperature (a greedy
+    row's 0 taken as 1: it never samples), top-k/top-p, softmax and min-p. Rows need not sum to 1."""
+    logits = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    if top_k is not None or top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    if min_p is not None:
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
 def pick_tokens(
     logits: torch.Tensor,
     temperatures: torch.Tensor | None,
@@ -160,27 +200,26 @@ def pick_tokens(
 ) -> torch.Tensor:
     """Everything in sampling but drawing the noise: a pure function of tensors, so that one
     torch.compile of it fuses its passes over the [batch, vocab] logits. `temperatures` None:
-    every row is greedy (and `noise` is None). The logits change in vLLM's order: logit bias,
-    repetition penalty, presence and frequency penalties; then temperature, top-k/top-p, min-p."""
-    logits = logits.float()
-    if logit_bias is not None:
-        logits = logits + logit_bias
-    if repetition_penalties is not None:
-        logits = apply_repetition_penalty(logits, seen_tokens, repetition_penalties)
-    if presence_penalties is not None:
-        logits = apply_output_penalties(logits, output_counts, presence_penalties, frequency_penalties)
+    every row is greedy (and `noise` is None)."""
+    logits = adjust_logits(
+        logits, logit_bias, repetition_penalties, seen_tokens, presence_penalties, frequency_penalties, output_counts
+    )
     greedy = greedy_tokens(logits)
     if temperatures is None:
         return greedy
-    logits = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
-    if top_k is not None or top_p is not None:
-        logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)
-    if min_p is not None:
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = (sampling_probs(logits, temperatures, top_k, top_p, min_p) / noise).argmax(dim=-1)
     return torch.where(temperatures > 0, sampled, greedy)
+
+
+def uniform_draws(
+    shape: torch.Size | tuple[int, ...], device: torch.device, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Uniform [0, 1) draws, a row (the first dimension) per generator; seeded rows draw from their own."""
+    uniform = torch.rand(shape, dtype=torch.float32, device=device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row] = torch.rand(shape[1:], dtype=torch.float32, device=device, generator=generator)
+    return uniform
 
 
 def exponential_noise(
@@ -189,11 +228,7 @@ def exponential_noise(
     """Exponential(1) draws as -log(U), U uniform: on a CPU 5x faster than `exponential_` (0.16 against
     0.9 ms per 49k-token row, some 30 ms of a 100 ms batch-32 step). A U of exactly 0 (2^-24 per token)
     gives an infinite draw, which only takes that token out of the race. Seeded rows draw their own."""
-    uniform = torch.rand(shape, dtype=torch.float32, device=device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            uniform[row] = torch.rand(shape[1:], dtype=torch.float32, device=device, generator=generator)
-    return uniform.log_().neg_()
+    return uniform_draws(shape, device, generators).log_().neg_()
 
 
 class CompiledPick:

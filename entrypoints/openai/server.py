@@ -38,6 +38,10 @@ METRICS = [  # vLLM's name, Prometheus type, help, the engine stat it reads
     ("vllm:num_requests_running", "gauge", "Requests in the running batch.", "num_running"),
     ("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", "num_waiting"),
     ("pagoda:max_batch_size", "gauge", "The most requests one step has run together, since start.", "max_batch_size"),
+    # speculative decoding (0 while it is off): vLLM's names
+    ("vllm:spec_decode_num_drafts", "counter", "Request-steps that checked drafted tokens.", "spec_steps"),
+    ("vllm:spec_decode_num_draft_tokens", "counter", "Tokens drafted.", "spec_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "counter", "Drafted tokens accepted.", "spec_accepted_tokens"),
 ]
 
 

@@ -73,9 +73,12 @@ def test_the_command_lines_model_wins_over_the_one_used_last(tmp_path, monkeypat
     monkeypatch.setattr(host, "load", lambda source, label=None, note="", **settings: loads.append((source, settings)))
     load_at_start(host, LastModel(store), str(tiny_llama), downloaded={}, max_num_seqs=2)
     load_at_start(host, LastModel(store), str(tiny_llama), downloaded={}, max_num_seqs=2, kv_cache_dtype="fp8")
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    load_at_start(host, LastModel(store), str(tiny_llama), downloaded={}, max_num_seqs=2, speculative_config=ngram)
     assert loads == [
         (str(tiny_llama), {"max_num_seqs": 2}),
         (str(tiny_llama), {"max_num_seqs": 2, "kv_cache_dtype": "fp8"}),
+        (str(tiny_llama), {"max_num_seqs": 2, "speculative_config": ngram}),
     ]
 
 

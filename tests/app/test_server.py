@@ -151,3 +151,10 @@ def test_v1_during_a_model_load_says_it_is_loading():
     host.state = LoadState()  # nothing loaded, nothing loading
     idle = client.post("/v1/chat/completions", json=body)
     assert idle.status_code == 503 and "Models tab" in idle.json()["error"]["message"]
+
+
+def test_speculative_decoding_is_a_json_flag():
+    assert parse_args(["--speculative-config", '{"method": "ngram"}']).speculative_config == {"method": "ngram"}
+    assert parse_args([]).speculative_config is None
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-config", "ngram"])

@@ -435,3 +435,13 @@ def test_a_hybrid_models_state_slots_are_a_row_of_their_own():
     assert row.count('class="used') == 1 and row.count('class="cached"') == 2 and row.count("<i></i>") == 4
     assert "1 of 3 chat slots in use, 2 of 4 prefix snapshots kept" in row and "49.0 MiB" in row
     assert '<div class="grid states"' not in render_kv_cache(blocks, stats_for(blocks))
+
+
+def test_speculative_decoding_shows_tokens_per_step_and_acceptance():
+    blocks, owners = two_chats()
+    plain = render_kv_cache(blocks, stats_for(blocks), owners)
+    assert "tok/step" not in plain
+    stats = stats_for(blocks, speculative_method="ngram", spec_steps=10, spec_draft_tokens=40, spec_accepted_tokens=16)
+    html = render_kv_cache(blocks, stats, owners)
+    assert "<b>2.6</b> tok/step (ngram, 40% accepted)" in html
+    assert "16 of 40 drafted tokens accepted over 10 request-steps" in html

@@ -1,0 +1,58 @@
+"""`speculative_config`, with vLLM's names: {"method": "ngram", "num_speculative_tokens": k, ...}."""
+
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)  # the draft model and MTP heads come next (issue 32)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 4  # the most tokens proposed per request and step
+    # n-gram (prompt lookup): the longest and shortest suffix of the request's tokens searched for earlier in them
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def parse(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        """A SpeculativeConfig from what a user gives: a dict with vLLM's keys, or one already made."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(
+                "speculative_config is a dict such as {'method': 'ngram', 'num_speculative_tokens': 4}, "
+                f"got {type(value).__name__}"
+            )
+        if "method" not in value:
+            raise ValueError(f"speculative_config needs a 'method', one of {METHODS}")
+        check_method(value["method"])  # first: vLLM's keys of a method not served yet are not "unknown"
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known keys are {sorted(known)}")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        check_method(self.method)
+        for name, low, high in (
+            ("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+            ("prompt_lookup_max", 1, 64),
+            ("prompt_lookup_min", 1, 64),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"speculative_config {name} must be a whole number in {low}..{high}, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+
+
+def check_method(method: object) -> None:
+    if method not in METHODS:
+        raise ValueError(
+            f"speculative_config method must be one of {METHODS}, got {method!r} "
+            "(draft models and MTP heads are not supported yet)"
+        )

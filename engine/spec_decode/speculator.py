@@ -1,0 +1,96 @@
+"""Between two steps, the drafts each running request will have checked in the next one, and what came of them.
+
+Which requests speculate: those whose next token depends only on the logits of its own row, so that the step's
+sampler can check k drafted tokens in k + 1 rows at once (engine/sample/rejection.py). A request with a structured
+output, a repetition/presence/frequency penalty or logprobs decodes plainly, one token a step, exactly as
+without speculation.
+
+How many tokens to propose adapts to what gets accepted: after a step that accepted a of k drafts, the next
+proposal is a + 1 long (the full length again once a draft is accepted whole), and a request whose drafts all
+fail proposes nothing for 1, 2, 4, ... 32 steps, so a request that gains nothing costs almost nothing.
+"""
+
+from dataclasses import dataclass
+
+from engine.core.sequence import Sequence
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import NgramProposer
+
+MAX_BACKOFF_STEPS = 32
+
+
+@dataclass
+class DraftState:
+    """A request's speculation: how many tokens to propose next, and the steps it sits out after a miss."""
+
+    length: int
+    skip_steps: int = 0
+    misses: int = 0
+
+
+@dataclass
+class SpeculationStats:
+    steps: int = 0  # request-steps that checked drafts
+    draft_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # of those, accepted
+
+
+def speculates(seq: Sequence) -> bool:
+    params = seq.sampling_params
+    return (
+        seq.grammar is None
+        and not seq.wants_logprobs
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+    )
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpeculationStats()
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Set each request's `draft_token_ids` for its next step: empty for one that prefills, has a token in
+        flight, sits out, or may not speculate."""
+        for seq in seqs:
+            seq.draft_token_ids = []
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or not speculates(seq):
+                continue
+            state = seq.draft_state or DraftState(self.config.num_speculative_tokens)
+            seq.draft_state = state
+            if state.skip_steps:
+                state.skip_steps -= 1
+                continue
+            # the step samples one token after the drafts: all of them must fit under the request's length limit
+            room = seq.max_len - len(seq) - 1
+            seq.draft_token_ids = self.proposer.propose(seq.token_ids, min(state.length, room))
+
+    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """What a step made of `seq`'s drafts, for the next proposal's length and for stats()."""
+        self.stats.steps += 1
+        self.stats.draft_tokens += num_drafted
+        self.stats.accepted_tokens += num_accepted
+        state = seq.draft_state
+        if num_accepted == num_drafted:
+            state.length, state.misses = self.config.num_speculative_tokens, 0
+        elif num_accepted:
+            state.length, state.misses = num_accepted + 1, 0
+        else:
+            state.length = 1
+            state.skip_steps = min(MAX_BACKOFF_STEPS, 1 << state.misses)
+            state.misses += 1
+
+
+def make_speculator(config: SpeculativeConfig | None, runner) -> "Speculator | None":
+    """The engine's Speculator for `config` (None: no speculation), refused for a model it cannot serve yet."""
+    if config is None:
+        return None
+    if runner.state_slots[0]:
+        raise ValueError(
+            "speculative decoding does not work yet with models whose layers keep a recurrent state (Qwen3.5, "
+            "Qwen3-Next): their state cannot yet be rolled back past rejected drafts; load without speculative_config"
+        )
+    return Speculator(config)
