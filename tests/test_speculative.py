@@ -302,3 +302,25 @@ def test_draft_rows_of_a_step(make_llm, tiny_llama):
     assert step.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert step.seq_lens.tolist() == [5, 6, 7, 3]
     assert step.block_tables.tolist() == [[3], [3], [3], [4]]
+
+
+def test_drafts_never_preempt_another_request():
+    """With no block free, a request whose drafts would need a new block decodes without them; nobody is preempted."""
+    from engine.core.block_manager import BlockManager
+    from engine.core.scheduler import Scheduler
+    from engine.core.sequence import Sequence, SequenceStatus
+
+    bm = BlockManager(2, 4, True)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    first, second = Sequence([1, 2, 3], greedy()), Sequence([5, 6], greedy())  # blocks of 4 tokens
+    for seq in (first, second):
+        scheduler.add(seq)
+    assert [item.num_new_tokens for item in scheduler.schedule()] == [3, 2]  # both blocks taken
+    for seq, token in ((first, 9), (second, 8)):
+        seq.num_computed_tokens = len(seq.token_ids)
+        seq.token_ids.append(token)
+    first.draft_token_ids = [1, 2, 3]  # the first at position 4: a new block, and none is free
+    second.draft_token_ids = [5]  # position 3: in its own block
+    batch = scheduler.schedule()
+    assert [(item.num_new_tokens, item.draft_token_ids) for item in batch] == [(1, []), (2, [5])]
+    assert scheduler.num_preemptions == 0 and second.status == SequenceStatus.RUNNING

@@ -93,6 +93,9 @@ class Scheduler:
             n += len(drafts)
             bm.release_out_of_window(seq)
             needed = bm.blocks_needed(seq, n)
+            if drafts and needed > bm.num_free_blocks:  # speculation never preempts: the decode goes without
+                n, drafts = n - len(drafts), []
+                needed = bm.blocks_needed(seq, n)
             while needed > bm.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim)
