@@ -35,8 +35,9 @@ def verify_drafts(
     """Per row, the token that the row's request gets at that place: its accepted draft, then one sampled token
     at the first rejecting row, then -1. `batch`: the sampling parameters per row (a request's repeated over its
     rows); `draft_token_ids`: the token each row checks, -1 for none; `draft_offsets`: each row's place among
-    its request's rows (0, 1, ..., k). Rows of one request are consecutive. Structured outputs and the
-    penalties that look at earlier tokens are not for this: their rows would need the drafts before them."""
+    its request's rows (0, 1, ..., k). Rows of one request are consecutive. A request with a structured output
+    or a penalty that looks at earlier tokens never drafts (engine/spec_decode/speculator.py): its row would need
+    the drafts before it; it may share the batch, with one row and no draft, sampled as the sampler would."""
     if batch.grammar_rows is not None:  # a constrained request beside the speculating ones: one row, no draft
         logits = apply_grammar_mask(logits, batch.grammar_rows, batch.grammar_allowed)
     # Penalties apply to the rows of requests that do not speculate (a speculating request's are neutral).
