@@ -85,6 +85,12 @@ def count(n: int, thing: str) -> str:
     return f"{n:,} {thing}{'' if n == 1 else 's'}"
 
 
+def preview(text: str, length: int = 60) -> str:
+    """The start of a text, on one line: a new chat's title, or the message an edit changes."""
+    words = " ".join(text.split())
+    return words[:length] + ("…" if len(words) > length else "")
+
+
 def with_stats_line(text: str, stats: str) -> str:
     """A reply with its stats line under it. A reply stopped inside a code block gets the block closed first:
     otherwise the line rendered as code, inside the block."""

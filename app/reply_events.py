@@ -1,6 +1,6 @@
-"""A chat's replies, as the page's events: one started and followed as it streams, stopped, taken back and
-answered again (Regenerate, Edit last message, Drop the oldest turn), and ended when no page watches it any more
-or Pagoda shuts down.
+"""A chat's replies, as the page's events: one started and followed as it streams, stopped, answered again in a
+new branch (Regenerate, an edited message) or after Drop the oldest turn, and ended when no page watches it any
+more or Pagoda shuts down.
 
 ReplyEvents is the replies' half of PagodaUI (app/ui.py, which has the chats and the live panels): it works on the
 store, the model host, the sessions and the replies PagodaUI holds, and draws with PagodaUI's views of a chat
@@ -21,7 +21,7 @@ from app.backend import (
     meter_text,
     reply_room,
 )
-from app.chat import ReplyTask, Turn, as_shown
+from app.chat import ReplyTask, Turn, as_shown, preview
 from app.chat_settings import ChatSettings
 from app.model_host import ModelHost
 from app.page import user_error
@@ -37,7 +37,7 @@ UNLOAD_GRACE_S = 5.0  # after a session ends, how long before its unwatched repl
 UNWATCHED_S = 2.0  # a reply whose page has not polled it for this long is not being watched
 STOP_WAIT_S = 10.0  # how long editing or regenerating waits for the chat's running reply to stop
 SHUTDOWN_WAIT_S = 2.0  # how long shutting down waits for the replies streaming to store their last words
-UNCHANGED = tuple(gr.update() for _ in range(5))  # a reply stream's outputs, left as they are
+UNCHANGED = tuple(gr.update() for _ in range(6))  # a reply stream's outputs, left as they are
 # A prompt shorter than this is read in well under a second: no progress line flickers before its reply.
 PREFILL_PROGRESS_MIN_TOKENS = 256
 
@@ -64,11 +64,17 @@ class ReplyEvents:
         max_tokens: int,
         request: gr.Request,
     ):
-        """Add the user's message (when given), start the assistant's reply and follow it."""
+        """Add the user's message (when given), start the assistant's reply and follow it. A message the page is
+        editing (edit_message) is replaced by this one in a new branch; the old branch stays."""
         sliders = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
         if conversation_id is None:
             conversation_id = self.store.create(system_prompt=system_prompt or "").id
-        conversation_id, system_prompt = int(conversation_id), system_prompt or ""
+        after = self._edit_point(int(conversation_id), user_text, request)
+        yield from self._answer(int(conversation_id), user_text, after, system_prompt, sliders, request)
+
+    def _answer(self, conversation_id: int, user_text: str, after, system_prompt: str, sliders: tuple, request):
+        """respond's work: the message (if any) and the reply go after message `after` ("end": the chat's last)."""
+        system_prompt = system_prompt or ""
         backend = self.host.backend
         if backend is None:
             raise user_error(
@@ -81,7 +87,8 @@ class ReplyEvents:
         settings = ChatSettings.from_dict(stored).replace(**dict(zip([k for k, *_ in SLIDERS], sliders, strict=True)))
         self.store.update(conversation_id, system_prompt=system_prompt, settings={**stored, **settings.to_dict()})
         pending = user_text if user_text and user_text.strip() else ""
-        messages = [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)]
+        before = self.store.messages(conversation_id) if after == "end" else self._path_to(conversation_id, after)
+        messages = [{"role": m.role, "content": m.content} for m in before]
         if pending:
             messages.append({"role": "user", "content": pending})
         try:
@@ -102,12 +109,16 @@ class ReplyEvents:
                 gr.update(visible=True, value=f"**{e}**"),
                 gr.update(visible=overflow),
                 gr.update(),
+                gr.update(),  # an edit in progress stays one
             )
             return
         if pending:
-            self.store.add_message(conversation_id, "user", pending)
+            after = self.store.add_message(conversation_id, "user", pending, after=after).id
             self._title_from_first_message(conversation_id, pending)
-        reply = self.store.add_message(conversation_id, "assistant", "")
+        reply = self.store.add_message(conversation_id, "assistant", "", after=after)
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.editing = None
         task = ReplyTask(
             stream, self.store, reply.id, num_prompt_tokens, model=backend.model, max_tokens=settings.max_tokens
         )
@@ -123,12 +134,30 @@ class ReplyEvents:
             return
         yield (
             self.history(conversation_id),
-            "",
+            "",  # clears the box
             gr.update(visible=False),
-            gr.update(visible=False),  # clears the box
+            gr.update(visible=False),
             self.live_meter(task.turn),
+            gr.update(visible=False),  # the edit, if it was one, is done
         )
         yield from self.follow(conversation_id, request)
+
+    def _path_to(self, conversation_id: int, message_id: int | None) -> list:
+        return [] if message_id is None else self.store.path_to(conversation_id, message_id)
+
+    def _edit_point(self, conversation_id: int, user_text: str, request) -> int | None | str:
+        """Where a message sent now goes: after the chat's last ("end"), or, while the page edits one of the chat's
+        messages, beside it (after its parent), so that the edit starts a new branch."""
+        session = self.sessions.get(request.session_hash) if request is not None else None
+        editing = session.editing if session is not None else None
+        if editing is None or editing[0] != conversation_id:
+            return "end"
+        if not (user_text and user_text.strip()):
+            raise user_error("Type the message's new text, or press Cancel edit to leave it as it is.")
+        try:
+            return self.store.path_to(conversation_id, editing[1])[-1].parent_id
+        except NotFound:  # the message went (its turn was dropped): the text is sent as a new message
+            return "end"
 
     @staticmethod
     def too_long_alone(backend, system_prompt: str, message: str, settings: ChatSettings) -> str | None:
@@ -162,7 +191,7 @@ class ReplyEvents:
             return
         if task is None:
             shown = conversation_id is None or self.shows(request, conversation_id)
-            yield (history, gr.update(), hidden, hidden, gr.update()) if shown else UNCHANGED
+            yield (history, gr.update(), hidden, hidden, gr.update(), gr.update()) if shown else UNCHANGED
             return
         history = history[: -2 if len(history) > 1 and history[-2].get("metadata") else -1]  # the reply's rows
         while True:
@@ -172,9 +201,18 @@ class ReplyEvents:
             if task.withdrawn or not self.shows(request, conversation_id):
                 yield UNCHANGED
                 return
+            if finished:  # as the chat shows it from now on: with its stats and links, from the store
+                self.replies.finish(int(conversation_id), task)
+                try:
+                    final = self.history(conversation_id)
+                except NotFound:  # deleted as it ended
+                    yield UNCHANGED
+                    return
+                yield final, gr.update(), hidden, hidden, self.live_meter(task.turn), gr.update()
+                return
             turn = task.turn
-            content = as_shown(turn.text, turn.summary() if finished else "")
-            if not (content or turn.reasoning or finished):
+            content = as_shown(turn.text, "")
+            if not (content or turn.reasoning):
                 content = prefill_line(task.stream)
             thought = [thought_row(turn.reasoning, turn.thought_s, turn.thinking)] if turn.reasoning else []
             yield (
@@ -183,10 +221,8 @@ class ReplyEvents:
                 hidden,
                 hidden,
                 self.live_meter(turn),
+                gr.update(),
             )
-            if finished:
-                self.replies.finish(int(conversation_id), task)
-                return
 
     def after_reply(self, conversation_id):
         """Once a reply has ended: its chat's meter, and the chat list (a new chat took its title from its first
@@ -249,8 +285,7 @@ class ReplyEvents:
     def _title_from_first_message(self, conversation_id: int, text: str) -> None:
         conv = self.store.get(conversation_id)
         if conv.title == NEW_CHAT_TITLE:
-            words = " ".join(text.split())
-            self.store.rename(conversation_id, words[:40] + ("…" if len(words) > 40 else ""))
+            self.store.rename(conversation_id, preview(text, 40))
 
     def regenerate(
         self,
@@ -264,25 +299,15 @@ class ReplyEvents:
         max_tokens: int,
         request: gr.Request,
     ):
-        """Replace the last reply with a new one (or answer the last message, when its reply never came)."""
+        """A new reply to the last message, beside the last reply (which stays: ‹ › under it switches back), or the
+        reply to the last message, when it never came."""
         self._stop_reply(conversation_id)
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
         if not msgs:
             raise user_error("There is no reply to regenerate yet.")
-        if msgs[-1].role == "assistant":
-            self.store.delete_messages_from(conversation_id, msgs[-1].id)
-        yield from self.respond(
-            conversation_id,
-            "",
-            system_prompt,
-            temperature,
-            top_p,
-            top_k,
-            min_p,
-            repetition_penalty,
-            max_tokens,
-            request,
-        )
+        after = msgs[-1].parent_id if msgs[-1].role == "assistant" else "end"
+        sliders = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
+        yield from self._answer(int(conversation_id), "", after, system_prompt, sliders, request)
 
     def _stop_reply(self, conversation_id) -> None:
         """Stop the chat's running reply, if any, and wait until it has stored its last words. Editing and
@@ -297,15 +322,24 @@ class ReplyEvents:
             raise user_error("The reply is still stopping; try again in a moment.")
         self.replies.finish(int(conversation_id), task)
 
-    def edit_last(self, conversation_id):
-        """Put the last user message back in the box and remove it (and its reply) from the chat."""
+    def edit_message(self, conversation_id: int, message_id: int, request: gr.Request = None) -> str:
+        """Start editing one of the chat's messages: its reply, if it is still being written, stops, and the next
+        message sent goes beside it (respond). Returns its text, for the box."""
         self._stop_reply(conversation_id)
-        msgs = self.store.messages(conversation_id) if conversation_id is not None else []
-        last_user = next((m for m in reversed(msgs) if m.role == "user"), None)
-        if last_user is None:
-            raise user_error("There is no message to edit.")
-        self.store.delete_messages_from(conversation_id, last_user.id)
-        return self.history(conversation_id), last_user.content
+        message = self.store.path_to(conversation_id, message_id)[-1]
+        if message.role != "user":
+            raise user_error("Only your own messages can be edited: Regenerate writes a reply anew.")
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.editing = (conversation_id, message_id)
+        return message.content
+
+    def cancel_edit(self, request: gr.Request = None):
+        """Cancel edit: the next message sent goes at the end of the chat again. Hides the edit note."""
+        if request is not None:
+            with self.sessions.edit(request.session_hash) as session:
+                session.editing = None
+        return gr.update(visible=False)
 
     def drop_oldest_and_answer(
         self,
@@ -334,10 +368,11 @@ class ReplyEvents:
                 gr.update(visible=True, value=message),
                 gr.update(visible=False),
                 gr.update(),
+                gr.update(),
             )
             return
-        next_user = next((i for i, m in enumerate(msgs[1:], 1) if m.role == "user"), len(msgs))
-        self.store.delete_messages(conversation_id, [m.id for m in msgs[:next_user]])
+        next_user = next((m for m in msgs[1:] if m.role == "user"), None)  # None: one turn, and it all goes
+        self.store.drop_turns_before(conversation_id, next_user.id if next_user is not None else None)
         yield from self.respond(
             conversation_id,
             user_text,

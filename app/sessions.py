@@ -34,6 +34,7 @@ class Session:
     # The page's Rename clicks the server has carried out. The page numbers each click as it sends it, and an Export
     # waits for the Renames clicked before it: the two requests may reach the server in either order.
     renames_done: int = 0
+    editing: tuple[int, int] | None = None  # (chat, message) whose ✎ edit the page is doing: sent, it branches
 
 
 class Sessions:

@@ -10,10 +10,13 @@ One connection is shared by all threads behind a lock: Gradio calls the store fr
 threads, and a chat app's writes are tiny. Several processes may open the same file; SQLite's
 own locking (with a busy timeout) serialises them.
 
+A chat's messages form a tree (app/store_tree.py): Regenerate and an edit add siblings, and the old
+branches stay. ``messages()`` is the one path the chat shows; ``show()`` switches it.
+
 ``updated`` orders the chat list. Every write to a conversation bumps it, except
 ``update_message``, which runs once per streamed token (the ``add_message`` that started the
-reply has already bumped it). Within one database ``updated`` is strictly increasing, so the
-chat touched last is always first in ``list()``.
+reply has already bumped it), and ``show()``, which only looks at another branch. Within one
+database ``updated`` is strictly increasing, so the chat touched last is always first in ``list()``.
 
 The records it returns, and the checks a caller's value passes first, are in app/store_records.py; the
 tables and their migrations in app/store_schema.py.
@@ -30,21 +33,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from app.chat_export import EXPORT_FORMAT, chat_json, chat_markdown
-from app.store_records import (
-    NEW_CHAT_TITLE,
-    ROLES,
-    Conversation,
-    Message,
-    NotFound,
-    Preset,
-    clean_title,
-    timestamp,
-    to_json,
-)
+from app.chat_export import chat_json, chat_markdown, parse_chat_json
+from app.store_records import NEW_CHAT_TITLE, ROLES, Conversation, Message, NotFound, Preset, clean_title, to_json
 from app.store_schema import DEFAULT_PRESETS, SCHEMA_VERSION, SchemaError, migrate
+from app.store_tree import newest_under, path_rows, prune_unused_ancestors, shown_leaf, sibling_ids
 
 __all__ = [
     "NEW_CHAT_TITLE",
@@ -61,6 +55,9 @@ __all__ = [
 ]
 
 DB_NAME = "pagoda.db"
+INSERT_MESSAGE = (
+    "INSERT INTO messages(conversation_id, role, content, meta, created, parent_id) VALUES (?, ?, ?, ?, ?, ?)"
+)
 
 
 def default_db_path() -> Path:
@@ -161,10 +158,28 @@ class ConversationStore:
 
     @staticmethod
     def _message(row: tuple) -> Message:
-        return Message(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
+        return Message(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5], row[6])
+
+    def _require_message(self, conn: sqlite3.Connection, conversation_id: int, message_id: int) -> tuple:
+        row = conn.execute(f"SELECT {self._MSG_COLS} FROM messages WHERE id = ?", (message_id,)).fetchone()
+        if row is None or row[1] != conversation_id:
+            self._require_conversation(conn, conversation_id)
+            raise NotFound(
+                f"Chat {conversation_id} has no message with id {message_id!r}. Use an id from "
+                f"messages({conversation_id})."
+            )
+        return row
+
+    @staticmethod
+    def _insert_path(conn: sqlite3.Connection, conversation_id: int, rows: builtins.list[tuple]) -> None:
+        """Add (role, content, meta JSON, created) rows to an empty chat as its one path, and show it."""
+        parent = None
+        for row in rows:
+            parent = conn.execute(INSERT_MESSAGE, (conversation_id, *row, parent)).lastrowid
+        conn.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (parent, conversation_id))
 
     _CONV_COLS = "id, title, system_prompt, settings, created, updated"
-    _MSG_COLS = "id, conversation_id, role, content, meta, created"
+    _MSG_COLS = "id, conversation_id, role, content, meta, created, parent_id"
 
     # ---- conversations -------------------------------------------------------------------------
 
@@ -274,8 +289,18 @@ class ConversationStore:
 
     # ---- messages ------------------------------------------------------------------------------
 
-    def add_message(self, conversation_id: int, role: str, content: str, meta: dict | None = None) -> Message:
-        """Append a message (role: system, user or assistant) and bump the chat's ``updated``."""
+    def add_message(
+        self,
+        conversation_id: int,
+        role: str,
+        content: str,
+        meta: dict | None = None,
+        *,
+        after: int | None | Literal["end"] = "end",
+    ) -> Message:
+        """Add a message (role: system, user or assistant), show the path that ends with it, and bump the chat's
+        ``updated``. It follows the shown path's last message ("end"), message `after` (a new branch beside the
+        messages that follow that one already), or nothing (None: a first message, beside the chat's others)."""
         if role not in ROLES:
             raise ValueError(f"Unknown role {role!r}: use one of {', '.join(ROLES)}.")
         if not isinstance(content, str):
@@ -283,13 +308,18 @@ class ConversationStore:
         meta_json = to_json(meta, "meta")
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
+            if after == "end":
+                parent = shown_leaf(conn, conversation_id)
+            elif after is None:
+                parent = None
+            else:
+                parent = self._require_message(conn, conversation_id, after)[0]
             now = self._stamp(conn)
-            cur = conn.execute(
-                "INSERT INTO messages(conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
-                (conversation_id, role, content, meta_json, now),
+            cur = conn.execute(INSERT_MESSAGE, (conversation_id, role, content, meta_json, now, parent))
+            conn.execute(
+                "UPDATE conversations SET updated = ?, leaf_id = ? WHERE id = ?", (now, cur.lastrowid, conversation_id)
             )
-            conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
-            return Message(cur.lastrowid, conversation_id, role, content, json.loads(meta_json), now)
+            return Message(cur.lastrowid, conversation_id, role, content, json.loads(meta_json), now, parent)
 
     def update_message(self, message_id: int, content: str, meta: dict | None = None) -> None:
         """Replace a message's content (and its meta, if given). Committed before it returns."""
@@ -308,41 +338,62 @@ class ConversationStore:
                 )
 
     def messages(self, conversation_id: int) -> builtins.list[Message]:
-        """A chat's messages, oldest first."""
+        """The messages of the path the chat shows, oldest first (its other branches: ``siblings``, ``show``)."""
         with self._read() as conn:
-            rows = conn.execute(
-                f"SELECT {self._MSG_COLS} FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
-            ).fetchall()
-            if not rows:
+            self._require_conversation(conn, conversation_id)
+            leaf = shown_leaf(conn, conversation_id)
+            return [] if leaf is None else [self._message(r) for r in path_rows(conn, leaf, self._MSG_COLS)]
+
+    def path_to(self, conversation_id: int, message_id: int) -> builtins.list[Message]:
+        """The messages from the chat's first down to `message_id`, oldest first."""
+        with self._read() as conn:
+            self._require_message(conn, conversation_id, message_id)
+            return [self._message(r) for r in path_rows(conn, message_id, self._MSG_COLS)]
+
+    def siblings(self, conversation_id: int, message_id: int) -> builtins.list[int]:
+        """The ids of the message and its alternatives (the messages that follow the same one), oldest first."""
+        with self._read() as conn:
+            parent = self._require_message(conn, conversation_id, message_id)[6]
+            return sibling_ids(conn, conversation_id, parent)
+
+    def show(self, conversation_id: int, message_id: int) -> None:
+        """Show the branch through `message_id`, down to the newest message under it (where the user wrote last in
+        that branch). Only a view changes: the chat keeps its place in the list."""
+        with self._write() as conn:
+            self._require_message(conn, conversation_id, message_id)
+            conn.execute(
+                "UPDATE conversations SET leaf_id = ? WHERE id = ?", (newest_under(conn, message_id), conversation_id)
+            )
+
+    def branch(self, conversation_id: int, message_id: int) -> Conversation:
+        """A new chat with this chat's title (marked as a branch), system prompt and settings, holding a copy of its
+        path down to `message_id`; the chat itself stays as it is."""
+        with self._write() as conn:
+            self._require_message(conn, conversation_id, message_id)
+            conv = self._conversation(
+                conn.execute(f"SELECT {self._CONV_COLS} FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+            )
+            now = self._stamp(conn)
+            cid = conn.execute(
+                "INSERT INTO conversations(title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?)",
+                (f"{conv.title} (branch)", conv.system_prompt, json.dumps(conv.settings), now, now),
+            ).lastrowid
+            self._insert_path(conn, cid, path_rows(conn, message_id, "role, content, meta, created"))
+        return self.get(cid)
+
+    def drop_turns_before(self, conversation_id: int, message_id: int | None) -> None:
+        """Take the messages above `message_id` off the path the chat shows (the oldest turns, when the context is
+        full): it becomes a first message. None takes the whole path off. Each message taken off is deleted, unless
+        another branch still goes through it."""
+        with self._write() as conn:
+            if message_id is None:
                 self._require_conversation(conn, conversation_id)
-        return [self._message(r) for r in rows]
-
-    def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
-        """Delete this message and every later one in the chat (for regenerate / edit)."""
-        with self._write() as conn:
-            self._require_conversation(conn, conversation_id)
-            row = conn.execute("SELECT conversation_id FROM messages WHERE id = ?", (message_id,)).fetchone()
-            if row is None or row[0] != conversation_id:
-                raise NotFound(
-                    f"Chat {conversation_id} has no message with id {message_id!r}. "
-                    f"Use an id from messages({conversation_id})."
-                )
-            conn.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
-            self._touch(conn, conversation_id)
-
-    def delete_messages(self, conversation_id: int, message_ids: builtins.list[int]) -> None:
-        """Delete these messages of the chat (for dropping the oldest turns when the context is full)."""
-        with self._write() as conn:
-            self._require_conversation(conn, conversation_id)
-            for message_id in message_ids:
-                cur = conn.execute(
-                    "DELETE FROM messages WHERE conversation_id = ? AND id = ?", (conversation_id, message_id)
-                )
-                if cur.rowcount != 1:
-                    raise NotFound(
-                        f"Chat {conversation_id} has no message with id {message_id!r}. "
-                        f"Use an id from messages({conversation_id})."
-                    )
+                parent = shown_leaf(conn, conversation_id)
+                conn.execute("UPDATE conversations SET leaf_id = NULL WHERE id = ?", (conversation_id,))
+            else:
+                parent = self._require_message(conn, conversation_id, message_id)[6]
+                conn.execute("UPDATE messages SET parent_id = NULL WHERE id = ?", (message_id,))
+            prune_unused_ancestors(conn, parent)
             self._touch(conn, conversation_id)
 
     # ---- presets -------------------------------------------------------------------------------
@@ -413,44 +464,14 @@ class ConversationStore:
 
     def import_json(self, text: str) -> Conversation:
         """Create a new chat from ``export_json`` output (new ids; timestamps kept)."""
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"This is not JSON ({e}); import a file made by Pagoda's JSON export.") from None
-        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # app/chat_export.py writes it
-            raise ValueError(f'This JSON is not a Pagoda chat export (no "format": "{EXPORT_FORMAT}").')
-        raw_msgs: Any = data.get("messages", [])
-        if not isinstance(raw_msgs, builtins.list) or not all(isinstance(m, dict) for m in raw_msgs):
-            raise ValueError('"messages" must be a list of objects with role and content.')
-        title = clean_title(data.get("title", ""))
-        system_prompt = data.get("system_prompt", "")
-        if not isinstance(system_prompt, str):
-            raise ValueError('"system_prompt" must be a string.')
-        settings_json = to_json(data.get("settings", {}), "settings")
-        rows = []
-        for i, m in enumerate(raw_msgs):
-            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"Message {i} needs a role in {ROLES} and string content.")
-            rows.append(
-                (
-                    m["role"],
-                    m["content"],
-                    to_json(m.get("meta", {}), f"message {i} meta"),
-                    timestamp(m.get("created"), f"message {i} created"),
-                )
-            )
-        created = timestamp(data.get("created"), "created")
+        chat = parse_chat_json(text)  # app/chat_export.py: ValueError says what is wrong
         with self._write() as conn:
             now = self._stamp(conn)
-            cur = conn.execute(
+            cid = conn.execute(
                 "INSERT INTO conversations(title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?)",
-                (title, system_prompt, settings_json, created, now),
-            )
-            cid = cur.lastrowid
-            conn.executemany(
-                "INSERT INTO messages(conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
-                [(cid, *r) for r in rows],
-            )
+                (chat.title, chat.system_prompt, chat.settings_json, chat.created, now),
+            ).lastrowid
+            self._insert_path(conn, cid, chat.rows)
         return self.get(cid)
 
     # ---- lifetime ------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ class Message:
     content: str
     meta: dict
     created: float
+    parent_id: int | None = None  # the message it follows (None: the chat's first); siblings are other branches
 
     def as_chat(self) -> dict[str, str]:
         """The ``{"role", "content"}`` dict that chat templates and gr.Chatbot take."""

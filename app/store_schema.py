@@ -63,9 +63,25 @@ def _add_app_settings_v2(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE TABLE app_settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
+def _message_tree_v3(conn: sqlite3.Connection) -> None:
+    """Messages form a tree: each follows its parent (NULL for a first message), so a regenerated reply or an edited
+    message is a sibling and the old branch stays. A chat shows one path, remembered by its last message (leaf_id).
+    Every message of an older database is put on its chat's one path, in the order it was written."""
+    conn.execute("ALTER TABLE messages ADD COLUMN parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE")
+    conn.execute("ALTER TABLE conversations ADD COLUMN leaf_id INTEGER REFERENCES messages(id) ON DELETE SET NULL")
+    conn.execute("""
+        UPDATE messages SET parent_id = (
+            SELECT max(p.id) FROM messages p WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id
+        )""")
+    conn.execute(
+        "UPDATE conversations SET leaf_id = (SELECT max(id) FROM messages WHERE conversation_id = conversations.id)"
+    )
+    conn.execute("CREATE INDEX messages_by_parent ON messages(parent_id, id)")
+
+
 # MIGRATIONS[v] upgrades a database at user_version v to v + 1, inside one transaction.
 # Version 0 is a brand-new file. To change the schema, append a function and bump nothing else.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1, _add_app_settings_v2]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1, _add_app_settings_v2, _message_tree_v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

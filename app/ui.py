@@ -13,7 +13,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.chat import as_shown, summary
+from app.chat import as_shown, preview, summary
 from app.chat_settings import ChatSettings
 from app.model_host import ModelHost
 from app.page import user_error
@@ -21,7 +21,7 @@ from app.page.chat_tab import SLIDERS
 from app.reply_events import ReplyEvents, thought_row
 from app.sessions import Replies, Session, Sessions
 from app.store import ConversationStore
-from app.store_records import NotFound
+from app.store_records import Message, NotFound
 
 
 class PagodaUI(ReplyEvents):
@@ -41,20 +41,22 @@ class PagodaUI(ReplyEvents):
         return [(c.title, c.id) for c in self.store.list(query)]
 
     def history(self, conversation_id: int | None) -> list[dict]:
+        """The chat's shown path as the chatbot's rows: each message with its line of links (‹ › to its other
+        branches, ✎ edit, new chat from here; message_action follows them) and, for a reply, its stats."""
         if conversation_id is None:
             return []
         rows = []
         msgs = self.store.messages(conversation_id)
         running = self.replies.get(int(conversation_id))
         for i, m in enumerate(msgs):
-            content = m.content
             stats = summary(m.meta) if m.role == "assistant" else ""
             # Saved mid-stream and never finished, and not the reply streaming now: Pagoda stopped under it
             # (a crash, a kill). It looked finished.
             live = running is not None and not running.done.is_set() and i == len(msgs) - 1
             if m.role == "assistant" and m.meta.get("finished") is False and not live:
                 stats = "interrupted: Pagoda stopped before this reply finished" + (f" · {stats}" if stats else "")
-            content = as_shown(content, stats)
+            nav, actions = ("", "") if live else message_links(m, self.store.siblings(m.conversation_id, m.id))
+            content = as_shown(m.content, " · ".join(part for part in (nav, stats, actions) if part))
             if m.role == "assistant" and m.meta.get("reasoning"):
                 rows.append(thought_row(m.meta["reasoning"], m.meta.get("thought_s"), thinking=live and not m.content))
             rows.append({"role": m.role, "content": content})
@@ -215,6 +217,35 @@ class PagodaUI(ReplyEvents):
         path.write_text(text, encoding="utf-8")
         return str(path)
 
+    def message_action(self, conversation_id, action: str, request: gr.Request = None) -> tuple:
+        """A link under a message, clicked: "show-<id>" (‹ ›: that branch), "edit-<id>" (✎: the message into the box,
+        sent as a new branch) or "branch-<id>" (new chat from here: a copy of the chat down to it, opened). Returns the
+        chat, the box, the edit note's row and text, the meter and the chat list."""
+        keep = gr.update()
+        kind, _, number = (action or "").partition("-")
+        if conversation_id is None or not number.isdigit() or kind not in ("show", "edit", "branch"):
+            return (keep,) * 6
+        conversation_id, message_id = int(conversation_id), int(number)
+        try:
+            if kind == "edit":
+                text = self.edit_message(conversation_id, message_id, request)
+                note = (
+                    f"**Editing** “{preview(text)}”. Send starts a new branch from it; the old one stays, and ‹ › "
+                    "under the message switches between them."
+                )
+                return self.history(conversation_id), text, gr.update(visible=True), note, keep, keep
+            if kind == "show":
+                running = self.replies.get(conversation_id)
+                if running is not None and not running.done.is_set():
+                    raise user_error("This chat is still answering: press Stop first, then switch branches.")
+                self.store.show(conversation_id, message_id)
+                return self.history(conversation_id), keep, keep, keep, self.context_meter(conversation_id), keep
+            branch = self.store.branch(conversation_id, message_id)
+        except NotFound:  # the page showed a message since dropped, or a chat since deleted
+            raise user_error("That message is gone: the chat changed since the page drew it.") from None
+        self.asked_for_chat(branch.id, request)
+        return keep, keep, keep, keep, keep, gr.update(choices=self.conversation_choices(), value=branch.id)
+
     # ---- live panels ----------------------------------------------------------------------------
     def header(self) -> str:
         backend = self.host.backend
@@ -272,6 +303,19 @@ class PagodaUI(ReplyEvents):
     def kv_panel(self) -> str:
         backend = self.host.backend
         return backend.kv_panel(self.replies.labels()) if backend is not None else "<p>No model loaded.</p>"
+
+
+def message_links(message: Message, siblings: list[int]) -> tuple[str, str]:
+    """The links under a message: "‹ 2/3 ›" to the other branches at it, and its actions, ✎ edit (for the user's
+    own) and "new chat from here". Each is a "#pagoda-<action>" link that the page's script makes a message_action."""
+    nav = ""
+    if len(siblings) > 1:
+        i = siblings.index(message.id)
+        before = f"[‹](#pagoda-show-{siblings[i - 1]})" if i > 0 else "‹"
+        after = f"[›](#pagoda-show-{siblings[i + 1]})" if i + 1 < len(siblings) else "›"
+        nav = f"{before} {i + 1}/{len(siblings)} {after}"
+    edit = f"[✎ edit](#pagoda-edit-{message.id}) · " if message.role == "user" else ""
+    return nav, f"{edit}[new chat from here](#pagoda-branch-{message.id})"
 
 
 def slider_values(settings: ChatSettings) -> list:

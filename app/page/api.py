@@ -63,7 +63,7 @@ def add_api(ui: "PagodaUI") -> None:
 
     def list_messages(conversation_id: int) -> list[dict]:
         return [
-            {"id": m.id, "role": m.role, "content": m.content, "meta": m.meta}
+            {"id": m.id, "parent_id": m.parent_id, "role": m.role, "content": m.content, "meta": m.meta}
             for m in ui.store.messages(int(conversation_id))
         ]
 

@@ -31,8 +31,18 @@ KEYS_JS = """
   document.addEventListener('keydown', (e) => {
     if (e.key === 'Escape') { document.querySelector('#stop-btn')?.click(); }
   });
+  document.addEventListener('click', (e) => {
+    const link = e.target.closest('#chatbot a[href^="#pagoda-"]');
+    if (!link) { return; }
+    e.preventDefault();
+    e.stopPropagation();
+    window.pagodaAction = link.getAttribute('href').slice('#pagoda-'.length);
+    document.querySelector('#message-action')?.click();
+  }, true);
 }
-"""  # Esc presses Stop; runs as the page loads
+"""  # runs as the page loads: Esc presses Stop, and the links under a message (‹ ›, ✎ edit, new chat from here) act
+# on it (PagodaUI.message_action) instead of being followed. Capture: the chatbot opens links in a new tab.
+ACTION_JS = "(cid, action) => [cid, window.pagodaAction || '']"  # the link clicked last, as the action's input
 DOWNLOAD_JS = """
 (file) => {
   if (!file?.url) { return; }
@@ -66,7 +76,11 @@ class ChatTab:
     msg: gr.Textbox
     stop_btn: gr.Button
     regen_btn: gr.Button
-    edit_btn: gr.Button
+    edit_row: gr.Row  # shown while a message is being edited (✎ under it)
+    edit_note: gr.Markdown
+    cancel_edit_btn: gr.Button
+    action: gr.Textbox  # carries a message link's action (ACTION_JS) to the hidden button that sends it
+    action_btn: gr.Button
     md_btn: gr.Button
     json_btn: gr.Button
     export_file: gr.File  # the file an Export button just made, which the browser then downloads
@@ -89,6 +103,11 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     with gr.Row(visible=False) as overflow_row:
         drop_btn = gr.Button("Drop the oldest turn", size="sm")
         fresh_btn = gr.Button("Start a new chat", size="sm")
+    with gr.Row(visible=False, elem_id="edit-note") as edit_row:
+        edit_note = gr.Markdown()
+        cancel_edit_btn = gr.Button("Cancel edit", size="sm", scale=0, min_width=120)
+    action = gr.Textbox(visible=False)
+    action_btn = gr.Button(visible="hidden", elem_id="message-action")
     msg = gr.Textbox(
         placeholder="Message (Enter sends, Shift+Enter for a new line)",
         lines=1,
@@ -100,7 +119,6 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     with gr.Row():
         stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
         regen_btn = gr.Button("Regenerate", size="sm")
-        edit_btn = gr.Button("Edit last message", size="sm")
         md_btn = gr.Button("Export Markdown", size="sm")
         json_btn = gr.Button("Export JSON", size="sm")
     export_file = gr.File(visible="hidden", elem_id="export-file")
@@ -147,7 +165,11 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         msg,
         stop_btn,
         regen_btn,
-        edit_btn,
+        edit_row,
+        edit_note,
+        cancel_edit_btn,
+        action,
+        action_btn,
         md_btn,
         json_btn,
         export_file,
@@ -186,7 +208,7 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
 
     options = [tab.think, tab.json_output, tab.json_schema]
     opened = [tab.chatbot, tab.system, tab.system_of, *tab.sliders, tab.meter, bar.title, *options]
-    reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row, tab.meter]
+    reply_outputs = [tab.chatbot, tab.msg, tab.overflow, tab.overflow_row, tab.meter, tab.edit_row]
     reply_inputs = [bar.current, tab.msg, tab.system, *tab.sliders]
     refresh = dict(fn=ui.after_reply, inputs=bar.current, outputs=[tab.meter, bar.conversations])
     limit = ui.max_concurrent_chats
@@ -210,9 +232,18 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
         option.input(ui.set_chat_options, [bar.current, *options], None)
     tab.json_output.input(lambda on: gr.update(visible=on), tab.json_output, tab.json_schema)
     follow = opening.then(ui.follow, bar.current, reply_outputs, **quiet)
-    # Editing stops the chat's reply (PagodaUI.edit_last), and this page stops drawing it first, so that
-    # its last frame cannot land after the edited chat.
-    tab.edit_btn.click(ui.edit_last, bar.current, [tab.chatbot, tab.msg], cancels=[send, regen, follow])
+    opening.then(ui.cancel_edit, None, tab.edit_row)  # an edit belongs to the chat it began in
+    # ‹ › switch branches, ✎ edit puts a message in the box (stopping the chat's reply, which then draws no more),
+    # "new chat from here" opens a copy of the chat down to the message
+    tab.action_btn.click(
+        ui.message_action,
+        [bar.current, tab.action],
+        [tab.chatbot, tab.msg, tab.edit_row, tab.edit_note, tab.meter, bar.conversations],
+        js=ACTION_JS,
+        show_progress="hidden",
+        api_visibility="private",
+    )
+    tab.cancel_edit_btn.click(ui.cancel_edit, None, tab.edit_row, show_progress="hidden")
     tab.stop_btn.click(
         ui.stop_and_show, bar.current, [tab.chatbot, tab.meter], cancels=[send, regen, follow], api_name="stop"
     )

@@ -312,30 +312,6 @@ def test_light_or_dark_is_remembered_across_reloads(session, open_page):
     page.close()
 
 
-def test_edit_last_message_while_the_reply_streams_stops_it_and_puts_the_message_back(session, open_page):
-    """It deleted the rows under a streaming reply: the page kept showing the message and "No message with id"."""
-    _, client, _ = session
-    page = open_page()
-    start_new_chat(page, "Write a very long story about a miller, with many chapters.")
-    page.get_by_role("button", name="Edit last message").click()
-    box = page.locator("#message textarea")
-    wait_for_js(
-        page, "() => document.querySelector('#message textarea').value.startsWith('Write a very long')", timeout=20000
-    )
-    wait_for_js(
-        page,
-        "() => document.querySelectorAll('#chatbot [data-testid=\"user\"]').length === 0 && "
-        "document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0",
-        timeout=20000,
-    )
-    wait_idle(client)
-    time.sleep(1)  # a late frame of the stopped reply would land now
-    assert page.locator('#chatbot [data-testid="bot"]').count() == 0
-    assert "No message with id" not in page.locator("body").inner_text()
-    assert box.input_value() == "Write a very long story about a miller, with many chapters."
-    page.close()
-
-
 def test_a_reply_cut_by_a_crash_reads_interrupted_after_the_restart(bundled_model, tmp_path, session):
     """kill -9 mid-reply: the reply stored so far came back looking finished."""
     from tests.processes import wait_until

@@ -28,7 +28,7 @@ def test_the_message_that_does_not_fit_stays_out_and_drop_sends_it(ui):
     conv = ui.store.create().id
     run(ui.respond(conv, WORDS, "", *GREEDY, 16, None))
     assert [m.role for m in ui.store.messages(conv)] == ["user", "assistant"]
-    chat, box, overflow, actions, _meter = run(ui.respond(conv, WORDS + WORDS, "", *GREEDY, 16, None))
+    chat, box, overflow, actions, _meter, _edit = run(ui.respond(conv, WORDS + WORDS, "", *GREEDY, 16, None))
     assert overflow["visible"] and "Drop the oldest messages" in overflow["value"] and actions["visible"]
     assert box == WORDS + WORDS  # kept for Drop, or for an edit
     assert [m.role for m in ui.store.messages(conv)] == ["user", "assistant"]  # not saved into the chat
@@ -45,9 +45,9 @@ def test_the_message_that_does_not_fit_stays_out_and_drop_sends_it(ui):
 
 def test_a_message_longer_than_the_context_alone_says_so_without_an_error(ui):
     conv = ui.store.create().id
-    *_, (chat, box, overflow, actions, _meter) = ui.respond(conv, WORDS * 4, "", *GREEDY, 16, None)
+    *_, (chat, box, overflow, actions, _meter, _edit) = ui.respond(conv, WORDS * 4, "", *GREEDY, 16, None)
     assert box == WORDS * 4 and ui.store.messages(conv) == []
-    chat, box, overflow, actions, _meter = run(ui.drop_oldest_and_answer(conv, box, "", *GREEDY, 16, None))
+    chat, box, overflow, actions, _meter, _edit = run(ui.drop_oldest_and_answer(conv, box, "", *GREEDY, 16, None))
     assert "This message alone is longer" in overflow["value"] and not actions["visible"] and chat == []
 
 

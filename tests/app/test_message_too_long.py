@@ -32,7 +32,7 @@ def test_a_message_longer_than_the_context_alone_says_so_at_once(ui, history):
     if history:
         last(ui.respond(conv, WORDS, "", *GREEDY, 16, None))
     before = [m.id for m in ui.store.messages(conv)]
-    chat, box, overflow, actions, _meter = last(ui.respond(conv, WORDS * 4, "Be brief.", *GREEDY, 16, None))
+    chat, box, overflow, actions, _meter, _edit = last(ui.respond(conv, WORDS * 4, "Be brief.", *GREEDY, 16, None))
     assert overflow["visible"] and "This message alone is too long" in overflow["value"]
     size = re.search(
         r"with the system prompt it is ([\d,]+) tokens, and the model's context holds 320,", overflow["value"]
@@ -46,5 +46,5 @@ def test_a_message_longer_than_the_context_alone_says_so_at_once(ui, history):
 def test_a_message_that_fits_alone_is_still_offered_the_oldest_turn_dropped(ui):
     conv = ui.store.create().id
     last(ui.respond(conv, WORDS, "", *GREEDY, 16, None))
-    chat, box, overflow, actions, _meter = last(ui.respond(conv, WORDS + WORDS, "", *GREEDY, 16, None))
+    chat, box, overflow, actions, _meter, _edit = last(ui.respond(conv, WORDS + WORDS, "", *GREEDY, 16, None))
     assert "Drop the oldest messages" in overflow["value"] and actions["visible"]

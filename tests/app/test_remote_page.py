@@ -13,6 +13,7 @@ import pytest
 
 from app.remote import connect
 from tests.app.canned_server import GREEDY, REPLY, chunk, mock, sse
+from tests.app.chat_text import without_links
 from tests.processes import wait_until
 
 
@@ -43,7 +44,9 @@ def test_the_page_follows_a_remote_reply_and_knows_the_context_only_from_usage(t
     assert ui.context_meter(conv).startswith("Context: unknown / 2,048 tokens")
     assert ui.header() == "**Pagoda** · Remote: m at http://srv/v1"
     *_, last = ui.respond(conv, "Hi", "Be brief.", *GREEDY, 16, None)
-    assert last[0][-1]["content"].startswith("Hello!\n\n<sub>m · first token")  # the model that wrote it first
+    assert without_links(last[0][-1]["content"]).startswith(
+        "Hello!\n\n<sub>m · first token"
+    )  # the model that wrote it first
     reply = ui.store.messages(conv)[-1]
     assert reply.content == "Hello!" and reply.meta["cached_tokens"] == 32
     assert ui.context_meter(conv) == "Context: 43 / 2,048 tokens at the last reply (the server's count)"
@@ -90,7 +93,7 @@ def test_a_stream_line_that_is_not_json_stops_the_reply_and_keeps_its_text(tmp_p
     conv = ui.store.create().id
     *_, last = ui.respond(conv, "Hi", "", *GREEDY, 16, None)
     says = "stopped: The server sent a stream line that is not JSON: '<html>502 Bad Gateway</html>'"
-    assert last[0][-1]["content"] == f"Hel\n\n<sub>m · {says}</sub>"
+    assert without_links(last[0][-1]["content"]) == f"Hel\n\n<sub>m · {says}</sub>"
     reply = ui.store.messages(conv)[-1]
     assert reply.content == "Hel" and "not JSON" in reply.meta["error"]
 

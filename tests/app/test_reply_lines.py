@@ -13,6 +13,7 @@ from app.model_host import ModelHost
 from app.reply_events import UNCHANGED
 from app.store import ConversationStore
 from app.ui import PagodaUI
+from tests.app.chat_text import without_links
 from tests.processes import wait_until
 
 STOPPED_META = {
@@ -43,13 +44,13 @@ def test_a_reply_stopped_inside_a_code_block_has_its_stats_line_under_the_block(
     chat = ui.store.create().id
     ui.store.add_message(chat, "user", "Write a long Python program.")
     ui.store.add_message(chat, "assistant", "Here it is:\n\n```python\ndef main():\n    print(1)", STOPPED_META)
-    shown = ui.history(chat)[-1]["content"]
+    shown = without_links(ui.history(chat)[-1]["content"])
     code, text = code_and_text(shown)
     assert "def main():\n    print(1)" in code  # the code stays a code block
     assert "<sub>" not in code and "stopped</sub>" in text  # and the stats line is not part of it
     # Cut by a crash instead: the "interrupted" line, likewise
     ui.store.add_message(chat, "assistant", "```\nx = 1", {**STOPPED_META, "finish_reason": None, "finished": False})
-    code, text = code_and_text(ui.history(chat)[-1]["content"])
+    code, text = code_and_text(without_links(ui.history(chat)[-1]["content"]))
     assert "<sub>" not in code and "interrupted: Pagoda stopped" in text
 
 
@@ -65,7 +66,7 @@ def test_the_stats_line_leaves_closed_blocks_tildes_and_inline_backticks_alone(t
     ]
     for reply in replies:
         ui.store.add_message(chat, "assistant", reply, STOPPED_META)
-    shown = [row["content"] for row in ui.history(chat)]
+    shown = [without_links(row["content"]) for row in ui.history(chat)]
     for reply, content in zip(replies, shown, strict=True):
         assert content.startswith(reply)
         code, text = code_and_text(content)
@@ -104,7 +105,7 @@ def test_stop_inside_a_code_block_closes_the_block_before_the_stats_line(tmp_pat
     assert wait_until(lambda: task.turn.output_tokens >= 3, timeout=10)
     task.cancel()  # Stop, as the page's last frame sees it
     *_, (chatbot, *_rest) = frames
-    for shown in (chatbot[-1]["content"], ui.stop_and_show(chat)[0][-1]["content"]):
+    for shown in map(without_links, (chatbot[-1]["content"], ui.stop_and_show(chat)[0][-1]["content"])):
         code, text = code_and_text(shown)
         assert "x = 1" in code and "<sub>" not in code and "· stopped</sub>" in text
 
@@ -250,7 +251,7 @@ def test_a_reply_names_its_model_and_says_when_max_reply_tokens_cut_it(tmp_path)
     for message in ("Tell me a long story.", "Again.", "Shorter."):
         list(ui.respond(chat, message, "", *sliders, None))  # follows the reply to its end
     ui.host.backend = None  # another model serves next, or none: the lines stay
-    lines = [row["content"].split("<sub>")[1] for row in ui.history(chat) if row["role"] == "assistant"]
+    lines = [without_links(row["content"]).split("<sub>")[1] for row in ui.history(chat) if row["role"] == "assistant"]
     assert all(line.startswith("Tiny Model 1B · first token ") for line in lines)
     assert " · 16 tokens · " in lines[0]
     assert lines[0].endswith(" from the prefix cache · cut at Max reply tokens (16)</sub>")

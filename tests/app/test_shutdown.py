@@ -13,6 +13,7 @@ from app.model_host import ModelHost
 from app.store import ConversationStore, default_db_path
 from app.ui import PagodaUI
 from tests.app.app_process import AppProcess
+from tests.app.chat_text import without_links
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -86,7 +87,7 @@ def test_shutting_down_keeps_the_replies_streaming_as_interrupted_and_stop_still
     ui.interrupt_replies()
     assert saved[before:] and all(meta["finished"] is False for _, _, meta in saved[before:])  # never "abort"
     assert all(task.done.is_set() for task in tasks)
-    stopped, *interrupted = [ui.history(chat)[-1]["content"] for chat in chats]
+    stopped, *interrupted = [without_links(ui.history(chat)[-1]["content"]) for chat in chats]
     assert stopped.startswith("wave wave") and stopped.endswith("· stopped</sub>")
     for shown in interrupted:
         assert shown.startswith("wave wave") and "<sub>interrupted: Pagoda stopped before this reply finished" in shown

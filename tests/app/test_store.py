@@ -246,22 +246,6 @@ def test_messages_in_order_with_meta(store):
     assert got[0].created <= got[1].created <= got[2].created
 
 
-def test_delete_messages_from(store):
-    c, other = store.create("c"), store.create("other")
-    ids = [store.add_message(c.id, r, f"m{i}").id for i, r in enumerate(["user", "assistant"] * 3)]
-    o = store.add_message(other.id, "user", "untouched")
-    store.delete_messages_from(c.id, ids[3])
-    assert [m.content for m in store.messages(c.id)] == ["m0", "m1", "m2"]
-    store.delete_messages_from(c.id, ids[2])
-    assert [m.content for m in store.messages(c.id)] == ["m0", "m1"]
-    with pytest.raises(ValueError, match="has no message"):
-        store.delete_messages_from(c.id, o.id)  # a message of another chat
-    with pytest.raises(ValueError, match="has no message"):
-        store.delete_messages_from(c.id, ids[4])  # already gone
-    assert [m.content for m in store.messages(other.id)] == ["untouched"]
-    assert store.list()[0].id == c.id  # regenerate counts as activity
-
-
 # ---- presets -----------------------------------------------------------------------------------
 
 
@@ -458,24 +442,6 @@ def test_committed_updates_survive_kill_9(tmp_path):
             n = reply.meta["tokens"]
             assert n >= reported  # nothing reported as committed was lost ...
             assert reply.content == _expected(n)  # ... and content and meta come from the same commit
-
-
-def test_delete_messages_removes_just_those_and_refuses_foreign_ids(tmp_path):
-    from app.store import ConversationStore
-
-    store = ConversationStore(tmp_path / "d.db")
-    a, b = store.create(), store.create()
-    m1 = store.add_message(a.id, "user", "one")
-    m2 = store.add_message(a.id, "assistant", "two")
-    m3 = store.add_message(a.id, "user", "three")
-    other = store.add_message(b.id, "user", "elsewhere")
-    store.delete_messages(a.id, [m1.id, m2.id])
-    assert [m.content for m in store.messages(a.id)] == ["three"]
-    import pytest
-
-    with pytest.raises(ValueError, match="no message"):
-        store.delete_messages(a.id, [other.id])
-    assert [m.id for m in store.messages(b.id)] == [other.id] and m3.id
 
 
 def test_markdown_export_closes_the_code_block_a_cut_reply_left_open(store):

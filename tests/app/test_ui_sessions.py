@@ -189,15 +189,18 @@ def test_editing_or_regenerating_while_a_reply_streams_stops_it_first(tmp_path, 
     assert not running.done.is_set()
     drawing = ui.follow(conv, page)  # the page still draws the reply when the click comes
     next(drawing)
+    question, first_reply = ui.store.messages(conv)
     if action == "edit":
-        history, box = ui.edit_last(conv)
-        assert box == "Tell me a story." and history == [] and ui.store.messages(conv) == []
+        box = ui.edit_message(conv, question.id, page)
+        assert box == "Tell me a story." and ui.sessions.get("page").editing == (conv, question.id)
+        assert [m.id for m in ui.store.messages(conv)] == [question.id, first_reply.id]  # kept until a new one is sent
     else:
         regenerated = ui.regenerate(conv, "", *slider_values(ChatSettings()), page)
         next(regenerated)
         regenerated.close()
-        roles = [(m.role, m.content) for m in ui.store.messages(conv)]
-        assert roles == [("user", "Tell me a story."), ("assistant", "")]  # the old reply replaced, not doubled
+        shown = ui.store.messages(conv)
+        assert [(m.role, m.content) for m in shown] == [("user", "Tell me a story."), ("assistant", "")]
+        assert ui.store.siblings(conv, shown[-1].id) == [first_reply.id, shown[-1].id]  # the old one is a branch
         ui.replies.get(conv).cancel()
     assert running.done.is_set() and running.turn.error is None  # stopped, not failed on a deleted message
     assert host.backend.streams[0].cancelled.is_set()

@@ -11,6 +11,7 @@ from app.model_host import ModelHost
 from app.reply_events import UNCHANGED
 from app.store import ConversationStore
 from app.ui import PagodaUI
+from tests.app.chat_text import without_links
 from tests.processes import wait_until
 
 
@@ -42,7 +43,7 @@ def test_a_stream_stops_drawing_once_its_page_opens_another_chat(tmp_path):
     stream = ui.follow(first, page)
     chatbot = next(stream)[0]
     assert chatbot[-1] == {"role": "assistant", "content": "Once upon a time"}
-    assert chatbot[0]["content"] == "Tell me about the lighthouse."
+    assert without_links(chatbot[0]["content"]) == "Tell me about the lighthouse."
 
     ui.open(second, page)  # the user clicks the other chat; this stream's cancel has not landed yet
     assert next(stream) == UNCHANGED  # it leaves the open chat's chatbot alone
@@ -107,12 +108,12 @@ def test_a_long_prompt_shows_how_much_is_read_and_the_meter_counts_the_reply_as_
     task.stream = SimpleNamespace(request_id="r", prefill_progress=lambda: progress[0])
     ui.replies.start(first, task, label="#1 lighthouse")
     frames = ui.follow(first, None)
-    chatbot, *_, meter = next(frames)
+    chatbot, *_, meter, _edit = next(frames)
     assert chatbot[-1] == {"role": "assistant", "content": "*Reading the prompt: 2,048 / 4,400 tokens…*"}
     assert meter == "Context: 4,400 / 8,192 tokens"
     progress[0] = None  # the first token is out
     task.turn = Turn(prompt_tokens=4400, text="Once", output_tokens=3)
-    chatbot, *_, meter = next(frames)
+    chatbot, *_, meter, _edit = next(frames)
     assert chatbot[-1]["content"] == "Once" and meter == "Context: 4,403 / 8,192 tokens"
 
 
@@ -123,7 +124,7 @@ def test_a_short_prompt_shows_no_progress_line_and_a_servers_reply_leaves_the_me
     task.turn = Turn(prompt_tokens=0)  # a server counts the prompt itself, at the end
     task.stream = SimpleNamespace(request_id="r", prefill_progress=lambda: (0, 40))
     ui.replies.start(first, task, label="#1 lighthouse")
-    chatbot, *_, meter = next(ui.follow(first, None))
+    chatbot, *_, meter, _edit = next(ui.follow(first, None))
     assert chatbot[-1]["content"] == "" and meter == gr.update()
 
 
@@ -155,7 +156,7 @@ def test_stop_shows_the_reply_as_it_ended_with_its_stopped_line(tmp_path):
     assert wait_until(lambda: task.turn.output_tokens >= 3, timeout=10)
     chatbot, _meter = ui.stop_and_show(first)
     assert chatbot[-1]["content"].startswith("word word word")
-    assert chatbot[-1]["content"].endswith("· stopped</sub>")
+    assert without_links(chatbot[-1]["content"]).endswith("· stopped</sub>")
     assert ui.replies.get(first) is None  # done with: the chat can answer again
 
 
@@ -228,7 +229,11 @@ def test_a_cut_reply_is_saved_unfinished_and_a_finished_one_finished(tmp_path, m
     assert saved[stopped][0] == "Once upon" and saved[stopped][1]["finish_reason"] == "abort"
     assert saved[stopped][1]["finished"] is True  # stopped is an end: it is not shown as interrupted
 
-    shown = [row["content"] for row in PagodaUI(restarted, ModelHost()).history(conv) if row["role"] == "assistant"]
+    shown = [
+        without_links(row["content"])
+        for row in PagodaUI(restarted, ModelHost()).history(conv)
+        if row["role"] == "assistant"
+    ]
     assert "interrupted" not in shown[0] and "stopped" not in shown[0]
     assert "interrupted: Pagoda stopped before this reply finished" in shown[1]
     assert shown[2].endswith("· stopped</sub>") and "interrupted" not in shown[2]
