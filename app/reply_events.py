@@ -44,7 +44,7 @@ PREFILL_PROGRESS_MIN_TOKENS = 256
 
 class ReplyEvents:
     """The page's reply events, a base of PagodaUI: PagodaUI sets what is declared here and defines history(),
-    shows() and context_meter()."""
+    shows() and context_meter(), and AttachEvents prompt_system()."""
 
     store: ConversationStore
     host: ModelHost
@@ -91,12 +91,13 @@ class ReplyEvents:
         messages = [{"role": m.role, "content": m.content} for m in before]
         if pending:
             messages.append({"role": "user", "content": pending})
+        system = self.prompt_system(conversation_id, system_prompt)  # with the chat's files after it
         try:
-            stream, num_prompt_tokens = backend.submit(chat_messages(system_prompt, messages), settings)
+            stream, num_prompt_tokens = backend.submit(chat_messages(system, messages), settings)
         except (ContextOverflow, RemoteError, EngineFailed, BadSettings) as e:  # too long a chat, the server
             # refused, the engine crashed on an earlier step, or the chat's JSON schema is broken: say so in the chat
             overflow = isinstance(e, ContextOverflow) or getattr(e, "context_overflow", False)
-            alone = overflow and self.too_long_alone(backend, system_prompt, pending, settings)
+            alone = overflow and self.too_long_alone(backend, system, pending, settings)
             if alone:  # no dropping of turns or new chat can help: said at once, with nothing offered
                 e, overflow = alone, False
             elif overflow and isinstance(e, RemoteError):
@@ -177,7 +178,7 @@ class ReplyEvents:
         return (
             f"This message alone is too long: with the system prompt it is {tokens:,} tokens, and the model's "
             f"context holds {limit:,}, of which {room} are kept for the reply. Shorten the message (or the system "
-            "prompt)."
+            "prompt, or take the chat's files off)."
         )
 
     def follow(self, conversation_id, request: gr.Request = None):

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from engine.config import KV_CACHE_DTYPES
 from entrypoints.cli import add_api_options, check_api_options, json_object
+from entrypoints.documents import DEFAULT_MAX_FILE_MB
 from entrypoints.http_guard import AccessPolicy, HTTPGuard, add_access_options
 
 log = logging.getLogger("pagoda")
@@ -43,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     ap.add_argument("--max-chats", type=int, default=16, help="chats that can stream at once (engine sequence slots)")
+    ap.add_argument(
+        "--max-file-mb",
+        type=float,
+        default=DEFAULT_MAX_FILE_MB,
+        help=f"the largest file a chat takes as an attachment, in MB (default: {DEFAULT_MAX_FILE_MB})",
+    )
     ap.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
@@ -184,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start(
         host, last_model, args.model, downloaded, args.max_chats, args.kv_cache_dtype, args.speculative_config
     )
-    ui = PagodaUI(store, host, max_concurrent_chats=args.max_chats)
+    ui = PagodaUI(store, host, max_concurrent_chats=args.max_chats, max_file_mb=args.max_file_mb)
     demo = build(ui, models_tab=render_models_tab)
     demo.queue(default_concurrency_limit=4)
     bind = "0.0.0.0" if args.listen else "127.0.0.1"

@@ -16,6 +16,19 @@ NOT_SENT = (None, None, None)
 
 
 @dataclass
+class PendingFile:
+    """A file too big for its chat's context, read but not attached until the user chooses (keep its start, or
+    leave it out)."""
+
+    conversation_id: int
+    name: str
+    data: bytes
+    text: str
+    tokens: int
+    room: int  # the tokens the chat has room for
+
+
+@dataclass
 class Session:
     """One browser page: what it shows and which replies it started."""
 
@@ -35,6 +48,7 @@ class Session:
     # waits for the Renames clicked before it: the two requests may reach the server in either order.
     renames_done: int = 0
     editing: tuple[int, int] | None = None  # (chat, message) whose ✎ edit the page is doing: sent, it branches
+    pending_file: PendingFile | None = None  # a file too big, waiting for the user's choice
 
 
 class Sessions:

@@ -33,11 +33,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from app.chat_export import chat_json, chat_markdown, parse_chat_json
+from app.store_archive import ChatArchive
+from app.store_files import ChatFiles
 from app.store_records import NEW_CHAT_TITLE, ROLES, Conversation, Message, NotFound, Preset, clean_title, to_json
 from app.store_schema import DEFAULT_PRESETS, SCHEMA_VERSION, SchemaError, migrate
+from app.store_settings import PresetsAndSettings
 from app.store_tree import newest_under, path_rows, prune_unused_ancestors, shown_leaf, sibling_ids
 
 __all__ = [
@@ -77,8 +80,8 @@ def _contains(haystack: str | None, needle: str | None) -> bool:
     return needle in haystack.casefold()
 
 
-class ConversationStore:
-    """Chats, their messages and shared system-prompt presets in one SQLite file. Thread-safe."""
+class ConversationStore(ChatFiles, ChatArchive, PresetsAndSettings):
+    """Chats, their messages and files, and shared system-prompt presets, in one SQLite file. Thread-safe."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = path if str(path) == ":memory:" else Path(path).expanduser()
@@ -271,6 +274,7 @@ class ConversationStore:
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
             conn.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+            self._forget_unused_files(conn)
 
     def update(self, conversation_id: int, *, system_prompt: str | None = None, settings: dict | None = None) -> None:
         """Replace a chat's system prompt and/or settings (None leaves that field as it is)."""
@@ -379,6 +383,7 @@ class ConversationStore:
                 (f"{conv.title} (branch)", conv.system_prompt, json.dumps(conv.settings), now, now),
             ).lastrowid
             self._insert_path(conn, cid, path_rows(conn, message_id, "role, content, meta, created"))
+            self._copy_files(conn, conversation_id, cid)
         return self.get(cid)
 
     def drop_turns_before(self, conversation_id: int, message_id: int | None) -> None:
@@ -396,71 +401,23 @@ class ConversationStore:
             prune_unused_ancestors(conn, parent)
             self._touch(conn, conversation_id)
 
-    # ---- presets -------------------------------------------------------------------------------
-
-    def presets(self) -> builtins.list[Preset]:
-        """All system-prompt presets (shared by every chat), oldest first."""
-        with self._read() as conn:
-            rows = conn.execute("SELECT name, system_prompt FROM presets ORDER BY rowid").fetchall()
-        return [Preset(*r) for r in rows]
-
-    def save_preset(self, name: str, system_prompt: str) -> None:
-        """Add a preset, or replace the prompt of the one with this name."""
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError("A preset needs a name: give it at least one visible character.")
-        if not isinstance(system_prompt, str):
-            raise ValueError("A preset's system_prompt must be a string.")
-        with self._write() as conn:
-            conn.execute(
-                "INSERT INTO presets(name, system_prompt) VALUES (?, ?) "
-                "ON CONFLICT(name) DO UPDATE SET system_prompt = excluded.system_prompt",
-                (name.strip(), system_prompt),
-            )
-
-    def delete_preset(self, name: str) -> None:
-        """Remove a preset by name."""
-        if not isinstance(name, str):
-            raise ValueError(f"A preset name is a string, got {type(name).__name__}.")
-        with self._write() as conn:
-            if conn.execute("DELETE FROM presets WHERE name = ?", (name.strip(),)).rowcount == 0:
-                raise NotFound(f"No preset named {name!r}. Pick a name from presets().")
-
-    # ---- app settings --------------------------------------------------------------------------
-
-    def app_setting(self, key: str) -> Any:
-        """The app setting stored under `key` (a JSON value), or None when none is."""
-        with self._read() as conn:
-            row = conn.execute("SELECT value FROM app_settings WHERE key = ?", (key,)).fetchone()
-        return json.loads(row[0]) if row is not None else None
-
-    def set_app_setting(self, key: str, value: Any) -> None:
-        """Store an app setting (any JSON value) under `key`, replacing what was there."""
-        try:
-            text = json.dumps(value, ensure_ascii=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"App setting {key!r} must be a JSON value (str, number, bool, None, list, dict): {e}"
-            ) from None
-        with self._write() as conn:
-            conn.execute(
-                "INSERT INTO app_settings(key, value) VALUES (?, ?) "
-                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                (key, text),
-            )
-
     # ---- export / import -----------------------------------------------------------------------
 
-    def _snapshot(self, conversation_id: int) -> tuple[Conversation, builtins.list[Message]]:
+    def _snapshot(self, conversation_id: int, with_data: bool = False) -> tuple:
+        """(The chat, its shown messages, its files), read as one; each file with its bytes when `with_data`."""
         with self._read():  # one consistent view: the lock is re-entrant
-            return self.get(conversation_id), self.messages(conversation_id)
+            files = self.chat_files(conversation_id)
+            if with_data:
+                files = [(f, self.file_data(f.sha256)) for f in files]
+            return self.get(conversation_id), self.messages(conversation_id), files
 
     def export_markdown(self, conversation_id: int) -> str:
         """The chat as Markdown (app/chat_export.py)."""
         return chat_markdown(*self._snapshot(conversation_id))
 
     def export_json(self, conversation_id: int) -> str:
-        """The chat and its messages as JSON (app/chat_export.py); ``import_json`` reads it back."""
-        return chat_json(*self._snapshot(conversation_id))
+        """The chat, its messages and its files as JSON (app/chat_export.py); ``import_json`` reads it back."""
+        return chat_json(*self._snapshot(conversation_id, with_data=True))
 
     def import_json(self, text: str) -> Conversation:
         """Create a new chat from ``export_json`` output (new ids; timestamps kept)."""
@@ -472,6 +429,8 @@ class ConversationStore:
                 (chat.title, chat.system_prompt, chat.settings_json, chat.created, now),
             ).lastrowid
             self._insert_path(conn, cid, chat.rows)
+            for f in chat.files:
+                self._insert_file(conn, cid, f.name, f.sha256, f.data, f.text, f.keep_chars, now)
         return self.get(cid)
 
     # ---- lifetime ------------------------------------------------------------------------------

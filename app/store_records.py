@@ -11,6 +11,7 @@ from typing import Any
 __all__ = [
     "NEW_CHAT_TITLE",
     "ROLES",
+    "ChatFile",
     "Conversation",
     "Message",
     "NotFound",
@@ -54,6 +55,23 @@ class Message:
     def as_chat(self) -> dict[str, str]:
         """The ``{"role", "content"}`` dict that chat templates and gr.Chatbot take."""
         return {"role": self.role, "content": self.content}
+
+
+@dataclass
+class ChatFile:
+    """A file attached to a chat: its name there, and the text the prompt carries (cut short, when the user chose
+    to keep only its start)."""
+
+    sha256: str
+    name: str
+    text: str
+    total_chars: int  # the whole text's length
+    size: int  # bytes
+    added: float
+
+    @property
+    def shortened(self) -> bool:
+        return len(self.text) < self.total_chars
 
 
 @dataclass

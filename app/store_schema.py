@@ -79,9 +79,52 @@ def _message_tree_v3(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX messages_by_parent ON messages(parent_id, id)")
 
 
+def _chat_files_v4(conn: sqlite3.Connection) -> None:
+    """Files attached to chats, kept once per content (sha256) however many chats attach them: the bytes as
+    given and their text. A chat's document may be cut to its first keep_chars characters (the user's choice, when
+    the whole did not fit the context)."""
+    conn.execute("""
+        CREATE TABLE files (
+            sha256  TEXT PRIMARY KEY,
+            data    BLOB NOT NULL,
+            text    TEXT NOT NULL,
+            created REAL NOT NULL
+        )""")
+    conn.execute("""
+        CREATE TABLE chat_files (
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            sha256          TEXT NOT NULL REFERENCES files(sha256),
+            name            TEXT NOT NULL,
+            keep_chars      INTEGER,
+            added           REAL NOT NULL,
+            PRIMARY KEY (conversation_id, sha256)
+        )""")
+    conn.execute("CREATE INDEX chat_files_by_file ON chat_files(sha256)")
+
+
+def _uids_v5(conn: sqlite3.Connection) -> None:
+    """A uid for every chat and message, unique (a message's within its chat), so that an archive imported twice
+    (app/store_archive.py) finds what it already holds. Triggers give a new row one, so no INSERT has to."""
+    for table in ("conversations", "messages"):
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN uid TEXT")
+        conn.execute(f"UPDATE {table} SET uid = lower(hex(randomblob(16)))")
+        conn.execute(f"""
+            CREATE TRIGGER {table}_uid AFTER INSERT ON {table} WHEN NEW.uid IS NULL BEGIN
+                UPDATE {table} SET uid = lower(hex(randomblob(16))) WHERE id = NEW.id;
+            END""")
+    conn.execute("CREATE UNIQUE INDEX conversations_by_uid ON conversations(uid)")
+    conn.execute("CREATE UNIQUE INDEX messages_by_uid ON messages(conversation_id, uid)")
+
+
 # MIGRATIONS[v] upgrades a database at user_version v to v + 1, inside one transaction.
 # Version 0 is a brand-new file. To change the schema, append a function and bump nothing else.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_create_v1, _add_app_settings_v2, _message_tree_v3]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+    _create_v1,
+    _add_app_settings_v2,
+    _message_tree_v3,
+    _chat_files_v4,
+    _uids_v5,
+]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -8,11 +8,14 @@ and the live panels here. app/page/layout.py's `build` lays the page out from it
 
 import shutil
 import tempfile
+import time
 import weakref
 from pathlib import Path
 
 import gradio as gr
 
+from app.archive import read_archive
+from app.attach_events import AttachEvents
 from app.chat import as_shown, preview, summary
 from app.chat_settings import ChatSettings
 from app.model_host import ModelHost
@@ -22,14 +25,22 @@ from app.reply_events import ReplyEvents, thought_row
 from app.sessions import Replies, Session, Sessions
 from app.store import ConversationStore
 from app.store_records import Message, NotFound
+from entrypoints.documents import DEFAULT_MAX_FILE_MB
 
 
-class PagodaUI(ReplyEvents):
+class PagodaUI(ReplyEvents, AttachEvents):
     """Owns the store, the model host, each browser session's state and the replies streaming now."""
 
-    def __init__(self, store: ConversationStore, host: ModelHost, max_concurrent_chats: int = 16):
+    def __init__(
+        self,
+        store: ConversationStore,
+        host: ModelHost,
+        max_concurrent_chats: int = 16,
+        max_file_mb: float = DEFAULT_MAX_FILE_MB,
+    ):
         self.store, self.host = store, host
         self.max_concurrent_chats = max_concurrent_chats
+        self.max_file_mb = max_file_mb
         self.sessions = Sessions()
         self.replies = Replies()
         self.export_dir = Path(tempfile.mkdtemp(prefix="pagoda-export-"))  # each chat's files, rewritten in place
@@ -67,7 +78,8 @@ class PagodaUI(ReplyEvents):
         if conversation_id is None or backend is None:
             return ""
         conv = self.store.get(conversation_id)
-        return backend.context_meter(conv.system_prompt, self.store.messages(conversation_id))
+        system = self.prompt_system(conversation_id, conv.system_prompt)
+        return backend.context_meter(system, self.store.messages(conversation_id))
 
     def shows(self, request: gr.Request | None, conversation_id: int) -> bool:
         """Whether this session's page still shows the chat, so a stream may draw into its chatbot.
@@ -219,12 +231,17 @@ class PagodaUI(ReplyEvents):
 
     def message_action(self, conversation_id, action: str, request: gr.Request = None) -> tuple:
         """A link under a message, clicked: "show-<id>" (‹ ›: that branch), "edit-<id>" (✎: the message into the box,
-        sent as a new branch) or "branch-<id>" (new chat from here: a copy of the chat down to it, opened). Returns the
-        chat, the box, the edit note's row and text, the meter and the chat list."""
+        sent as a new branch) or "branch-<id>" (new chat from here: a copy of the chat down to it, opened); or under
+        the files, "detach-<sha256>" (remove). Returns the chat, the box, the edit note's row and text, the meter,
+        the chat list and the files."""
         keep = gr.update()
         kind, _, number = (action or "").partition("-")
+        if conversation_id is not None and kind == "detach":
+            self.detach(int(conversation_id), number)
+            conversation_id = int(conversation_id)
+            return keep, keep, keep, keep, self.context_meter(conversation_id), keep, self.files_view(conversation_id)
         if conversation_id is None or not number.isdigit() or kind not in ("show", "edit", "branch"):
-            return (keep,) * 6
+            return (keep,) * 7
         conversation_id, message_id = int(conversation_id), int(number)
         try:
             if kind == "edit":
@@ -233,18 +250,37 @@ class PagodaUI(ReplyEvents):
                     f"**Editing** “{preview(text)}”. Send starts a new branch from it; the old one stays, and ‹ › "
                     "under the message switches between them."
                 )
-                return self.history(conversation_id), text, gr.update(visible=True), note, keep, keep
+                return self.history(conversation_id), text, gr.update(visible=True), note, keep, keep, keep
             if kind == "show":
                 running = self.replies.get(conversation_id)
                 if running is not None and not running.done.is_set():
                     raise user_error("This chat is still answering: press Stop first, then switch branches.")
                 self.store.show(conversation_id, message_id)
-                return self.history(conversation_id), keep, keep, keep, self.context_meter(conversation_id), keep
+                return self.history(conversation_id), keep, keep, keep, self.context_meter(conversation_id), keep, keep
             branch = self.store.branch(conversation_id, message_id)
         except NotFound:  # the page showed a message since dropped, or a chat since deleted
             raise user_error("That message is gone: the chat changed since the page drew it.") from None
         self.asked_for_chat(branch.id, request)
-        return keep, keep, keep, keep, keep, gr.update(choices=self.conversation_choices(), value=branch.id)
+        return keep, keep, keep, keep, keep, gr.update(choices=self.conversation_choices(), value=branch.id), keep
+
+    def export_all(self) -> str:
+        """Every chat, its branches and files, and the presets, as one archive file (app/archive.py) to download."""
+        path = self.export_dir / f"pagoda-chats-{time.strftime('%Y-%m-%d')}.json"
+        path.write_text(self.store.export_all(), encoding="utf-8")
+        return str(path)
+
+    def import_chats(self, file) -> dict:
+        """Import a file of chats (Pagoda's archive or chat export, Open WebUI's, ChatGPT's), merged with what is
+        here; what it added is said in a toast, and the chat list shows it. A file of another kind changes nothing."""
+        if file is None:
+            return gr.update()
+        path = Path(getattr(file, "name", file))
+        try:
+            report = self.store.import_archive(read_archive(path.read_text(encoding="utf-8")))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise user_error(f"{path.name} was not imported: {e}") from None
+        gr.Info(str(report))
+        return gr.update(choices=self.conversation_choices())
 
     # ---- live panels ----------------------------------------------------------------------------
     def header(self) -> str:

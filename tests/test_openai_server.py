@@ -388,3 +388,32 @@ def test_embeddings_of_a_chat_model_are_refused_with_what_to_load(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=MODEL, input="hello")
     assert e.value.code == "model_not_embedding" and "Qwen3-Embedding" in e.value.message
+
+
+def test_a_file_part_is_read_into_the_prompt_as_its_document_block(client):
+    import base64
+
+    from entrypoints.documents import document_block
+
+    notes = "The lighthouse keeper is Ada. She feeds the cat at noon."
+    part = {
+        "type": "file",
+        "file": {
+            "filename": "notes.txt",
+            "file_data": "data:text/plain;base64," + base64.b64encode(notes.encode()).decode(),
+        },
+    }
+    as_file = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [part, {"type": "text", "text": "\nWho feeds the cat?"}]}],
+        temperature=0,
+        max_tokens=8,
+    )
+    as_text = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": document_block("notes.txt", notes) + "\nWho feeds the cat?"}],
+        temperature=0,
+        max_tokens=8,
+    )
+    assert as_file.usage.prompt_tokens == as_text.usage.prompt_tokens > 20
+    assert as_file.choices[0].message.content == as_text.choices[0].message.content

@@ -32,7 +32,7 @@ KEYS_JS = """
     if (e.key === 'Escape') { document.querySelector('#stop-btn')?.click(); }
   });
   document.addEventListener('click', (e) => {
-    const link = e.target.closest('#chatbot a[href^="#pagoda-"]');
+    const link = e.target.closest('#chatbot a[href^="#pagoda-"], #chat-files a[href^="#pagoda-"]');
     if (!link) { return; }
     e.preventDefault();
     e.stopPropagation();
@@ -40,8 +40,9 @@ KEYS_JS = """
     document.querySelector('#message-action')?.click();
   }, true);
 }
-"""  # runs as the page loads: Esc presses Stop, and the links under a message (‹ ›, ✎ edit, new chat from here) act
-# on it (PagodaUI.message_action) instead of being followed. Capture: the chatbot opens links in a new tab.
+"""  # runs as the page loads: Esc presses Stop, and the links under a message (‹ ›, ✎ edit, new chat from here) or a
+# file (remove) act on it (PagodaUI.message_action) instead of being followed. Capture: the chatbot opens links in a
+# new tab.
 ACTION_JS = "(cid, action) => [cid, window.pagodaAction || '']"  # the link clicked last, as the action's input
 DOWNLOAD_JS = """
 (file) => {
@@ -79,6 +80,12 @@ class ChatTab:
     edit_row: gr.Row  # shown while a message is being edited (✎ under it)
     edit_note: gr.Markdown
     cancel_edit_btn: gr.Button
+    files: gr.Markdown  # the chat's files, above the message box
+    attach_btn: gr.UploadButton
+    file_choice_row: gr.Row  # a file too big for the context: keep its start, or leave it out
+    file_choice_note: gr.Markdown
+    keep_start_btn: gr.Button
+    leave_out_btn: gr.Button
     action: gr.Textbox  # carries a message link's action (ACTION_JS) to the hidden button that sends it
     action_btn: gr.Button
     md_btn: gr.Button
@@ -106,6 +113,11 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     with gr.Row(visible=False, elem_id="edit-note") as edit_row:
         edit_note = gr.Markdown()
         cancel_edit_btn = gr.Button("Cancel edit", size="sm", scale=0, min_width=120)
+    files = gr.Markdown(elem_id="chat-files")
+    with gr.Row(visible=False, elem_id="file-choice") as file_choice_row:
+        file_choice_note = gr.Markdown()
+        keep_start_btn = gr.Button("Keep its start", size="sm", scale=0, min_width=140)
+        leave_out_btn = gr.Button("Leave it out", size="sm", scale=0, min_width=120)
     action = gr.Textbox(visible=False)
     action_btn = gr.Button(visible="hidden", elem_id="message-action")
     msg = gr.Textbox(
@@ -119,6 +131,9 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     with gr.Row():
         stop_btn = gr.Button("Stop (Esc)", size="sm", elem_id="stop-btn")
         regen_btn = gr.Button("Regenerate", size="sm")
+        attach_btn = gr.UploadButton(
+            "Attach files", size="sm", file_count="multiple", elem_id="attach", file_types=None
+        )
         md_btn = gr.Button("Export Markdown", size="sm")
         json_btn = gr.Button("Export JSON", size="sm")
     export_file = gr.File(visible="hidden", elem_id="export-file")
@@ -168,6 +183,12 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
         edit_row,
         edit_note,
         cancel_edit_btn,
+        files,
+        attach_btn,
+        file_choice_row,
+        file_choice_note,
+        keep_start_btn,
+        leave_out_btn,
         action,
         action_btn,
         md_btn,
@@ -233,12 +254,22 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     tab.json_output.input(lambda on: gr.update(visible=on), tab.json_output, tab.json_schema)
     follow = opening.then(ui.follow, bar.current, reply_outputs, **quiet)
     opening.then(ui.cancel_edit, None, tab.edit_row)  # an edit belongs to the chat it began in
+    opening.then(ui.files_view, bar.current, tab.files).then(ui.discard_pending, None, tab.file_choice_row)
+    # Files are read and attached at once; one too big for the context waits for the user's choice
+    tab.attach_btn.upload(
+        ui.attach_files,
+        [bar.current, tab.attach_btn],
+        [tab.files, tab.meter, tab.file_choice_row, tab.file_choice_note],
+        api_visibility="private",
+    )
+    tab.keep_start_btn.click(ui.keep_start, bar.current, [tab.files, tab.meter, tab.file_choice_row])
+    tab.leave_out_btn.click(ui.discard_pending, None, tab.file_choice_row)
     # ‹ › switch branches, ✎ edit puts a message in the box (stopping the chat's reply, which then draws no more),
     # "new chat from here" opens a copy of the chat down to the message
     tab.action_btn.click(
         ui.message_action,
         [bar.current, tab.action],
-        [tab.chatbot, tab.msg, tab.edit_row, tab.edit_note, tab.meter, bar.conversations],
+        [tab.chatbot, tab.msg, tab.edit_row, tab.edit_note, tab.meter, bar.conversations, tab.files],
         js=ACTION_JS,
         show_progress="hidden",
         api_visibility="private",

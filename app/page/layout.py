@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 import gradio as gr
 
 from app.page.api import add_api
-from app.page.chat_tab import CHAT_CSS, KEYS_JS, render_chat_tab, wire_chat_tab
+from app.page.chat_tab import CHAT_CSS, DOWNLOAD_JS, KEYS_JS, render_chat_tab, wire_chat_tab
 from app.page.kv_tab import render_kv_tab, track_kv_tab
-from app.page.sidebar import load_first_view, render_sidebar, wire_sidebar
+from app.page.sidebar import load_first_view, render_sidebar, wire_archive, wire_sidebar
 from app.visualizer import visualizer_css
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ def build(ui: "PagodaUI", models_tab: Callable[["PagodaUI"], None] | None = None
         # Events cross the parts (New chat reads the Chat tab's system prompt), so they are wired once all exist.
         wire_sidebar(ui, sidebar, chat.system)
         wire_chat_tab(ui, chat, sidebar, presets)
+        wire_archive(ui, sidebar, DOWNLOAD_JS)
         header.change(lambda: gr.update(**ui.think_switch()), None, chat.think, show_progress="hidden")
         demo.unload(ui.on_unload)
         timer = gr.Timer(0.5)

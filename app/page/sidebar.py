@@ -1,4 +1,5 @@
-"""The sidebar: New chat, the search box, the chat list, and rename or delete the open chat."""
+"""The sidebar: New chat, the search box, the chat list, rename or delete the open chat, and every chat exported to
+one file or imported from one (Pagoda's, Open WebUI's, ChatGPT's)."""
 
 import json
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ class Sidebar:
     rename_btn: gr.Button
     delete_btn: gr.Button
     renames: gr.Number  # carries the page's count of Rename clicks (set by COUNT_RENAME_JS, RENAMES_SO_FAR_JS)
+    export_all_btn: gr.Button
+    import_btn: gr.UploadButton
+    archive_file: gr.File  # the archive Export all just made, which the browser then downloads
 
 
 def render_sidebar(ui: "PagodaUI") -> Sidebar:
@@ -44,7 +48,29 @@ def render_sidebar(ui: "PagodaUI") -> Sidebar:
             rename_btn = gr.Button("Rename", size="sm")
             delete_btn = gr.Button("Delete", size="sm", variant="stop")
     renames = gr.Number(visible=False, precision=0)
-    return Sidebar(new_btn, search, conversations, current, title, rename_btn, delete_btn, renames)
+    with gr.Accordion("Import or export all", open=False):
+        export_all_btn = gr.Button("Export all chats", size="sm", elem_id="export-all")
+        import_btn = gr.UploadButton(
+            "Import chats", size="sm", file_types=[".json"], elem_id="import-chats", file_count="single"
+        )
+        gr.Markdown(
+            "<sub>One file with every chat, its branches and files, and the presets. Import takes it back (what "
+            "is here already is skipped), or an Open WebUI export, or ChatGPT's conversations.json.</sub>"
+        )
+    archive_file = gr.File(visible="hidden", elem_id="archive-file")
+    return Sidebar(
+        new_btn,
+        search,
+        conversations,
+        current,
+        title,
+        rename_btn,
+        delete_btn,
+        renames,
+        export_all_btn,
+        import_btn,
+        archive_file,
+    )
 
 
 def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
@@ -86,6 +112,14 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
         js="(cid) => (cid !== null && confirm('Delete this chat and all its messages? "
         "This cannot be undone.')) ? cid : null",
     )
+
+
+def wire_archive(ui: "PagodaUI", bar: Sidebar, download_js: str) -> None:
+    """Export all (the browser saves the file, `download_js`) and Import chats (the list shows what came in)."""
+    bar.export_all_btn.click(ui.export_all, None, bar.archive_file, show_progress="hidden").then(
+        None, bar.archive_file, None, js=download_js
+    )
+    bar.import_btn.upload(ui.import_chats, bar.import_btn, bar.conversations, api_visibility="private")
 
 
 def load_first_view(demo: gr.Blocks, ui: "PagodaUI", bar: Sidebar, presets: dict[str, str], js: str) -> None:

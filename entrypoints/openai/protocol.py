@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from engine.front.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams, StructuredOutputsParams
+from entrypoints.documents import DocumentError, file_part_block
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.ollama_fields import OLLAMA_SAMPLER_FIELDS, adopt_ollama_fields
 
@@ -240,9 +241,18 @@ class ChatMessage(BaseModel):
                     "where the model has one, is not loaded); send the message as text",
                     param="messages",
                 )
+            if part.get("type") == "file":  # a document: its text, as a block where the part is
+                file = part.get("file") if isinstance(part.get("file"), dict) else {}
+                try:
+                    parts.append(file_part_block(file.get("filename"), file.get("file_data"), file.get("file_id")))
+                except DocumentError as e:
+                    raise APIError(400, f"a file content part: {e}", param="messages") from None
+                continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(
-                    400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages"
+                    400,
+                    f"only text and file content parts are supported, got type {part.get('type')!r}",
+                    param="messages",
                 )
             parts.append(part["text"])
         return "".join(parts)

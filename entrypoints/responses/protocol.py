@@ -9,6 +9,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from entrypoints.documents import DocumentError, file_part_block
 from entrypoints.openai.body_reader import body_from
 from entrypoints.openai.errors import APIError
 from entrypoints.openai.protocol import IMAGE_PARTS, ChatCompletionBody
@@ -114,10 +115,16 @@ def text_of(content: str | list, where: str) -> str:
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in IMAGE_PARTS or kind == "input_file":
+        if kind in IMAGE_PARTS:
             raise APIError(
                 400, f"{where}: {kind} is not supported yet: Pagoda runs the language part of a model only", param=where
             )
+        if kind == "input_file":  # a document: its text, as a block where the part is
+            try:
+                parts.append(file_part_block(part.get("filename"), part.get("file_data"), part.get("file_id")))
+            except DocumentError as e:
+                raise APIError(400, f"{where}: {e}", param=where) from None
+            continue
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise APIError(400, f"{where}: content parts of type {kind!r} are not supported", param=where)
         parts.append(part["text"])

@@ -114,12 +114,12 @@ def test_only_the_users_messages_can_be_edited_and_a_stale_link_says_so(ui):
     for action in (f"show-{q1.id}", f"edit-{q1.id}", f"branch-{a1.id}"):
         with pytest.raises(gr.Error, match="That message is gone"):
             ui.message_action(conv, action, PAGE)
-    assert ui.message_action(conv, "nonsense", PAGE) == (gr.update(),) * 6
+    assert ui.message_action(conv, "nonsense", PAGE) == (gr.update(),) * 7
 
 
 def test_new_chat_from_here_opens_a_copy(ui):
     conv, (q1, a1, *_) = two_turns(ui)
-    *_, chats = ui.message_action(conv, f"branch-{a1.id}", PAGE)
+    *_, chats, _files = ui.message_action(conv, f"branch-{a1.id}", PAGE)
     branch = chats["value"]
     assert branch != conv and (f"{ui.store.get(conv).title} (branch)", branch) in chats["choices"]
     assert [m.content for m in ui.store.messages(branch)] == [q1.content, a1.content]
