@@ -9,6 +9,7 @@ Pagoda's archive, format "pagoda.archive", version 1, is one JSON object:
      "files": [{"sha256": ..., "data": <the file's bytes, base64>}],
      "chats": [{"uid": ..., "title": ..., "system_prompt": ..., "settings": {...}, "created": ..., "updated": ...,
                 "leaf": <the uid of the last message of the branch the chat shows, or null>,
+                "pinned": <true or false>, "folder": <a name, or "" for none>,
                 "files": [{"sha256": ..., "name": ..., "keep_chars": <null, or the characters kept>}],
                 "messages": [{"uid": ..., "parent": <a uid or null>, "role": "system" | "user" | "assistant",
                               "content": ..., "meta": {...}, "created": ...}]}]}
@@ -55,6 +56,8 @@ class ArchivedChat:
     leaf_uid: str | None
     messages: list[TreeMessage]  # parents first
     files: list[tuple[str, str, int | None]] = field(default_factory=list)  # (sha256, name, keep_chars)
+    pinned: bool = False
+    folder: str = ""
 
 
 @dataclass
@@ -174,6 +177,8 @@ def _pagoda_chat(c: dict, where: str) -> ArchivedChat:
         leaf,
         messages,
         files,
+        bool(c.get("pinned", False)),
+        _text(c.get("folder", ""), f"{where}.folder"),
     )
 
 
@@ -223,6 +228,7 @@ def _open_webui(c: dict, i: int) -> ArchivedChat:
         _seconds(c.get("updated_at")) if c.get("updated_at") else created,
         _kept_leaf(leaf, raw, messages),
         messages,
+        pinned=bool(c.get("pinned")),
     )
 
 

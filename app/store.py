@@ -27,6 +27,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -71,6 +72,13 @@ def default_db_path() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_data_dir("pagoda")) / DB_NAME
+
+
+def fts_query(text: str) -> str:
+    """A search box's text as an FTS5 query: each of its words, or a longer word it starts (all of them). Quoted,
+    so that nothing the user types is read as FTS5's own syntax; no words match nothing."""
+    words = re.findall(r"\w+", text)
+    return " ".join(f'"{w}"*' for w in words) if words else '""'
 
 
 def _contains(haystack: str | None, needle: str | None) -> bool:
@@ -157,7 +165,7 @@ class ConversationStore(ChatFiles, ChatArchive, PresetsAndSettings):
 
     @staticmethod
     def _conversation(row: tuple) -> Conversation:
-        return Conversation(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5])
+        return Conversation(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5], bool(row[6]), row[7])
 
     @staticmethod
     def _message(row: tuple) -> Message:
@@ -181,7 +189,7 @@ class ConversationStore(ChatFiles, ChatArchive, PresetsAndSettings):
             parent = conn.execute(INSERT_MESSAGE, (conversation_id, *row, parent)).lastrowid
         conn.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (parent, conversation_id))
 
-    _CONV_COLS = "id, title, system_prompt, settings, created, updated"
+    _CONV_COLS = "id, title, system_prompt, settings, created, updated, pinned, folder"
     _MSG_COLS = "id, conversation_id, role, content, meta, created, parent_id"
 
     # ---- conversations -------------------------------------------------------------------------
@@ -241,23 +249,40 @@ class ConversationStore(ChatFiles, ChatArchive, PresetsAndSettings):
             return self._conversation(row)
 
     def list(self, query: str = "") -> list[Conversation]:
-        """Chats, most recently updated first; ``query`` matches titles and message text, any case."""
+        """Chats, pinned ones first, then the most recently updated. ``query`` matches titles and folders (any part
+        of them, any case) and the words of any message in any branch (each word of the query, or a word's start:
+        SQLite's full-text index)."""
         needle = (query or "").strip().casefold()
+        order = "ORDER BY pinned DESC, updated DESC, id DESC"
         with self._read() as conn:
             if not needle:
-                rows = conn.execute(
-                    f"SELECT {self._CONV_COLS} FROM conversations ORDER BY updated DESC, id DESC"
-                ).fetchall()
+                rows = conn.execute(f"SELECT {self._CONV_COLS} FROM conversations {order}").fetchall()
             else:
                 rows = conn.execute(
                     f"""SELECT {self._CONV_COLS} FROM conversations c
-                        WHERE pagoda_contains(c.title, :q)
-                           OR EXISTS (SELECT 1 FROM messages m
-                                      WHERE m.conversation_id = c.id AND pagoda_contains(m.content, :q))
-                        ORDER BY updated DESC, id DESC""",
-                    {"q": needle},
+                        WHERE pagoda_contains(c.title, :q) OR pagoda_contains(c.folder, :q)
+                           OR c.id IN (SELECT m.conversation_id FROM messages m WHERE m.id IN
+                                       (SELECT rowid FROM messages_fts WHERE messages_fts MATCH :words))
+                        {order}""",
+                    {"q": needle, "words": fts_query(needle)},
                 ).fetchall()
         return [self._conversation(r) for r in rows]
+
+    def place(self, conversation_id: int, *, pinned: bool | None = None, folder: str | None = None) -> None:
+        """Pin a chat to the top of the list (or unpin it), and/or put it in a folder ("" for none). Only where it
+        is listed changes: not when it was last updated."""
+        if folder is not None and not isinstance(folder, str):
+            raise ValueError('A folder is a name (use "" for none).')
+        with self._write() as conn:
+            self._require_conversation(conn, conversation_id)
+            conn.execute(
+                "UPDATE conversations SET pinned = coalesce(?, pinned), folder = coalesce(?, folder) WHERE id = ?",
+                (
+                    None if pinned is None else int(bool(pinned)),
+                    None if folder is None else " ".join(folder.split()),
+                    conversation_id,
+                ),
+            )
 
     def rename(self, conversation_id: int, title: str) -> None:
         """Give a chat a new title (whitespace runs collapse to one space)."""

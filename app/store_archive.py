@@ -47,8 +47,8 @@ class ChatArchive:
         """Every chat (all its branches and files) and every preset, as one archive (app/archive.py)."""
         with self._read() as conn:
             rows = conn.execute(
-                "SELECT id, uid, title, system_prompt, settings, created, updated, leaf_id FROM conversations "
-                "ORDER BY id"
+                "SELECT id, uid, title, system_prompt, settings, created, updated, leaf_id, pinned, folder "
+                "FROM conversations ORDER BY id"
             ).fetchall()
             chats = [self._archived(conn, row) for row in rows]
             files = conn.execute("SELECT sha256, data FROM files ORDER BY sha256").fetchall()
@@ -65,7 +65,7 @@ class ChatArchive:
 
     @staticmethod
     def _archived(conn: sqlite3.Connection, row: tuple) -> dict:
-        cid, uid, title, system_prompt, settings, created, updated, leaf_id = row
+        cid, uid, title, system_prompt, settings, created, updated, leaf_id, pinned, folder = row
         rows = conn.execute(
             "SELECT id, uid, parent_id, role, content, meta, created FROM messages WHERE conversation_id = ? "
             "ORDER BY id",
@@ -83,6 +83,8 @@ class ChatArchive:
             "created": created,
             "updated": updated,
             "leaf": uids.get(leaf_id),
+            "pinned": bool(pinned),
+            "folder": folder,
             "files": [{"sha256": sha, "name": name, "keep_chars": keep} for sha, name, keep in files],
             "messages": [
                 {
@@ -123,9 +125,18 @@ class ChatArchive:
         row = conn.execute("SELECT id FROM conversations WHERE uid = ?", (chat.uid,)).fetchone() if chat.uid else None
         if row is None:
             cid = conn.execute(
-                "INSERT INTO conversations(uid, title, system_prompt, settings, created, updated) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (chat.uid, chat.title, chat.system_prompt, chat.settings_json, chat.created, chat.updated),
+                "INSERT INTO conversations(uid, title, system_prompt, settings, created, updated, pinned, folder) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    chat.uid,
+                    chat.title,
+                    chat.system_prompt,
+                    chat.settings_json,
+                    chat.created,
+                    chat.updated,
+                    int(chat.pinned),
+                    chat.folder,
+                ),
             ).lastrowid
             ids = {}
         else:

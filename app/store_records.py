@@ -40,6 +40,8 @@ class Conversation:
     settings: dict
     created: float
     updated: float
+    pinned: bool = False  # listed first
+    folder: str = ""  # "" for none
 
 
 @dataclass

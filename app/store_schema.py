@@ -116,6 +116,31 @@ def _uids_v5(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE UNIQUE INDEX messages_by_uid ON messages(conversation_id, uid)")
 
 
+def _search_pins_folders_v6(conn: sqlite3.Connection) -> None:
+    """Search over every message's words (FTS5, an index the triggers keep in step with the messages, built here
+    from those there are), and chats pinned to the top of the list or put in a folder."""
+    conn.execute("""
+        CREATE VIRTUAL TABLE messages_fts USING fts5(
+            content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
+        )""")
+    conn.execute("""
+        CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+            INSERT INTO messages_fts(rowid, content) VALUES (NEW.id, NEW.content);
+        END""")
+    conn.execute("""
+        CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', OLD.id, OLD.content);
+        END""")
+    conn.execute("""
+        CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', OLD.id, OLD.content);
+            INSERT INTO messages_fts(rowid, content) VALUES (NEW.id, NEW.content);
+        END""")
+    conn.execute("INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')")
+    conn.execute("ALTER TABLE conversations ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+    conn.execute("ALTER TABLE conversations ADD COLUMN folder TEXT NOT NULL DEFAULT ''")
+
+
 # MIGRATIONS[v] upgrades a database at user_version v to v + 1, inside one transaction.
 # Version 0 is a brand-new file. To change the schema, append a function and bump nothing else.
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
@@ -124,6 +149,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _message_tree_v3,
     _chat_files_v4,
     _uids_v5,
+    _search_pins_folders_v6,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

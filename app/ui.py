@@ -49,7 +49,36 @@ class PagodaUI(ReplyEvents, AttachEvents):
 
     # ---- conversations --------------------------------------------------------------------------
     def conversation_choices(self, query: str = "") -> list[tuple[str, int]]:
-        return [(c.title, c.id) for c in self.store.list(query)]
+        """The chat list's (label, id) pairs: pinned chats first and marked, a chat in a folder named after it."""
+        return [
+            (("📌 " if c.pinned else "") + (f"{c.folder} › " if c.folder else "") + c.title, c.id)
+            for c in self.store.list(query)
+        ]
+
+    def chat_place(self, conversation_id):
+        """The open chat's Pin button (its label says what it does) and folder, for the sidebar."""
+        try:
+            conv = self.store.get(int(conversation_id)) if conversation_id is not None else None
+        except NotFound:  # deleted meanwhile
+            conv = None
+        if conv is None:
+            return gr.update(), gr.update()
+        return gr.update(value="Unpin" if conv.pinned else "Pin to top"), conv.folder
+
+    def toggle_pin(self, conversation_id):
+        """Pin the open chat to the top of the list, or unpin it."""
+        if conversation_id is None:
+            raise user_error("Open a chat to pin it.")
+        conv = self.store.get(int(conversation_id))
+        self.store.place(conv.id, pinned=not conv.pinned)
+        return gr.update(choices=self.conversation_choices(), value=conv.id), *self.chat_place(conv.id)[:1]
+
+    def move_to_folder(self, conversation_id, folder: str):
+        """Put the open chat in a folder (its name shows before the title; search finds it); "" takes it out."""
+        if conversation_id is None:
+            raise user_error("Open a chat to put it in a folder.")
+        self.store.place(int(conversation_id), folder=folder or "")
+        return gr.update(choices=self.conversation_choices(), value=int(conversation_id))
 
     def history(self, conversation_id: int | None) -> list[dict]:
         """The chat's shown path as the chatbot's rows: each message with its line of links (‹ › to its other

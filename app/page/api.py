@@ -59,7 +59,10 @@ def add_api(ui: "PagodaUI") -> None:
         return model_status()
 
     def list_conversations(query: str = "") -> list[dict]:
-        return [{"id": c.id, "title": c.title, "system_prompt": c.system_prompt} for c in ui.store.list(query)]
+        return [
+            {"id": c.id, "title": c.title, "system_prompt": c.system_prompt, "pinned": c.pinned, "folder": c.folder}
+            for c in ui.store.list(query)
+        ]
 
     def list_messages(conversation_id: int) -> list[dict]:
         return [

@@ -29,6 +29,9 @@ class Sidebar:
     title: gr.Textbox
     rename_btn: gr.Button
     delete_btn: gr.Button
+    pin_btn: gr.Button
+    folder: gr.Textbox
+    folder_btn: gr.Button
     renames: gr.Number  # carries the page's count of Rename clicks (set by COUNT_RENAME_JS, RENAMES_SO_FAR_JS)
     export_all_btn: gr.Button
     import_btn: gr.UploadButton
@@ -42,11 +45,15 @@ def render_sidebar(ui: "PagodaUI") -> Sidebar:
     # Events read this rather than the Radio, whose value must be one of the choices it was built with
     # (API clients never see the updated choices).
     current = gr.Number(visible=False, precision=0)
-    with gr.Accordion("Rename or delete", open=False):
+    with gr.Accordion("Rename, pin, folder or delete", open=False):
         title = gr.Textbox(label="Title")
         with gr.Row():
             rename_btn = gr.Button("Rename", size="sm")
             delete_btn = gr.Button("Delete", size="sm", variant="stop")
+        pin_btn = gr.Button("Pin to top", size="sm", elem_id="pin-chat")
+        with gr.Row():
+            folder = gr.Textbox(label="Folder", placeholder="none", scale=3, elem_id="chat-folder")
+            folder_btn = gr.Button("Move", size="sm", scale=1)
     renames = gr.Number(visible=False, precision=0)
     with gr.Accordion("Import or export all", open=False):
         export_all_btn = gr.Button("Export all chats", size="sm", elem_id="export-all")
@@ -66,6 +73,9 @@ def render_sidebar(ui: "PagodaUI") -> Sidebar:
         title,
         rename_btn,
         delete_btn,
+        pin_btn,
+        folder,
+        folder_btn,
         renames,
         export_all_btn,
         import_btn,
@@ -86,6 +96,11 @@ def wire_sidebar(ui: "PagodaUI", bar: Sidebar, system: gr.Textbox) -> None:
     )
     bar.title.input(ui.title_typed, None, None, show_progress="hidden", api_visibility="private")
     bar.search.change(lambda q: gr.update(choices=ui.conversation_choices(q)), bar.search, bar.conversations)
+    # Pinned chats come first; a folder's name goes before its chats' titles, and search finds it
+    bar.current.change(ui.chat_place, bar.current, [bar.pin_btn, bar.folder], show_progress="hidden")
+    bar.pin_btn.click(ui.toggle_pin, bar.current, [bar.conversations, bar.pin_btn])
+    bar.folder_btn.click(ui.move_to_folder, [bar.current, bar.folder], bar.conversations)
+    bar.folder.submit(ui.move_to_folder, [bar.current, bar.folder], bar.conversations)
     bar.new_btn.click(ui.new_chat, [system, bar.search], bar.conversations, api_name="new_chat")
     # The Title field shows the new chat's title at the click, in the browser: the user may type in it at once, and
     # the chat's opening, which comes later, leaves it alone (PagodaUI.open)

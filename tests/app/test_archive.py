@@ -44,6 +44,7 @@ def everything(store) -> dict:
             return tuple(reversed(out))
 
         chats[conv.title] = {
+            "place": (conv.pinned, conv.folder),
             "system": conv.system_prompt,
             "settings": conv.settings,
             "files": [(f.name, f.text, f.shortened) for f in store.chat_files(conv.id)],
@@ -67,6 +68,8 @@ def filled(store) -> None:
     code = store.create("Code")
     store.add_message(code.id, "user", "Write FizzBuzz.")
     store.add_message(code.id, "assistant", "```python\nprint(1)\n```")
+    store.place(trip.id, pinned=True)
+    store.place(code.id, folder="Work")
     store.save_preset("Pirate", "Talk like a pirate.")
 
 

@@ -209,7 +209,7 @@ def test_delete_asks_first_and_a_no_keeps_the_chat(session, open_page):
     send(page, "Delta question: name a tree.")
     wait_for_js(page, "() => document.querySelector('#chat-list').innerText.includes('Delta question')", timeout=20000)
     page.keyboard.press("Escape")
-    page.get_by_text("Rename or delete").click()
+    page.get_by_text("Rename, pin, folder or delete").click()
     asked = []
 
     def answer(dialog, accept: bool) -> None:

@@ -74,7 +74,7 @@ def test_export_right_after_a_switch_or_a_rename_is_the_chat_on_screen_with_its_
     for title in titles:
         chat = client.predict("", "", api_name="/new_chat")["value"]
         page = open_page()  # on the newest chat, open once the meter shows
-        page.get_by_text("Rename or delete").click()
+        page.get_by_text("Rename, pin, folder or delete").click()
         rename(page, title)  # and at once:
         name, text = export(page, "Export JSON")
         with ConversationStore(app.home / "pagoda.db") as store:  # if not: did the Rename store the title typed?
@@ -155,7 +155,7 @@ def test_the_title_field_reads_the_title_the_first_message_gives(session, open_p
     """The chat list took the new title, while the Title field under Rename or delete kept "New chat"."""
     _, client, _ = session
     page = open_page()
-    page.get_by_text("Rename or delete").click()
+    page.get_by_text("Rename, pin, folder or delete").click()
     # A long reply (a short one ended before the check, on CI): the title must come while it streams
     start_new_chat(page, "Write a long story about a lighthouse.")
     title = page.get_by_label("Title", exact=True)
@@ -189,7 +189,7 @@ def test_a_title_typed_right_after_new_chat_stays_in_the_field(session, open_pag
     """Typed while the new chat opened, the title was replaced by "New chat"; typed before the first reply, by the
     title the first message gave."""
     page = open_page()
-    page.get_by_text("Rename or delete").click()
+    page.get_by_text("Rename, pin, folder or delete").click()
     title = page.get_by_label("Title", exact=True)
     page.get_by_role("button", name="New chat").click()
     # New chat has answered (the list shows the new chat chosen): type at once, while the chat opens. (Typing

@@ -288,3 +288,33 @@ def test_export_all_then_wipe_then_import_gives_back_every_chat(session, open_pa
     import_file(page, archive)
     page.get_by_text("Imported from Pagoda").wait_for(timeout=30000)
     assert all_chats() == before and len(before) >= 2
+
+
+def test_pin_a_chat_put_one_in_a_folder_and_find_one_by_a_word_of_a_reply(session, open_page):
+    _, client, _ = session
+    pinned = chat_with_turns(client, ["Name a planet."])
+    filed = chat_with_turns(client, ["Name a moon of Jupiter."])
+    reply = client.predict(filed, api_name="/messages")[-1]["content"]
+    page = open_page()
+    open_chat(page, pinned, users=1)
+    page.get_by_text("Rename, pin, folder or delete").click()
+    page.locator("#pin-chat").click()
+    first = "() => document.querySelector('#chat-list label')?.innerText.trim()"
+    wait_for_js(page, f"() => ({first})() === '📌 Name a planet.'", timeout=20000)
+    assert page.locator("#pin-chat").inner_text() == "Unpin"
+    open_chat(page, filed, users=1)
+    wait_for_js(page, f"() => document.querySelector('{USERS}').innerText.includes('Jupiter')", timeout=20000)
+    # The chat's opening also fills the Pin button and the Folder field (empty): typed before, it was overwritten
+    wait_for_js(page, "() => document.querySelector('#pin-chat').innerText.trim() === 'Pin to top'", timeout=20000)
+    folder = page.locator("#chat-folder textarea, #chat-folder input").first
+    folder.fill("Astronomy")
+    folder.press("Enter")
+    page.locator("#chat-list").get_by_text("Astronomy › Name a moon of Jupiter.").wait_for(timeout=20000)
+    word = max(reply.split(), key=len).strip(".,!?;:\"'()*")  # a word of the reply, not of the title
+    page.get_by_placeholder("Search chats…").fill(word)
+    wait_for_js(
+        page,
+        "() => [...document.querySelectorAll('#chat-list label')].some((l) => l.innerText.includes('Jupiter'))"
+        " && ![...document.querySelectorAll('#chat-list label')].some((l) => l.innerText.includes('planet'))",
+        timeout=20000,
+    )
