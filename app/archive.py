@@ -77,15 +77,18 @@ def read_archive(text: str) -> Archive:
         data = json.loads(text)
     except ValueError as e:
         raise ValueError(f"This is not JSON ({e}). {WHAT_IMPORTS}") from None
-    if isinstance(data, dict) and data.get("format") == ARCHIVE_FORMAT:
-        return _pagoda(data)
-    if isinstance(data, dict) and data.get("format") == EXPORT_FORMAT:
-        return _one_chat(text)
-    if isinstance(data, list) and data and all(isinstance(c, dict) for c in data):
-        if all("mapping" in c for c in data):
-            return Archive("ChatGPT", [_chatgpt(c, i) for i, c in enumerate(data)])
-        if all(isinstance(c.get("chat"), dict) for c in data):
-            return Archive("Open WebUI", [_open_webui(c, i) for i, c in enumerate(data)])
+    try:
+        if isinstance(data, dict) and data.get("format") == ARCHIVE_FORMAT:
+            return _pagoda(data)
+        if isinstance(data, dict) and data.get("format") == EXPORT_FORMAT:
+            return _one_chat(text)
+        if isinstance(data, list) and data and all(isinstance(c, dict) for c in data):
+            if all("mapping" in c for c in data):
+                return Archive("ChatGPT", [_chatgpt(c, i) for i, c in enumerate(data)])
+            if all(isinstance(c.get("chat"), dict) for c in data):
+                return Archive("Open WebUI", [_open_webui(c, i) for i, c in enumerate(data)])
+    except (TypeError, AttributeError, KeyError) as e:  # a field of another type than its format's
+        raise ValueError(f"This file has the shape of an export, but a field in it does not ({e!r}).") from None
     raise ValueError(f"This JSON is none of the kinds Pagoda imports. {WHAT_IMPORTS}")
 
 
@@ -156,7 +159,7 @@ def _pagoda_chat(c: dict, where: str) -> ArchivedChat:
         messages.append(
             TreeMessage(m["uid"], parent, m["role"], m["content"], meta, timestamp(m.get("created"), where))
         )
-    leaf = c.get("leaf")
+    leaf = c.get("leaf", messages[-1].uid if messages else None)  # none said: the newest message
     if leaf is not None and leaf not in seen:
         raise ValueError(f"{where}: its leaf is not one of its messages.")
     files = []

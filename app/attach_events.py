@@ -68,6 +68,9 @@ class AttachEvents:
             room = self.document_room(conversation_id)
             tokens = self.document_tokens(name, text)
             if room is not None and tokens is not None and tokens > room:
+                if pending is not None:  # one choice at a time
+                    problems.append(f"{name} is too big for the context too: attach it again after choosing.")
+                    continue
                 pending = PendingFile(conversation_id, name, data, text, tokens, room)
                 continue
             self.store.attach_file(conversation_id, name, content_hash(data), data, text)
@@ -101,6 +104,8 @@ class AttachEvents:
             return self.files_view(conversation_id), gr.update(), gr.update(visible=False)
         if pending.room <= 0:
             raise user_error(f"There is no room for {pending.name} in this chat: take other files off first.")
+        if self.host.backend is None:
+            raise user_error(f"Load a model first: it counts how much of {pending.name} fits.")
         keep = self.chars_within(pending.name, pending.text, pending.room)
         self.store.attach_file(
             pending.conversation_id, pending.name, content_hash(pending.data), pending.data, pending.text, keep
@@ -136,7 +141,7 @@ class AttachEvents:
             tokens = self.document_tokens(f.name, f.text)
             size = count(tokens, "token") if tokens is not None else count(len(f.text), "character")
             cut = " (its start only)" if f.shortened else ""
-            chips.append(f"**{f.name}** · {size}{cut} · [remove](#pagoda-detach-{f.sha256})")
+            chips.append(f"**{markdown_escaped(f.name)}** · {size}{cut} · [remove](#pagoda-detach-{f.sha256})")
         return "  \n".join(chips)
 
     def document_tokens(self, name: str, text: str) -> int | None:
@@ -175,3 +180,8 @@ class AttachEvents:
 
 def megabytes(size: int) -> str:
     return f"{size / 2**20:.1f} MB" if size >= 2**20 // 10 else f"{size / 1024:.0f} kB"
+
+
+def markdown_escaped(text: str) -> str:
+    """A file's name as Markdown shows it literally: a name is not markup (nor a link)."""
+    return "".join("\\" + ch if ch in "\\`*_[]()<>|~!#" else ch for ch in text)

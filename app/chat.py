@@ -101,8 +101,9 @@ def with_stats_line(text: str, stats: str) -> str:
 
 def as_shown(text: str, stats: str) -> str:
     """A message as the chat view shows it: its inline `$…$` math marked for the chatbot's LaTeX (it showed raw),
-    and its stats line under it."""
-    return with_stats_line(dollar_math(text), stats)
+    and its stats line under it. The page acts on "#pagoda-" links (‹ ›, ✎ edit, remove): a message's own text, a
+    reply or an imported one, may not carry one, so its are made inert."""
+    return with_stats_line(dollar_math(text.replace("#pagoda-", "#pagoda\u200b-")), stats)
 
 
 def stream_reply(

@@ -307,6 +307,8 @@ class ReplyEvents:
         if not msgs:
             raise user_error("There is no reply to regenerate yet.")
         after = msgs[-1].parent_id if msgs[-1].role == "assistant" else "end"
+        if after is None:  # an imported chat can start with a reply
+            raise user_error("This reply starts the chat: there is no message to answer again.")
         sliders = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
         yield from self._answer(int(conversation_id), "", after, system_prompt, sliders, request)
 

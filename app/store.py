@@ -220,6 +220,8 @@ class ConversationStore(ChatFiles, ChatArchive, PresetsAndSettings):
             row = conn.execute(
                 """SELECT id FROM conversations c WHERE title = ?
                    AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id)
+                   AND NOT EXISTS (SELECT 1 FROM chat_files f WHERE f.conversation_id = c.id)
+                   AND NOT pinned AND folder = ''
                    ORDER BY updated DESC, id DESC LIMIT 1""",
                 (NEW_CHAT_TITLE,),
             ).fetchone()
@@ -264,7 +266,7 @@ class ConversationStore(ChatFiles, ChatArchive, PresetsAndSettings):
                            OR c.id IN (SELECT m.conversation_id FROM messages m WHERE m.id IN
                                        (SELECT rowid FROM messages_fts WHERE messages_fts MATCH :words))
                         {order}""",
-                    {"q": needle, "words": fts_query(needle)},
+                    {"q": needle, "words": fts_query(query)},  # FTS folds case itself (casefold split ß, İ)
                 ).fetchall()
         return [self._conversation(r) for r in rows]
 
@@ -298,6 +300,9 @@ class ConversationStore(ChatFiles, ChatArchive, PresetsAndSettings):
         """Delete a chat and all its messages."""
         with self._write() as conn:
             self._require_conversation(conn, conversation_id)
+            # Unlinked first: each message's cascade to its follower is a level of SQLite's trigger recursion,
+            # which stops at 1,000 (a long chat failed to delete)
+            conn.execute("UPDATE messages SET parent_id = NULL WHERE conversation_id = ?", (conversation_id,))
             conn.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
             self._forget_unused_files(conn)
 

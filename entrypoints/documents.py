@@ -69,7 +69,6 @@ def extract_text(name: str, data: bytes) -> str:
 
 def _pdf_text(name: str, data: bytes) -> str:
     import pypdf
-    from pypdf.errors import PyPdfError
 
     try:
         reader = pypdf.PdfReader(io.BytesIO(data))
@@ -78,20 +77,18 @@ def _pdf_text(name: str, data: bytes) -> str:
         return "\n\n".join((page.extract_text() or "").strip() for page in reader.pages)
     except DocumentError:
         raise
-    except (PyPdfError, ValueError, KeyError, TypeError, OSError) as e:
+    except Exception as e:  # pypdf raises many kinds on a damaged file (PyPdfError, ValueError, KeyError, ...)
         raise DocumentError(
             f"{name} could not be read as a PDF ({e}): it may be damaged. Open it and save it again."
         ) from None
 
 
 def _docx_text(name: str, data: bytes) -> str:
-    import zipfile
-
     import docx
 
     try:
         document = docx.Document(io.BytesIO(data))
-    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+    except Exception as e:  # a bad zip, a missing part, malformed XML (lxml's XMLSyntaxError), ...
         raise DocumentError(f"{name} could not be read as a Word document ({e}): it may be damaged.") from None
     parts = [p.text for p in document.paragraphs]
     for table in document.tables:  # after the text: python-docx lists paragraphs and tables apart

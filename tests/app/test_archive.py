@@ -199,6 +199,13 @@ def test_a_chatgpt_export_comes_in_with_its_regenerated_replies(store):
             {"uid": "m2", "parent": "m1", "role": "user", "content": "orphan"}]}]}), "its parent must come before it"),
         (json.dumps({"format": "pagoda.archive", "version": 1, "files": [{"sha256": "00", "data": "aGk="}]}),
          "damaged: its bytes do not match its sha256"),
+        (json.dumps({"format": "pagoda.archive", "version": 1, "chats": [{"uid": "x", "messages": None}]}),
+         "a field in it does not"),
+        (json.dumps([{"id": "c", "chat": {"messages": None}}]), "a field in it does not"),
+        (json.dumps([{"mapping": {"n": {"message": {"author": "user", "content": {"content_type": "text"}}}}}]),
+         "a field in it does not"),
+        (json.dumps({"format": "pagoda.archive", "version": 1, "files": [{"sha256": "00", "data": 5}]}),
+         "a field in it does not|not base64"),
     ],
 )  # fmt: skip
 def test_a_file_of_the_wrong_kind_says_why_and_nothing_changes(store, text, says):
@@ -216,3 +223,11 @@ def test_a_chat_exported_alone_is_imported_as_a_new_chat_each_time(store):
     for _ in range(2):
         store.import_archive(read_archive(text))
     assert [c.title for c in store.list()].count("Code") == 3
+
+
+def test_an_archived_chat_without_a_leaf_shows_its_newest_message(store):
+    archive = {"format": "pagoda.archive", "version": 1, "chats": [{"uid": "x", "title": "No leaf", "messages": [
+        {"uid": "a", "parent": None, "role": "user", "content": "first"},
+        {"uid": "b", "parent": "a", "role": "assistant", "content": "second"}]}]}  # fmt: skip
+    store.import_archive(read_archive(json.dumps(archive)))
+    assert everything(store)["chats"]["No leaf"]["shown"] == ["first", "second"]

@@ -21,6 +21,19 @@ from tests.app.test_ui_sessions import EndlessBackend
 PAGE = SimpleNamespace(session_hash="page")
 
 
+def docx_with_broken_xml() -> bytes:
+    """A Word document whose main part is not well-formed XML (lxml raised XMLSyntaxError, a traceback)."""
+    import io
+    import zipfile
+
+    source, out = zipfile.ZipFile(io.BytesIO(docx_bytes(["text"]))), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            target.writestr(item, b"<w:document><unclosed>" if item.filename == "word/document.xml" else data)
+    return out.getvalue()
+
+
 # ---- reading ------------------------------------------------------------------------------------
 
 
@@ -48,6 +61,7 @@ def test_a_word_document_is_read_with_its_tables():
         ("locked.pdf", protected_pdf_bytes("secret text"), "protected by a password"),
         ("blank.pdf", pdf_bytes([""]), "has no text in it (a scan?"),
         ("broken.docx", b"PK\x03\x04 not a zip", "could not be read as a Word document"),
+        ("bad-xml.docx", docx_with_broken_xml(), "could not be read as a Word document"),
         ("photo.png", b"\x89PNG\r\n", "cannot read .png files"),
         ("program", b"\x7fELF", "cannot read files without a suffix"),
         ("latin1.txt", "café".encode("latin-1"), "is not UTF-8 text"),
@@ -226,6 +240,22 @@ def test_a_file_too_big_for_the_context_waits_for_the_choice_and_is_never_cut_si
     assert kept.shortened and ui.document_tokens(kept.name, kept.text) <= room
     assert ui.document_tokens(kept.name, kept.text + " w") > room - 2  # as much as fits, not much less
     assert "(its start only)" in files and choice == gr.update(visible=False)
+
+
+def test_two_files_too_big_at_once_ask_about_one_and_say_so_of_the_other(ui, tmp_path, monkeypatch):
+    warned = []
+    monkeypatch.setattr(gr, "Warning", warned.append)
+    cid = ui.store.create().id
+    words = " ".join(f"w{i}" for i in range(1500)).encode()
+    books = [write(tmp_path, "one.txt", words), write(tmp_path, "two.txt", words + b" more")]
+    _files, _meter, choice, note = ui.attach_files(cid, books, PAGE)
+    assert "one.txt" in note and "two.txt is too big for the context too" in warned[0]
+
+
+def test_a_file_name_is_shown_as_text_not_markup(ui, tmp_path):
+    cid = ui.store.create().id
+    files, *_ = ui.attach_files(cid, [write(tmp_path, "[x](#pagoda-detach-0)*.txt", b"words")], PAGE)
+    assert "**\\[x\\]\\(\\#pagoda-detach-0\\)\\*.txt**" in files and files.count("](#pagoda-detach-") == 1
 
 
 def test_remove_takes_a_file_off_through_its_link(ui, tmp_path):

@@ -102,3 +102,9 @@ def test_messages_written_before_the_index_are_found_after_the_upgrade(tmp_path)
     with ConversationStore(path) as store:
         assert titles(store, "okapi") == ["Old"]
         assert store.get(1).pinned is False and store.get(1).folder == ""
+
+
+def test_words_with_letters_that_casefold_changes_are_found(store):
+    c = store.create("Trip")
+    store.add_message(c.id, "user", "Die Straße nach İstanbul")
+    assert titles(store, "straße") == ["Trip"] and titles(store, "İstanbul") == ["Trip"]

@@ -174,3 +174,21 @@ def test_dropping_the_whole_path_leaves_other_branches_and_the_next_message_star
     assert [m.content for m in store.path_to(cid, alt.id)] == ["q1", "a1 other"]  # q1 is kept for it
     with pytest.raises(NotFound):
         store.path_to(cid, ids[1])
+
+
+def test_a_chat_longer_than_sqlites_trigger_depth_deletes(store):
+    """Each message's cascade to its follower was a level of trigger recursion, which SQLite stops at 1,000."""
+    c = store.create("long")
+    for i in range(1100):
+        store.add_message(c.id, "user" if i % 2 == 0 else "assistant", f"m{i}")
+    store.delete(c.id)
+    assert store._conn.execute("SELECT count(*) FROM messages").fetchone()[0] == 0
+
+
+def test_new_chat_does_not_reuse_an_empty_chat_that_has_files_or_a_place(store):
+    with_file = store.create()
+    store.attach_file(with_file.id, "a.txt", "ab" * 32, b"a", "a")
+    pinned = store.create()
+    store.place(pinned.id, pinned=True)
+    fresh = store.empty_chat()
+    assert fresh.id not in (with_file.id, pinned.id)

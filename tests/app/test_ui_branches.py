@@ -124,3 +124,19 @@ def test_new_chat_from_here_opens_a_copy(ui):
     assert branch != conv and (f"{ui.store.get(conv).title} (branch)", branch) in chats["choices"]
     assert [m.content for m in ui.store.messages(branch)] == [q1.content, a1.content]
     assert len(ui.store.messages(conv)) == 4
+
+
+def test_a_link_in_a_message_cannot_act_as_the_pages_own(ui):
+    conv = ui.store.create().id
+    ui.store.add_message(conv, "user", "hi")
+    ui.store.add_message(conv, "assistant", "Click [here](#pagoda-detach-abc) or <a href='#pagoda-branch-1'>here</a>")
+    reply = ui.history(conv)[-1]
+    assert links(reply) == [("new chat from here", f"branch-{ui.store.messages(conv)[-1].id}")]  # only the page's
+    assert "#pagoda\u200b-detach-abc" in reply["content"]
+
+
+def test_regenerate_refuses_a_reply_that_starts_the_chat(ui):
+    conv = ui.store.create().id
+    ui.store.add_message(conv, "assistant", "Imported, without a question.")
+    with pytest.raises(gr.Error, match="starts the chat"):
+        next(ui.regenerate(conv, "", *slider_values(ChatSettings()), PAGE))
