@@ -12,6 +12,7 @@ import gradio as gr
 from app.backend import reply_room
 from app.chat import count
 from app.chat_settings import ChatSettings
+from app.markdown_text import markdown_escaped
 from app.model_host import ModelHost
 from app.page import user_error
 from app.sessions import PendingFile, Sessions
@@ -180,8 +181,3 @@ class AttachEvents:
 
 def megabytes(size: int) -> str:
     return f"{size / 2**20:.1f} MB" if size >= 2**20 // 10 else f"{size / 1024:.0f} kB"
-
-
-def markdown_escaped(text: str) -> str:
-    """A file's name as Markdown shows it literally: a name is not markup (nor a link)."""
-    return "".join("\\" + ch if ch in "\\`*_[]()<>|~!#" else ch for ch in text)

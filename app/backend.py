@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from app.chat_settings import ChatSettings, as_chat_settings
+from app.chat_tools import ToolPrompt, chat_turns
 from app.visualizer import render_kv_cache
 from engine import EngineThread, RequestStream, SamplingParams, StructuredOutputsParams
 from entrypoints.gemma4_format import template_speaks_gemma4
+from entrypoints.openai.tool_calls import CALL_OPEN, prompt_messages, template_knows_tools
 from entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 from entrypoints.token_formats import TokenFormatStream, template_speaks_tokens, token_format_stream
 
@@ -65,10 +67,12 @@ class Backend(Protocol):
     thinks: bool  # whether the model may reason before it answers (a server's model: assumed so)
     max_model_len: int | None  # the longest prompt plus reply it serves (None: a server that does not say)
 
-    def submit(self, messages: list[dict], settings: ChatSettings) -> tuple[ReplyStream, int]:
+    def submit(
+        self, messages: list[dict], settings: ChatSettings, tools: ToolPrompt | None = None
+    ) -> tuple[ReplyStream, int]:
         """Start the assistant's reply to `messages` (system prompt included) with the chat's sampling
-        settings: (its stream, prompt tokens, or 0 when only a server knows). Raises ContextOverflow,
-        BadSettings or RemoteError before anything streams when the chat cannot be answered."""
+        settings, offered `tools` when given: (its stream, prompt tokens, or 0 when only a server knows). Raises
+        ContextOverflow, BadSettings or RemoteError before anything streams when the chat cannot be answered."""
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         """The line under a chat: how much of the context its messages use."""
@@ -209,32 +213,63 @@ class LocalBackend:
         self.max_model_len = engine.max_model_len
         self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
 
-    def submit(self, messages: list[dict], settings: ChatSettings | dict) -> tuple[LocalReplyStream, int]:
+    def submit(
+        self, messages: list[dict], settings: ChatSettings | dict, tools: ToolPrompt | None = None
+    ) -> tuple[LocalReplyStream, int]:
         settings = as_chat_settings(settings)  # a script's dict too
         params = sampling_params(settings)  # first: a bad schema is refused before anything is tokenized
-        ids = self._encode(messages, settings)
+        if tools is not None:
+            params.structured_outputs = self._tool_constraint(settings, tools)
+        ids = self._encode(messages, settings, tools)
         check_fits(len(ids), params.max_tokens, self.engine.max_model_len)
         reasoning = channels = None
         if self.token_format and params.structured_outputs is None:
             channels = token_format_stream(self.engine.tokenizer)
-        elif self.thinks and params.structured_outputs is None:
+        elif self.thinks and (params.structured_outputs is None or (tools is not None and tools.mode != "first")):
+            # a tools grammar leaves the reply free until a call, so a thinking model may reason first
             reasoning = ReasoningSplitter(prompt_opens_reasoning(self.engine.tokenizer.decode(ids[-8:])))
         try:
             stream = self.engine.submit(ids, params)
         except ValueError as e:  # a schema that parses but does not compile
+            if tools is not None:  # a tool's, from its server
+                raise BadSettings(f"{e}. A tool's arguments schema cannot be used: turn it off in Tools.") from None
             raise BadSettings(f"{e}. Fix the chat's JSON schema, or clear it.") from None
         return LocalReplyStream(stream, reasoning, channels), len(ids)
 
-    def _encode(self, messages: list[dict], settings: ChatSettings) -> list[int]:
-        return self.engine.encode_chat(messages, **({"enable_thinking": settings.think} if self.thinks else {}))
+    def _tool_constraint(self, settings: ChatSettings, tools: ToolPrompt) -> StructuredOutputsParams | None:
+        """What a reply offered tools is held to: the Hermes calls' grammar (chat_tools.py), for a template that
+        writes calls that way or has no tools of its own (Pagoda then describes them in Hermes form); None for a
+        template with calls of another form, whose calls are read from the reply as written."""
+        if self.token_format:
+            raise BadSettings(
+                "This model writes tool calls in its own token format, which the chat cannot run yet: turn the "
+                "chat's tools off, or pick a Qwen, Llama or SmolLM model (the /v1 API serves its calls)."
+            )
+        if settings.json_output:
+            raise BadSettings("A chat cannot hold replies to JSON and call tools at once: turn JSON output off.")
+        template = self.engine.tokenizer.chat_template
+        if template_knows_tools(template) and CALL_OPEN not in template:
+            return None
+        return tools.constraint()
+
+    def _encode(self, messages: list[dict], settings: ChatSettings, tools: ToolPrompt | None = None) -> list[int]:
+        kwargs = {"enable_thinking": settings.think} if self.thinks else {}
+        if tools is not None or any(m["role"] == "tool" for m in messages):
+            # Calls and their results as the template takes them; for a template without tools, in Hermes form
+            knows = template_knows_tools(self.engine.tokenizer.chat_template)
+            specs = tools.specs() if tools is not None else None
+            messages = prompt_messages(messages, specs, knows)
+            if specs and knows:
+                kwargs["tools"] = specs
+        return self.engine.encode_chat(messages, **kwargs)
 
     def prompt_tokens(self, messages: list[dict], settings: ChatSettings | dict) -> int:
         return len(self._encode(messages, as_chat_settings(settings)))
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
-        messages = chat_messages(system_prompt, [m.as_chat() for m in stored])
+        messages = chat_messages(system_prompt, chat_turns(stored))
         # transformers refuses to template an empty conversation (a new chat without a system prompt)
-        used = len(self.engine.encode_chat(messages)) if messages else 0
+        used = len(self._encode(messages, ChatSettings())) if messages else 0
         return meter_text(used, self.max_model_len)
 
     def kv_panel(self, owners: dict[str, str]) -> str:

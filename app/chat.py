@@ -178,45 +178,67 @@ class ReplyTask:
         num_prompt_tokens: int,
         model: str = "",
         max_tokens: int | None = None,
+        rounds=None,
     ):
         self.stream = stream
+        self.message_id = message_id  # the message it writes now (a chat with tools: one per round)
         self.turn = Turn(prompt_tokens=num_prompt_tokens, model=model, max_tokens=max_tokens)
+        # A chat with tools: what runs between the reply's rounds (app/tool_rounds.py's ToolRounds)
+        self.rounds = rounds
+        self.calling = False  # between two rounds: its tool calls wait for the user, or run
+        self.version = 0  # goes up as it moves to another message or its calls change: pages redraw then
         self.done = threading.Event()
         self.last_followed = time.time()  # when a page last showed this reply (see PagodaUI.on_unload)
         # Stop, Edit or Regenerate took it back: what its chat shows next comes from them, so pages stop drawing
         # it (its last frame landed after an edit's and put the deleted rows back on screen)
         self.withdrawn = False
         self.interrupted = False  # Pagoda is shutting down under it (see interrupt)
-        self._thread = threading.Thread(
-            target=self._run,
-            args=(store, message_id, num_prompt_tokens, model, max_tokens),
-            name=f"reply-{message_id}",
-            daemon=True,
-        )
+        self._model, self._max_tokens = model, max_tokens
+        self._thread = threading.Thread(target=self._run, args=(store,), name=f"reply-{message_id}", daemon=True)
         self._thread.start()
 
-    def _run(self, store, message_id: int, num_prompt_tokens: int, model: str, max_tokens: int | None) -> None:
+    def _run(self, store) -> None:
         try:
-            for turn in stream_reply(
-                self.stream, store, message_id, num_prompt_tokens, lambda: self.interrupted, model, max_tokens
-            ):
-                self.turn = turn
+            while True:
+                for turn in stream_reply(
+                    self.stream,
+                    store,
+                    self.message_id,
+                    self.turn.prompt_tokens,
+                    lambda: self.interrupted,
+                    self._model,
+                    self._max_tokens,
+                ):
+                    self.turn = turn
+                ended_by_itself = self.turn.finish_reason == "stop" and not self.interrupted
+                if self.rounds is None or not ended_by_itself or not self.rounds.next_round(self):
+                    break
         except Exception as e:  # the chat was deleted while it answered, or a remote server failed mid-reply
             self.stream.cancel()
             self.turn.error = str(e)
             try:  # keep the reason with the reply (the chat may be gone: then there is nothing to keep)
-                store.update_message(message_id, self.turn.text, self.turn.meta())
+                store.update_message(self.message_id, self.turn.text, self.turn.meta())
             except Exception:
                 pass
         finally:
+            self.calling = False
             self.turn.finished = True
             self.done.set()
 
+    def begin_round(self, stream: ReplyStream, message_id: int, num_prompt_tokens: int) -> None:
+        """Its next round (after its tool calls) streams from `stream` into message `message_id`."""
+        self.stream, self.message_id = stream, message_id
+        self.turn = Turn(prompt_tokens=num_prompt_tokens, model=self._model, max_tokens=self._max_tokens)
+        self.version += 1
+
     def cancel(self) -> None:
+        """Stop: the reply ends where it is, and a tool call waiting for the user or running ends as stopped."""
+        if self.rounds is not None:
+            self.rounds.cancel()
         self.stream.cancel()
 
     def interrupt(self) -> None:
         """Pagoda is shutting down: the reply ends where it is and is kept as unfinished, so that its chat says
         "interrupted" (Pagoda stopped under it), not "stopped" as the Stop button leaves a reply."""
         self.interrupted = True
-        self.stream.cancel()
+        self.cancel()

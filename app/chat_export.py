@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from app.markdown_text import close_open_fence
+from app.markdown_text import close_open_fence, fenced
 from app.store_records import ROLES, clean_title, timestamp, to_json
 from entrypoints.documents import DocumentError, content_hash, extract_text
 
@@ -31,6 +31,13 @@ def chat_markdown(conv: Conversation, msgs: list[Message], files: list[ChatFile]
         parts.append(f"## System\n\n{conv.system_prompt}")
     for m in msgs:  # a reply cut inside a code block: closed, or every heading after it read as code
         parts.append(f"## {m.role.capitalize()}\n\n{close_open_fence(m.content)}")
+        for call in m.meta.get("tool_calls") or []:  # what it called, and what came back
+            tool = f"{call.get('server', '?')} › {call.get('tool', call.get('name', '?'))}"
+            parts.append(
+                f"**Tool call** {tool} ({call.get('status', '?')})\n\n{fenced(call.get('arguments', ''), 'json')}"
+            )
+            if call.get("result"):
+                parts.append(fenced(call["result"]))
     return "\n\n".join(parts) + "\n"
 
 

@@ -21,6 +21,10 @@ class ChatSettings:
     think: bool = True  # let a thinking model reason first (Qwen3, R1 distills)
     json_output: bool = False  # hold the replies to JSON
     json_schema: str = ""  # and to this schema, when given
+    tools: tuple[str, ...] = ()  # the MCP tools the chat may call, as "server/tool" (app/chat_tools.py)
+    tool_choice: str = "auto"  # "auto": the model decides; "first": it calls a tool before each answer
+    tool_rounds: int = 5  # the most rounds of calls one reply makes before it must answer
+    tools_always: tuple[str, ...] = ()  # tools the user allowed for every call in this chat ("Always")
 
     def __post_init__(self) -> None:
         # Sliders and JSON hand over floats for whole numbers, and "" or -1 for "no seed": typed once, here
@@ -31,6 +35,7 @@ class ChatSettings:
             ("min_p", float),
             ("repetition_penalty", float),
             ("max_tokens", int),
+            ("tool_rounds", int),
             ("seed", int),
         ):
             value = getattr(self, name)
@@ -47,6 +52,15 @@ class ChatSettings:
         for name in ("think", "json_output"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         object.__setattr__(self, "json_schema", self.json_schema or "")
+        for name in ("tools", "tools_always"):
+            value = getattr(self, name) or ()
+            if isinstance(value, str) or not all(isinstance(key, str) for key in value):
+                raise ValueError(f'The chat setting {name} must be a list of "server/tool" names, got {value!r}.')
+            object.__setattr__(self, name, tuple(dict.fromkeys(value)))
+        if self.tool_choice not in ("auto", "first"):
+            raise ValueError(f'The chat setting tool_choice must be "auto" or "first", got {self.tool_choice!r}.')
+        if self.tool_rounds < 1:
+            raise ValueError(f"The chat setting tool_rounds must be 1 or more, got {self.tool_rounds}.")
 
     @classmethod
     def from_dict(cls, stored: dict[str, Any] | None) -> ChatSettings:

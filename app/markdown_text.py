@@ -71,3 +71,16 @@ def _math_outside_code_spans(line: str) -> str:
         start = span.end()
     parts.append(DOLLAR_MATH.sub(r"\\(\1\\)", line[start:]))
     return "".join(parts)
+
+
+def markdown_escaped(text: str) -> str:
+    """A name (a file's, a tool's) as Markdown shows it literally: a name is not markup (nor a link)."""
+    return "".join("\\" + ch if ch in "\\`*_[]()<>|~!#" else ch for ch in text)
+
+
+def fenced(text: str, language: str = "") -> str:
+    """`text` as a code block, shown as it is: its fence is longer than any run of backticks inside it, so the text
+    cannot close the block and be read as Markdown (or links) after it."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{text}\n{fence}"

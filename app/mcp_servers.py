@@ -7,6 +7,8 @@ with the app.
         "files": {"command": "uvx", "args": ["mcp-server-filesystem", "/home/me/notes"], "env": {"KEY": "..."}},
         "search": {"url": "https://example.com/mcp", "headers": {"Authorization": "Bearer ..."}}}}
 
+A server may set "timeout": the seconds its tool calls may take (60 when not set).
+
 A server with a "command" runs as a subprocess over stdio (its stderr goes to a log file, never to the chat); one
 with a "url" is reached over Streamable HTTP. The hub runs the SDK's asyncio clients on a thread of its own, so the
 app's threads call it as plain functions.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import threading
@@ -47,6 +50,7 @@ class McpServerConfig:
     env: tuple[tuple[str, str], ...] = ()
     url: str | None = None  # Streamable HTTP: the endpoint and its headers
     headers: tuple[tuple[str, str], ...] = ()
+    timeout: float = CALL_TIMEOUT_S  # seconds a tool call may take ("timeout" in mcp.json)
 
     @property
     def runs_a_command(self) -> bool:
@@ -88,6 +92,13 @@ def _server(name: str, spec: Any, path: Path) -> McpServerConfig:
     where = f'{path}: server "{name}"'
     if not isinstance(spec, dict):
         raise McpError(f"{where} must be an object with a command or a url.")
+    timeout = spec.get("timeout", CALL_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise McpError(f"{where}: timeout must be the seconds a tool call may take, a number above 0.")
+    return dataclasses.replace(_transport_config(name, spec, where), timeout=float(timeout))
+
+
+def _transport_config(name: str, spec: dict, where: str) -> McpServerConfig:
     if "command" in spec:
         args, env = spec.get("args", []), spec.get("env", {})
         if not isinstance(spec["command"], str) or not spec["command"].strip():
@@ -121,9 +132,10 @@ class McpHub:
     """The configured servers, each started on first use. Thread-safe: every method may be called from any thread
     but the hub's own."""
 
-    def __init__(self, servers: dict[str, McpServerConfig], log_dir: Path):
+    def __init__(self, servers: dict[str, McpServerConfig], log_dir: Path, allow_commands: bool = True):
         self.servers = servers
         self.log_dir = log_dir
+        self.allow_commands = allow_commands  # False: stdio servers (they run programs here) are refused
         self.restarts: dict[str, int] = {}  # times each server was started again after it failed
         self._running: dict[str, _Running] = {}
         self._failed: set[str] = set()  # servers a call failed on: started again at the next use
@@ -140,10 +152,32 @@ class McpHub:
         """The server's tools (it starts, if it is not running)."""
         return self._run(self._connected(server), START_TIMEOUT_S + 5).tools
 
-    def call(self, server: str, tool: str, arguments: dict, timeout: float = CALL_TIMEOUT_S) -> ToolResult:
-        """Call a tool; McpError if the server cannot be reached or the call takes longer than `timeout` seconds.
-        A server that failed is started again at the next call (and `restarts` counts it)."""
-        return self._run(self._call(server, tool, arguments, timeout), timeout + START_TIMEOUT_S + 5)
+    def call(self, server: str, tool: str, arguments: dict, timeout: float | None = None) -> ToolResult:
+        """Call a tool; McpError if the server cannot be reached or the call takes longer than `timeout` seconds
+        (the server's own, from mcp.json, when None). A server that failed is started again at the next call (and
+        `restarts` counts it)."""
+        future = self.start_call(server, tool, arguments, timeout)
+        try:
+            return future.result(self._timeout(server, timeout) + START_TIMEOUT_S + 5)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise McpError(f'MCP server "{server}" did not answer in time.') from None
+
+    def start_call(
+        self, server: str, tool: str, arguments: dict, timeout: float | None = None
+    ) -> concurrent.futures.Future:
+        """call(), as a future: its result is the ToolResult (or the McpError); cancelling it (Stop) cancels the
+        call on the server's connection."""
+        if self._closed:
+            raise McpError("The MCP servers have stopped with the app.")
+        coroutine = self._call(server, tool, arguments, self._timeout(server, timeout))
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def _timeout(self, server: str, timeout: float | None) -> float:
+        if timeout is not None:
+            return timeout
+        config = self.servers.get(server)
+        return config.timeout if config is not None else CALL_TIMEOUT_S
 
     def close(self) -> None:
         """Stop every server (their processes end) and the hub's thread."""
@@ -187,6 +221,11 @@ class McpHub:
         config = self.servers.get(name)
         if config is None:
             raise McpError(f'No MCP server "{name}" is configured: add it to {CONFIG_NAME}.')
+        if config.runs_a_command and not self.allow_commands:
+            raise McpError(
+                f'MCP server "{name}" runs a command on this computer, and this Pagoda is open to other computers '
+                "(--listen or --share): start Pagoda without them to use it."
+            )
         ready: asyncio.Future = self._loop.create_future()
         stop = asyncio.Event()
         task = self._loop.create_task(self._hold(config, ready, stop), name=f"mcp-{name}")

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from app.backend import ReplyDelta, json_constraint
+from app.backend import BadSettings, ReplyDelta, json_constraint
 from app.chat_settings import ChatSettings, as_chat_settings
 from app.remote_metrics import parse_prometheus, summarize_metrics
 from app.visualizer import render_remote_notice
@@ -368,8 +368,13 @@ class RemoteBackend:
     def url(self) -> str:
         return self.client.url
 
-    def submit(self, messages: list[dict], settings: ChatSettings | dict) -> tuple[ChatStream, int]:
+    def submit(self, messages: list[dict], settings: ChatSettings | dict, tools=None) -> tuple[ChatStream, int]:
         settings = as_chat_settings(settings)  # a script's dict too
+        if tools is not None:  # the server would hand the calls back; running them between rounds is local-only yet
+            raise BadSettings(
+                "The chat's tools run with Pagoda's own engine for now: load a model in the Models tab, or turn the "
+                "chat's tools off to chat with this server."
+            )
         top_k, min_p, penalty = settings.top_k, settings.min_p, settings.repetition_penalty
         extra = {
             "top_k": top_k if top_k > 0 else None,

@@ -23,6 +23,7 @@ from app.backend import (
 )
 from app.chat import ReplyTask, Turn, as_shown, preview
 from app.chat_settings import ChatSettings
+from app.chat_tools import chat_turns
 from app.model_host import ModelHost
 from app.page import user_error
 from app.page.chat_tab import SLIDERS
@@ -88,12 +89,14 @@ class ReplyEvents:
         self.store.update(conversation_id, system_prompt=system_prompt, settings={**stored, **settings.to_dict()})
         pending = user_text if user_text and user_text.strip() else ""
         before = self.store.messages(conversation_id) if after == "end" else self._path_to(conversation_id, after)
-        messages = [{"role": m.role, "content": m.content} for m in before]
+        messages = chat_turns(before)
         if pending:
             messages.append({"role": "user", "content": pending})
         system = self.prompt_system(conversation_id, system_prompt)  # with the chat's files after it
+        tools = self.tool_rounds(conversation_id, system, settings, backend)  # None: the chat has none on
         try:
-            stream, num_prompt_tokens = backend.submit(chat_messages(system, messages), settings)
+            offered = {"tools": tools[0]} if tools else {}  # a chat without tools asks as it always has
+            stream, num_prompt_tokens = backend.submit(chat_messages(system, messages), settings, **offered)
         except (ContextOverflow, RemoteError, EngineFailed, BadSettings) as e:  # too long a chat, the server
             # refused, the engine crashed on an earlier step, or the chat's JSON schema is broken: say so in the chat
             overflow = isinstance(e, ContextOverflow) or getattr(e, "context_overflow", False)
@@ -120,8 +123,15 @@ class ReplyEvents:
         if request is not None:
             with self.sessions.edit(request.session_hash) as session:
                 session.editing = None
+        rounds = tools[1] if tools else None
         task = ReplyTask(
-            stream, self.store, reply.id, num_prompt_tokens, model=backend.model, max_tokens=settings.max_tokens
+            rounds.wrap(stream) if rounds else stream,
+            self.store,
+            reply.id,
+            num_prompt_tokens,
+            model=backend.model,
+            max_tokens=settings.max_tokens,
+            rounds=rounds,
         )
         self.replies.start(conversation_id, task, label=f"#{conversation_id} {self.store.get(conversation_id).title}")
         log.info(
@@ -194,7 +204,7 @@ class ReplyEvents:
             shown = conversation_id is None or self.shows(request, conversation_id)
             yield (history, gr.update(), hidden, hidden, gr.update(), gr.update()) if shown else UNCHANGED
             return
-        history = history[: -2 if len(history) > 1 and history[-2].get("metadata") else -1]  # the reply's rows
+        seen = None  # the version of the reply drawn: a new round, or a change in its calls, redraws the chat
         while True:
             task.last_followed = time.time()
             finished = task.done.wait(0.1)
@@ -211,6 +221,18 @@ class ReplyEvents:
                     return
                 yield final, gr.update(), hidden, hidden, self.live_meter(task.turn), gr.update()
                 return
+            calling = task.calling
+            if seen != (task.version, calling):
+                seen = (task.version, calling)
+                try:  # between rounds, the calls as stored; while a round streams, the rows before it
+                    history = self.history(conversation_id, without_last=not calling)
+                except NotFound:
+                    yield UNCHANGED
+                    return
+                if calling:
+                    yield history, gr.update(), hidden, hidden, gr.update(), gr.update()
+            if calling:
+                continue
             turn = task.turn
             content = as_shown(turn.text, "")
             if not (content or turn.reasoning):

@@ -191,7 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start(
         host, last_model, args.model, downloaded, args.max_chats, args.kv_cache_dtype, args.speculative_config
     )
-    ui = PagodaUI(store, host, max_concurrent_chats=args.max_chats, max_file_mb=args.max_file_mb)
+    from app.mcp_servers import CONFIG_NAME
+
+    ui = PagodaUI(
+        store,
+        host,
+        max_concurrent_chats=args.max_chats,
+        max_file_mb=args.max_file_mb,
+        mcp_config=default_db_path().parent / CONFIG_NAME,
+        # A page from another computer must not make this one run programs: stdio servers are off then
+        mcp_commands_allowed=not (args.listen or args.share),
+    )
     demo = build(ui, models_tab=render_models_tab)
     demo.queue(default_concurrency_limit=4)
     bind = "0.0.0.0" if args.listen else "127.0.0.1"
@@ -241,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     # pages' open connections, which end with the process anyway.
     log.info("Shutting down: replies still being written are kept as interrupted.")
     ui.interrupt_replies()
+    ui.close_tools()
     host.unload()
     store.close()
     return 0

@@ -25,10 +25,11 @@ from app.reply_events import ReplyEvents, thought_row
 from app.sessions import Replies, Session, Sessions
 from app.store import ConversationStore
 from app.store_records import Message, NotFound
+from app.tool_events import ToolEvents, call_rows, open_mcp
 from entrypoints.documents import DEFAULT_MAX_FILE_MB
 
 
-class PagodaUI(ReplyEvents, AttachEvents):
+class PagodaUI(ReplyEvents, AttachEvents, ToolEvents):
     """Owns the store, the model host, each browser session's state and the replies streaming now."""
 
     def __init__(
@@ -37,7 +38,11 @@ class PagodaUI(ReplyEvents, AttachEvents):
         host: ModelHost,
         max_concurrent_chats: int = 16,
         max_file_mb: float = DEFAULT_MAX_FILE_MB,
+        mcp_config: Path | None = None,
+        mcp_commands_allowed: bool = True,
     ):
+        """`mcp_config`: the mcp.json whose servers give the chats' tools (each started on first use);
+        `mcp_commands_allowed`: False when pages from other computers can reach this one (no stdio servers)."""
         self.store, self.host = store, host
         self.max_concurrent_chats = max_concurrent_chats
         self.max_file_mb = max_file_mb
@@ -46,6 +51,9 @@ class PagodaUI(ReplyEvents, AttachEvents):
         self.export_dir = Path(tempfile.mkdtemp(prefix="pagoda-export-"))  # each chat's files, rewritten in place
         # Exported chats are private: gone when the app is (at exit too), not left in the system's temp folder
         weakref.finalize(self, shutil.rmtree, self.export_dir, ignore_errors=True)
+        self.mcp_config, self.mcp_commands_allowed = mcp_config, mcp_commands_allowed
+        if mcp_config is not None:
+            self.mcp, self.mcp_problem = open_mcp(mcp_config, mcp_config.parent / "logs", mcp_commands_allowed)
 
     # ---- conversations --------------------------------------------------------------------------
     def conversation_choices(self, query: str = "") -> list[tuple[str, int]]:
@@ -80,15 +88,16 @@ class PagodaUI(ReplyEvents, AttachEvents):
         self.store.place(int(conversation_id), folder=folder or "")
         return gr.update(choices=self.conversation_choices(), value=int(conversation_id))
 
-    def history(self, conversation_id: int | None) -> list[dict]:
+    def history(self, conversation_id: int | None, without_last: bool = False) -> list[dict]:
         """The chat's shown path as the chatbot's rows: each message with its line of links (‹ › to its other
-        branches, ✎ edit, new chat from here; message_action follows them) and, for a reply, its stats."""
+        branches, ✎ edit, new chat from here; message_action follows them), for a reply its stats, and the tools it
+        called. `without_last`: all but the last message (the reply that streams, drawn as it comes)."""
         if conversation_id is None:
             return []
         rows = []
         msgs = self.store.messages(conversation_id)
         running = self.replies.get(int(conversation_id))
-        for i, m in enumerate(msgs):
+        for i, m in enumerate(msgs[:-1] if without_last else msgs):
             stats = summary(m.meta) if m.role == "assistant" else ""
             # Saved mid-stream and never finished, and not the reply streaming now: Pagoda stopped under it
             # (a crash, a kill). It looked finished.
@@ -99,7 +108,10 @@ class PagodaUI(ReplyEvents, AttachEvents):
             content = as_shown(m.content, " · ".join(part for part in (nav, stats, actions) if part))
             if m.role == "assistant" and m.meta.get("reasoning"):
                 rows.append(thought_row(m.meta["reasoning"], m.meta.get("thought_s"), thinking=live and not m.content))
-            rows.append({"role": m.role, "content": content})
+            calls = call_rows(m, live)
+            if m.content or not calls:  # a round that only called tools shows just its calls
+                rows.append({"role": m.role, "content": content})
+            rows += calls
         return rows
 
     def context_meter(self, conversation_id: int | None) -> str:
@@ -260,15 +272,20 @@ class PagodaUI(ReplyEvents, AttachEvents):
 
     def message_action(self, conversation_id, action: str, request: gr.Request = None) -> tuple:
         """A link under a message, clicked: "show-<id>" (‹ ›: that branch), "edit-<id>" (✎: the message into the box,
-        sent as a new branch) or "branch-<id>" (new chat from here: a copy of the chat down to it, opened); or under
-        the files, "detach-<sha256>" (remove). Returns the chat, the box, the edit note's row and text, the meter,
-        the chat list and the files."""
+        sent as a new branch) or "branch-<id>" (new chat from here: a copy of the chat down to it, opened); under
+        the files, "detach-<sha256>" (remove); under a tool call, "allow-", "always-" or "deny-<id>-<call>".
+        Returns the chat, the box, the edit note's row and text, the meter, the chat list and the files."""
         keep = gr.update()
         kind, _, number = (action or "").partition("-")
         if conversation_id is not None and kind == "detach":
             self.detach(int(conversation_id), number)
             conversation_id = int(conversation_id)
             return keep, keep, keep, keep, self.context_meter(conversation_id), keep, self.files_view(conversation_id)
+        if conversation_id is not None and kind in ("allow", "always", "deny"):  # a tool call's answer
+            message_id, _, index = number.partition("-")
+            if message_id.isdigit() and index.isdigit():
+                self.decide_call(int(conversation_id), int(message_id), int(index), kind)
+            return (keep,) * 7  # the reply's page, following it, draws what the call does next
         if conversation_id is None or not number.isdigit() or kind not in ("show", "edit", "branch"):
             return (keep,) * 7
         conversation_id, message_id = int(conversation_id), int(number)

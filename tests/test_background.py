@@ -1,6 +1,9 @@
 """Background work (the CPU decode compile) stops while the engine has requests, and never while holding what the
 engine's thread may need (engine/runner/background.py)."""
 
+import importlib
+import importlib.abc
+import importlib.util
 import logging
 import sys
 import threading
@@ -86,6 +89,37 @@ def test_it_runs_on_inside_a_tracing_window_or_a_logging_handler_which_the_engin
         logger.handlers.clear()
     assert activity.pauses == 0
     activity.set_busy(False)
+
+
+def test_it_runs_on_inside_an_import_whose_lock_the_engine_may_wait_on():
+    """importlib holds a module's lock in its own frames, before the module's code runs: a compile stopped there
+    while the engine's thread imported the same module (llguidance.torch, at a chat's first tool call) hung both."""
+    activity = EngineActivity()
+    name = "pagoda_background_probe"
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            activity.set_busy(True)  # a request arrives while importlib holds the module's lock
+            return importlib.util.spec_from_loader(fullname, self)
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            _step()
+            module.value = 42
+            activity.set_busy(False)
+
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
+    try:
+        assert _run_in_thread(activity, lambda: importlib.import_module(name).value) == [42]
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop(name, None)
+    assert activity.pauses == 0
 
 
 def test_the_engine_waiting_for_the_work_lets_it_run():

@@ -60,7 +60,14 @@ def add_api(ui: "PagodaUI") -> None:
 
     def list_conversations(query: str = "") -> list[dict]:
         return [
-            {"id": c.id, "title": c.title, "system_prompt": c.system_prompt, "pinned": c.pinned, "folder": c.folder}
+            {
+                "id": c.id,
+                "title": c.title,
+                "system_prompt": c.system_prompt,
+                "pinned": c.pinned,
+                "folder": c.folder,
+                "settings": c.settings,  # sampling, switches and tools (app/chat_settings.py)
+            }
             for c in ui.store.list(query)
         ]
 

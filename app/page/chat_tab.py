@@ -207,9 +207,9 @@ def render_chat_tab(presets: dict[str, str]) -> ChatTab:
     )
 
 
-def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[str, str]) -> None:
+def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[str, str]):
     """The Chat tab's events. Opening a chat in the sidebar (`bar.current`) fills the tab and follows its reply;
-    saving a preset adds it to `presets`."""
+    saving a preset adds it to `presets`. Returns the event of a link under a message, for what redraws after it."""
     # The chat keeps its system prompt as it is typed or picked, and the meter counts it. Saved for the chat the box
     # shows (`system_of`), not the open chat's id: that one changes an event before the box does, on a switch.
     # "always_last": one save at a time, then the latest text; blur saves at once when the user clicks away.
@@ -266,7 +266,7 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
     tab.leave_out_btn.click(ui.discard_pending, None, tab.file_choice_row)
     # ‹ › switch branches, ✎ edit puts a message in the box (stopping the chat's reply, which then draws no more),
     # "new chat from here" opens a copy of the chat down to the message
-    tab.action_btn.click(
+    acted = tab.action_btn.click(
         ui.message_action,
         [bar.current, tab.action],
         [tab.chatbot, tab.msg, tab.edit_row, tab.edit_note, tab.meter, bar.conversations, tab.files],
@@ -310,3 +310,4 @@ def wire_chat_tab(ui: "PagodaUI", tab: ChatTab, bar: "Sidebar", presets: dict[st
         )
 
     tab.fresh_btn.click(fresh, [bar.current, tab.system], [bar.conversations, tab.overflow, tab.overflow_row])
+    return acted

@@ -10,6 +10,7 @@ from app.page.api import add_api
 from app.page.chat_tab import CHAT_CSS, DOWNLOAD_JS, KEYS_JS, render_chat_tab, wire_chat_tab
 from app.page.kv_tab import render_kv_tab, track_kv_tab
 from app.page.sidebar import load_first_view, render_sidebar, wire_archive, wire_sidebar
+from app.page.tools_panel import render_tools_panel, wire_tools_panel
 from app.visualizer import visualizer_css
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ def build(ui: "PagodaUI", models_tab: Callable[["PagodaUI"], None] | None = None
         with gr.Tabs():
             with gr.Tab("Chat") as chat_page:
                 chat = render_chat_tab(presets)
+                tools = render_tools_panel()
             with gr.Tab("KV cache") as kv_page:
                 kv_html = render_kv_tab(ui)
             other_pages = [chat_page]
@@ -42,7 +44,8 @@ def build(ui: "PagodaUI", models_tab: Callable[["PagodaUI"], None] | None = None
 
         # Events cross the parts (New chat reads the Chat tab's system prompt), so they are wired once all exist.
         wire_sidebar(ui, sidebar, chat.system)
-        wire_chat_tab(ui, chat, sidebar, presets)
+        message_action = wire_chat_tab(ui, chat, sidebar, presets)
+        wire_tools_panel(ui, tools, sidebar, message_action)
         wire_archive(ui, sidebar, DOWNLOAD_JS)
         header.change(lambda: gr.update(**ui.think_switch()), None, chat.think, show_progress="hidden")
         demo.unload(ui.on_unload)

@@ -25,8 +25,10 @@ from engine.runner.tracing import MODULE_CALLS
 
 log = logging.getLogger("engine")
 
-# Code in these files may hold a lock the engine's thread takes too.
-_LOCKING_FILES = (logging.__file__, threading.__file__)
+# Code in these files may hold a lock the engine's thread takes too. importlib's own frames hold a module's import
+# lock before (and after) the module's code runs: stopped in one, the compile held torch's lock while the engine's
+# thread, importing llguidance.torch for a chat's first constrained reply, waited on it for ever.
+_LOCKING_FILES = (logging.__file__, threading.__file__, "<frozen importlib._bootstrap>")
 
 
 class BackgroundCancelled(Exception):

@@ -41,16 +41,20 @@ FLAGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def session(bundled_model, tmp_path_factory):
-    """The app process, a client for its API, and a browser."""
-    app = AppProcess(bundled_model, tmp_path_factory.mktemp("browser_home"))
+def started_with_a_browser(app: AppProcess):
+    """Start `app`, and yield it with a client for its API and a browser; both end after."""
     client = app.start()
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         yield app, client, browser
         browser.close()
     app.kill()
+
+
+@pytest.fixture(scope="module")
+def session(bundled_model, tmp_path_factory):
+    """The app process, a client for its API, and a browser."""
+    yield from started_with_a_browser(AppProcess(bundled_model, tmp_path_factory.mktemp("browser_home")))
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """An MCP server for the tests, written with the `mcp` SDK (its MCPServer, the FastMCP of SDK 1.x): a calculator,
-a reader of files in one folder, a tool that crashes the server, and one that takes its time.
+a reader of files in one folder, a tool that crashes the server, one that takes its time and one that hangs.
 
     python tests/app/mcp_test_server.py FOLDER [PORT]    # stdio, or Streamable HTTP on PORT
 """
@@ -42,6 +42,13 @@ def slow(seconds: float) -> str:
     """Answer after `seconds`."""
     time.sleep(seconds)
     return "done"
+
+
+@server.tool()
+def wait_for_ever() -> str:
+    """Never answer (a tool that hangs)."""
+    time.sleep(3600)
+    return "late"
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def stdio_hub(tmp_path):
 
 def test_a_stdio_server_starts_on_first_use_lists_its_tools_and_runs_them(stdio_hub, tmp_path, capfd):
     tools = {t.name: t for t in stdio_hub.tools("test")}
-    assert set(tools) == {"add", "read_file", "crash", "slow"}
+    assert set(tools) == {"add", "read_file", "crash", "slow", "wait_for_ever"}
     assert tools["add"].description == "Add two numbers."
     assert tools["add"].input_schema["required"] == ["a", "b"]
     assert stdio_hub.call("test", "add", {"a": 2, "b": 3}).text == "5.0"

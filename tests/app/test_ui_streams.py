@@ -23,6 +23,8 @@ def streaming_task(text: str) -> SimpleNamespace:
         withdrawn=False,
         last_followed=time.time(),
         stream=SimpleNamespace(request_id="r"),
+        calling=False,  # no tool calls between rounds
+        version=0,
     )
 
 
