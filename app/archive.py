@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.chat_export import EXPORT_FORMAT, parse_chat_json
+from app.chat_settings import imported_settings
 from app.store_records import NEW_CHAT_TITLE, ROLES, clean_title, timestamp, to_json
 from entrypoints.documents import DocumentError, content_hash, extract_text
 
@@ -174,7 +175,7 @@ def _pagoda_chat(c: dict, where: str) -> ArchivedChat:
         uid,
         clean_title(c.get("title") or NEW_CHAT_TITLE),
         _text(c.get("system_prompt", ""), f"{where}.system_prompt"),
-        to_json(c.get("settings", {}), f"{where}.settings"),
+        to_json(imported_settings(c.get("settings", {})), f"{where}.settings"),
         timestamp(c.get("created"), f"{where}.created"),
         timestamp(c.get("updated"), f"{where}.updated"),
         leaf,

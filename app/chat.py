@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from app.backend import ReplyStream
-from app.markdown_text import close_open_fence, dollar_math
+from app.markdown_text import close_open_fence, dollar_math, inert
 
 SAVE_EVERY_S = 0.5  # how often a streaming reply is written to the store
 
@@ -33,6 +33,7 @@ class Turn:
     thought_s: float | None = None  # how long it reasoned, once the answer began (or the reply ended)
     model: str = ""  # the model that wrote it: stored with it, so an old chat still says which
     max_tokens: int | None = None  # the chat's "Max reply tokens" for it: a reply cut there says so
+    tool_calls: list | None = None  # the tools it called, with how each went (app/tool_rounds.py)
 
     @property
     def thinking(self) -> bool:
@@ -40,7 +41,7 @@ class Turn:
         return bool(self.reasoning) and self.thought_s is None
 
     def meta(self) -> dict:
-        keep = {"error", "reasoning", "reasoning_tokens", "thought_s", "model", "max_tokens"}  # only when said
+        keep = {"error", "reasoning", "reasoning_tokens", "thought_s", "model", "max_tokens", "tool_calls"}  # if said
         return {k: v for k, v in self.__dict__.items() if k != "text" and (k not in keep or v)}
 
     def summary(self) -> str:
@@ -103,7 +104,7 @@ def as_shown(text: str, stats: str) -> str:
     """A message as the chat view shows it: its inline `$…$` math marked for the chatbot's LaTeX (it showed raw),
     and its stats line under it. The page acts on "#pagoda-" links (‹ ›, ✎ edit, remove): a message's own text, a
     reply or an imported one, may not carry one, so its are made inert."""
-    return with_stats_line(dollar_math(text.replace("#pagoda-", "#pagoda\u200b-")), stats)
+    return with_stats_line(dollar_math(inert(text)), stats)
 
 
 def stream_reply(

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from app.chat_settings import imported_settings
 from app.markdown_text import close_open_fence, fenced
 from app.store_records import ROLES, clean_title, timestamp, to_json
 from entrypoints.documents import DocumentError, content_hash, extract_text
@@ -94,7 +95,7 @@ def parse_chat_json(text: str) -> ImportedChat:
     system_prompt = data.get("system_prompt", "")
     if not isinstance(system_prompt, str):
         raise ValueError('"system_prompt" must be a string.')
-    settings_json = to_json(data.get("settings", {}), "settings")
+    settings_json = to_json(imported_settings(data.get("settings", {})), "settings")
     rows = []
     for i, m in enumerate(raw_msgs):
         if m.get("role") not in ROLES or not isinstance(m.get("content"), str):

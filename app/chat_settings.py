@@ -78,3 +78,11 @@ class ChatSettings:
 def as_chat_settings(settings: ChatSettings | dict[str, Any] | None) -> ChatSettings:
     """`settings` as ChatSettings: scripts (and tests outside the app) hand the backends a plain dict."""
     return settings if isinstance(settings, ChatSettings) else ChatSettings.from_dict(settings)
+
+
+def imported_settings(settings: Any) -> Any:
+    """A chat's settings as an import keeps them: without the tools its author allowed to run without asking. A
+    chat file from elsewhere must not run a tool without the user's own click."""
+    if isinstance(settings, dict):
+        return {k: v for k, v in settings.items() if k != "tools_always"}
+    return settings  # not an object: the import says so (to_json)

@@ -57,11 +57,16 @@ def chat_tools(listed: Iterable, enabled: Iterable[str]) -> list[ChatTool]:
     wanted = set(enabled)
     picked = [t for t in listed if tool_key(t.server, t.name) in wanted]
     clashes = Counter(t.name for t in picked)
-    tools = []
+    tools, taken = [], set()
     for t in picked:
-        name = t.name if clashes[t.name] == 1 else f"{t.server}_{t.name}"
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", t.name if clashes[t.name] == 1 else f"{t.server}_{t.name}")[:64]
+        unique, n = name, 1
+        while unique in taken:  # "a.b" and "a_b" spell one name: the second gets a number
+            n += 1
+            unique = f"{name[: 64 - len(str(n)) - 1]}_{n}"
+        taken.add(unique)
         schema = t.input_schema if t.input_schema.get("type", "object") == "object" else {"type": "object"}
-        tools.append(ChatTool(t.server, t.name, re.sub(r"[^A-Za-z0-9_-]", "_", name)[:64], t.description, schema))
+        tools.append(ChatTool(t.server, t.name, unique, t.description, schema))
     return tools
 
 

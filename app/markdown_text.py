@@ -84,3 +84,14 @@ def fenced(text: str, language: str = "") -> str:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}{language}\n{text}\n{fence}"
+
+
+# The page acts on links to "#pagoda-<action>" (app/page/chat_tab.py's script). Markdown and HTML can spell the "#"
+# other ways, which the browser reads as "#" all the same.
+_ACTION_LINK = re.compile(r"(#|&#0*35;|&#x0*23;|&num;|%23)(pagoda)-", re.IGNORECASE)
+
+
+def inert(text: str) -> str:
+    """Text from a model, a tool or an import with any link to the page's own actions broken (a zero-width space
+    after "pagoda"): only the links Pagoda itself draws act."""
+    return _ACTION_LINK.sub(lambda m: f"{m.group(1)}{m.group(2)}\u200b-", text)

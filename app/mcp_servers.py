@@ -158,7 +158,7 @@ class McpHub:
         `restarts` counts it)."""
         future = self.start_call(server, tool, arguments, timeout)
         try:
-            return future.result(self._timeout(server, timeout) + START_TIMEOUT_S + 5)
+            return future.result(self.time_limit(server, timeout))
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise McpError(f'MCP server "{server}" did not answer in time.') from None
@@ -172,6 +172,10 @@ class McpHub:
             raise McpError("The MCP servers have stopped with the app.")
         coroutine = self._call(server, tool, arguments, self._timeout(server, timeout))
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def time_limit(self, server: str, timeout: float | None = None) -> float:
+        """The longest a call's future may take: the call's own limit, and a (re)start of its server."""
+        return self._timeout(server, timeout) + START_TIMEOUT_S + 5
 
     def _timeout(self, server: str, timeout: float | None) -> float:
         if timeout is not None:

@@ -24,6 +24,7 @@ from app.backend import (
 from app.chat import ReplyTask, Turn, as_shown, preview
 from app.chat_settings import ChatSettings
 from app.chat_tools import chat_turns
+from app.markdown_text import inert
 from app.model_host import ModelHost
 from app.page import user_error
 from app.page.chat_tab import SLIDERS
@@ -328,9 +329,12 @@ class ReplyEvents:
         msgs = self.store.messages(conversation_id) if conversation_id is not None else []
         if not msgs:
             raise user_error("There is no reply to regenerate yet.")
-        after = msgs[-1].parent_id if msgs[-1].role == "assistant" else "end"
-        if after is None:  # an imported chat can start with a reply
+        # The reply is every message after the user's last (a reply that called tools is one a round): all of it is
+        # written anew, beside its first round, so its rounds limit and "Before each answer" start afresh too
+        last_user = next((i for i in range(len(msgs) - 1, -1, -1) if msgs[i].role == "user"), None)
+        if last_user is None:  # an imported chat can start with a reply
             raise user_error("This reply starts the chat: there is no message to answer again.")
+        after = "end" if last_user == len(msgs) - 1 else msgs[last_user].id
         sliders = (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
         yield from self._answer(int(conversation_id), "", after, system_prompt, sliders, request)
 
@@ -428,4 +432,4 @@ def thought_row(reasoning: str, seconds: float | None, thinking: bool) -> dict:
     else:
         title = f"Thought for {seconds:.1f} s" if seconds is not None else "Thought (stopped)"
     metadata = {"title": title, "status": "pending" if thinking else "done"}
-    return {"role": "assistant", "content": reasoning, "metadata": metadata}
+    return {"role": "assistant", "content": inert(reasoning), "metadata": metadata}

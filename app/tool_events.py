@@ -14,7 +14,7 @@ import gradio as gr
 
 from app.chat_settings import ChatSettings
 from app.chat_tools import ToolPrompt, chat_tools, tool_key
-from app.markdown_text import fenced, markdown_escaped
+from app.markdown_text import fenced, inert, markdown_escaped
 from app.mcp_servers import CONFIG_NAME, McpError, McpHub, ToolInfo, load_mcp_config
 from app.page import user_error
 from app.sessions import Replies
@@ -76,6 +76,8 @@ class ToolEvents:
 
     def reload_tools(self, conversation_id=None):
         """Reload mcp.json: the old servers stop, and the file's start as their tools are listed."""
+        if any(task.rounds is not None for task in self.replies.running()):
+            raise user_error("A reply is using tools: let it finish or press Stop, then Reload mcp.json.")
         self.close_tools()
         self.mcp, self.mcp_problem = None, ""
         if self.mcp_config is not None:
@@ -167,6 +169,9 @@ class ToolEvents:
             raise user_error("None of the chat's tools is offered by its servers any more: pick others in Tools.")
         prompt = ToolPrompt(tuple(tools), "first" if settings.tool_choice == "first" else "auto")
 
+        def always() -> set[str]:  # as the chat has them now: the Tools panel may take one back mid-reply
+            return set(self._settings(conversation_id).tools_always)
+
         def remember_always(key: str) -> None:
             conv = self.store.get(conversation_id)
             now = ChatSettings.from_dict(conv.settings)
@@ -179,17 +184,17 @@ class ToolEvents:
             system_prompt,
             prompt,
             settings.tool_rounds,
-            set(settings.tools_always),
+            always,
             lambda messages, round_prompt: backend.submit(messages, settings, tools=round_prompt),
             remember_always,
         )
         return prompt, rounds
 
-    def decide_call(self, conversation_id: int, message_id: int, index: int, decision: str) -> None:
-        """A call's link clicked: Allow once, Always for this tool, or Deny."""
+    def decide_call(self, conversation_id: int, token: str, decision: str) -> None:
+        """A call's link clicked: Allow once, Always for this tool, or Deny (`token`: the call's, from its link)."""
         task = self.replies.get(conversation_id)
         rounds = task.rounds if task is not None and not task.done.is_set() else None
-        if rounds is None or not rounds.decide(message_id, index, decision):
+        if rounds is None or not rounds.decide(token, decision):
             raise user_error("That call is no longer waiting for an answer.")
 
 
@@ -199,15 +204,15 @@ def call_rows(message: Message, live: bool) -> list[dict]:
     tool returns is data: it shows in a code block, never as Markdown or links. `live`: the reply is still going
     (else a call left waiting or running ended with it: Pagoda stopped under it)."""
     rows = []
-    for index, call in enumerate(message.meta.get("tool_calls") or []):
+    for call in message.meta.get("tool_calls") or []:
         if not live and call.get("status") in ("asking", "allowed", "running"):
             call = {**call, "status": "ended"}
         plain_name = f"{call.get('server', '?')} › {call.get('tool', call.get('name', '?'))}"
-        name = markdown_escaped(plain_name)
+        name = markdown_escaped(plain_name)  # a server names its tools: shown as text, not markup
         arguments = _pretty(call.get("arguments", ""))
         status = call.get("status", "asking")
         if status == "asking":
-            link = f"#pagoda-{{}}-{message.id}-{index}"
+            link = f"#pagoda-{{}}-{call.get('token', '')}"
             answers = " · ".join(
                 f"[{label}]({link.format(kind)})"
                 for label, kind in (("Allow once", "allow"), ("Always for this tool", "always"), ("Deny", "deny"))
@@ -220,7 +225,7 @@ def call_rows(message: Message, live: bool) -> list[dict]:
         body = f"Arguments\n\n{arguments}"
         if call.get("result"):
             body += f"\n\n{'Error' if status == 'error' else 'Result'}\n\n{fenced(inert(call['result']))}"
-        title = f"🔧 {plain_name} · {CALL_STATES.get(status, status)}"
+        title = f"🔧 {inert(name)} · {CALL_STATES.get(status, status)}"
         metadata = {"title": title + took, "status": "pending" if status in ("running", "allowed") else "done"}
         rows.append({"role": "assistant", "content": body, "metadata": metadata})
     return rows
@@ -232,8 +237,3 @@ def _pretty(arguments: str) -> str:
     except ValueError:
         text = arguments
     return fenced(inert(text), "json")
-
-
-def inert(text: str) -> str:
-    """Text from a model or a tool with the page's own action links made inert (as app/chat.py's as_shown does)."""
-    return text.replace("#pagoda-", "#pagoda\u200b-")

@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,7 +64,13 @@ class CallParsingStream:
 
 class ToolRounds:
     """The tool calls between one reply's rounds (ReplyTask calls next_round after each round that ended by
-    itself). `submit(messages, prompt)` starts a round: (its stream, prompt tokens)."""
+    itself). `submit(messages, prompt)` starts a round: (its stream, prompt tokens). `always()` is the chat's tools
+    the user allowed for every call, as they are now (the Tools panel may take one back meanwhile), and
+    `remember_always(key)` adds one.
+
+    Each call waiting for the user has a token of its own, drawn at random and never shown to the model: only the
+    page's link under the call carries it, so no text a model writes or a tool returns can name the call it would
+    approve."""
 
     def __init__(
         self,
@@ -73,19 +80,19 @@ class ToolRounds:
         system_prompt: str,
         prompt: ToolPrompt,
         max_rounds: int,
-        always: set[str],
+        always: Callable[[], set[str]],
         submit: Callable[[list[dict], ToolPrompt], tuple[ReplyStream, int]],
         remember_always: Callable[[str], None],
     ):
         self.hub, self.store, self.conversation_id, self.system_prompt = hub, store, conversation_id, system_prompt
-        self.prompt, self.max_rounds, self.always = prompt, max_rounds, set(always)
-        self._submit, self._remember_always = submit, remember_always
+        self.prompt, self.max_rounds = prompt, max_rounds
+        self._always, self._submit, self._remember_always = always, submit, remember_always
         self.rounds = 1  # the round the reply is in (the first streams as it is made)
         self.cancelled = False
         self._lock = threading.Lock()
-        self._asked: dict[tuple[int, int], threading.Event] = {}  # (message, call) -> set once decided
-        self._decisions: dict[tuple[int, int], str] = {}
-        self._keys: dict[tuple[int, int], str] = {}  # the tool each asked call is of
+        self._asked: dict[str, threading.Event] = {}  # a waiting call's token -> set once decided
+        self._decisions: dict[str, str] = {}
+        self._keys: dict[str, str] = {}  # the tool each asked call is of
         self._running: concurrent.futures.Future | None = None
 
     def wrap(self, stream: ReplyStream, prompt: ToolPrompt | None = None) -> CallParsingStream:
@@ -93,18 +100,17 @@ class ToolRounds:
 
     # ---- from the page ----------------------------------------------------------------------------------------
 
-    def decide(self, message_id: int, index: int, decision: str) -> bool:
-        """The user's answer to call `index` of message `message_id`: False when that call waits for none."""
+    def decide(self, token: str, decision: str) -> bool:
+        """The user's answer to the call whose link carries `token`: False when no call waits with it."""
         if decision not in DECISIONS:
             raise ValueError(f"A call is decided with one of {', '.join(DECISIONS)}, not {decision!r}.")
         with self._lock:
-            event = self._asked.get((message_id, index))
+            event = self._asked.get(token)
             if event is None or event.is_set():
                 return False
             if decision == "always":  # kept before the answer returns: the page shows it in Tools at once
-                self.always.add(self._keys[(message_id, index)])
-                self._remember_always(self._keys[(message_id, index)])
-            self._decisions[(message_id, index)] = decision
+                self._remember_always(self._keys[token])
+            self._decisions[token] = decision
             event.set()
             return True
 
@@ -123,51 +129,56 @@ class ToolRounds:
         """Run the calls the round that just ended made (each once the user allows it) and start the next round in
         a new reply after it: False when the round made no calls, or Stop came."""
         calls = getattr(task.stream, "calls", None)
-        if not calls or self.cancelled:
+        if not calls:
             return False
         message_id = task.message_id
-        meta = task.turn.meta()
-        records = [self._record(call) for call in calls]
+        records = task.turn.tool_calls = [self._record(call) for call in calls]  # saved with the reply from now on
         with self._lock:  # before the page can show them: a click that came first found nothing to decide
-            for index, record in enumerate(records):
+            if self.cancelled:  # Stop came as the round ended: its events were set before these existed
+                for record in records:
+                    if record["status"] != "error":
+                        record["status"] = "stopped"
+            for record in records:
                 if record["status"] == "asking":
-                    self._asked[(message_id, index)] = threading.Event()
-                    self._keys[(message_id, index)] = record["key"]
+                    self._asked[record["token"]] = threading.Event()
+                    self._keys[record["token"]] = record["key"]
         task.calling = True
         try:
-            self._run_calls(task, message_id, meta, records)
+            self._run_calls(task, message_id, records)
+            if self.cancelled:
+                return False
+            self._start_next_round(task, message_id)  # the page draws calls until its reply exists
+            return True
         finally:
             task.calling = False
-        if self.cancelled:
-            return False
-        self._start_next_round(task, message_id)
-        return True
 
-    def _run_calls(self, task: ReplyTask, message_id: int, meta: dict, records: list[dict]) -> None:
+    def _run_calls(self, task: ReplyTask, message_id: int, records: list[dict]) -> None:
         """Each call in turn: asked, then run (or denied), its record saved with the reply at every change."""
 
         def save() -> None:
-            self.store.update_message(message_id, task.turn.text, {**meta, "tool_calls": records})
+            self.store.update_message(message_id, task.turn.text, task.turn.meta())
             task.version += 1
 
         for index, record in enumerate(records):
-            if record["status"] == "error":
+            if record["status"] in ("error", "stopped"):
                 continue
+            if record["status"] == "asking" and record["key"] in self._always():  # Always, chosen meanwhile
+                record["status"] = "allowed"
             if record["status"] == "asking":
                 save()
-                decision = self._ask(message_id, index)
-                if decision == "stop":
-                    for rest in records[index:]:
-                        rest["status"] = "stopped"
-                    break
-                if decision == "deny":
+                if self._ask(record["token"]) == "deny":
                     record["status"] = "denied"
                     continue
+            if self.cancelled:  # Stop: this call and those after it do not run
+                for rest in records[index:]:
+                    if rest["status"] not in ("error", "denied"):
+                        rest["status"] = "stopped"
+                break
             record["status"] = "running"
             save()
             self._call(record)
-            if self.cancelled:
-                break
+        for record in records:
+            record.pop("token", None)  # decided: the token is of no more use, and is not kept
         save()
 
     def _start_next_round(self, task: ReplyTask, message_id: int) -> None:
@@ -178,6 +189,7 @@ class ToolRounds:
             prompt = dataclasses.replace(prompt, mode="auto")
         reply = self.store.add_message(self.conversation_id, "assistant", "", after=message_id)
         task.begin_round(_NotYet(), reply.id, 0)  # a failure to submit is kept with the new reply
+        task.calling = False
         history = chat_turns(self.store.path_to(self.conversation_id, message_id))
         stream, num_prompt_tokens = self._submit(chat_messages(self.system_prompt, history), prompt)
         # The last round may not call: what it writes is its answer, calls and all (a template whose calls are read
@@ -192,16 +204,14 @@ class ToolRounds:
         record = {"id": call["id"], "name": function["name"], "arguments": function["arguments"], "status": "asking"}
         if tool is None:  # a template whose calls are read unconstrained may name a tool it was not offered
             return {**record, "status": "error", "result": f"There is no tool named {function['name']!r}."}
-        record.update(server=tool.server, tool=tool.tool, key=tool.key)
-        if tool.key in self.always:
-            record["status"] = "allowed"
+        record.update(server=tool.server, tool=tool.tool, key=tool.key, token=secrets.token_hex(12))
         return record
 
-    def _ask(self, message_id: int, index: int) -> str:
+    def _ask(self, token: str) -> str:
         """Wait for the user's decision on a call: "allow", "always", "deny", or "stop" (Stop came)."""
-        self._asked[(message_id, index)].wait()
+        self._asked[token].wait()
         with self._lock:
-            return "stop" if self.cancelled else self._decisions[(message_id, index)]
+            return "stop" if self.cancelled else self._decisions[token]
 
     def _call(self, record: dict) -> None:
         try:
@@ -217,13 +227,17 @@ class ToolRounds:
                 if self.cancelled:
                     raise concurrent.futures.CancelledError
                 self._running = self.hub.start_call(record["server"], record["tool"], arguments)
-            result = self._running.result()
+            # The server's own limit bounds the call; this one also bounds a restart that never answers
+            result = self._running.result(self.hub.time_limit(record["server"]))
             text = result.text
             if len(text) > MAX_RESULT_CHARS:
                 text = text[:MAX_RESULT_CHARS] + f"\n[cut: the result had {len(result.text):,} characters]"
             record.update(status="error" if result.is_error else "done", result=text)
         except concurrent.futures.CancelledError:
             record.update(status="stopped")
+        except concurrent.futures.TimeoutError:
+            self._running.cancel()
+            record.update(status="error", result=f'MCP server "{record["server"]}" did not answer in time.')
         except McpError as e:
             record.update(status="error", result=str(e))
         finally:

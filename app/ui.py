@@ -109,7 +109,7 @@ class PagodaUI(ReplyEvents, AttachEvents, ToolEvents):
             if m.role == "assistant" and m.meta.get("reasoning"):
                 rows.append(thought_row(m.meta["reasoning"], m.meta.get("thought_s"), thinking=live and not m.content))
             calls = call_rows(m, live)
-            if m.content or not calls:  # a round that only called tools shows just its calls
+            if m.content or not calls or nav:  # a round that only called tools shows its calls (and ‹ › if any)
                 rows.append({"role": m.role, "content": content})
             rows += calls
         return rows
@@ -273,7 +273,7 @@ class PagodaUI(ReplyEvents, AttachEvents, ToolEvents):
     def message_action(self, conversation_id, action: str, request: gr.Request = None) -> tuple:
         """A link under a message, clicked: "show-<id>" (‹ ›: that branch), "edit-<id>" (✎: the message into the box,
         sent as a new branch) or "branch-<id>" (new chat from here: a copy of the chat down to it, opened); under
-        the files, "detach-<sha256>" (remove); under a tool call, "allow-", "always-" or "deny-<id>-<call>".
+        the files, "detach-<sha256>" (remove); under a tool call, "allow-", "always-" or "deny-<the call's token>".
         Returns the chat, the box, the edit note's row and text, the meter, the chat list and the files."""
         keep = gr.update()
         kind, _, number = (action or "").partition("-")
@@ -282,9 +282,7 @@ class PagodaUI(ReplyEvents, AttachEvents, ToolEvents):
             conversation_id = int(conversation_id)
             return keep, keep, keep, keep, self.context_meter(conversation_id), keep, self.files_view(conversation_id)
         if conversation_id is not None and kind in ("allow", "always", "deny"):  # a tool call's answer
-            message_id, _, index = number.partition("-")
-            if message_id.isdigit() and index.isdigit():
-                self.decide_call(int(conversation_id), int(message_id), int(index), kind)
+            self.decide_call(int(conversation_id), number, kind)
             return (keep,) * 7  # the reply's page, following it, draws what the call does next
         if conversation_id is None or not number.isdigit() or kind not in ("show", "edit", "branch"):
             return (keep,) * 7

@@ -87,6 +87,11 @@ def test_each_tool_is_called_by_its_name_or_with_its_server_where_two_servers_sh
     assert tools[2].schema == {"type": "object"}
 
 
+def test_two_tools_whose_names_clean_to_one_get_a_number():
+    listed = [ToolInfo("web", "a.b", "", {"type": "object"}), ToolInfo("web", "a_b", "", {"type": "object"})]
+    assert [t.name for t in chat_tools(listed, ["web/a.b", "web/a_b"])] == ["a_b", "a_b_2"]
+
+
 def test_a_reply_that_called_tools_is_read_again_as_its_calls_and_their_outcomes():
     calls = [
         {"id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}', "status": "done", "result": "3"},

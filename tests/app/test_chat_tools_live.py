@@ -70,16 +70,11 @@ def ask(ui, conv, text: str):
 
 def answer_call(ui, conv, kind="allow") -> dict:
     def waiting():
-        return [
-            (m.id, i, c)
-            for m in ui.store.messages(conv)
-            for i, c in enumerate(m.meta.get("tool_calls") or [])
-            if c["status"] == "asking"
-        ]
+        return [c for m in ui.store.messages(conv) for c in m.meta.get("tool_calls") or [] if c["status"] == "asking"]
 
     assert wait_until(lambda: waiting(), 120), "the model made no call"
-    message_id, index, call = waiting()[0]
-    ui.message_action(conv, f"{kind}-{message_id}-{index}", PAGE)
+    call = waiting()[0]
+    ui.message_action(conv, f"{kind}-{call['token']}", PAGE)
     return call
 
 
