@@ -41,6 +41,8 @@ class ReplyDelta:
     prompt_tokens: int | None = None  # the server's own count, on a remote reply's last increment
     completion_tokens: int | None = None  # likewise
     reasoning: str = ""  # a thinking model's reasoning this increment brings (the answer is in `text`)
+    # Speculative decoding, on the last increment: (steps that checked drafts, drafted, accepted); None: it did not
+    speculation: tuple[int, int, int] | None = None
 
 
 class ReplyStream(Protocol):
@@ -188,6 +190,7 @@ class LocalReplyStream:
                 out.finish_reason,
                 cached_tokens=out.num_cached_tokens,
                 reasoning=reasoning,
+                speculation=out.speculation,
             )
 
     def cancel(self) -> None:

@@ -34,6 +34,7 @@ class Turn:
     model: str = ""  # the model that wrote it: stored with it, so an old chat still says which
     max_tokens: int | None = None  # the chat's "Max reply tokens" for it: a reply cut there says so
     tool_calls: list | None = None  # the tools it called, with how each went (app/tool_rounds.py)
+    speculation: tuple | None = None  # speculative decoding: (steps that checked drafts, drafted, accepted)
 
     @property
     def thinking(self) -> bool:
@@ -41,7 +42,17 @@ class Turn:
         return bool(self.reasoning) and self.thought_s is None
 
     def meta(self) -> dict:
-        keep = {"error", "reasoning", "reasoning_tokens", "thought_s", "model", "max_tokens", "tool_calls"}  # if said
+        # Kept only when there is something to say
+        keep = {
+            "error",
+            "reasoning",
+            "reasoning_tokens",
+            "thought_s",
+            "model",
+            "max_tokens",
+            "tool_calls",
+            "speculation",
+        }
         return {k: v for k, v in self.__dict__.items() if k != "text" and (k not in keep or v)}
 
     def summary(self) -> str:
@@ -72,12 +83,18 @@ def _measures(meta: dict) -> str:
             else " · cut: the context is full"
         )
     prompt = meta.get("prompt_tokens")
+    spec = ""
+    if meta.get("speculation"):  # tokens a checking step gave (its accepted drafts and one more), and the share kept
+        steps, drafted, accepted = meta["speculation"]
+        spec = (
+            f" · spec {(accepted + steps) / steps:.1f} tok/step, {accepted / drafted:.0%} accepted" if drafted else ""
+        )
     cache = (
         f" · {meta.get('cached_tokens', 0):,}/{count(prompt, 'prompt token')} from the prefix cache" if prompt else ""
     )  # a remote server that sends no usage leaves it unknown
     return (
         f"first token {meta['ttft_s'] * 1000:.0f} ms{rate} · {count(meta.get('output_tokens', 0), 'token')}"
-        f"{reasoning}{cache}{stopped}"
+        f"{reasoning}{spec}{cache}{stopped}"
     )
 
 
@@ -148,6 +165,7 @@ def stream_reply(
             if turn.reasoning and turn.thought_s is None and (delta.text or delta.finished):
                 turn.thought_s = now - (first or now)
             turn.cached_tokens = delta.cached_tokens or turn.cached_tokens
+            turn.speculation = delta.speculation or turn.speculation
             turn.prompt_tokens = delta.prompt_tokens or turn.prompt_tokens
             turn.output_tokens = delta.completion_tokens or turn.output_tokens
             if turn.output_tokens > 1 and now > first:

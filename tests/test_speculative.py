@@ -136,6 +136,12 @@ def test_greedy_output_is_unchanged_alone_and_in_batches(make_llm, tiny_llama, r
     stats = llm.stats()
     assert stats.speculative_method == "ngram"
     assert stats.spec_steps > 0 and stats.spec_draft_tokens >= stats.spec_accepted_tokens > 0
+    # Each reply says what its drafts gave (its stats line in the app), and together they are the engine's counts
+    assert all(p["speculation"] is None for p in plain)
+    per_request = [r["speculation"] for r in batched + alone]
+    assert all(steps > 0 and drafted >= accepted >= 0 for steps, drafted, accepted in per_request)
+    totals = tuple(map(sum, zip(*per_request, strict=True)))
+    assert totals == (stats.spec_steps, stats.spec_draft_tokens, stats.spec_accepted_tokens)
     assert stats.spec_mean_accepted_length > 1.5  # the repeating replies gain: more than one token a step
     assert stats.num_generated_tokens == 2 * 4 * 40  # every token counted once, drafted or not
     assert stats.free_blocks == stats.num_blocks  # every block given back, rejected drafts' included
@@ -324,3 +330,22 @@ def test_drafts_never_preempt_another_request():
     batch = scheduler.schedule()
     assert [(item.num_new_tokens, item.draft_token_ids) for item in batch] == [(1, []), (2, [5])]
     assert scheduler.num_preemptions == 0 and second.status == SequenceStatus.RUNNING
+
+
+def test_a_chat_reply_carries_what_its_drafts_gave(make_llm, tiny_llama):
+    """The app's local backend hands the engine's per-request counts to the reply (its stats line shows them)."""
+    from app.backend import LocalBackend
+    from app.chat_settings import ChatSettings
+    from engine import EngineThread
+
+    thread = EngineThread(make_llm(tiny_llama, speculative_config=NGRAM))
+    try:
+        messages = [{"role": "user", "content": "Paged attention stores keys and values in blocks. " * 6}]
+        settings = ChatSettings(temperature=0, max_tokens=40)
+        stream, _ = LocalBackend(thread, "tiny").submit(messages, settings)
+        deltas = list(stream)
+    finally:
+        thread.shutdown()
+    steps, drafted, accepted = deltas[-1].speculation
+    assert deltas[-1].finished and steps > 0 and drafted >= accepted
+    assert all(d.speculation is None for d in deltas[:-1])  # once, with the last increment

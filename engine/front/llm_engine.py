@@ -27,7 +27,7 @@ from engine.core.state_slots import StateSlots
 from engine.front.detokenizer import Detokenizer
 from engine.front.introspection import engine_stats, kv_block_map
 from engine.front.model_files import eos_token_ids, open_model
-from engine.front.output_processor import finish_reason, request_output, take_logprobs
+from engine.front.output_processor import finish_reason, request_output, speculation_of, take_logprobs
 from engine.front.outputs import EmbeddingOutput, EngineStats, KVBlock, RequestOutput
 from engine.front.pooling import embed_prompts, pooling_config, resolve_runner, set_up_pooling
 from engine.front.sampling_params import SamplingParams
@@ -447,6 +447,7 @@ class LLMEngine:
                 "logprobs": s.output_logprobs,
                 "prompt_logprobs": s.prompt_logprobs,
                 "error": s.grammar.failure if s.finish_reason == "error" else None,
+                "speculation": speculation_of(s),  # (steps that checked drafts, drafted, accepted), or None
             }
             for s in seqs
         ]

@@ -81,7 +81,16 @@ def request_output(
         seq.prompt_logprobs if first else None,
         seq.grammar.failure if reason == "error" else None,
         seq.stop_reason if reason == "stop" else None,
+        speculation_of(seq) if reason else None,
     )
+
+
+def speculation_of(seq: Sequence) -> tuple[int, int, int] | None:
+    """What came of `seq`'s drafts: (steps that checked them, drafted, accepted); None if it checked none."""
+    state = seq.draft_state
+    if state is None or not state.steps:
+        return None
+    return state.steps, state.draft_tokens, state.accepted_tokens
 
 
 def apply_stop_strings(seq: Sequence) -> str | None:

@@ -26,6 +26,9 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error": its constraint could not be followed)
     # With finish_reason "stop": the stop string or stop token id (not the model's end token) that ended it
     stop_reason: str | int | None = None
+    # Speculative decoding, once finished: (steps that checked drafts, tokens drafted, of them accepted); None when
+    # the request never speculated
+    speculation: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,10 @@ class DraftState:
     length: int
     skip_steps: int = 0
     misses: int = 0
+    # What came of its drafts so far, for its reply's stats line: steps that checked drafts, drafted, accepted
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -74,6 +78,8 @@ class Speculator:
         self.stats.draft_tokens += num_drafted
         self.stats.accepted_tokens += num_accepted
         state = seq.draft_state
+        state.steps, state.draft_tokens = state.steps + 1, state.draft_tokens + num_drafted
+        state.accepted_tokens += num_accepted
         if num_accepted == num_drafted:
             state.length, state.misses = self.config.num_speculative_tokens, 0
         elif num_accepted:

@@ -8,7 +8,7 @@ import gradio as gr
 from markdown_it import MarkdownIt
 
 from app.backend import ReplyDelta, meter_text
-from app.chat import ReplyTask
+from app.chat import ReplyTask, stream_reply
 from app.model_host import ModelHost
 from app.reply_events import UNCHANGED
 from app.store import ConversationStore
@@ -215,6 +215,26 @@ def test_the_stats_line_counts_in_words_people_write():
         "first token 250 ms · 31.2 tok/s · 1,200 tokens (1,100 reasoning) · 4,096/6,150 prompt "
         "tokens from the prefix cache"
     )
+
+
+def test_the_stats_line_says_what_speculative_decoding_gave_the_reply(tmp_path):
+    """Tokens a checking step gave (its accepted drafts and the one token every step gives) and the share of the
+    drafts kept, from the engine's last increment to the stored reply's line."""
+    from app.chat import summary
+
+    class Speculated(CountedReply):
+        def __iter__(self):
+            yield ReplyDelta("word ", 1)
+            yield ReplyDelta("word", 1, finished=True, finish_reason="stop", speculation=(10, 30, 16))
+
+    store = ConversationStore(tmp_path / "chats.db")
+    reply = store.add_message(store.create().id, "assistant", "")
+    for _ in stream_reply(Speculated(2, "stop"), store, reply.id, 5):
+        pass
+    meta = store.messages(reply.conversation_id)[-1].meta
+    assert meta["speculation"] == [10, 30, 16]
+    assert " · spec 2.6 tok/step, 53% accepted · " in summary(meta)
+    assert "spec" not in summary({**meta, "speculation": None})  # a reply that did not speculate says nothing
 
 
 class CountedReply:
