@@ -194,6 +194,7 @@ class ModelHost:
         took = time.time() - self.state.started
         weights = f", {s.quantization} weights" if s.quantization != "none" else ""
         weights += f", {s.kv_cache_dtype} KV cache" if s.kv_cache_dtype != "auto" else ""
+        weights += f", {s.speculative_method} speculative decoding" if s.speculative_method else ""
         self.state = LoadState(
             "ready",
             f"{self.label} is ready on {s.device} ({s.dtype}{weights}, context "

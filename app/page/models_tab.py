@@ -15,15 +15,19 @@ import torch
 
 from app.catalog import CatalogEntry, entry_for_repo, load_catalog
 from app.device_memory import available_memory
-from app.download_jobs import DownloadJob, DownloadManager
+from app.download_jobs import DownloadManager
 from app.memory_estimate import QUANTIZATIONS, QuantAdvice, fit_report, format_gib, quantization_advice
 from app.model_host import resolve_model
 from app.page import user_error
+from app.page.download_rows import free_disk, listing, render_download_rows
 from app.remote import RemoteError
 from engine.attention.kv_format import KV_CACHE_DTYPES
 from engine.loader import pick_dtype
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
+# Speculative decoding, per load (engine/spec_decode/): a draft model and MTP heads join when the engine has them
+SPECULATION = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4}}
+SPECULATION_CHOICES = [("Off", "off"), ("N-gram (prompt lookup)", "ngram")]
 QUANT_INFO = "Weights stored in fewer bits at load: int8 needs about half the memory, int4 about a quarter"
 
 
@@ -147,6 +151,7 @@ def load_settings(
     quantization: str | None,
     max_num_seqs: int,
     kv_cache_dtype: str | None = "auto",
+    speculation: str | None = "off",
 ) -> dict:
     """The engine settings a Load press passes on. Quantization is dropped for a GGUF model (the engine
     refuses to quantize one again)."""
@@ -163,6 +168,11 @@ def load_settings(
         raise user_error(f"Unknown quantization {quantization!r}: pick none, int8 or int4.")
     if quant != "none" and not is_gguf_choice(repo_id):
         settings["quantization"] = quant
+    method = (speculation or "off").strip().lower()
+    if method not in SPECULATION:
+        raise user_error(f"Unknown speculative decoding {speculation!r}: pick {', '.join(SPECULATION)}.")
+    if SPECULATION[method] is not None:
+        settings["speculative_config"] = dict(SPECULATION[method])
     return settings
 
 
@@ -177,56 +187,6 @@ def _download_target(repo_id: str, entry: CatalogEntry | None) -> tuple[str, str
     return repo_id, ""
 
 
-def _describe_job(job: DownloadJob) -> str:
-    done, total = job.bytes_done or 0, job.bytes_total or 0
-    pct = f"{100 * done / total:.0f}%" if total else "…"
-    speed = f" · {job.speed / 2**20:.1f} MiB/s" if job.speed else ""
-    eta = f" · {job.eta_s:.0f} s left" if job.eta_s else ""
-    name = f"{job.repo_id}/{job.gguf_file}" if job.gguf_file else job.repo_id
-    line = f"**{name}**: {job.status} {pct} ({format_gib(done)} / {format_gib(total)} GiB){speed}{eta}"
-    return line + (f"  \n{job.error}" if job.error else "")
-
-
-def job_actions(job: DownloadJob) -> tuple[str, ...]:
-    """The buttons on a download's row: Cancel while it runs; Retry and Dismiss once it failed or was cancelled
-    (a failed row had neither, and stayed until a restart); Dismiss once it is done."""
-    if job.active:
-        return ("Cancel",)
-    return ("Dismiss",) if job.status == "done" else ("Retry", "Dismiss")
-
-
-def listing(manager: DownloadManager) -> dict:
-    """What the Downloads and Downloaded lists show, one row each: a download (its line, and its buttons, see
-    `job_actions`) and a downloaded model (its line). The rows are drawn again only when this changes."""
-    return {
-        "jobs": [(job.id, _describe_job(job), job_actions(job)) for job in manager.jobs()],
-        "models": [
-            (m.repo_id, f"**{m.repo_id}** · {format_gib(m.size_bytes)} GiB · `{m.load_path}`")
-            for m in manager.local_models()
-        ],
-    }
-
-
-def job_action(manager: DownloadManager, job_id: str, action: str) -> dict:
-    """A download row's button pressed (one of `job_actions`); the listing after it."""
-    try:
-        if action == "Cancel":
-            manager.cancel(job_id)
-        elif action == "Retry":
-            manager.retry(job_id)
-        elif action == "Dismiss":
-            manager.forget(job_id)
-    except KeyError:  # dismissed meanwhile in another tab: the listing shows what is left
-        pass
-    except ValueError as e:  # a retry refused at once
-        raise user_error(str(e)) from e
-    return listing(manager)
-
-
-def _free_disk(manager: DownloadManager) -> str:
-    return f"Free disk for downloads: {format_gib(manager.free_disk_bytes())} GiB"
-
-
 @dataclass
 class LoadForm:
     """The model to load and how: the status line, the fields, the estimate under them, and the buttons."""
@@ -238,6 +198,7 @@ class LoadForm:
     context: gr.Number
     kv_gib: gr.Number
     kv_dtype: gr.Dropdown
+    speculation: gr.Dropdown
     fit: gr.Markdown
     download_btn: gr.Button
     load_btn: gr.Button
@@ -311,52 +272,23 @@ def render_load_form(ui) -> LoadForm:
             elem_id="kv-cache-dtype",
             scale=1,
         )
+        speculation = gr.Dropdown(
+            SPECULATION_CHOICES,
+            value="off",
+            label="Speculative decoding",
+            info="N-gram drafts what the reply repeats of the prompt (edits, code) and checks it in one step; on a "
+            "CPU it pays only with full-precision weights, and costs up to 5% otherwise",
+            elem_id="speculation",
+            scale=1,
+        )
     fit = gr.Markdown(estimate_text(first, "auto", first_context, first_quant["value"], memory), elem_id="fit-estimate")
     with gr.Row():
         download_btn = gr.Button("Download")
         load_btn = gr.Button("Load", variant="primary")
         unload_btn = gr.Button("Unload")
-    return LoadForm(status, repo, dtype, quant, context, kv_gib, kv_dtype, fit, download_btn, load_btn, unload_btn)
-
-
-def render_download_rows(manager: DownloadManager) -> tuple[gr.State, gr.Markdown]:
-    """The Downloads and Downloaded models lists, one row each with its buttons, and free disk under them:
-    (the listing they are drawn from, the free-disk line)."""
-    rows = gr.State(listing(manager))
-    confirmed = gr.Checkbox(visible=False)  # a Delete's answer to the browser's "are you sure?"
-
-    def delete_model(repo_id: str) -> tuple[dict, str]:
-        manager.delete(repo_id)
-        return listing(manager), _free_disk(manager)
-
-    @gr.render(inputs=rows)
-    def draw_rows(shown: dict):
-        gr.Markdown("**Downloads**")
-        if not shown["jobs"]:
-            gr.Markdown("No downloads yet.")
-        for job_id, line, actions in shown["jobs"]:
-            with gr.Row(key=f"job-{job_id}", equal_height=True, elem_classes="download-row"):
-                gr.Markdown(line)
-                for action in actions:
-                    gr.Button(action, size="sm", scale=0, min_width=90).click(
-                        lambda j=job_id, a=action: job_action(manager, j, a), None, rows, api_visibility="private"
-                    )
-        gr.Markdown("**Downloaded models**")
-        if not shown["models"]:
-            gr.Markdown("None yet: pick a model above and press Download.")
-        for repo_id, line in shown["models"]:
-            with gr.Row(key=f"model-{repo_id}", equal_height=True, elem_classes="model-row"):
-                gr.Markdown(line)
-                gr.Button("Delete", size="sm", variant="stop", scale=0, min_width=90).click(
-                    lambda ok, r=repo_id: delete_model(r) if ok else (gr.skip(), gr.skip()),
-                    confirmed,
-                    [rows, disk],
-                    js=f"() => confirm({f'Delete {repo_id} from this computer? Its files are removed.'!r})",
-                    api_visibility="private",
-                )
-
-    disk = gr.Markdown(_free_disk(manager))
-    return rows, disk
+    return LoadForm(
+        status, repo, dtype, quant, context, kv_gib, kv_dtype, speculation, fit, download_btn, load_btn, unload_btn
+    )
 
 
 def render_remote_form() -> RemoteForm:
@@ -432,7 +364,7 @@ def publish_download_api(manager: DownloadManager) -> None:
     def delete_downloaded(repo_id: str) -> str:
         """Remove a downloaded model's files (scripts; the page has a Delete button on each model's row)."""
         manager.delete(repo_id.strip())
-        return _free_disk(manager)
+        return free_disk(manager)
 
     gr.api(cancel_download, api_name="cancel_download")
     gr.api(delete_downloaded, api_name="delete_model")
@@ -441,12 +373,22 @@ def publish_download_api(manager: DownloadManager) -> None:
 def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
     """Load (the form's choice, remembered for the next start once it serves) and Unload."""
 
-    def load(repo_id: str, dtype_name: str, ctx, kv, quantization: str = "none", kv_dtype: str = "auto"):
+    def load(
+        repo_id: str,
+        dtype_name: str,
+        ctx,
+        kv,
+        quantization: str = "none",
+        kv_dtype: str = "auto",
+        speculation: str = "off",
+    ):
         try:
             source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path for m in manager.local_models()})
         except RuntimeError as e:
             raise user_error(str(e)) from e
-        settings = load_settings(repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats, kv_dtype)
+        settings = load_settings(
+            repo_id, dtype_name, ctx, kv, quantization, ui.max_concurrent_chats, kv_dtype, speculation
+        )
         try:
             ui.host.load(source, label=label, remember_as=repo_id.strip(), **settings)  # the next start loads it
         except RuntimeError as e:
@@ -455,7 +397,7 @@ def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
 
     form.load_btn.click(
         load,
-        [form.repo, form.dtype, form.context, form.kv_gib, form.quant, form.kv_dtype],
+        [form.repo, form.dtype, form.context, form.kv_gib, form.quant, form.kv_dtype, form.speculation],
         form.status,
         api_name="load",
     )

@@ -294,7 +294,7 @@ def test_cancelling_a_job_before_it_starts_downloads_nothing(manager, hub, monke
 
 def test_a_failed_download_row_offers_retry_and_dismiss_and_both_work(manager, hub, monkeypatch):
     """A failed download's row had no button at all: it stayed, unretryable, until Pagoda restarted."""
-    from app.page.models_tab import job_action, listing
+    from app.page.download_rows import job_action, listing
 
     disk = {"free": 1024 * 1024}
     monkeypatch.setattr(manager, "free_disk_bytes", lambda: disk["free"])

@@ -114,7 +114,7 @@ def test_load_passes_the_quantization_to_the_engine_settings(page, monkeypatch, 
     ui, demo = page
     loads = recording_load(ui, monkeypatch)
     load = handler(demo, None, api_name="load")
-    assert [c.label for c in load.inputs][-2:] == ["Quantization", "KV cache precision"]
+    assert [c.label for c in load.inputs][-3:] == ["Quantization", "KV cache precision", "Speculative decoding"]
     folder = tmp_path / "some-model"
     folder.mkdir()
     load.fn(str(folder), "auto", 2048, None, "int4")
@@ -225,6 +225,7 @@ def test_the_e2e_load_call_matches_the_form(page):
         "KV cache memory on a CPU, GiB",
         "Quantization",
         "KV cache precision",
+        "Speculative decoding",
     ]
 
 
@@ -308,3 +309,26 @@ def test_the_kv_cache_precision_field_is_in_the_estimate_and_the_load(monkeypatc
     assert "kv_cache_dtype" not in models_tab.load_settings(entry.repo_id, "auto", 4096, 1, "none", 4, "auto")
     with pytest.raises(gr.Error, match="Unknown KV cache precision 'q4'"):
         models_tab.load_settings(entry.repo_id, "auto", 4096, 1, "none", 4, "q4")
+
+
+def test_speculative_decoding_is_chosen_per_load_and_said_in_the_status(tmp_path, tiny_llama):
+    entry = models_tab.load_catalog()[0]
+    settings = models_tab.load_settings(entry.repo_id, "auto", 4096, 1, "none", 4, "auto", "ngram")
+    assert settings["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    assert "speculative_config" not in models_tab.load_settings(entry.repo_id, "auto", 4096, 1, "none", 4)
+    with pytest.raises(gr.Error, match="Unknown speculative decoding 'eagle'"):
+        models_tab.load_settings(entry.repo_id, "auto", 4096, 1, "none", 4, "auto", "eagle")
+    host = ModelHost()
+    host.load(
+        str(tiny_llama),
+        label="tiny",
+        wait=True,
+        dtype="float32",
+        num_kvcache_blocks=64,
+        max_num_seqs=2,
+        speculative_config=settings["speculative_config"],
+    )
+    try:
+        assert "ngram speculative decoding" in host.state.message and host.engine.stats().speculative_method == "ngram"
+    finally:
+        host.unload()
