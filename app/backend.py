@@ -9,6 +9,8 @@ with the same system prompt share KV blocks); a remote server applies its own te
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from entrypoints.token_formats import TokenFormatStream, template_speaks_tokens,
 if TYPE_CHECKING:
     from app.store_records import Message
 
+COUNTS_KEPT = 256  # prompt token counts a local backend keeps (prompt_tokens)
 MIN_REPLY_ROOM = 64  # tokens of room a chat needs for its reply before it is refused as too long
 
 
@@ -215,6 +218,7 @@ class LocalBackend:
         self.token_format = template_speaks_tokens(template)  # gpt-oss, Gemma 4
         self.max_model_len = engine.max_model_len
         self._last_rate = (time.time(), 0)  # (when, generated tokens) at the last KV panel, for tok/s
+        self._counted: dict[bytes, int] = {}  # prompt_tokens' counts, by the conversation's hash; oldest first
 
     def submit(
         self, messages: list[dict], settings: ChatSettings | dict, tools: ToolPrompt | None = None
@@ -267,7 +271,15 @@ class LocalBackend:
         return self.engine.encode_chat(messages, **kwargs)
 
     def prompt_tokens(self, messages: list[dict], settings: ChatSettings | dict) -> int:
-        return len(self._encode(messages, as_chat_settings(settings)))
+        """Counted once per conversation and Think setting: the file list counts each file at every chat opened,
+        and a long file took 0.1 s a time."""
+        settings = as_chat_settings(settings)
+        key = hashlib.sha256(json.dumps([messages, settings.think], ensure_ascii=False).encode()).digest()
+        if key not in self._counted:
+            self._counted[key] = len(self._encode(messages, settings))
+            while len(self._counted) > COUNTS_KEPT:
+                del self._counted[next(iter(self._counted))]
+        return self._counted[key]
 
     def context_meter(self, system_prompt: str, stored: list[Message]) -> str:
         messages = chat_messages(system_prompt, chat_turns(stored))

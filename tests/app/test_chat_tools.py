@@ -195,3 +195,15 @@ def test_a_chat_whose_tools_were_turned_off_still_reads_its_past_calls():
     LocalBackend(engine, "smollm").submit(CHAT, ChatSettings())
     messages, _ = engine.encoded[-1]
     assert messages[3]["role"] == "user" and engine.params.structured_outputs is None
+
+
+def test_a_conversation_is_counted_once_per_think_setting():
+    """The file list counts each file at every chat opened: the count is kept, not tokenized again."""
+    engine = RecordingEngine(PLAIN_TEMPLATE)
+    backend = LocalBackend(engine, "smollm")
+    file = [{"role": "system", "content": "<document>" + "words " * 1000 + "</document>"}]
+    assert backend.prompt_tokens(file, ChatSettings()) == backend.prompt_tokens(file, ChatSettings()) == 3
+    assert len(engine.encoded) == 1
+    backend.prompt_tokens(file, ChatSettings(think=False))
+    backend.prompt_tokens([{"role": "system", "content": "another"}], ChatSettings())
+    assert len(engine.encoded) == 3
