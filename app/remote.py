@@ -240,6 +240,7 @@ class ChatStream:
     def __init__(self, client: RemoteClient, response: httpx.Response, request_id: str):
         self.client, self.response, self.request_id = client, response, request_id
         self.finished = False
+        self._calls: dict[int, dict] = {}  # the reply's tool calls by index, as their deltas build them
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -256,6 +257,24 @@ class ChatStream:
 
     def prefill_progress(self) -> None:
         return None  # a server streams nothing until its first token
+
+    @property
+    def calls(self) -> list[dict]:
+        """The tool calls the reply made (OpenAI's shape: id, and the function's name and arguments as JSON text)."""
+        return [self._calls[i] for i in sorted(self._calls)]
+
+    def _take_calls(self, deltas: list) -> None:
+        for delta in deltas:  # OpenAI streams a call's id and name first, then its arguments in pieces
+            if not isinstance(delta, dict):
+                continue
+            call = self._calls.setdefault(
+                delta.get("index", len(self._calls)),
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            call["id"] = delta.get("id") or call["id"]
+            function = delta.get("function") or {}
+            call["function"]["name"] += function.get("name") or ""
+            call["function"]["arguments"] += function.get("arguments") or ""
 
     def __iter__(self) -> Iterator[ReplyDelta]:
         reason, usage, done = None, None, False
@@ -283,6 +302,7 @@ class ChatStream:
                     text = delta.get("content") or ""
                     reasoning = reasoning_text(delta)
                     reason = choice.get("finish_reason") or reason
+                    self._take_calls(delta.get("tool_calls") or [])
                     if text or reasoning:  # about one token a chunk; `usage` brings the exact count at the end
                         yield ReplyDelta(text, 1, reasoning=reasoning)
         except RemoteError:
@@ -308,7 +328,7 @@ class ChatStream:
             "",
             0,
             True,
-            reason or "stop",
+            "stop" if reason in (None, "tool_calls") else reason,  # a reply that called tools ended by itself
             counts.get("cached_tokens"),
             counts.get("prompt_tokens"),
             counts.get("completion_tokens"),
@@ -370,11 +390,6 @@ class RemoteBackend:
 
     def submit(self, messages: list[dict], settings: ChatSettings | dict, tools=None) -> tuple[ChatStream, int]:
         settings = as_chat_settings(settings)  # a script's dict too
-        if tools is not None:  # the server would hand the calls back; running them between rounds is local-only yet
-            raise BadSettings(
-                "The chat's tools run with Pagoda's own engine for now: load a model in the Models tab, or turn the "
-                "chat's tools off to chat with this server."
-            )
         top_k, min_p, penalty = settings.top_k, settings.min_p, settings.repetition_penalty
         extra = {
             "top_k": top_k if top_k > 0 else None,
@@ -383,6 +398,11 @@ class RemoteBackend:
         }
         if not settings.think:  # vLLM's and SGLang's switch for Qwen3-style templates
             extra["chat_template_kwargs"] = {"enable_thinking": False}
+        if tools is not None:  # the server's own tool calling: it writes the calls, the chat runs them (tool_rounds)
+            if settings.json_output:
+                raise BadSettings("A chat cannot hold replies to JSON and call tools at once: turn JSON output off.")
+            extra["tools"] = tools.specs()
+            extra["tool_choice"] = {"first": "required", "answer": "none"}.get(tools.mode, "auto")
         constraint = json_constraint(settings)
         if constraint is not None:
             extra["response_format"] = (

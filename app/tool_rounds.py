@@ -95,8 +95,9 @@ class ToolRounds:
         self._keys: dict[str, str] = {}  # the tool each asked call is of
         self._running: concurrent.futures.Future | None = None
 
-    def wrap(self, stream: ReplyStream, prompt: ToolPrompt | None = None) -> CallParsingStream:
-        return CallParsingStream(stream, prompt or self.prompt)
+    def wrap(self, stream: ReplyStream, prompt: ToolPrompt | None = None) -> ReplyStream:
+        """The stream with its calls read out of its text; a server's stream (app/remote.py) has them apart."""
+        return stream if hasattr(stream, "calls") else CallParsingStream(stream, prompt or self.prompt)
 
     # ---- from the page ----------------------------------------------------------------------------------------
 
@@ -129,7 +130,7 @@ class ToolRounds:
         """Run the calls the round that just ended made (each once the user allows it) and start the next round in
         a new reply after it: False when the round made no calls, or Stop came."""
         calls = getattr(task.stream, "calls", None)
-        if not calls:
+        if not calls or self.rounds > self.max_rounds:  # the answering round's calls are not run (a server's, say)
             return False
         message_id = task.message_id
         records = task.turn.tool_calls = [self._record(call) for call in calls]  # saved with the reply from now on

@@ -438,3 +438,45 @@ def test_reload_waits_for_the_replies_that_use_tools(make_ui):
     assert isinstance(ui.mcp, FakeHub)  # the servers the reply calls stay
     ui.stop_and_show(conv)
     assert task.done.wait(10)
+
+
+def test_a_remote_servers_own_tool_calls_run_through_the_same_rounds(tmp_path):
+    """A server (vLLM, llama.cpp, Ollama) writes the calls itself as OpenAI's `delta.tool_calls`: the chat asks the
+    user, runs them and sends the results back as `tool` messages, as it does for its own engine's."""
+    import httpx
+
+    from app.remote import RemoteBackend, RemoteClient
+    from tests.app.canned_server import chunk, sse
+
+    def tool_chunk(delta: dict) -> dict:
+        return {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [{"index": 0, "delta": delta}]}
+
+    call_reply = sse(
+        tool_chunk({"tool_calls": [{"index": 0, "id": "call_7", "function": {"name": "add", "arguments": ""}}]}),
+        tool_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 2, '}}]}),
+        tool_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"b": 3}'}}]}),
+        chunk(finish="tool_calls"),
+        "[DONE]",
+    )
+    answers, bodies = [call_reply, sse(chunk("It is 5."), chunk(finish="stop"), "[DONE]")], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=answers.pop(0), headers={"content-type": "text/event-stream"})
+
+    host = ModelHost()
+    host.backend = RemoteBackend(RemoteClient("http://srv", transport=httpx.MockTransport(handler)), "m")
+    ui = PagodaUI(ConversationStore(tmp_path / "chats.db"), host)
+    ui.mcp = FakeHub()
+    conv = ui.store.create().id
+    ui.set_chat_tools(conv, ["calc/add"], "first", 5)
+    task = ask(ui, conv)
+    assert ui.mcp.calls == []
+    answer(ui, conv, "allow")
+    assert task.done.wait(10)
+    assert ui.mcp.calls == [("add", {"a": 2, "b": 3})]
+    assert bodies[0]["tool_choice"] == "required" and bodies[0]["tools"][0]["function"]["name"] == "add"
+    assert bodies[1]["tool_choice"] == "auto"
+    assert bodies[1]["messages"][-2]["tool_calls"][0]["id"] == "call_7"
+    assert bodies[1]["messages"][-1] == {"role": "tool", "tool_call_id": "call_7", "content": "5"}
+    assert ui.store.messages(conv)[-1].content == "It is 5."
