@@ -44,11 +44,16 @@ def slow(seconds: float) -> str:
     return "done"
 
 
+PARENT = os.getppid()
+
+
 @server.tool()
 def wait_for_ever() -> str:
-    """Never answer (a tool that hangs)."""
-    time.sleep(3600)
-    return "late"
+    """Never answer (a tool that hangs), for as long as the app that started the server lives: a test's app killed
+    outright leaves no server behind, sleeping an hour."""
+    while os.getppid() == PARENT:
+        time.sleep(0.2)
+    os._exit(0)
 
 
 if __name__ == "__main__":
