@@ -202,6 +202,12 @@ class LocalReplyStream:
     def prefill_progress(self) -> tuple[int, int] | None:
         return self._stream.prefill_progress()
 
+    @property
+    def calls(self) -> list[dict] | None:
+        """The tool calls a reply in a token format (gpt-oss, Gemma 4) made, read from its tokens; None for a reply
+        whose calls are in its text (app/tool_rounds.py reads them there)."""
+        return self._channels.calls if self._channels is not None else None
+
 
 class LocalBackend:
     """The embedded engine: one EngineThread that every chat (and the /v1 API) shares."""
@@ -247,16 +253,11 @@ class LocalBackend:
         """What a reply offered tools is held to: the Hermes calls' grammar (chat_tools.py), for a template that
         writes calls that way or has no tools of its own (Pagoda then describes them in Hermes form); None for a
         template with calls of another form, whose calls are read from the reply as written."""
-        if self.token_format:
-            raise BadSettings(
-                "This model writes tool calls in its own token format, which the chat cannot run yet: turn the "
-                "chat's tools off, or pick a Qwen, Llama or SmolLM model (the /v1 API serves its calls)."
-            )
         if settings.json_output:
             raise BadSettings("A chat cannot hold replies to JSON and call tools at once: turn JSON output off.")
         template = self.engine.tokenizer.chat_template
-        if template_knows_tools(template) and CALL_OPEN not in template:
-            return None
+        if self.token_format or (template_knows_tools(template) and CALL_OPEN not in template):
+            return None  # gpt-oss and Gemma 4 frame calls in their own tokens, read apart (LocalReplyStream.calls)
         return tools.constraint()
 
     def _encode(self, messages: list[dict], settings: ChatSettings, tools: ToolPrompt | None = None) -> list[int]:

@@ -96,8 +96,11 @@ class ToolRounds:
         self._running: concurrent.futures.Future | None = None
 
     def wrap(self, stream: ReplyStream, prompt: ToolPrompt | None = None) -> ReplyStream:
-        """The stream with its calls read out of its text; a server's stream (app/remote.py) has them apart."""
-        return stream if hasattr(stream, "calls") else CallParsingStream(stream, prompt or self.prompt)
+        """The stream with its calls read out of its text. A server's stream (app/remote.py) and a token format's
+        (gpt-oss, Gemma 4) have them apart already."""
+        return (
+            stream if getattr(stream, "calls", None) is not None else CallParsingStream(stream, prompt or self.prompt)
+        )
 
     # ---- from the page ----------------------------------------------------------------------------------------
 

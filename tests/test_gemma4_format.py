@@ -153,3 +153,58 @@ def test_the_apps_chat_shows_gemma_4_reasoning_apart_and_offers_the_think_switch
     engine = SimpleNamespace(tokenizer=tokenizer, stats=lambda: stats, max_model_len=4096)
     backend = LocalBackend(engine, "gemma-4")
     assert backend.thinks and backend.token_format
+
+
+def test_a_chat_with_tools_reads_gemma4s_calls_from_its_tokens(tokenizer):
+    """The app's chat (app/tool_rounds.py) runs the calls a Gemma 4 reply frames in its own tokens: the tools go
+    through the template, no Hermes grammar holds the reply, and the calls come whole with the reply's end."""
+    from types import SimpleNamespace
+
+    from app.backend import LocalBackend
+    from app.chat_settings import ChatSettings
+    from app.chat_tools import ChatTool, ToolPrompt
+    from app.tool_rounds import ToolRounds
+    from engine.front.outputs import RequestOutput
+
+    ids = tokenizer.encode(CALL, add_special_tokens=False)
+
+    class Replies:
+        request_id = "r"
+
+        def __iter__(self):
+            for i, token in enumerate(ids):
+                last = i == len(ids) - 1
+                yield RequestOutput("r", "", [token], last, "stop" if last else None)
+
+        def cancel(self):
+            pass
+
+        def prefill_progress(self):
+            return None
+
+    class Engine:
+        max_model_len, device = 4096, "cpu"
+
+        def __init__(self):
+            self.tokenizer, self.kwargs, self.params = tokenizer, None, None
+
+        def stats(self):
+            return SimpleNamespace(quantization="none")
+
+        def encode_chat(self, messages, **kwargs):
+            self.kwargs = kwargs
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+        def submit(self, prompt_ids, params):
+            self.params = params
+            return Replies()
+
+    engine = Engine()
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = ToolPrompt((ChatTool("weather", "get_weather", "get_weather", "The weather.", schema),))
+    stream, _ = LocalBackend(engine, "gemma4").submit([{"role": "user", "content": "Weather?"}], ChatSettings(), tools)
+    text = "".join(delta.text for delta in stream)
+    assert engine.kwargs["tools"][0]["function"]["name"] == "get_weather" and engine.params.structured_outputs is None
+    assert text == "" and [c["function"]["name"] for c in stream.calls] == ["get_weather"]
+    assert json.loads(stream.calls[0]["function"]["arguments"])["city"] == "Paris, France"
+    assert ToolRounds.wrap(SimpleNamespace(prompt=tools), stream) is stream  # the rounds take these calls as they are
