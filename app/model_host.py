@@ -17,6 +17,7 @@ from pathlib import Path
 from app.backend import Backend, LocalBackend
 from app.remote import RemoteBackend, RemoteError, connect
 from engine import LLM, EngineThread
+from engine.spec_decode.config import SpeculativeConfig
 from entrypoints.cli import default_model
 
 log = logging.getLogger("pagoda")
@@ -194,7 +195,11 @@ class ModelHost:
         took = time.time() - self.state.started
         weights = f", {s.quantization} weights" if s.quantization != "none" else ""
         weights += f", {s.kv_cache_dtype} KV cache" if s.kv_cache_dtype != "auto" else ""
-        weights += f", {s.speculative_method} speculative decoding" if s.speculative_method else ""
+        if s.speculative_method == "draft":
+            draft = Path(SpeculativeConfig.parse(settings["speculative_config"]).model).name
+            weights += f", speculative decoding with {draft} as draft"
+        elif s.speculative_method:
+            weights += f", {s.speculative_method} speculative decoding"
         self.state = LoadState(
             "ready",
             f"{self.label} is ready on {s.device} ({s.dtype}{weights}, context "

@@ -1,7 +1,7 @@
 """Speculative decoding on this CPU: decode speed with n-gram drafts against plain decoding, in the same run and the
 same engine (issue 32).
 
-    python -m bench.speculative [--model M] [--k 4,8] [--rounds 2] [--threads 2] [--eager]
+    python -m bench.speculative [--model M] [--k 4,8] [--draft D] [--rounds 2] [--threads 2] [--eager]
 
 Two workloads, one request at a time (a chat):
 - edit: the prompt holds a ~400-token code file and asks for it back with one change; the reply repeats the
@@ -9,7 +9,9 @@ Two workloads, one request at a time (a chat):
 - chat: free questions, whose replies repeat little; drafts must then cost (almost) nothing.
 
 One engine (default: the bundled SmolLM2 Q4_1 GGUF), its decode steps compiled as a user gets them (--eager: not),
-serves every variant: plain (no speculator), then n-gram with each --k. Decode speed excludes the prompt: each
+serves every variant: plain (no speculator), n-gram with each --k, then a draft model (--draft; default: the
+model as its own draft, which accepts every token and so shows what checking drafts costs) with the largest k.
+Decode speed excludes the prompt: each
 prompt is answered once with 1 token and once in full (both hit the prefix cache for all but the prompt's last
 block), and the difference in time is divided by the difference in tokens. Each variant keeps its best round.
 Greedy replies must be the same in every variant: the script says so if they are not.
@@ -24,6 +26,8 @@ import torch
 from bench.quantized import cpu_flags
 from engine import LLM, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_loader import load_draft_model
+from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.speculator import Speculator
 
 EDIT_SOURCE = Path(__file__).resolve().parents[1] / "engine" / "core" / "scheduler.py"
@@ -66,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder, hub id or GGUF (default: the bundled SmolLM2 Q4_1 GGUF)")
     ap.add_argument("--k", default="4,8", help="num_speculative_tokens to try, comma-separated")
+    ap.add_argument("--draft", help="draft model for the draft variant (default: the model itself; 'none': skip it)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chat-tokens", type=int, default=160, help="reply length cap for the chat prompts")
@@ -91,15 +96,24 @@ def main() -> None:
         "chat": [(llm.encode_chat([{"role": "user", "content": q}]), args.chat_tokens) for q in CHAT],
     }
     print(f"edit prompt: {len(workloads['edit'][0][0])} tokens")
-    variants = {"plain": None} | {f"ngram k={k}": k for k in ks}
+    ngram = {f"ngram k={k}": Speculator(SpeculativeConfig("ngram", k), NgramProposer(2, 4)) for k in ks}
+    variants = {"plain": None} | ngram
+    if (args.draft or "").lower() != "none":
+        draft = args.draft or model
+        config = SpeculativeConfig("draft", max(ks), model=draft)
+        variants[f"draft k={max(ks)}"] = speculator = Speculator(config, load_draft_model(draft, llm))
+        speculator.proposer.runner.wait_for_compiled_decode()
+        print(f"draft {draft}: decode {speculator.proposer.runner.decode_kind}")
     best: dict[tuple[str, str], float] = {}
     replies: dict[tuple[str, str], list[list[int]]] = {}
     accepted: dict[tuple[str, str], tuple[int, int, int]] = {}
     for _ in range(args.rounds):
-        for name, k in variants.items():
+        for name, speculator in variants.items():
             for workload, prompts in workloads.items():
                 # the same engine for every variant: its speculator swapped, so only speculation differs
-                llm.speculator = None if k is None else Speculator(SpeculativeConfig("ngram", k))
+                if speculator is not None:
+                    speculator.stats = type(speculator.stats)()
+                llm.speculator = speculator
                 rates, outs = [], []
                 for prompt, max_tokens in prompts:
                     rate, reply = decode_rate(llm, prompt, max_tokens)

@@ -52,13 +52,13 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match():
     #        0  1  2  3  4  5  6  7  8  9
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 7, 1, 2, 3]
     # suffix (1, 2, 3) occurs at 0 and 5; the latest is at 5, followed by 4, 5, 7
-    assert proposer.propose(tokens, 3) == [4, 5, 7]
-    assert proposer.propose(tokens, 10) == [4, 5, 7, 1, 2, 3]  # up to the end of the tokens
-    assert proposer.propose(tokens, 0) == []
+    assert proposer.lookup(tokens, 3) == [4, 5, 7]
+    assert proposer.lookup(tokens, 10) == [4, 5, 7, 1, 2, 3]  # up to the end of the tokens
+    assert proposer.lookup(tokens, 0) == []
     # the longest suffix wins: (8, 2, 3) is nowhere, (2, 3) is
-    assert proposer.propose([2, 3, 6, 8, 2, 3], 2) == [6, 8]
-    assert proposer.propose([1, 2, 3, 4], 4) == []  # no suffix occurs earlier
-    assert proposer.propose([5], 4) == []
+    assert proposer.lookup([2, 3, 6, 8, 2, 3], 2) == [6, 8]
+    assert proposer.lookup([1, 2, 3, 4], 4) == []  # no suffix occurs earlier
+    assert proposer.lookup([5], 4) == []
 
 
 # ---- verification ------------------------------------------------------------------------------------------------
@@ -250,7 +250,6 @@ def test_sampled_requests_speculate_and_stay_in_range(make_llm, tiny_llama, repe
 @pytest.mark.parametrize(
     "value, message",
     [
-        ({"method": "draft", "model": "x"}, "method must be one of"),
         ({"method": "mtp"}, "method must be one of"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number in 1..16"),
         ({"method": "ngram", "num_speculative_tokens": 17}, "1..16"),

@@ -16,6 +16,7 @@ import torch
 from app.catalog import CatalogEntry, entry_for_repo, load_catalog
 from app.device_memory import available_memory
 from app.download_jobs import DownloadManager
+from app.draft_choices import draft_candidates
 from app.memory_estimate import QUANTIZATIONS, QuantAdvice, fit_report, format_gib, quantization_advice
 from app.model_host import resolve_model
 from app.page import user_error
@@ -25,9 +26,12 @@ from engine.attention.kv_format import KV_CACHE_DTYPES
 from engine.loader import pick_dtype
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
-# Speculative decoding, per load (engine/spec_decode/): a draft model and MTP heads join when the engine has them
+# Speculative decoding, per load (engine/spec_decode/): off, n-gram, or "draft:<model>", one of the models here
+# that can draft for the chosen one (app/draft_choices.py); MTP heads join when the engine has them
 SPECULATION = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4}}
 SPECULATION_CHOICES = [("Off", "off"), ("N-gram (prompt lookup)", "ngram")]
+DRAFT = "draft:"
+DRAFT_TOKENS = 4
 QUANT_INFO = "Weights stored in fewer bits at load: int8 needs about half the memory, int4 about a quarter"
 
 
@@ -168,12 +172,36 @@ def load_settings(
         raise user_error(f"Unknown quantization {quantization!r}: pick none, int8 or int4.")
     if quant != "none" and not is_gguf_choice(repo_id):
         settings["quantization"] = quant
-    method = (speculation or "off").strip().lower()
+    method = (speculation or "off").strip()
+    if method.lower().startswith(DRAFT):  # the draft's file or folder, resolved by the caller
+        draft = method[len(DRAFT) :].strip()
+        settings["speculative_config"] = {"method": "draft", "model": draft, "num_speculative_tokens": DRAFT_TOKENS}
+        return settings
+    method = method.lower()
     if method not in SPECULATION:
-        raise user_error(f"Unknown speculative decoding {speculation!r}: pick {', '.join(SPECULATION)}.")
+        raise user_error(
+            f"Unknown speculative decoding {speculation!r}: pick {', '.join(SPECULATION)} or a draft model."
+        )
     if SPECULATION[method] is not None:
         settings["speculative_config"] = dict(SPECULATION[method])
     return settings
+
+
+def speculation_choices(repo_id: str | None, manager: DownloadManager) -> list[tuple[str, str]]:
+    """Off, n-gram, and a "Draft: <model>" per model here (downloaded, or bundled) that can draft for the chosen
+    one (smaller, with its tokenizer); none while the chosen one is not here."""
+    downloaded = {m.repo_id: m.load_path for m in manager.local_models()}
+    names = [*downloaded, *(e.repo_id for e in load_catalog() if e.bundled)]
+    models = {}  # each by the file or folder a load of it reads (a GGUF repo's chosen file)
+    for name in (repo_id, *names):
+        try:
+            models[name] = resolve_model(name, downloaded)[0]
+        except RuntimeError:  # not here (the bundled model's package missing, a repo not downloaded)
+            continue
+    if repo_id not in models:
+        return list(SPECULATION_CHOICES)
+    drafts = draft_candidates(models.pop(repo_id), models)
+    return [*SPECULATION_CHOICES, *((f"Draft: {name}", f"{DRAFT}{name}") for name in drafts)]
 
 
 def _download_target(repo_id: str, entry: CatalogEntry | None) -> tuple[str, str]:
@@ -220,7 +248,7 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     """Render inside an open gr.Blocks/gr.Tab. `ui` is the PagodaUI (its host loads models). The page, top to
     bottom: the load form, the downloads and downloaded models, free disk, and the server to connect to."""
     manager = manager or DownloadManager()
-    form = render_load_form(ui)
+    form = render_load_form(ui, manager)
     rows, disk = render_download_rows(manager)
     remote = render_remote_form()
     wire_load_form(form, manager, rows)
@@ -230,9 +258,9 @@ def render_models_tab(ui, manager: DownloadManager | None = None) -> None:
     poll_downloads(ui, manager, form.status, rows)
 
 
-def render_load_form(ui) -> LoadForm:
-    """The fields open on the catalog's first model, with its recommended quantization and the context that
-    fits this machine."""
+def render_load_form(ui, manager: DownloadManager) -> LoadForm:
+    """The fields open on the catalog's first model, with its recommended quantization, the context that
+    fits this machine and the drafts it can have here."""
     catalog = load_catalog()
     choices = [
         (
@@ -273,11 +301,12 @@ def render_load_form(ui) -> LoadForm:
             scale=1,
         )
         speculation = gr.Dropdown(
-            SPECULATION_CHOICES,
+            speculation_choices(first, manager),
             value="off",
             label="Speculative decoding",
             info="N-gram drafts what the reply repeats of the prompt (edits, code) and checks it in one step; on a "
-            "CPU it pays only with full-precision weights, and costs up to 5% otherwise",
+            "CPU it pays only with full-precision weights, and costs up to 5% otherwise. A draft model (a smaller "
+            "one here with the same tokenizer) guesses every reply; it pays where it is several times smaller",
             elem_id="speculation",
             scale=1,
         )
@@ -312,21 +341,25 @@ def wire_load_form(form: LoadForm, manager: DownloadManager, rows: gr.State) -> 
     """A picked model gets its quantization, context and estimate; each field redoes the estimate; Download
     starts a row."""
 
-    def pick_model(repo_id: str, dtype_name: str, ctx, kv_dtype: str = "auto"):
+    def pick_model(repo_id: str, dtype_name: str, ctx, kv_dtype: str = "auto", speculation: str = "off"):
         """A new model: its recommended quantization (or none, off, for a GGUF), the context it can serve
-        here, and its estimate."""
+        here, its estimate, and the drafts it can have (the choice kept where it still can)."""
         memory = available_memory("auto")
         field = quantization_field(repo_id, dtype_name, 4096, memory)
         ctx = default_context(repo_id, dtype_name, field["value"], memory) or ctx
         estimate = estimate_text(repo_id, dtype_name, ctx, field["value"], memory, kv_dtype)
-        return gr.update(**field), gr.update(value=ctx), estimate
+        choices = speculation_choices(repo_id, manager)
+        kept = speculation if speculation in [value for _, value in choices] else "off"
+        return gr.update(**field), gr.update(value=ctx), estimate, gr.update(choices=choices, value=kept)
 
     def estimate(repo_id: str, dtype_name: str, ctx, quantization: str, kv_dtype: str = "auto") -> str:
         return estimate_text(repo_id, dtype_name, ctx, quantization, kv_cache_dtype=kv_dtype)
 
     fields = [form.repo, form.dtype, form.context, form.quant, form.kv_dtype]
     form.repo.change(
-        pick_model, [form.repo, form.dtype, form.context, form.kv_dtype], [form.quant, form.context, form.fit]
+        pick_model,
+        [form.repo, form.dtype, form.context, form.kv_dtype, form.speculation],
+        [form.quant, form.context, form.fit, form.speculation],
     )
     for control in (form.dtype, form.context, form.quant, form.kv_dtype):
         control.change(estimate, fields, form.fit)
@@ -382,8 +415,11 @@ def wire_loading(ui, form: LoadForm, manager: DownloadManager) -> None:
         kv_dtype: str = "auto",
         speculation: str = "off",
     ):
+        downloaded = {m.repo_id: m.load_path for m in manager.local_models()}
         try:
-            source, label = resolve_model(repo_id, downloaded={m.repo_id: m.load_path for m in manager.local_models()})
+            source, label = resolve_model(repo_id, downloaded=downloaded)
+            if (speculation or "").startswith(DRAFT):
+                speculation = DRAFT + resolve_model(speculation[len(DRAFT) :], downloaded=downloaded)[0]
         except RuntimeError as e:
             raise user_error(str(e)) from e
         settings = load_settings(

@@ -88,6 +88,10 @@ class LLMEngine:
                 checkpoint_dtype(hf_config),
             )
         check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)  # before anything is spawned
+        if self.device.type == "cuda" and config.speculative is not None and config.speculative.method == "draft":
+            from engine.spec_decode.draft_loader import leave_room_for_the_draft
+
+            leave_room_for_the_draft(config, self.device)
         self.workers = None
         self._worker_parameter_bytes: list[int] = []
         if config.tensor_parallel_size == 1:
@@ -115,7 +119,11 @@ class LLMEngine:
         self._request_ids = count()
         self.num_generated_tokens = 0
         self.max_batch_size = 0  # see EngineStats.max_batch_size
-        self.speculator = make_speculator(config.speculative, self.model_runner)
+        try:
+            self.speculator = make_speculator(config.speculative, self)
+        except BaseException:  # a draft that fails to load: the target's memory goes back now
+            self.model_runner.release()
+            raise
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = (
@@ -152,6 +160,8 @@ class LLMEngine:
             self.workers.close()
         self._in_flight = None
         self.model_runner.release()
+        if self.speculator is not None:
+            self.speculator.proposer.release()
 
     def parameter_bytes(self) -> list[int]:
         """Bytes of model weights each rank holds, rank 0 first: about 1/N of the model each."""
@@ -252,6 +262,8 @@ class LLMEngine:
             return False
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        if self.speculator is not None:  # a draft model's copy of it lets go of its blocks too
+            self.speculator.proposer.retain(self.scheduler.running)
         self._note_activity()
         return True
 
@@ -268,8 +280,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def _note_activity(self) -> None:
-        """Background work (the CPU decode compile) runs only while no request is unfinished (runner/background.py)."""
-        self.model_runner.engine_activity.set_busy(self.has_unfinished_requests())
+        """Background work (the CPU decode compile, a draft model's too) runs only while no request is unfinished
+        (runner/background.py)."""
+        busy = self.has_unfinished_requests()
+        self.model_runner.engine_activity.set_busy(busy)
+        draft_runner = self.speculator.proposer.runner if self.speculator is not None else None
+        if draft_runner is not None:
+            draft_runner.engine_activity.set_busy(busy)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,8 +1,10 @@
-"""`speculative_config`, with vLLM's names: {"method": "ngram", "num_speculative_tokens": k, ...}."""
+"""`speculative_config`, with vLLM's names: {"method": "ngram", "num_speculative_tokens": k, ...}, or
+{"method": "draft", "model": <a smaller model with the same tokenizer>, "num_speculative_tokens": k}."""
 
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)  # the draft model and MTP heads come next (issue 32)
+METHODS = ("ngram", "draft")  # MTP heads come next (issue 32)
+ALIASES = {"draft_model": "draft"}  # vLLM's name for a draft model
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -13,6 +15,8 @@ class SpeculativeConfig:
     # n-gram (prompt lookup): the longest and shortest suffix of the request's tokens searched for earlier in them
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # draft: the draft model, a GGUF file, a folder or a hub repo, as `model` is given
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -24,8 +28,12 @@ class SpeculativeConfig:
                 "speculative_config is a dict such as {'method': 'ngram', 'num_speculative_tokens': 4}, "
                 f"got {type(value).__name__}"
             )
+        value = dict(value)
+        if "method" not in value and value.get("model"):  # vLLM reads a draft model's config without a method
+            value["method"] = "draft"
         if "method" not in value:
             raise ValueError(f"speculative_config needs a 'method', one of {METHODS}")
+        value["method"] = ALIASES.get(value["method"], value["method"])
         check_method(value["method"])  # first: vLLM's keys of a method not served yet are not "unknown"
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
@@ -43,6 +51,13 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"speculative_config {name} must be a whole number in {low}..{high}, got {value!r}")
+        if self.method == "draft" and not (isinstance(self.model, str) and self.model.strip()):
+            raise ValueError(
+                'speculative_config method "draft" needs a "model": a smaller model with the same tokenizer, '
+                "as a GGUF file, a folder or a hub repo"
+            )
+        if self.method != "draft" and self.model is not None:
+            raise ValueError(f'speculative_config "model" is the draft model of method "draft", not {self.method!r}')
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
@@ -53,6 +68,5 @@ class SpeculativeConfig:
 def check_method(method: object) -> None:
     if method not in METHODS:
         raise ValueError(
-            f"speculative_config method must be one of {METHODS}, got {method!r} "
-            "(draft models and MTP heads are not supported yet)"
+            f"speculative_config method must be one of {METHODS}, got {method!r} (MTP heads are not supported yet)"
         )

@@ -10,13 +10,19 @@ proposal is a + 1 long (the full length again once a draft is accepted whole), a
 fail proposes nothing for 1, 2, 4, ... 32 steps, so a request that gains nothing costs almost nothing.
 """
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from engine.core.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 
+if TYPE_CHECKING:
+    from engine.runner.model_runner import ModelRunner
+
 MAX_BACKOFF_STEPS = 32
+log = logging.getLogger("engine")
 
 
 @dataclass
@@ -50,15 +56,32 @@ def speculates(seq: Sequence) -> bool:
     )
 
 
+class Proposer(Protocol):
+    runner: "ModelRunner | None"  # a draft model's, whose background compile must wait for the engine too
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Up to `length` drafted tokens for each (request, length)."""
+
+    def retain(self, seqs: list[Sequence]) -> None:
+        """Drop what is kept for requests other than these (the running ones)."""
+
+    def release(self) -> None:
+        """Let go of the memory it holds (a draft model's weights and cache)."""
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer
         self.stats = SpeculationStats()
+        self.failed = False  # proposing raised once: no more drafts (the engine serves on without them)
 
     def propose(self, seqs: list[Sequence]) -> None:
-        """Set each request's `draft_token_ids` for its next step: empty for one that prefills, has a token in
-        flight, sits out, or may not speculate."""
+        """Set each running request's `draft_token_ids` for its next step: empty for one that prefills, has a token
+        in flight, sits out, or may not speculate."""
+        if not self.failed:
+            self.proposer.retain(seqs)
+        wanted = []
         for seq in seqs:
             seq.draft_token_ids = []
             if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or not speculates(seq):
@@ -70,7 +93,19 @@ class Speculator:
                 continue
             # the step samples one token after the drafts: all of them must fit under the request's length limit
             room = seq.max_len - len(seq) - 1
-            seq.draft_token_ids = self.proposer.propose(seq.token_ids, min(state.length, room))
+            if min(state.length, room) > 0:
+                wanted.append((seq, min(state.length, room)))
+        if not wanted or self.failed:
+            return
+        try:
+            proposals = self.proposer.propose(wanted)
+        except Exception:  # a draft model's step: the replies go on without drafts rather than end
+            log.exception("speculative decoding stopped: proposing drafts failed; replies go on without it")
+            self.failed = True
+            self.proposer.release()
+            return
+        for (seq, _), drafts in zip(wanted, proposals, strict=True):
+            seq.draft_token_ids = drafts
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """What a step made of `seq`'s drafts, for the next proposal's length and for stats()."""
@@ -90,13 +125,18 @@ class Speculator:
             state.misses += 1
 
 
-def make_speculator(config: SpeculativeConfig | None, runner) -> "Speculator | None":
-    """The engine's Speculator for `config` (None: no speculation), refused for a model it cannot serve yet."""
+def make_speculator(config: SpeculativeConfig | None, target) -> "Speculator | None":
+    """The engine's Speculator for `config` (None: no speculation), refused for a model it cannot serve yet.
+    `target`: the engine being loaded; a draft model is loaded beside its runner."""
     if config is None:
         return None
-    if runner.state_slots[0]:
+    if target.model_runner.state_slots[0]:
         raise ValueError(
             "speculative decoding does not work yet with models whose layers keep a recurrent state (Qwen3.5, "
             "Qwen3-Next): their state cannot yet be rolled back past rejected drafts; load without speculative_config"
         )
-    return Speculator(config)
+    if config.method == "ngram":
+        return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+    from engine.spec_decode.draft_loader import load_draft_model
+
+    return Speculator(config, load_draft_model(config.model, target))

@@ -69,7 +69,7 @@ def test_picking_a_model_sets_the_recommended_quantization(page):
     _, demo = page
     repo = component(demo, gr.Dropdown, "Model")
     pick = handler(demo, repo)
-    update, context, text = pick.fn("Qwen/Qwen3-8B", "auto", 4096)
+    update, context, text, _ = pick.fn("Qwen/Qwen3-8B", "auto", 4096)
     assert update["value"] == "int4" and update["interactive"] is True
     assert context["value"] == 4608  # the context the recommendation leaves room for, not a fixed 4,096
     assert update["info"].endswith("Recommended here: int4")
@@ -79,12 +79,12 @@ def test_picking_a_model_sets_the_recommended_quantization(page):
         "int8 does not fit; full precision does not fit."
     )
 
-    update, _, text = pick.fn("Qwen/Qwen3-8B-GGUF", "auto", 4096)
+    update, _, text, _ = pick.fn("Qwen/Qwen3-8B-GGUF", "auto", 4096)
     assert update["value"] == "none" and update["interactive"] is False
     assert update["info"] == "Off: this GGUF model is already quantized (Q4_K_M) and is served as it is"
     assert text.startswith("Download: Qwen3-8B-Q4_K_M.gguf, 4.7 GiB.")
 
-    update, context, _ = pick.fn("HuggingFaceTB/SmolLM2-360M-Instruct", "auto", 4096)
+    update, context, _, _ = pick.fn("HuggingFaceTB/SmolLM2-360M-Instruct", "auto", 4096)
     assert update["value"] == "none"  # fits at full precision: nothing is lost
     assert context["value"] == 8192  # the whole trained context, what the engine serves when not told
     assert pick.fn("someone/Some-Model-GGUF", "auto", 4096)[0]["interactive"] is False
@@ -279,7 +279,7 @@ def test_the_preselected_quantization_and_context_fit_by_the_estimate_under_them
     monkeypatch.setattr(models_tab, "available_memory", lambda device="auto": ("CPU (32 GiB)", free_gib * GiB))
     _, demo = page
     pick = handler(demo, component(demo, gr.Dropdown, "Model"))
-    quant, context, text = pick.fn("Qwen/Qwen3-8B", "auto", 4096)
+    quant, context, text, _ = pick.fn("Qwen/Qwen3-8B", "auto", 4096)
     chosen, ctx = quant["value"], context["value"]
     estimate, advice = text.split("\n\n")
     assert "does not fit" not in estimate and f"at {ctx:,} tokens" in estimate
@@ -330,5 +330,74 @@ def test_speculative_decoding_is_chosen_per_load_and_said_in_the_status(tmp_path
     )
     try:
         assert "ngram speculative decoding" in host.state.message and host.engine.stats().speculative_method == "ngram"
+    finally:
+        host.unload()
+
+
+# ---- a draft model ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def bigger_smollm2(tmp_path):
+    """A stand-in for a bigger SmolLM2 GGUF: the bundled file, padded (its header, so its tokenizer, unchanged)."""
+    from engine.loader.bundled import bundled_gguf_path
+
+    copy = tmp_path / "SmolLM2-big.gguf"
+    copy.write_bytes(bundled_gguf_path().read_bytes() + bytes(1 << 20))
+    return copy
+
+
+def test_a_model_here_with_the_same_tokenizer_is_offered_as_its_draft(page, monkeypatch, bigger_smollm2, tiny_llama):
+    """The bundled SmolLM2 drafts for the bigger one; a model with another tokenizer (the tiny test Llama) and a
+    bigger one never appear; Load passes the draft's file to the engine."""
+    ui, demo = page
+    loads = recording_load(ui, monkeypatch)
+    downloaded = [
+        SimpleNamespace(repo_id="me/SmolLM2-big-GGUF", load_path=bigger_smollm2),
+        SimpleNamespace(repo_id="me/tiny-llama", load_path=tiny_llama),
+    ]
+    monkeypatch.setattr(DownloadManager, "local_models", lambda self, include_partial=False: downloaded)
+    bundled = models_tab.load_catalog()[0]
+    repo = component(demo, gr.Dropdown, "Model")
+    pick = handler(demo, repo).fn
+    *_, speculation = pick("me/SmolLM2-big-GGUF", "auto", 2048, "auto", "off")
+    offered = [value for _, value in speculation["choices"]]
+    assert offered == ["off", "ngram", f"draft:{bundled.repo_id}"]
+    assert ("Draft: " + bundled.repo_id) in [label for label, _ in speculation["choices"]]
+    # the bundled model itself has nothing smaller with its tokenizer; a chosen draft falls back to off
+    *_, speculation = pick(bundled.repo_id, "auto", 2048, "auto", f"draft:{bundled.repo_id}")
+    assert [value for _, value in speculation["choices"]] == ["off", "ngram"] and speculation["value"] == "off"
+    handler(demo, None, api_name="load").fn(
+        "me/SmolLM2-big-GGUF", "auto", 2048, None, "none", "auto", f"draft:{bundled.repo_id}"
+    )
+    source, settings = loads[-1]
+    assert source == str(bigger_smollm2)
+    from engine.loader.bundled import bundled_gguf_path
+
+    assert settings["speculative_config"] == {
+        "method": "draft",
+        "model": str(bundled_gguf_path()),
+        "num_speculative_tokens": models_tab.DRAFT_TOKENS,
+    }
+
+
+def test_draft_candidates_compare_tokenizers_and_sizes(tiny_models):
+    from app.draft_choices import draft_candidates, model_bytes, tokenizer_sample
+    from engine.loader.bundled import bundled_gguf_path
+
+    llama, qwen2 = tiny_models["llama"], tiny_models["qwen2"]  # one tokenizer; Qwen2's head is untied: bigger
+    assert model_bytes(qwen2) > model_bytes(llama) > 0
+    assert tokenizer_sample(llama) == tokenizer_sample(qwen2) is not None
+    models = {"llama": llama, "qwen2": qwen2, "smollm2": bundled_gguf_path(), "gone": llama / "missing"}
+    assert draft_candidates(qwen2, models) == ["llama"]
+    assert draft_candidates(llama, models) == []  # qwen2 is bigger, SmolLM2's tokenizer is another
+    assert draft_candidates(llama / "missing", models) == []
+
+
+def test_the_status_names_the_draft(tiny_llama):
+    host = ModelHost()
+    draft = models_tab.load_settings(str(tiny_llama), "float32", 256, None, "none", 2, "auto", f"draft:{tiny_llama}")
+    host.load(str(tiny_llama), label="tiny", wait=True, num_kvcache_blocks=64, **draft)
+    try:
+        assert "speculative decoding with llama as draft" in host.state.message, host.state.message
+        assert host.engine.stats().speculative_method == "draft"
     finally:
         host.unload()
