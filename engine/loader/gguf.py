@@ -97,6 +97,13 @@ _ARCH_LAYER_NAMES["qwen35moe"] = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Qwen3-Next: Qwen3.5-MoE's names; the beta and alpha rows fused per key head as its checkpoints have them (split at
+# load, engine/models/qwen3_5.py), and in files from before llama.cpp split it, q, k, v and z fused likewise (ssm_in)
+_ARCH_LAYER_NAMES["qwen3next"] = {
+    **_ARCH_LAYER_NAMES["qwen35moe"],
+    "ssm_beta_alpha": "linear_attn.in_proj_ba",
+    "ssm_in": "linear_attn.in_proj_qkvz",
+}
 # Tensors that are no module's weight, by family: GGUF name (after the layer) -> our parameter
 _ARCH_PARAMETERS = {
     "gemma4": {
@@ -106,7 +113,7 @@ _ARCH_PARAMETERS = {
     },
     "qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
 }
-_ARCH_PARAMETERS["qwen35moe"] = _ARCH_PARAMETERS["qwen35"]
+_ARCH_PARAMETERS["qwen35moe"] = _ARCH_PARAMETERS["qwen3next"] = _ARCH_PARAMETERS["qwen35"]
 _GEMMA4_GLOBAL_NAMES = {
     "per_layer_token_embd": "model.embed_tokens_per_layer",
     "per_layer_model_proj": "model.per_layer_model_projection",
@@ -329,10 +336,10 @@ class GGUFCheckpoint:
 
 
 def _as_converted_back(architecture: str, hf_name: str, value):
-    """Undo what convert_hf_to_gguf does to a family's small tensors: Gemma 3's and Qwen3.5's zero-centred norms
-    stored as 1 + weight (not Qwen3.5's gated norm), Qwen3.5's decay rates stored as -exp(A_log), and its
-    depthwise convolution stored without its middle dimension."""
-    hybrid = architecture in ("qwen35", "qwen35moe")
+    """Undo what convert_hf_to_gguf does to a family's small tensors: Gemma 3's, Qwen3.5's and Qwen3-Next's
+    zero-centred norms stored as 1 + weight (not their gated norm), their decay rates stored as -exp(A_log), and
+    their depthwise convolution stored without its middle dimension."""
+    hybrid = architecture in ("qwen35", "qwen35moe", "qwen3next")
     zero_centred = architecture == "gemma3" or (hybrid and ".linear_attn.norm." not in hf_name)
     if zero_centred and hf_name.endswith("norm.weight"):
         return value - 1

@@ -21,8 +21,8 @@ _CONFIG_CLASSES = {
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
 }
-_HYBRID = ("qwen35", "qwen35moe")  # Qwen3.5's linear-attention families
-_NO_DENSE_MLP = ("qwen35moe",)  # experts in every layer: the file has no feed_forward_length
+_HYBRID = ("qwen35", "qwen35moe", "qwen3next")  # Qwen3.5's and Qwen3-Next's linear-attention families
+_NO_DENSE_MLP = ("qwen35moe", "qwen3next")  # experts in every layer: feed_forward_length may be absent
 # llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000; Gemma 3 27B (62 layers) scales
 # queries by hidden / heads, the others by the head size (llama.cpp's f_attention_scale)
 _GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
@@ -74,8 +74,8 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
     head_dim = ckpt.metadata(f"{arch}.attention.key_length")
     if head_dim is not None and arch != "gemma4":  # Gemma 4's is its global layers'
         config.head_dim = int(head_dim)
-    if arch in _HYBRID:  # convert_hf_to_gguf orders the value heads tiled across key heads (GatedDeltaNet)
-        config.linear_v_heads_tiled = True
+    if arch in ("qwen35", "qwen35moe"):  # convert_hf_to_gguf orders their value heads tiled across key heads;
+        config.linear_v_heads_tiled = True  # Qwen3-Next's stay grouped by key head, as its checkpoints have them
     config.tie_word_embeddings = not ckpt.has_tensor("output.weight")
     for attr in ("bos_token_id", "eos_token_id"):
         value = ckpt.metadata(f"tokenizer.ggml.{attr}")
@@ -218,8 +218,14 @@ def _qwen35_settings(ckpt: GGUFCheckpoint, settings: dict) -> dict:
         int(ckpt.field(f"{arch}.ssm.time_step_rank")),
     )
     if "num_experts" in settings:  # Qwen3.5-MoE: a shared expert beside them; top-k always renormalised
-        del settings["norm_topk_prob"]
+        if arch != "qwen3next":  # Qwen3-Next's config names the renormalisation, Qwen3.5's always does it
+            del settings["norm_topk_prob"]
         settings["shared_expert_intermediate_size"] = int(ckpt.field(f"{arch}.expert_shared_feed_forward_length"))
+    if arch == "qwen3next":  # llama.cpp's qwen3next has experts in every layer (its loader refuses a file without)
+        settings.update(decoder_sparse_step=1, mlp_only_layers=[])
+        dense = ckpt.metadata(f"{arch}.feed_forward_length")
+        if dense is not None:
+            settings["intermediate_size"] = int(dense)
     return {
         **settings,
         "layer_types": ["linear_attention" if flag else "full_attention" for flag in recurrent],

@@ -54,6 +54,7 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
 }
 
 # Checkpoints with a vision part whose language model the engine serves alone: their config nests its text_config

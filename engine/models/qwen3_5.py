@@ -178,21 +178,26 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
         self.per_key = config.linear_num_value_heads // config.linear_num_key_heads
         self.v_dim = config.linear_value_head_dim
 
-    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, name: str, tensor) -> list[tuple[str, object]]:
+        """Split by rows, so that a GGUF file's quantized tensors (QuantizedWeight) split as torch tensors do."""
         stem = name.removesuffix("in_proj_qkvz.weight").removesuffix("in_proj_ba.weight")
         if stem == name:
             return [(name, tensor)]
+        take = (lambda rows: tensor[rows]) if isinstance(tensor, torch.Tensor) else tensor.take
         if name.endswith("in_proj_ba.weight"):
-            b, a = tensor.view(self.key_heads, 2 * self.per_key, -1).split(self.per_key, dim=1)
-            return [(f"{stem}in_proj_b.weight", b.flatten(0, 1)), (f"{stem}in_proj_a.weight", a.flatten(0, 1))]
+            b, a = self._rows([self.per_key, self.per_key])
+            return [(f"{stem}in_proj_b.weight", take(b)), (f"{stem}in_proj_a.weight", take(a))]
         values = self.per_key * self.v_dim
-        q, k, v, z = (
-            part.flatten(0, 1)
-            for part in tensor.view(self.key_heads, -1, tensor.shape[-1]).split(
-                [self.k_dim, self.k_dim, values, values], 1
-            )
-        )
-        return [(f"{stem}in_proj_qkv.weight", torch.cat((q, k, v))), (f"{stem}in_proj_z.weight", z)]
+        q, k, v, z = self._rows([self.k_dim, self.k_dim, values, values])
+        return [(f"{stem}in_proj_qkv.weight", take(torch.cat((q, k, v)))), (f"{stem}in_proj_z.weight", take(z))]
+
+    def _rows(self, sizes: list[int]) -> list[torch.Tensor]:
+        """For rows fused per key head as parts of `sizes`: each part's row indices, from every key head in order."""
+        heads = torch.arange(self.key_heads)[:, None] * sum(sizes)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [
+            (heads + start + torch.arange(size)[None, :]).flatten() for start, size in zip(starts, sizes, strict=True)
+        ]
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
