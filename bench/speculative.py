@@ -28,7 +28,7 @@ from engine import LLM, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_loader import load_draft_model
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.speculator import Speculator
+from engine.spec_decode.speculator import DEFAULT_MIN_ACCEPTANCE, Speculator
 
 EDIT_SOURCE = Path(__file__).resolve().parents[1] / "engine" / "core" / "scheduler.py"
 CHAT = [
@@ -96,7 +96,10 @@ def main() -> None:
         "chat": [(llm.encode_chat([{"role": "user", "content": q}]), args.chat_tokens) for q in CHAT],
     }
     print(f"edit prompt: {len(workloads['edit'][0][0])} tokens")
-    ngram = {f"ngram k={k}": Speculator(SpeculativeConfig("ngram", k), NgramProposer(2, 4)) for k in ks}
+    least = DEFAULT_MIN_ACCEPTANCE["cpu"]  # what a user gets: requests that gain too little sit out
+    ngram = {f"ngram k={k}": Speculator(SpeculativeConfig("ngram", k), NgramProposer(2, 4), least) for k in ks}
+    # and the same without sitting out, to show what the threshold saves
+    ngram[f"ngram k={max(ks)} min=0"] = Speculator(SpeculativeConfig("ngram", max(ks)), NgramProposer(2, 4))
     variants = {"plain": None} | ngram
     if (args.draft or "").lower() != "none":
         draft = args.draft or model
@@ -128,14 +131,14 @@ def main() -> None:
                 if llm.speculator is not None:
                     s = llm.speculator.stats
                     accepted[key] = (s.steps, s.draft_tokens, s.accepted_tokens)
-    print(f"\n{'variant':<14}{'workload':<10}{'tok/s':>8}{'x plain':>9}{'tok/step':>10}{'accepted':>10}  same reply")
+    print(f"\n{'variant':<18}{'workload':<10}{'tok/s':>8}{'x plain':>9}{'tok/step':>10}{'accepted':>10}  same reply")
     for (name, workload), rate in best.items():
         steps, drafted, took = accepted.get((name, workload), (0, 0, 0))
         per_step = f"{(took + steps) / steps:.2f}" if steps else "-"
         share = f"{took / drafted:.0%}" if drafted else "-"
         same = replies[(name, workload)] == replies[("plain", workload)]
         ratio = rate / best[("plain", workload)]
-        print(f"{name:<14}{workload:<10}{rate:>8.1f}{ratio:>8.2f}x{per_step:>10}{share:>10}  {'yes' if same else 'NO'}")
+        print(f"{name:<18}{workload:<10}{rate:>8.1f}{ratio:>8.2f}x{per_step:>10}{share:>10}  {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":

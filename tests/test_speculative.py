@@ -348,3 +348,31 @@ def test_a_chat_reply_carries_what_its_drafts_gave(make_llm, tiny_llama):
     steps, drafted, accepted = deltas[-1].speculation
     assert deltas[-1].finished and steps > 0 and drafted >= accepted
     assert all(d.speculation is None for d in deltas[:-1])  # once, with the last increment
+
+
+def test_a_request_whose_drafts_are_seldom_accepted_sits_out():
+    """Below min_acceptance_rate a request stops checking drafts for a while (1, 2, 4, ... steps), as after a miss;
+    at 0 only misses do that. Greedy output is unchanged either way: this only decides the cost."""
+    from engine.core.sequence import Sequence
+    from engine.spec_decode.speculator import DraftState, Speculator
+
+    def run(least: float) -> list[int]:
+        speculator = Speculator(SpeculativeConfig("ngram", 4), NgramProposer(2, 4), least)
+        seq = Sequence([1, 2, 3], greedy())
+        seq.draft_state = DraftState(4)
+        skips = []
+        for _ in range(3):  # each step: 1 of 4 drafts accepted
+            speculator.record(seq, 4, 1)
+            skips.append(seq.draft_state.skip_steps)
+        return skips
+
+    assert run(0.0) == [0, 0, 0]  # it keeps drafting a + 1 = 2 tokens
+    assert run(0.5) == [0, 1, 2]  # the average falls to 0.625, 0.4375 (sits out 1 step), 0.34375 (2)
+    with pytest.raises(ValueError, match="min_acceptance_rate must be a number in 0..1"):
+        SpeculativeConfig.parse({"method": "ngram", "min_acceptance_rate": 1.5})
+
+
+def test_the_cpu_default_threshold_is_applied(make_llm, tiny_llama):
+    assert make_llm(tiny_llama, speculative_config=NGRAM).speculator.min_acceptance == 0.5
+    never = {**NGRAM, "min_acceptance_rate": 0}
+    assert make_llm(tiny_llama, speculative_config=never).speculator.min_acceptance == 0

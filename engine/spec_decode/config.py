@@ -17,6 +17,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # draft: the draft model, a GGUF file, a folder or a hub repo, as `model` is given
     model: str | None = None
+    # Pagoda's: a request whose drafts are accepted less often than this sits out for a while (default: 0.5 on a
+    # CPU, where a checked draft costs about half a decode step; 0.1 on a GPU; 0 never sits out)
+    min_acceptance_rate: float | None = None
 
     @classmethod
     def parse(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -51,6 +54,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"speculative_config {name} must be a whole number in {low}..{high}, got {value!r}")
+        rate = self.min_acceptance_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
+            raise ValueError(f"speculative_config min_acceptance_rate must be a number in 0..1, got {rate!r}")
         if self.method == "draft" and not (isinstance(self.model, str) and self.model.strip()):
             raise ValueError(
                 'speculative_config method "draft" needs a "model": a smaller model with the same tokenizer, '

@@ -8,6 +8,12 @@ without speculation.
 How many tokens to propose adapts to what gets accepted: after a step that accepted a of k drafts, the next
 proposal is a + 1 long (the full length again once a draft is accepted whole), and a request whose drafts all
 fail proposes nothing for 1, 2, 4, ... 32 steps, so a request that gains nothing costs almost nothing.
+
+A request whose drafts are accepted less often than `min_acceptance_rate` (a moving average) sits out likewise: a
+checked draft token costs a share of a decode step, and below that share checking drafts costs more than it gains.
+On a CPU a step of k + 1 rows costs about 1 + 0.45 k decode steps (bench/speculative.py: the bundled model's
+kernels, and PyTorch's int4 kernel at a 7B model's shapes, take 3.5x a row's time for 5 rows), so the CPU's default
+is 0.5; on a GPU, where the rows come nearly free, 0.1.
 """
 
 import logging
@@ -22,6 +28,8 @@ if TYPE_CHECKING:
     from engine.runner.model_runner import ModelRunner
 
 MAX_BACKOFF_STEPS = 32
+ACCEPTANCE_WEIGHT = 0.5  # of the latest step in the moving average of a request's acceptance
+DEFAULT_MIN_ACCEPTANCE = {"cpu": 0.5, "cuda": 0.1}
 log = logging.getLogger("engine")
 
 
@@ -36,6 +44,7 @@ class DraftState:
     steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    acceptance: float = 1.0  # moving average of the share of its drafts accepted
 
 
 @dataclass
@@ -70,9 +79,10 @@ class Proposer(Protocol):
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, min_acceptance: float = 0.0):
         self.config = config
         self.proposer = proposer
+        self.min_acceptance = min_acceptance
         self.stats = SpeculationStats()
         self.failed = False  # proposing raised once: no more drafts (the engine serves on without them)
 
@@ -115,14 +125,16 @@ class Speculator:
         state = seq.draft_state
         state.steps, state.draft_tokens = state.steps + 1, state.draft_tokens + num_drafted
         state.accepted_tokens += num_accepted
-        if num_accepted == num_drafted:
-            state.length, state.misses = self.config.num_speculative_tokens, 0
-        elif num_accepted:
-            state.length, state.misses = num_accepted + 1, 0
-        else:
+        if num_drafted:
+            state.acceptance += ACCEPTANCE_WEIGHT * (num_accepted / num_drafted - state.acceptance)
+        if not num_accepted or state.acceptance < self.min_acceptance:
             state.length = 1
             state.skip_steps = min(MAX_BACKOFF_STEPS, 1 << state.misses)
             state.misses += 1
+        elif num_accepted == num_drafted:
+            state.length, state.misses = self.config.num_speculative_tokens, 0
+        else:
+            state.length, state.misses = num_accepted + 1, 0
 
 
 def make_speculator(config: SpeculativeConfig | None, target) -> "Speculator | None":
@@ -135,8 +147,11 @@ def make_speculator(config: SpeculativeConfig | None, target) -> "Speculator | N
             "speculative decoding does not work yet with models whose layers keep a recurrent state (Qwen3.5, "
             "Qwen3-Next): their state cannot yet be rolled back past rejected drafts; load without speculative_config"
         )
+    least = config.min_acceptance_rate
+    if least is None:
+        least = DEFAULT_MIN_ACCEPTANCE.get(target.device.type, 0.0)
     if config.method == "ngram":
-        return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+        return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), least)
     from engine.spec_decode.draft_loader import load_draft_model
 
-    return Speculator(config, load_draft_model(config.model, target))
+    return Speculator(config, load_draft_model(config.model, target), least)
