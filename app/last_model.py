@@ -65,6 +65,15 @@ def load_at_start(
         )
         return
 
+    note = "(The model used last, loaded again at start.)"
+    draft = _missing_draft(settings)
+    if draft is not None and "speculative_config" not in given:  # the model still serves, without its draft
+        settings = {k: v for k, v in settings.items() if k != "speculative_config"}
+        note = (
+            f"(The model used last, loaded again at start; its draft model {Path(draft).name} is no longer on this "
+            "computer, so it runs without speculative decoding: pick another draft in the Models tab.)"
+        )
+
     def instead(why: str) -> None:  # it no longer loads here (less memory free, say): Pagoda still starts serving
         log.warning("%s, the model used last, did not load: loading the bundled model", choice)
         host.load_default(
@@ -78,7 +87,16 @@ def load_at_start(
         source,
         label=label,
         remember_as=choice,
-        note="(The model used last, loaded again at start.)",
+        note=note,
         on_failure=instead,
         **{**settings, **given},
     )
+
+
+def _missing_draft(settings: dict) -> str | None:
+    """The draft model the remembered settings name (speculative decoding with a draft), if its file or folder
+    is gone; None otherwise."""
+    spec = settings.get("speculative_config")
+    if not isinstance(spec, dict) or spec.get("method") not in ("draft", "draft_model") or not spec.get("model"):
+        return None
+    return None if Path(str(spec["model"])).expanduser().exists() else str(spec["model"])

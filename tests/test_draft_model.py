@@ -224,3 +224,20 @@ def test_a_draft_cache_too_small_drafts_for_whom_it_can(make_llm, tiny_llama, pr
     assert [o["token_ids"] for o in out] == [p["token_ids"] for p in plain]
     assert llm.stats().spec_accepted_tokens > 0
     assert draft_cache_is_empty(llm)
+
+
+def test_a_draft_with_a_shorter_context_drafts_only_within_it(make_llm, tiny_llama, prompts, tmp_path):
+    """A draft trained on fewer positions than the model serves proposes nothing past them; the reply goes on."""
+    import json
+    import shutil
+
+    short = shutil.copytree(tiny_llama, tmp_path / "short")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
+    plain = make_llm(tiny_llama).generate([prompts[2]], greedy(40), use_tqdm=False)[0]  # 40 + 40 tokens
+    llm = make_llm(tiny_llama, speculative_config=draft(short))
+    assert llm.speculator.proposer.max_model_len == 48
+    out = llm.generate([prompts[2]], greedy(40), use_tqdm=False)[0]
+    assert out["token_ids"] == plain["token_ids"]
+    steps, drafted, _ = out["speculation"]
+    assert 0 < drafted <= 48 - 40  # drafts only for positions 40..47

@@ -97,3 +97,25 @@ def test_a_model_used_last_that_no_longer_loads_gives_the_bundled_one_and_the_re
     assert model is None  # the bundled model
     assert note.startswith(f"({broken}, the model used last, did not load: Could not load broken-model: ")
     assert note.endswith(" The bundled model serves instead.)")
+
+
+def test_a_draft_model_deleted_since_leaves_the_model_without_speculation(tmp_path, monkeypatch, tiny_llama):
+    """The model used last is still here, its draft is not: the model loads as it was, without the draft, and the
+    status says why (not the bundled model instead, which a failed load would give)."""
+    store = ConversationStore(tmp_path / "chats.db")
+    gone = tmp_path / "draft.gguf"
+    spec = {"method": "draft", "model": str(gone), "num_speculative_tokens": 4}
+    LastModel(store).remember(str(tiny_llama), {"dtype": "float32", "speculative_config": spec})
+    host = ModelHost()
+    loads = []
+    monkeypatch.setattr(
+        host, "load", lambda source, label=None, note="", **settings: loads.append((source, note, settings))
+    )
+    load_at_start(host, LastModel(store), None, downloaded={}, max_num_seqs=2)
+    [(source, note, settings)] = loads
+    assert source == str(tiny_llama) and "speculative_config" not in settings and settings["dtype"] == "float32"
+    assert "its draft model draft.gguf is no longer on this computer" in note
+    gone.write_bytes(b"GGUF")  # back again: the settings are used as they were
+    loads.clear()
+    load_at_start(host, LastModel(store), None, downloaded={}, max_num_seqs=2)
+    assert loads[0][2]["speculative_config"] == spec and loads[0][1] == "(The model used last, loaded again at start.)"
