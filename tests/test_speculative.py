@@ -268,8 +268,8 @@ def test_engine_refuses_what_speculation_cannot_serve_yet(make_llm, tiny_llama, 
         make_llm(tiny_llama, speculative_config="ngram")
     with pytest.raises(ValueError, match="async_scheduling"):
         make_llm(tiny_llama, speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(ValueError, match="recurrent state"):
-        make_llm(tiny_models["qwen3_5"], speculative_config=NGRAM)
+    # a hybrid model speculates on the CPU (tests/test_hybrid_speculation.py); its GPU kernels do not keep the states
+    assert make_llm(tiny_models["qwen3_5"], speculative_config=NGRAM).speculator is not None
 
 
 def test_command_line_takes_a_json_object():

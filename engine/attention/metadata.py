@@ -61,6 +61,10 @@ class AttentionMetadata:
     state_slots_cpu: list[int] | None = None
     state_restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot slot, slot) copied first
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # (sequence, tokens into it, slot)
+    # Checking drafts (engine/runner/step_inputs.py, chain_state_rows): per row, the slot its state is written to
+    # (it reads state_slots_cpu's) and its place among its request's rows; None where every row keeps its own slot
+    state_writes_cpu: list[int] | None = None
+    state_waves_cpu: list[int] | None = None
     # The same, for a step of one token a sequence, on the device: a graph's own (engine/runner/cuda_graph.py),
     # else made from the lists above by the first layer that needs it (`decode_states`)
     decode_state_rows: DecodeStates | None = field(default=None, repr=False)

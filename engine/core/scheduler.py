@@ -42,6 +42,8 @@ class ScheduledSeq:
     # and the snapshots this step writes, (tokens into the step, slot)
     restore_from: int | None = None
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # Checking drafts on a hybrid model: the slot its state goes to after each row but the last (StateSlots.verify_slot)
+    verify_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.samples = self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == len(self.seq)
@@ -142,6 +144,8 @@ class Scheduler:
         if self.block_manager.states is not None:
             item.restore_from, seq.restore_slot = seq.restore_slot, None
             item.snapshots = self.block_manager.plan_snapshots(seq, n)
+            states = self.block_manager.states
+            item.verify_slots = [states.verify_slot(seq.state_slot, i) for i in range(len(item.draft_token_ids))]
         return item
 
     def _preempt(self, seq: Sequence) -> None:

@@ -1,7 +1,8 @@
 """Slots of a hybrid model's recurrent state (Qwen3.5's Gated DeltaNet layers), as block ids are slots of the KV
 cache: the ids BlockManager hands out; the tensors behind them are the layers' (engine/layers/gated_deltanet.py).
 
-A running request holds one slot, its state after the tokens it has computed. Snapshot slots hold the state a
+A running request holds one slot, its state after the tokens it has computed. With speculative decoding it also
+has k verify slots, for the states between the rows of a step that checks its k drafts. Snapshot slots hold the state a
 request had at a position that is a multiple of `snapshot_tokens`, keyed by the chained hash of the prompt up to
 there (the KV blocks' hash): a later request with that prefix starts from a copy of it, as it starts on the
 cached KV blocks, and computes only the rest. Snapshots are kept least recently used first, as many as their slots.
@@ -15,7 +16,7 @@ from collections import OrderedDict, deque
 
 
 class StateSlots:
-    def __init__(self, num_running: int, num_snapshots: int = 0, snapshot_tokens: int = 0):
+    def __init__(self, num_running: int, num_snapshots: int = 0, snapshot_tokens: int = 0, verify_per_slot: int = 0):
         if num_running < 1 or num_snapshots < 0 or (num_snapshots and snapshot_tokens < 1):
             raise ValueError(
                 f"state slots need >= 1 running slot and a snapshot interval for snapshots, got {num_running}, "
@@ -25,6 +26,16 @@ class StateSlots:
         self.free_running: deque[int] = deque(range(num_running))
         self.free_snapshots: deque[int] = deque(range(num_running, num_running + num_snapshots))
         self.snapshots: OrderedDict[int, int] = OrderedDict()  # prefix hash -> slot, least recently used first
+        # Speculative decoding: after the snapshots, `verify_per_slot` slots for each running one (verify_slot)
+        self.verify_per_slot = verify_per_slot
+
+    def verify_slot(self, running_slot: int, row: int) -> int:
+        """Where a step that checks drafts keeps a request's state after its row `row` (0: its input token, i: its
+        i-th draft), so that the state after its last accepted token can be restored from there. The last row's
+        state is written to the request's own slot."""
+        if not 0 <= row < self.verify_per_slot:
+            raise ValueError(f"row {row} of a check has no state slot (num_speculative_tokens={self.verify_per_slot})")
+        return self.num_running + self.num_snapshots + running_slot * self.verify_per_slot + row
 
     def take(self) -> int:
         if not self.free_running:

@@ -101,7 +101,9 @@ class LLMEngine:
         self.tokenizer = tokenizer.result()
         self.max_model_len = self.model_runner.max_model_len
         running, snapshots, _ = self.model_runner.state_slots
-        states = StateSlots(running, snapshots, config.state_snapshot_tokens) if running else None
+        states = (
+            StateSlots(running, snapshots, config.state_snapshot_tokens, config.max_draft_tokens) if running else None
+        )
         self.block_manager = BlockManager(
             self.model_runner.num_blocks,
             config.kvcache_block_size,
@@ -374,6 +376,9 @@ class LLMEngine:
         registered as they are appended, as a pending token's are."""
         new_tokens = row_tokens[: row_tokens.index(-1)] if -1 in row_tokens else row_tokens
         item.seq.num_computed_tokens -= len(row_tokens) - len(new_tokens)
+        accepted = len(new_tokens) - 1
+        if item.verify_slots and accepted < len(item.draft_token_ids):  # a recurrent state: back to its last accepted
+            item.seq.restore_slot = item.verify_slots[accepted]  # token's, when its next step starts
         self.speculator.record(item.seq, len(item.draft_token_ids), len(new_tokens) - 1)
         return new_tokens
 

@@ -156,28 +156,30 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(tokens, -1))
 
     def _sequences(self, meta: AttentionMetadata):
-        """(first token, tokens, state slot, whether its state starts from zeros, [(tokens into the step, snapshot
-        slot)] to keep) of each sequence in the step."""
+        """(first token, tokens, state slot it reads, slot it writes, whether its state starts from zeros, [(tokens
+        into the step, snapshot slot)] to keep) of each sequence in the step, in order: the rows of a request
+        checking drafts come one after another, each reading the state the one before wrote."""
         snapshots: dict[int, list[tuple[int, int]]] = {}
         for i, offset, slot in meta.state_snapshots:
             snapshots.setdefault(i, []).append((offset, slot))
+        writes = meta.state_writes_cpu or meta.state_slots_cpu
         start = 0
-        for i, (n, length, slot) in enumerate(
-            zip(meta.query_lens_cpu, meta.seq_lens_cpu, meta.state_slots_cpu, strict=True)
+        for i, (n, length, slot, written) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, meta.state_slots_cpu, writes, strict=True)
         ):
-            yield start, n, slot, length == n, snapshots.get(i, [])
+            yield start, n, slot, written, length == n, snapshots.get(i, [])
             start += n
 
     def _convolve(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The causal depthwise convolution of each sequence's tokens after its last kernel - 1 inputs, then silu."""
         out = torch.empty_like(qkv)
         weight = self.conv1d_weight
-        for start, n, slot, fresh, snapshots in self._sequences(meta):
+        for start, n, slot, written, fresh, snapshots in self._sequences(meta):
             past = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
             inputs = torch.cat((past, qkv[start : start + n].T.to(weight.dtype)), dim=-1)
             for offset, snapshot in snapshots:  # the last kernel - 1 inputs before that token
                 self.conv_state[snapshot] = inputs[:, offset : offset + self.kernel - 1]
-            self.conv_state[slot] = inputs[:, -(self.kernel - 1) :]
+            self.conv_state[written] = inputs[:, -(self.kernel - 1) :]
             mixed = F.conv1d(inputs[None], weight, groups=self.conv_size)[0, :, -n:]
             out[start : start + n] = F.silu(mixed).T.to(qkv.dtype)
         return out
@@ -195,18 +197,46 @@ class GatedDeltaNet(nn.Module):
 
     def _convolve_one_each(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         slots, fresh, keep = self._one_each(meta, qkv.device)
+        if meta.state_waves_cpu is not None:
+            return self._in_waves(self._convolve_rows, meta, qkv, slots, fresh)
+        return self._convolve_rows(qkv, slots, fresh, slots, keep)
+
+    def _convolve_rows(self, qkv, slots, fresh, writes, keep=None) -> torch.Tensor:
         past = self.conv_state[slots].masked_fill(fresh[:, None, None], 0)
         inputs = torch.cat((past, qkv.to(past.dtype)[:, :, None]), dim=-1)  # [sequences, channels, kernel]
-        self.conv_state[slots] = inputs[:, :, 1:]
-        self.conv_state[self._or_scratch(keep)] = inputs[:, :, 1:]
+        self.conv_state[writes] = inputs[:, :, 1:]
+        if keep is not None:
+            self.conv_state[self._or_scratch(keep)] = inputs[:, :, 1:]
         return F.silu((inputs * self.conv1d_weight[:, 0]).sum(dim=-1)).to(qkv.dtype)
 
     def _delta_rule_one_each(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
         slots, fresh, keep = self._one_each(meta, q.device)
+        if meta.state_waves_cpu is not None:
+            return self._in_waves(self._delta_rule_rows, meta, (q, k, v, g, beta), slots, fresh)
+        return self._delta_rule_rows((q, k, v, g, beta), slots, fresh, slots, keep)
+
+    def _delta_rule_rows(self, inputs, slots, fresh, writes, keep=None) -> torch.Tensor:
         state = self.recurrent_state[slots].masked_fill(fresh[:, None, None, None], 0)
-        out, state = recurrent_delta_rule(q, k, v, g, beta, state)
-        self.recurrent_state[slots] = state
-        self.recurrent_state[self._or_scratch(keep)] = state
+        out, state = recurrent_delta_rule(*inputs, state)
+        self.recurrent_state[writes] = state
+        if keep is not None:
+            self.recurrent_state[self._or_scratch(keep)] = state
+        return out
+
+    def _in_waves(self, step_rows, meta: AttentionMetadata, inputs, slots, fresh) -> torch.Tensor:
+        """A step whose requests check drafts: their rows in order of place (every request's first row, then every
+        second, ...), each wave reading the states the one before wrote, as plain decode steps would, one row a
+        step. The rows' arithmetic is a decode step's, row for row."""
+        waves = torch.tensor(meta.state_waves_cpu, device=slots.device)
+        writes = torch.tensor(meta.state_writes_cpu, device=slots.device)
+        out = None
+        for wave in range(int(waves.max()) + 1):
+            rows = (waves == wave).nonzero().flatten()
+            part = tuple(t[rows] for t in inputs) if isinstance(inputs, tuple) else inputs[rows]
+            result = step_rows(part, slots[rows], fresh[rows], writes[rows])
+            if out is None:
+                out = result.new_empty((len(waves), *result.shape[1:]))
+            out[rows] = result
         return out
 
     def _delta_rule_triton(self, q, k, v, g, beta, meta: AttentionMetadata, chunked: bool) -> torch.Tensor:
@@ -215,7 +245,7 @@ class GatedDeltaNet(nn.Module):
         plan = meta.backend_cache.get(("delta_rule_plan", chunked))  # the same for every linear layer of the step
         if plan is None and chunked:
             sequences = list(self._sequences(meta))
-            lists = ([s[i] for s in sequences] for i in (1, 2, 3, 4))
+            lists = ([s[i] for s in sequences] for i in (1, 2, 4, 5))  # tokens, slot, fresh, snapshots
             plan = kernels.DeltaRulePlan.build(*lists, q.device, kernels.CHUNK)
         elif plan is None:
             plan = kernels.DeltaRulePlan.one_each(*self._one_each(meta, q.device))
@@ -224,7 +254,7 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(v)
-        for start, n, slot, fresh, snapshots in self._sequences(meta):
+        for start, n, slot, written, fresh, snapshots in self._sequences(meta):
             state = torch.zeros_like(self.recurrent_state[slot]) if fresh else self.recurrent_state[slot]
             kept = dict(snapshots)
             cuts = sorted({offset for offset in kept if 0 < offset < n} | {n})
@@ -240,5 +270,5 @@ class GatedDeltaNet(nn.Module):
                 if cut in kept:
                     self.recurrent_state[kept[cut]] = state
                 first = cut
-            self.recurrent_state[slot] = state
+            self.recurrent_state[written] = state
         return out

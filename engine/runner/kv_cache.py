@@ -287,7 +287,8 @@ def allocate_states(
     (running slots, snapshot slots after them, bytes of one slot), zeros for a model without such layers
     (engine/core/state_slots.py).
     Running slots: max_num_seqs, or as many as a quarter of the KV budget holds if fewer (requests past them wait
-    for one); snapshots for the prefix cache: another quarter's worth, at most MAX_STATE_SNAPSHOTS."""
+    for one); snapshots for the prefix cache: another quarter's worth, at most MAX_STATE_SNAPSHOTS; with
+    speculative decoding, num_speculative_tokens more per running slot (StateSlots.verify_slot)."""
     layers = [m for m in model.modules() if hasattr(m, "state_shapes")]
     if not layers:
         return 0, 0, 0
@@ -300,12 +301,19 @@ def allocate_states(
     quarter = (config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES) // 4
     running = max(1, min(config.max_num_seqs, quarter // slot_bytes))
     snapshots = min(MAX_STATE_SNAPSHOTS, quarter // slot_bytes) if config.enable_prefix_caching else 0
+    # speculative decoding: k slots per running one, for the state after each row of a step that checks k drafts
+    verify = running * config.max_draft_tokens
+    total = running + snapshots + verify
+    if device.type == "cpu":
+        check_host_memory(total * slot_bytes, "the recurrent state", "lower max_num_seqs or num_speculative_tokens")
     for layer, name, shape, kind in shapes:  # and a scratch slot last, for rows that keep nothing (a graph's padding)
-        setattr(layer, name, zeroed((running + snapshots + 1, *shape), kind, device))
+        setattr(layer, name, zeroed((total + 1, *shape), kind, device))
     log.info(
-        "recurrent state: %d slots and %d prefix snapshots of %.1f MiB each (requests beyond the slots wait)",
+        "recurrent state: %d slots, %d prefix snapshots and %d for checking drafts, of %.1f MiB each (requests "
+        "beyond the slots wait)",
         running,
         snapshots,
+        verify,
         slot_bytes / 2**20,
     )
     return running, snapshots, slot_bytes

@@ -376,6 +376,8 @@ class ModelRunner:
             state_slots_cpu=step.state_slots.tolist() if step.state_slots.size else None,
             state_restores=step.state_restores,
             state_snapshots=step.state_snapshots,
+            state_writes_cpu=step.state_writes.tolist() if step.state_writes.size else None,
+            state_waves_cpu=step.state_waves.tolist() if step.state_waves.size else None,
         )
         pairs = zip(group_slots, group_tables, strict=True)  # the other KV-cache groups': the same lengths
         return token_ids, positions, with_groups(meta, sum(pairs, ())), logits_index, logprobs_rows

@@ -40,6 +40,10 @@ class StepInputs:
     state_slots: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # each sequence's, where layers keep state
     state_restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot slot, sequence's slot)
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # (sequence, tokens into it, slot)
+    # Checking drafts on a hybrid model: per row, the slot its state is written to (it reads `state_slots`'), and its
+    # place among its request's rows, the order the recurrent layers take them in; empty when every row keeps its own
+    state_writes: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    state_waves: np.ndarray = field(default_factory=lambda: _NO_ROWS)
     # Logprobs, for the requests that asked (see LogprobsPlan); empty for all others:
     sample_logprobs_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # rows of logits_index
     num_logprobs: int = 0  # top tokens to keep for them: the most any of them asked for
@@ -243,6 +247,24 @@ def add_draft_rows(step: StepInputs, batch: list[ScheduledSeq]) -> None:
     np.cumsum(query_lens, out=step.query_start_loc[1:])
     step.block_tables = np.repeat(step.block_tables, rows, axis=0)
     step.group_block_tables = [np.repeat(t, rows, axis=0) for t in step.group_block_tables]
+    if step.state_slots.size:
+        chain_state_rows(step, batch, rows, offsets)
+
+
+def chain_state_rows(step: StepInputs, batch: list[ScheduledSeq], rows: np.ndarray, offsets: np.ndarray) -> None:
+    """A hybrid model's rows of a request checking k drafts, for its recurrent layers: row 0 reads the request's
+    slot and row i the state row i - 1 left; each row but the last writes to a verify slot of its own, the last to
+    the request's slot. So after the step its slot holds the state after every row, and verify slot i the state
+    after row i, which the engine restores where only i drafts were accepted."""
+    reads, writes = [], []
+    for item in batch:
+        slot, kept = item.seq.state_slot, item.verify_slots
+        reads += [slot, *kept]
+        writes += [*kept, slot]
+    first_rows = np.cumsum(rows) - rows  # each sequence's first row: where its snapshots now point
+    step.state_snapshots = [(int(first_rows[i]), n, slot) for i, n, slot in step.state_snapshots]
+    step.state_slots, step.state_writes = np.asarray(reads, np.int64), np.asarray(writes, np.int64)
+    step.state_waves = offsets
 
 
 def block_tables(batch: list[ScheduledSeq], group: int) -> np.ndarray:
