@@ -106,3 +106,24 @@ def test_a_hybrid_model_speculates_on_the_cpu_only(make_llm, tiny_models):
     assert states.verify_slot(1, 2) == states.num_running + states.num_snapshots + 5
     with pytest.raises(ValueError, match="no state slot"):
         StateSlots(2, 0, 0, 3).verify_slot(0, 3)
+
+
+def test_state_snapshots_taken_in_a_checking_step_hold_the_right_state(make_llm, tiny_models, hybrid_prompts):
+    """A prefix snapshot falls due in a step that checks drafts (every 16 tokens here): it must hold the state after
+    its prefix, which a follow-up turn that sends the prompt and the reply back then starts from."""
+    model = tiny_models["qwen3_5"]
+    settings = {"state_snapshot_tokens": 16, "num_kvcache_blocks": 64}
+    plain_llm = make_llm(model, **settings)
+    plain = plain_llm.generate(hybrid_prompts, greedy(), use_tqdm=False)
+    replies = {tuple(p): r["token_ids"] for p, r in zip(hybrid_prompts, plain, strict=True)}
+    llm = speculating(make_llm, model, replies, **settings)
+    assert [r["token_ids"] for r in llm.generate(hybrid_prompts, greedy(), use_tqdm=False)] == [
+        r["token_ids"] for r in plain
+    ]
+    follow_ups = [p + r["token_ids"][:35] for p, r in zip(hybrid_prompts, plain, strict=True)]
+    hits_before = llm.stats().prefix_cache_hits
+    expected = plain_llm.generate(follow_ups, greedy(12), use_tqdm=False)
+    llm.speculator = None  # the follow-ups decode plainly: only the snapshots differ between the two engines
+    got = llm.generate(follow_ups, greedy(12), use_tqdm=False)
+    assert llm.stats().prefix_cache_hits > hits_before
+    assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]

@@ -198,7 +198,7 @@ class GatedDeltaNet(nn.Module):
     def _convolve_one_each(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         slots, fresh, keep = self._one_each(meta, qkv.device)
         if meta.state_waves_cpu is not None:
-            return self._in_waves(self._convolve_rows, meta, qkv, slots, fresh)
+            return self._in_waves(self._convolve_rows, meta, qkv, slots, fresh, keep)
         return self._convolve_rows(qkv, slots, fresh, slots, keep)
 
     def _convolve_rows(self, qkv, slots, fresh, writes, keep=None) -> torch.Tensor:
@@ -212,7 +212,7 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule_one_each(self, q, k, v, g, beta, meta: AttentionMetadata) -> torch.Tensor:
         slots, fresh, keep = self._one_each(meta, q.device)
         if meta.state_waves_cpu is not None:
-            return self._in_waves(self._delta_rule_rows, meta, (q, k, v, g, beta), slots, fresh)
+            return self._in_waves(self._delta_rule_rows, meta, (q, k, v, g, beta), slots, fresh, keep)
         return self._delta_rule_rows((q, k, v, g, beta), slots, fresh, slots, keep)
 
     def _delta_rule_rows(self, inputs, slots, fresh, writes, keep=None) -> torch.Tensor:
@@ -223,7 +223,7 @@ class GatedDeltaNet(nn.Module):
             self.recurrent_state[self._or_scratch(keep)] = state
         return out
 
-    def _in_waves(self, step_rows, meta: AttentionMetadata, inputs, slots, fresh) -> torch.Tensor:
+    def _in_waves(self, step_rows, meta: AttentionMetadata, inputs, slots, fresh, keep) -> torch.Tensor:
         """A step whose requests check drafts: their rows in order of place (every request's first row, then every
         second, ...), each wave reading the states the one before wrote, as plain decode steps would, one row a
         step. The rows' arithmetic is a decode step's, row for row."""
@@ -233,7 +233,7 @@ class GatedDeltaNet(nn.Module):
         for wave in range(int(waves.max()) + 1):
             rows = (waves == wave).nonzero().flatten()
             part = tuple(t[rows] for t in inputs) if isinstance(inputs, tuple) else inputs[rows]
-            result = step_rows(part, slots[rows], fresh[rows], writes[rows])
+            result = step_rows(part, slots[rows], fresh[rows], writes[rows], keep[rows])  # keep: prefix snapshots
             if out is None:
                 out = result.new_empty((len(waves), *result.shape[1:]))
             out[rows] = result
@@ -241,6 +241,9 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule_triton(self, q, k, v, g, beta, meta: AttentionMetadata, chunked: bool) -> torch.Tensor:
         from engine.layers import gated_deltanet_triton as kernels  # Triton: imported where a GPU runs it
+
+        if meta.state_waves_cpu is not None:  # refused at load (engine/spec_decode/speculator.py): never silently
+            raise RuntimeError("checking drafts on a hybrid model runs on the CPU only; its GPU kernels cannot yet")
 
         plan = meta.backend_cache.get(("delta_rule_plan", chunked))  # the same for every linear layer of the step
         if plan is None and chunked:

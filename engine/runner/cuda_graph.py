@@ -98,7 +98,7 @@ class DecodeGraphs:
     def can_run(self, meta: AttentionMetadata) -> bool:
         # A prompt that starts from a state snapshot copies it first, in its layers: eagerly
         fits = pick_graph_size(self.sizes, meta.num_seqs) is not None
-        return meta.is_decode_only and fits and not meta.state_restores
+        return meta.is_decode_only and fits and not meta.state_restores and meta.state_waves_cpu is None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = meta.num_seqs

@@ -302,7 +302,7 @@ def allocate_states(
     running = max(1, min(config.max_num_seqs, quarter // slot_bytes))
     snapshots = min(MAX_STATE_SNAPSHOTS, quarter // slot_bytes) if config.enable_prefix_caching else 0
     # speculative decoding: k slots per running one, for the state after each row of a step that checks k drafts
-    verify = running * config.max_draft_tokens
+    verify = running * config.max_draft_tokens if device.type == "cpu" else 0  # refused elsewhere for now
     total = running + snapshots + verify
     if device.type == "cpu":
         check_host_memory(total * slot_bytes, "the recurrent state", "lower max_num_seqs or num_speculative_tokens")
