@@ -3,7 +3,7 @@
 # torch, transformers and triton installed and no network. Prints one table last.
 #   bash bench/device_check.sh [output folder]
 # A rerun can skip a part that already ran: SKIP_TESTS=1, SKIP_HYBRID=1, SKIP_BENCH=1, SKIP_QUANT=1, SKIP_KV=1,
-# SKIP_LAPTOP=1 or SKIP_STRUCTURED=1.
+# SKIP_LAPTOP=1, SKIP_STRUCTURED=1 or SKIP_SPEC=1.
 # Device time is short (one command may run 10 minutes): the parts run in order of importance within
 # DEVICE_BUDGET seconds (540 by default), each cut to the time left, and a part with under a minute left is not
 # started. The last line names the parts left for a rerun, with the switches that skip the rest.
@@ -63,16 +63,20 @@ run_part structured SKIP_STRUCTURED "${STRUCTURED_TIMEOUT:-120}" structured.log 
     "Structured output (a constrained decode step against a free one, batch 1 and 32)" \
     env PYTHONPATH="$PWD/.device/site:$PYTHONPATH" python3 -m bench.structured_output --random-qwen3 /tmp/pagoda-random-qwen3 --tokens 48 --rounds 3
 
+run_part spec SKIP_SPEC "${SPEC_TIMEOUT:-150}" spec.log \
+    "Speculative decoding (the model as its own draft, and n-gram drafts that fail, at batch 1 and 16; issue 32)" \
+    python3 -m bench.gpu_speculative
+
 echo "device_check: tests exit ${rc[tests]}, hybrid exit ${rc[hybrid]}, benchmarks exit ${rc[bench]}, quantized exit ${rc[quantized]}," \
-    "kv exit ${rc[kv]}, laptop exit ${rc[laptop]}, structured exit ${rc[structured]} (${SECONDS} s)"
+    "kv exit ${rc[kv]}, laptop exit ${rc[laptop]}, structured exit ${rc[structured]}, spec exit ${rc[spec]} (${SECONDS} s)"
 if [ ${#left_for_rerun[@]} -gt 0 ]; then
     skip_done=""
-    for switch in SKIP_TESTS SKIP_HYBRID SKIP_BENCH SKIP_QUANT SKIP_KV SKIP_LAPTOP SKIP_STRUCTURED; do
+    for switch in SKIP_TESTS SKIP_HYBRID SKIP_BENCH SKIP_QUANT SKIP_KV SKIP_LAPTOP SKIP_STRUCTURED SKIP_SPEC; do
         [[ " ${left_for_rerun[*]} " == *" $switch "* ]] || skip_done+="$switch=1 "
     done
     echo "device_check: out of time for ${left_for_rerun[*]}; rerun with: ${skip_done}bash bench/device_check.sh"
     exit 3
 fi
-for part in tests hybrid bench quantized kv laptop structured; do
+for part in tests hybrid bench quantized kv laptop structured spec; do
     [[ "${rc[$part]}" =~ ^(0|skipped)$ ]] || exit 1
 done
