@@ -139,6 +139,7 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
         "SKIP_KV": "1",
         "SKIP_LAPTOP": "1",
         "SKIP_STRUCTURED": "1",
+        "SKIP_SPEC": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
     }
     result = subprocess.run(
@@ -147,7 +148,7 @@ def test_device_check_script_runs_its_test_half_and_reports(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (
         "device_check: tests exit 0, hybrid exit skipped, benchmarks exit skipped, quantized exit skipped, "
-        "kv exit skipped, laptop exit skipped, structured exit skipped" in result.stdout
+        "kv exit skipped, laptop exit skipped, structured exit skipped, spec exit skipped" in result.stdout
     )
     assert "skipped" in (tmp_path / "tests.log").read_text()
 
@@ -165,7 +166,7 @@ def test_device_check_keeps_to_its_time_budget_and_says_how_to_rerun(tmp_path):
         "DEVICE_BUDGET": "59",
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
     }
-    for part in ("SKIP_QUANT", "SKIP_KV", "SKIP_LAPTOP", "SKIP_STRUCTURED"):
+    for part in ("SKIP_QUANT", "SKIP_KV", "SKIP_LAPTOP", "SKIP_STRUCTURED", "SKIP_SPEC"):
         env.pop(part, None)
     result = subprocess.run(
         ["bash", "bench/device_check.sh", str(tmp_path)], cwd=ROOT, env=env, text=True, capture_output=True, timeout=120
