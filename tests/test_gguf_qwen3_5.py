@@ -158,8 +158,15 @@ def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path, mtp: bool = False
     tokenizer_metadata(writer, tokenizer_dir)
     tensors = converted_tensors(model)
     tensors |= mtp_block(tensors, config) if mtp else {}
+    write_tensors(writer, tensors, QUANTIZED)
+    return path
+
+
+def write_tensors(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray], quantized: tuple[str, ...]) -> None:
+    """The tensors whose names (after the block) start with one of `quantized` in Q8_0, experts' stacks an expert's
+    rows at a time, the others in F32; then the file is written and closed."""
     for i, (gname, w) in enumerate(tensors.items()):
-        if not (gname.split(".", 2)[-1] if gname.startswith("blk.") else gname).startswith(QUANTIZED):
+        if not (gname.split(".", 2)[-1] if gname.startswith("blk.") else gname).startswith(quantized):
             writer.add_tensor(gname, w, raw_dtype=T.F32)
         elif w.ndim == 3:  # the experts' stacks, each expert's rows quantized
             data = gguf.quants.quantize(np.ascontiguousarray(w).reshape(-1, w.shape[-1]), T.Q8_0)
@@ -171,7 +178,6 @@ def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path, mtp: bool = False
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def with_file_weights(model, path: Path):

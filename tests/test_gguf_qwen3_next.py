@@ -16,9 +16,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.conftest import COMMON, widen_weights
-from tests.test_gguf_engine import encode, greedy, make_llm, prompt_ids, tokenizer_metadata
+from tests.test_gguf_engine import greedy, make_llm, prompt_ids, tokenizer_metadata
 from tests.test_gguf_families import VOCAB, exact_kernels, tokenizer_folder  # noqa: F401 (fixtures)
-from tests.test_gguf_qwen3_5 import GLOBAL, NAMES, QUANTIZED
+from tests.test_gguf_qwen3_5 import GLOBAL, NAMES, QUANTIZED, write_tensors
 from tests.test_parity import hf_greedy
 
 ARCH = "qwen3next"
@@ -120,20 +120,11 @@ def write_qwen3_next_gguf(path: Path, model, tokenizer_dir: Path, fused_qkvz: bo
     writer.add_uint32(f"{ARCH}.full_attention_interval", 4)  # no recurrent_layers array: qwen3next's converter
     writer.add_vocab_size(VOCAB)
     tokenizer_metadata(writer, tokenizer_dir)
-    for i, (gname, w) in enumerate(converted_tensors(model, fused_qkvz).items()):
-        part = gname.split(".", 2)[-1] if gname.startswith("blk.") else gname
-        if not part.startswith((*QUANTIZED, "attn_qkv.", "attn_gate.", "ssm_in.", "ssm_beta_alpha.")):
-            writer.add_tensor(gname, w, raw_dtype=T.F32)
-        elif w.ndim == 3:  # the experts' stacks, each expert's rows quantized
-            data = gguf.quants.quantize(np.ascontiguousarray(w).reshape(-1, w.shape[-1]), T.Q8_0)
-            writer.add_tensor(gname, data.reshape(*w.shape[:2], -1), raw_dtype=T.Q8_0)
-        else:
-            data, qtype = encode(w, "Q8_0", seed=i)
-            writer.add_tensor(gname, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(
+        writer,
+        converted_tensors(model, fused_qkvz),
+        (*QUANTIZED, "attn_qkv.", "attn_gate.", "ssm_in.", "ssm_beta_alpha."),
+    )
     return path
 
 
