@@ -252,7 +252,8 @@ def test_stop_marks_the_reply_stopped_in_a_chat_that_already_has_replies(session
     (a new chat's first reply was redrawn when its title came; a later reply never was)."""
     _, client, _ = session
     page = open_page()
-    start_new_chat(page, "Name a fruit.")
+    # A reply long enough that Escape lands before its end ("Name a fruit." once ended first).
+    start_new_chat(page, "Write a very long story about a fruit, with many chapters.")
     page.keyboard.press("Escape")
     wait_for_js(page, "() => document.querySelector('#chatbot').innerText.includes('stopped')", timeout=20000)
     wait_idle(client)
