@@ -144,7 +144,9 @@ def test_bundled_model_as_its_own_draft():
     plain = llm.generate([prompt], params, use_tqdm=False)[0]
     assert spec["token_ids"] == plain["token_ids"]
     steps, _, accepted = spec["speculation"]
-    assert (accepted + steps) / steps >= 0.9 * (K + 1)
+    # Not every draft: the CPU's kernels for one row and for k + 1 rows may round apart, and a near tie then
+    # flips (an AVX2-only CPU rejected 5 of 50 drafts, 4.46 tokens a step).
+    assert (accepted + steps) / steps >= 0.8 * (K + 1)
     speculator.proposer.release()
 
 
