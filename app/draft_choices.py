@@ -1,5 +1,6 @@
 """Which models on this machine can draft for another (speculative decoding with a draft model): those smaller
-than it whose tokenizer is its own, so that a token id means the same text in both.
+than it whose tokenizer is its own, so that a token id means the same text in both. And whether a model drafts for
+itself: a checkpoint that ships a multi-token-prediction head (`mtp.*` tensors, Qwen3.5 and Qwen3-Next).
 
 The engine compares whole vocabularies when it loads a draft and refuses one that differs (with a message that
 says so). Here the Models tab only narrows its list, cheaply and without loading a tokenizer: the first
@@ -75,3 +76,29 @@ def draft_candidates(target: str | Path, models: dict[str, str | Path]) -> list[
         if sample is not None and drafted < size and sample[: len(wanted)] == wanted[: len(sample)]:
             fitting.append((drafted, name))
     return [name for _, name in sorted(fitting)]
+
+
+MTP_PREFIX = "mtp."
+
+
+def ships_mtp_head(source: str | Path) -> bool:
+    """Whether a model folder's safetensors files hold a multi-token-prediction head (read from their headers)."""
+    path = Path(source)
+    try:
+        return path.is_dir() and _has_mtp(str(path.resolve()), path.stat().st_mtime_ns)
+    except OSError:
+        return False
+
+
+@lru_cache(maxsize=64)
+def _has_mtp(folder: str, mtime_ns: int) -> bool:
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="numpy") as tensors:
+                if any(name.startswith(MTP_PREFIX) for name in tensors.keys()):
+                    return True
+        except (OSError, SafetensorError):  # a file being written, or not safetensors: no head to offer from it
+            continue
+    return False

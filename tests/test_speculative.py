@@ -250,7 +250,7 @@ def test_sampled_requests_speculate_and_stay_in_range(make_llm, tiny_llama, repe
 @pytest.mark.parametrize(
     "value, message",
     [
-        ({"method": "mtp"}, "method must be one of"),
+        ({"method": "eagle"}, "method must be one of"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number in 1..16"),
         ({"method": "ngram", "num_speculative_tokens": 17}, "1..16"),
         ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "must not exceed"),

@@ -16,7 +16,7 @@ import torch
 from app.catalog import CatalogEntry, entry_for_repo, load_catalog
 from app.device_memory import available_memory
 from app.download_jobs import DownloadManager
-from app.draft_choices import draft_candidates
+from app.draft_choices import draft_candidates, ships_mtp_head
 from app.memory_estimate import QUANTIZATIONS, QuantAdvice, fit_report, format_gib, quantization_advice
 from app.model_host import resolve_model
 from app.page import user_error
@@ -26,10 +26,16 @@ from engine.attention.kv_format import KV_CACHE_DTYPES
 from engine.loader import pick_dtype
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
-# Speculative decoding, per load (engine/spec_decode/): off, n-gram, or "draft:<model>", one of the models here
-# that can draft for the chosen one (app/draft_choices.py); MTP heads join when the engine has them
-SPECULATION = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4}}
+# Speculative decoding, per load (engine/spec_decode/): off, n-gram, the model's own MTP head where its checkpoint
+# ships one, or "draft:<model>", one of the models here that can draft for the chosen one (app/draft_choices.py).
+# MTP drafts 2 tokens, as Qwen suggests for its heads: their later drafts are accepted less often.
+SPECULATION = {
+    "off": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 2},
+}
 SPECULATION_CHOICES = [("Off", "off"), ("N-gram (prompt lookup)", "ngram")]
+MTP_CHOICE = ("MTP (the model's own prediction head)", "mtp")
 DRAFT = "draft:"
 DRAFT_TOKENS = 4
 QUANT_INFO = "Weights stored in fewer bits at load: int8 needs about half the memory, int4 about a quarter"
@@ -188,8 +194,9 @@ def load_settings(
 
 
 def speculation_choices(repo_id: str | None, manager: DownloadManager) -> list[tuple[str, str]]:
-    """Off, n-gram, and a "Draft: <model>" per model here (downloaded, or bundled) that can draft for the chosen
-    one (smaller, with its tokenizer); none while the chosen one is not here."""
+    """Off, n-gram, MTP where the chosen model ships a head, and a "Draft: <model>" per model here (downloaded, or
+    bundled) that can draft for the chosen one (smaller, with its tokenizer); none while the chosen one is not
+    here."""
     downloaded = {m.repo_id: m.load_path for m in manager.local_models()}
     names = [*downloaded, *(e.repo_id for e in load_catalog() if e.bundled)]
     models = {}  # each by the file or folder a load of it reads (a GGUF repo's chosen file)
@@ -200,8 +207,10 @@ def speculation_choices(repo_id: str | None, manager: DownloadManager) -> list[t
             continue
     if repo_id not in models:
         return list(SPECULATION_CHOICES)
-    drafts = draft_candidates(models.pop(repo_id), models)
-    return [*SPECULATION_CHOICES, *((f"Draft: {name}", f"{DRAFT}{name}") for name in drafts)]
+    target = models.pop(repo_id)
+    heads = [MTP_CHOICE] if ships_mtp_head(target) else []
+    drafts = draft_candidates(target, models)
+    return [*SPECULATION_CHOICES, *heads, *((f"Draft: {name}", f"{DRAFT}{name}") for name in drafts)]
 
 
 def _download_target(repo_id: str, entry: CatalogEntry | None) -> tuple[str, str]:

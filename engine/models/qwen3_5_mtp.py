@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.attention import AttentionMetadata
 from engine.layers.linear import ColumnParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.models.gemma3 import GemmaRMSNorm
@@ -48,6 +49,22 @@ class MultiTokenPredictor(nn.Module):
         # The model's embedding and head serve the head too: plain attributes, not parameters of its own
         self.__dict__["embed_tokens"] = model.model.embed_tokens
         self.__dict__["lm_head"] = model.lm_head
+        self.hidden_in: torch.Tensor | None = None  # each row's hidden input, set before every call (mtp.py)
+
+    static_decode = False  # its steps take `hidden_in` beside the token ids: never captured or compiled
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Each row's hidden state for predicting the token after its input token, from that token's embedding and
+        the row's `hidden_in`: the hidden state that predicted the input token (the model's, or this head's own for
+        a token it drafted)."""
+        embedded = self.pre_fc_norm_embedding(self.embed_tokens(input_ids))
+        x = self.fc(torch.cat((embedded, self.pre_fc_norm_hidden(self.hidden_in)), dim=-1))
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
 
 def load_mtp_head(model: nn.Module, config, path: Path | str) -> MultiTokenPredictor:
@@ -73,6 +90,9 @@ def load_mtp_head(model: nn.Module, config, path: Path | str) -> MultiTokenPredi
     found = iter(tensors)
     first = next(found, None)
     if first is None:
-        raise ValueError(f"the checkpoint in {path} has no multi-token-prediction head (no {MTP_PREFIX}* tensors)")
+        raise ValueError(
+            f"the checkpoint in {path} has no multi-token-prediction head (no {MTP_PREFIX}* tensors); for speculative "
+            'decoding use {"method": "ngram"} or a draft model instead'
+        )
     load_tensors(head, (t for part in ([first], found) for t in part), f"{path} ({MTP_PREFIX}*)")
     return head.eval()

@@ -43,7 +43,14 @@ from engine.runner.kv_cache import (
 )
 from engine.runner.memory import check_weights_fit, give_back_freed_memory, held_weight_bytes
 from engine.runner.staging import StagingBuffer
-from engine.runner.step_inputs import LogprobsPlan, SampledRows, StepInputs, logprobs_plan, prepare_step
+from engine.runner.step_inputs import (
+    HiddenStates,
+    LogprobsPlan,
+    SampledRows,
+    StepInputs,
+    logprobs_plan,
+    prepare_step,
+)
 from engine.runner.tracing import MODULE_CALLS
 from engine.sample.logprobs import LogprobsTensors, gather_logprobs, prompt_logprobs
 from engine.sample.rejection import verify_drafts
@@ -78,9 +85,11 @@ class ModelRunner:
         tp: TPGroup = SINGLE,
         workers=None,
         tokenizer: Future | None = None,
+        model: nn.Module | None = None,
     ):
         """`tp`: this rank's place in a tensor-parallel group; `workers`: rank 0's WorkerPool, if any; `tokenizer`:
-        a future of the model's, which a KV-cache format that centres keys needs (engine/runner/key_means.py).
+        a future of the model's, which a KV-cache format that centres keys needs (engine/runner/key_means.py);
+        `model`: one built and loaded already (an MTP head beside its model) instead of `model_path`'s.
 
         Each step needs the ones before it: the host check refuses a load that would not fit; the
         kernel passes time their candidates while the memory the KV cache will take is still free;
@@ -95,9 +104,13 @@ class ModelRunner:
         self.gguf = model_path if isinstance(model_path, GGUFCheckpoint) else None
         self.from_gguf = self.gguf is not None
         self.quantized = config.quantization is not None or self.from_gguf
-        if device.type == "cpu":
+        if device.type == "cpu" and model is None:
             check_weights_fit(model_path, config, hf_config, dtype.itemsize, self.packed_weights, tp.size)
-        self.model = self._load_model(model_path)
+        # What this process already holds on the GPU (another engine, say) is not this engine's weights.
+        self._gpu_bytes_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        self.model = self._load_model(model_path) if model is None else model
+        # Whether steps keep their hidden states for an MTP drafter (last_hidden), which then run uncompiled
+        self.keep_hidden, self.last_hidden, self._hidden = False, None, None
         self.gguf = None  # its metadata holds the vocabulary's lists, which nothing needs past loading
         self.gemv_layers_by_rows, self.normed_layers = self._run_kernel_passes()
         self.attention_layers, self.backend = self._bind_attention_backend()
@@ -128,8 +141,6 @@ class ModelRunner:
     # ---- start-up steps, in the order __init__ runs them ----------------------------------------
     def _load_model(self, model_path) -> nn.Module:
         """The model built on the device in `dtype`, with its weights loaded, in eval mode."""
-        # What this process already holds on the GPU (another engine, say) is not this engine's weights.
-        self._gpu_bytes_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         max_position = self.config.max_model_len or self.hf_config.max_position_embeddings
         # A quantized model is built on the meta device, so no full-precision weight is ever allocated;
         # the quantization pass swaps its layers before the checkpoint's tensors stream in.
@@ -318,6 +329,7 @@ class ModelRunner:
         """Drop the weights, KV cache, graphs and step buffers; on a GPU, hand the freed memory back to
         the device. `launch` refuses to run afterwards."""
         self.graphs = self.compiled_decode = self._captured = self.model = self.kv_cache = self.last_sampled = None
+        self.last_hidden = self._hidden = None
         self.attention_layers, self.last_sampled_rows, self.logprobs_rows = [], SampledRows([]), []
         self.staging = self.readback = None
         self.engine_activity.cancel()  # a compile still running stops at its next call
@@ -395,6 +407,8 @@ class ModelRunner:
         with MODULE_CALLS.eager_call():  # never inside a window of the decode compiler's tracing (runner/tracing.py)
             if self.workers is None:
                 logits, prompt_logprobs = self.execute(step)
+                if self.keep_hidden:
+                    self.last_hidden, self._hidden = HiddenStates.of(batch, step, self._hidden), None
             else:
                 with self.workers.guard():
                     self.workers.send_step(step)
@@ -457,10 +471,11 @@ class ModelRunner:
         and the prompt logprobs asked for (None if none); (None, None) on the other ranks.
         Call it under torch.inference_mode(), as `launch` and the worker loop do."""
         input_ids, positions, meta, logits_index, self.logprobs_rows = self.to_device(step)
-        compiled = self.compiled_decode
+        compiled = None if self.keep_hidden else self.compiled_decode  # its graphs return logits only
         if compiled is not None and not step.prompt_logits_index.size and compiled.can_run(meta, logits_index.numel()):
             return compiled.run(input_ids, positions, meta, logits_index), None
         hidden = self.forward(input_ids, positions, meta)
+        self._hidden = hidden if self.keep_hidden else None
         prompt_logprobs = self._prompt_logprobs(hidden, step) if step.prompt_logits_index.size else None
         if logits_index.numel() == 0:
             return None, prompt_logprobs

@@ -11,12 +11,16 @@ sampled tokens that holds it, tell the device where to fill it in from.
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.core.block_manager import NO_BLOCK
 from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -153,6 +157,22 @@ def logprobs_plan(batch: list[ScheduledSeq]) -> LogprobsPlan | None:
         num_prompt_logprobs,
         segments,
     )
+
+
+@dataclass
+class HiddenStates:
+    """A step's last hidden states (the final norm's output), kept for an MTP drafter (engine/spec_decode/mtp.py):
+    rows rows[i] .. rows[i + 1] - 1 are those of request `seq_ids[i]`, from its position `starts[i]` on."""
+
+    seq_ids: list[int]
+    starts: list[int]
+    rows: list[int]
+    hidden: "torch.Tensor"
+
+    @classmethod
+    def of(cls, batch: list[ScheduledSeq], step: StepInputs, hidden: "torch.Tensor") -> "HiddenStates":
+        rows = step.query_start_loc.tolist()
+        return cls([item.seq.seq_id for item in batch], [int(step.positions[r]) for r in rows[:-1]], rows, hidden)
 
 
 def prepare_step(

@@ -1,10 +1,11 @@
 """`speculative_config`, with vLLM's names: {"method": "ngram", "num_speculative_tokens": k, ...}, or
-{"method": "draft", "model": <a smaller model with the same tokenizer>, "num_speculative_tokens": k}."""
+{"method": "draft", "model": <a smaller model with the same tokenizer>, "num_speculative_tokens": k}, or
+{"method": "mtp", "num_speculative_tokens": k} for a model that ships a multi-token-prediction head."""
 
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft")  # MTP heads come next (issue 32)
-ALIASES = {"draft_model": "draft"}  # vLLM's name for a draft model
+METHODS = ("ngram", "draft", "mtp")
+ALIASES = {"draft_model": "draft", "qwen3_next_mtp": "mtp"}  # vLLM's names, old and new
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -73,6 +74,4 @@ class SpeculativeConfig:
 
 def check_method(method: object) -> None:
     if method not in METHODS:
-        raise ValueError(
-            f"speculative_config method must be one of {METHODS}, got {method!r} (MTP heads are not supported yet)"
-        )
+        raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")

@@ -34,6 +34,8 @@ class Mirror:
 
 
 class DraftModelProposer:
+    mirror_type = Mirror
+
     def __init__(self, runner, block_manager: BlockManager, max_num_batched_tokens: int, target_vocab_size: int):
         self.runner, self.block_manager = runner, block_manager
         self.budget = max_num_batched_tokens
@@ -72,17 +74,17 @@ class DraftModelProposer:
         draft's cache has no room to start it."""
         mirror = self.mirrors.get(target.seq_id)
         bm = self.block_manager
+        tokens = self._tokens(target)
         if mirror is None:
-            seq = Sequence(target.token_ids, GREEDY, request_id=f"draft-{target.request_id}")
+            seq = Sequence(tokens, GREEDY, request_id=f"draft-{target.request_id}")
             cached = bm.find_cached_prefix(seq)
             if not bm.can_admit(seq, cached, len(seq) - len(cached[0]) * bm.block_size):
                 return None
             bm.admit(seq, cached)
             seq.status = SequenceStatus.RUNNING
-            mirror = self.mirrors[target.seq_id] = Mirror(target.seq_id, seq, synced=len(seq))
-        seq, tokens = mirror.seq, target.token_ids
-        shared = mirror.synced
-        end = min(seq.num_computed_tokens, len(tokens))
+            mirror = self.mirrors[target.seq_id] = self.mirror_type(target.seq_id, seq, synced=len(seq))
+        seq, shared = mirror.seq, mirror.synced
+        end = min(self._reusable(mirror), len(tokens))
         while shared < end and seq.token_ids[shared] == tokens[shared]:
             shared += 1
         del seq.token_ids[mirror.synced :]  # the tokens before are the target's already
@@ -90,6 +92,14 @@ class DraftModelProposer:
         seq.num_computed_tokens = min(seq.num_computed_tokens, shared)
         mirror.synced, mirror.drafts = len(tokens), []
         return mirror
+
+    def _tokens(self, target: Sequence) -> list[int]:
+        """What the mirror of `target` reads: the target's tokens."""
+        return target.token_ids
+
+    def _reusable(self, mirror: Mirror) -> int:
+        """The mirror's leading positions whose KV holds while their tokens stay the target's: all it computed."""
+        return mirror.seq.num_computed_tokens
 
     def _catch_up(self, mirrors: list[Mirror]) -> None:
         """One step that computes each mirror's tokens the draft has not seen (a new request's whole prompt, in

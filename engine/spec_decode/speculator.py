@@ -153,6 +153,10 @@ def make_speculator(config: SpeculativeConfig | None, target) -> "Speculator | N
         least = DEFAULT_MIN_ACCEPTANCE.get(target.device.type, 0.0)
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), least)
+    if config.method == "mtp":
+        from engine.spec_decode.mtp import load_mtp_proposer
+
+        return Speculator(config, load_mtp_proposer(target), least)
     from engine.spec_decode.draft_loader import load_draft_model
 
     return Speculator(config, load_draft_model(config.model, target), least)

@@ -345,16 +345,18 @@ def bigger_smollm2(tmp_path):
     return copy
 
 
+def downloaded_here(monkeypatch, models: dict) -> None:
+    """The download manager lists `models` (repo id -> file or folder) as downloaded."""
+    listed = [SimpleNamespace(repo_id=repo_id, load_path=path) for repo_id, path in models.items()]
+    monkeypatch.setattr(DownloadManager, "local_models", lambda self, include_partial=False: listed)
+
+
 def test_a_model_here_with_the_same_tokenizer_is_offered_as_its_draft(page, monkeypatch, bigger_smollm2, tiny_llama):
     """The bundled SmolLM2 drafts for the bigger one; a model with another tokenizer (the tiny test Llama) and a
     bigger one never appear; Load passes the draft's file to the engine."""
     ui, demo = page
     loads = recording_load(ui, monkeypatch)
-    downloaded = [
-        SimpleNamespace(repo_id="me/SmolLM2-big-GGUF", load_path=bigger_smollm2),
-        SimpleNamespace(repo_id="me/tiny-llama", load_path=tiny_llama),
-    ]
-    monkeypatch.setattr(DownloadManager, "local_models", lambda self, include_partial=False: downloaded)
+    downloaded_here(monkeypatch, {"me/SmolLM2-big-GGUF": bigger_smollm2, "me/tiny-llama": tiny_llama})
     bundled = models_tab.load_catalog()[0]
     repo = component(demo, gr.Dropdown, "Model")
     pick = handler(demo, repo).fn
@@ -401,3 +403,23 @@ def test_the_status_names_the_draft(tiny_llama):
         assert host.engine.stats().speculative_method == "draft"
     finally:
         host.unload()
+
+
+def test_a_model_that_ships_a_prediction_head_is_offered_mtp(page, monkeypatch, tmp_path, tiny_llama):
+    """A checkpoint with `mtp.*` tensors offers MTP, which Load passes to the engine; one without does not."""
+    from tests.test_qwen3_5_mtp import checkpoint_with_mtp
+
+    checkpoint_with_mtp(tmp_path, moe=False)
+    ui, demo = page
+    loads = recording_load(ui, monkeypatch)
+    downloaded_here(monkeypatch, {"me/qwen-mtp": tmp_path, "me/tiny-llama": tiny_llama})
+    pick = handler(demo, component(demo, gr.Dropdown, "Model")).fn
+    *_, speculation = pick("me/qwen-mtp", "auto", 2048, "auto", "off")
+    # the tiny Llama, smaller and with its tokenizer, can draft for it too
+    assert [value for _, value in speculation["choices"]] == ["off", "ngram", "mtp", "draft:me/tiny-llama"]
+    *_, speculation = pick("me/tiny-llama", "auto", 2048, "auto", "mtp")
+    assert "mtp" not in [value for _, value in speculation["choices"]] and speculation["value"] == "off"
+    handler(demo, None, api_name="load").fn("me/qwen-mtp", "auto", 2048, None, "none", "auto", "mtp")
+    source, settings = loads[-1]
+    assert source == str(tmp_path)
+    assert settings["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
