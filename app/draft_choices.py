@@ -82,19 +82,29 @@ MTP_PREFIX = "mtp."
 
 
 def ships_mtp_head(source: str | Path) -> bool:
-    """Whether a model folder's safetensors files hold a multi-token-prediction head (read from their headers)."""
+    """Whether a model folder's safetensors files, or a GGUF file, hold a multi-token-prediction head (read from
+    their headers: `mtp.*` tensors, or blocks after the model's that the GGUF metadata counts)."""
     path = Path(source)
     try:
-        return path.is_dir() and _has_mtp(str(path.resolve()), path.stat().st_mtime_ns)
+        return _has_mtp(str(path.resolve()), path.stat().st_mtime_ns)
     except OSError:
         return False
 
 
 @lru_cache(maxsize=64)
-def _has_mtp(folder: str, mtime_ns: int) -> bool:
+def _has_mtp(source: str, mtime_ns: int) -> bool:
     from safetensors import SafetensorError, safe_open
 
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from engine.loader.gguf_header import read_header
+
+        try:
+            metadata = read_header(path).metadata
+        except ValueError:
+            return False
+        return bool(metadata.get(f"{metadata.get('general.architecture')}.nextn_predict_layers"))
+    for file in sorted(path.glob("*.safetensors")) if path.is_dir() else ():
         try:
             with safe_open(str(file), framework="numpy") as tensors:
                 if any(name.startswith(MTP_PREFIX) for name in tensors.keys()):

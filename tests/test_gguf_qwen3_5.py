@@ -106,23 +106,46 @@ def converted_tensors(model) -> dict[str, np.ndarray]:
     return tensors
 
 
-def mtp_block(tensors: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
-    """A multi-token-prediction head as convert_hf_to_gguf appends it: one more block, a full-attention layer (here
-    the last one's tensors, perturbed) with its nextn tensors."""
-    last, head = config.num_hidden_layers - 1, config.num_hidden_layers
+MTP_NAMES = {
+    "fc.weight": "nextn.eh_proj.weight",
+    "pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "norm.weight": "nextn.shared_head_norm.weight",
+}
+
+
+def mtp_gguf_name(head_name: str, config) -> str:
+    """Where convert_hf_to_gguf puts a head tensor (named as `mtp.*` without the prefix): the block after the
+    model's, its layer's tensors under the model's names, its own under nextn names."""
+    block = f"blk.{config.num_hidden_layers}"
+    if head_name in MTP_NAMES:
+        return f"{block}.{MTP_NAMES[head_name]}"
+    return f"{block}.{NAMES[head_name.removeprefix('layers.0.')]}"
+
+
+def mtp_block(tensors: dict[str, np.ndarray], config, head: dict[str, torch.Tensor] | None = None) -> dict:
+    """A multi-token-prediction head as convert_hf_to_gguf appends it: one more block, a full-attention layer with
+    its nextn tensors. `head`: its tensors (named as `mtp.*` without the prefix); else the last layer's tensors,
+    perturbed, with ones for the rest."""
+    if head is not None:
+        return {mtp_gguf_name(n, config): as_converted(n, w.float().numpy(), config) for n, w in head.items()}
+    last, block_id = config.num_hidden_layers - 1, config.num_hidden_layers
     block = {
-        n.replace(f"blk.{last}.", f"blk.{head}."): w + 0.5 for n, w in tensors.items() if n.startswith(f"blk.{last}.")
+        n.replace(f"blk.{last}.", f"blk.{block_id}."): w + 0.5
+        for n, w in tensors.items()
+        if n.startswith(f"blk.{last}.")
     }
     size = config.hidden_size
-    block[f"blk.{head}.nextn.eh_proj.weight"] = np.ones((size, 2 * size), np.float32)
+    block[f"blk.{block_id}.nextn.eh_proj.weight"] = np.ones((size, 2 * size), np.float32)
     for norm in ("enorm", "hnorm", "shared_head_norm"):
-        block[f"blk.{head}.nextn.{norm}.weight"] = np.ones(size, np.float32)
+        block[f"blk.{block_id}.nextn.{norm}.weight"] = np.ones(size, np.float32)
     return block
 
 
-def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path, mtp: bool = False) -> Path:
-    """Attention, MLP, experts, embedding and head matrices in Q8_0; the linear layers' tensors, the routers and the
-    shared expert in F32. `mtp`: with a multi-token-prediction head's block after the model's."""
+def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path, mtp: bool = False, head: dict | None = None) -> Path:
+    """Attention, MLP, experts, embedding and head matrices in Q8_0 (the head's fc too); the linear layers'
+    tensors, the routers and the shared expert in F32. `mtp`: with a multi-token-prediction head's block after the
+    model's (`head`'s tensors, see mtp_block)."""
     config = model.config
     moe = bool(getattr(config, "num_experts", 0))
     arch = "qwen35moe" if moe else "qwen35"
@@ -157,8 +180,8 @@ def write_qwen3_5_gguf(path: Path, model, tokenizer_dir: Path, mtp: bool = False
     writer.add_vocab_size(VOCAB)
     tokenizer_metadata(writer, tokenizer_dir)
     tensors = converted_tensors(model)
-    tensors |= mtp_block(tensors, config) if mtp else {}
-    write_tensors(writer, tensors, QUANTIZED)
+    tensors |= mtp_block(tensors, config, head) if mtp else {}
+    write_tensors(writer, tensors, (*QUANTIZED, "nextn.eh_proj"))
     return path
 
 

@@ -8,13 +8,16 @@ does gets every draft accepted; greedy output is the plain run's, token for toke
 hits, chunked prefill and preemption; a model without a head is refused at load with what to use instead.
 """
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from tests.conftest import build_tokenizer, qwen3_5_model, widen_weights
-from tests.test_qwen3_5_mtp import checkpoint_with_mtp
+from tests.test_gguf_engine import prompt_ids
+from tests.test_gguf_families import exact_kernels, tokenizer_folder  # noqa: F401 (fixtures)
+from tests.test_qwen3_5_mtp import checkpoint_with_mtp, random_head
 
 K = 3
 
@@ -169,3 +172,33 @@ def test_a_model_without_a_head_is_refused_with_what_to_use(make_llm, tiny_llama
     build_tokenizer(tmp_path)
     with pytest.raises(ValueError, match='has no multi-token-prediction head .*"ngram"'):
         make_llm(tmp_path, speculative_config=mtp())
+
+
+def test_a_gguf_files_head_drafts_as_the_reference_does(tmp_path, tokenizer_folder, exact_kernels):  # noqa: F811
+    """A Qwen3.5 GGUF file that keeps the head (as convert_hf_to_gguf does: the block after the model's, its fc and
+    matrices in Q8_0, its norms as 1 + weight) drafts what the reference drafts with the file's weights."""
+    import gguf
+
+    from tests.test_gguf_qwen3_5 import mtp_gguf_name, tiny_qwen3_5, with_file_weights, write_qwen3_5_gguf
+
+    model = tiny_qwen3_5(False)
+    head = random_head(model)
+    path = write_qwen3_5_gguf(tmp_path / "qwen35.gguf", model, tokenizer_folder, mtp=True, head=head)
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    as_stored = {}  # the head's tensors as the file holds them, dequantized, the norms' 1 taken off again
+    for name, value in head.items():
+        t = stored[mtp_gguf_name(name, model.config)]
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        as_stored[f"mtp.{name}"] = (w - 1 if name.endswith("norm.weight") else w).reshape(value.shape).contiguous()
+    save_file(as_stored, str(tmp_path / "mtp.safetensors"))
+    reference = with_file_weights(tiny_qwen3_5(False), path)
+
+    llm = LLM(str(path), dtype="float32", num_kvcache_blocks=64, speculative_config=mtp())
+    request_id = llm.add_request(prompt_ids(4, 30), greedy(40))
+    seq, checked = llm.requests[request_id], 0
+    for _ in range(6):
+        llm.step()
+        if seq.draft_token_ids:
+            assert seq.draft_token_ids == reference_drafts(tmp_path, reference, seq.token_ids, len(seq.draft_token_ids))
+            checked += 1
+    assert checked >= 3

@@ -21,20 +21,20 @@ def checkpoint_with_mtp(folder, moe: bool, drop: str | None = None) -> dict[str,
     widen_weights(model)
     model.save_pretrained(folder)
     build_tokenizer(folder)
-    size = model.config.hidden_size
-    last = f"model.layers.{model.config.num_hidden_layers - 1}."
-    head = {
-        f"mtp.layers.0.{n.removeprefix(last)}": t.clone() for n, t in model.state_dict().items() if n.startswith(last)
-    }
-    head |= {
-        "mtp.fc.weight": torch.randn(size, 2 * size),
-        "mtp.pre_fc_norm_embedding.weight": torch.randn(size),
-        "mtp.pre_fc_norm_hidden.weight": torch.randn(size),
-        "mtp.norm.weight": torch.randn(size),
-    }
-    head = {name: torch.randn_like(t) for name, t in head.items() if name != drop}
+    head = {f"mtp.{name}": t for name, t in random_head(model).items() if f"mtp.{name}" != drop}
     save_file({n: t.contiguous() for n, t in head.items()}, str(folder / "mtp.safetensors"))
     return head
+
+
+def random_head(model) -> dict[str, torch.Tensor]:
+    """Random tensors for `model`'s head, named as `mtp.*` is without the prefix: its decoder layer has the names
+    and shapes of the model's full-attention layer (its last)."""
+    size = model.config.hidden_size
+    last = f"model.layers.{model.config.num_hidden_layers - 1}."
+    head = {f"layers.0.{n.removeprefix(last)}": t for n, t in model.state_dict().items() if n.startswith(last)}
+    head |= {"fc.weight": torch.empty(size, 2 * size)}
+    head |= {f"{norm}.weight": torch.empty(size) for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    return {name: torch.randn_like(t) for name, t in head.items()}
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

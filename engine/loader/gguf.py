@@ -121,6 +121,15 @@ _GEMMA4_GLOBAL_NAMES = {
 }
 # Architectures whose GGUF config transformers cannot read, and whose tokenizer is its generic one
 _GENERIC_TOKENIZER = ("gpt-oss",)
+# The multi-token-prediction head's own tensors in its block (llama.cpp's nextn names), and its copies of the
+# model's embedding and head, which the head shares with the model here
+_MTP_NAMES = {
+    "nextn.eh_proj": "fc",
+    "nextn.enorm": "pre_fc_norm_embedding",
+    "nextn.hnorm": "pre_fc_norm_hidden",
+    "nextn.shared_head_norm": "norm",
+}
+_MTP_SHARED = ("nextn.embed_tokens", "nextn.shared_head_head")
 # Not weights of the HF model: Llama 3's rope factors, folded into the config's rope parameters instead.
 # and Phi-3's LongRoPE factors
 _CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -299,10 +308,13 @@ class GGUFCheckpoint:
     def _is_mtp_block(self, name: str) -> bool:
         """A tensor of the multi-token-prediction head's blocks, which convert_hf_to_gguf appends after the model's
         (Qwen3.5's `nextn_predict_layers`): speculative decoding's, not read with the model."""
-        arch = self.architecture
-        nextn = int(self.metadata(f"{arch}.nextn_predict_layers", 0) or 0)
+        nextn = self._nextn_layers()
         match = re.match(r"blk\.(\d+)\.", name)
-        return nextn > 0 and match is not None and int(match[1]) >= int(self.field(f"{arch}.block_count")) - nextn
+        blocks = int(self.field(f"{self.architecture}.block_count"))
+        return nextn > 0 and match is not None and int(match[1]) >= blocks - nextn
+
+    def _nextn_layers(self) -> int:
+        return int(self.metadata(f"{self.architecture}.nextn_predict_layers", 0) or 0)
 
     def _llama_heads(self) -> tuple[int, int]:
         """(query heads, KV heads): how many heads llama.cpp interleaved the q and k rows of."""
@@ -324,9 +336,37 @@ class GGUFCheckpoint:
 
         The bytes are read from the file, not through a memory map: every mapped page read stays in the
         process's resident memory while the map lives, which counted the whole file again beside the weights."""
+        return self._decoded(self._plan)
+
+    def mtp_tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """As `tensors()`, the multi-token-prediction head's (its blocks after the model's), named as the head of
+        engine/models/qwen3_5_mtp.py names them: `fc`, its three norms and `layers.i.*`. Empty where the file keeps
+        no head. Its copies of the model's embedding and head, where the file has them, are the model's own."""
+        plan, first = [], int(self.field(f"{self.architecture}.block_count")) - self._nextn_layers()
+        for t in self._tensors:
+            if not self._is_mtp_block(t.name):
+                continue
+            block, rest = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name).groups()
+            stem, _, suffix = rest.rpartition(".")
+            if stem in _MTP_SHARED:
+                continue
+            hf_name = _hf_name(t.name, self.architecture)
+            if stem in _MTP_NAMES:
+                hf_name = f"{_MTP_NAMES[stem]}.{suffix}"
+            elif hf_name is not None:
+                hf_name = hf_name.replace(f"model.layers.{block}.", f"layers.{int(block) - first}.", 1)
+            else:
+                raise ValueError(
+                    f"{self.path.name} holds tensor {t.name!r} in its multi-token-prediction head, which Pagoda "
+                    'does not know; load the model without speculative_config method "mtp"'
+                )
+            plan.append(_Entry(t.name, hf_name, t.type_name, None))
+        return self._decoded(plan)
+
+    def _decoded(self, plan: list[_Entry]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         by_name = {t.name: t for t in self._tensors}
         with open(self.path, "rb") as file:
-            for entry in self._plan:
+            for entry in plan:
                 t = by_name[entry.gguf_name]
                 value = decode(FileBytes(file, t.offset, t.n_bytes), entry.type_name, t.shape)
                 if entry.heads is not None:

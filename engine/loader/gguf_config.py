@@ -51,7 +51,9 @@ def hf_config(ckpt: GGUFCheckpoint) -> Any:
         k: (float(v) if k == "rms_norm_eps" else int(v[0] if k in per_layer else v)) for k, v in settings.items()
     }
     # A multi-token-prediction head (Qwen3.5's, as convert_hf_to_gguf keeps it): blocks after the model's own
-    settings["num_hidden_layers"] -= int(ckpt.metadata(f"{arch}.nextn_predict_layers", 0) or 0)
+    nextn = int(ckpt.metadata(f"{arch}.nextn_predict_layers", 0) or 0)
+    settings["num_hidden_layers"] -= nextn
+    settings["mtp_num_hidden_layers"] = nextn
     vocab = ckpt.metadata(f"{arch}.vocab_size")
     settings["vocab_size"] = int(vocab) if vocab is not None else len(ckpt.field("tokenizer.ggml.tokens"))
     if ckpt.metadata(f"{arch}.expert_count") is not None:  # a mixture of experts (qwen3moe)

@@ -67,32 +67,51 @@ class MultiTokenPredictor(nn.Module):
         return self.lm_head(hidden)
 
 
-def load_mtp_head(model: nn.Module, config, path: Path | str) -> MultiTokenPredictor:
-    """The MTP head of the safetensors checkpoint in `path`, whose model (with config `config`) `model` is, built
-    on the device and in the dtype of `model`'s weights and loaded from the checkpoint's `mtp.*` tensors, read
-    alone. A checkpoint without them gets a ValueError that says so."""
-    from engine.loader.weights import load_tensors, read_tensors, safetensors_files  # the loader imports the models
+def load_mtp_head(model: nn.Module, config, source, target=None) -> MultiTokenPredictor:
+    """The MTP head of the checkpoint `source`, whose model (with config `config`) `model` is. `source`: a
+    safetensors checkpoint's folder, whose `mtp.*` tensors are read alone, the head built on the device and in the
+    dtype of `model`'s weights; or a GGUFCheckpoint, whose blocks after the model's are the head, built on the meta
+    device and swapped for quantized layers as a GGUF model is, to run on `target` (a quantization.KernelTarget).
+    A checkpoint without a head gets a ValueError that says so."""
+    from engine import quantization  # the loader and quantization import the models
+    from engine.loader.gguf import GGUFCheckpoint
+    from engine.loader.weights import load_tensors, read_tensors, safetensors_files
 
-    path, config = Path(path), getattr(config, "text_config", config)
-    weight = model.model.embed_tokens.weight
-    with torch.device(weight.device):
+    config = getattr(config, "text_config", config)
+    gguf = source if isinstance(source, GGUFCheckpoint) else None
+    if gguf is None:
+        weight = model.model.embed_tokens.weight
+        device, dtype = weight.device, weight.dtype
+        tensors = (
+            (name.removeprefix(MTP_PREFIX), tensor)
+            for file in safetensors_files(Path(source))
+            for name, tensor in read_tensors(file, MTP_PREFIX)
+        )
+    else:
+        device, dtype = target.device, target.dtype
+        tensors, source = gguf.mtp_tensors(), gguf.path
+    with torch.device("meta" if gguf is not None else device):
         default = torch.get_default_dtype()
-        torch.set_default_dtype(weight.dtype)
+        torch.set_default_dtype(dtype)
         try:
             head = MultiTokenPredictor(model, config)
         finally:
             torch.set_default_dtype(default)
-    tensors = (
-        (name.removeprefix(MTP_PREFIX), tensor)
-        for file in safetensors_files(path)
-        for name, tensor in read_tensors(file, MTP_PREFIX)
-    )
     found = iter(tensors)
     first = next(found, None)
     if first is None:
+        stored = "no blocks after the model's" if gguf is not None else f"no {MTP_PREFIX}* tensors"
         raise ValueError(
-            f"the checkpoint in {path} has no multi-token-prediction head (no {MTP_PREFIX}* tensors); for speculative "
-            'decoding use {"method": "ngram"} or a draft model instead'
+            f"the checkpoint {source} has no multi-token-prediction head ({stored}); for speculative decoding use "
+            '{"method": "ngram"} or a draft model instead'
         )
-    load_tensors(head, (t for part in ([first], found) for t in part), f"{path} ({MTP_PREFIX}*)")
+    if gguf is not None:
+        quantization.quantize(head, None, target)
+        head.to_empty(device=device)  # the model's rotary table too, which it shares: computed again here
+        for module in head.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.init_caches(device)
+    load_tensors(head, (t for part in ([first], found) for t in part), f"{source} (its multi-token-prediction head)")
+    if gguf is not None:
+        quantization.finalize(head)
     return head.eval()

@@ -19,9 +19,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine import quantization
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence
-from engine.loader import resolve_model_path
+from engine.loader import GGUFCheckpoint, resolve_gguf, resolve_model_path
 from engine.models.qwen3_5 import Qwen3_5ForCausalLM
 from engine.models.qwen3_5_mtp import load_mtp_head, mtp_layer_count
 from engine.runner.model_runner import ModelRunner
@@ -162,18 +163,17 @@ def load_mtp_proposer(target) -> MtpProposer:
             f"Qwen3.6, Qwen3-Next); {name} ({type(runner.model).__name__}) has none. Use "
             '{"method": "ngram"} or a draft model ({"method": "draft", "model": ...}) instead'
         )
-    if runner.from_gguf:
-        raise ValueError(
-            f'speculative_config method "mtp" reads the head from a safetensors checkpoint; {name} is a GGUF file. '
-            'Load the model\'s safetensors checkpoint, or use {"method": "ngram"} or a draft model'
-        )
     config = getattr(runner.hf_config, "text_config", runner.hf_config)
     if mtp_layer_count(config) != 1:
         raise ValueError(
             f"{name}'s multi-token-prediction head has {mtp_layer_count(config)} layers; Pagoda drafts with "
             'one-layer heads (Qwen3.5, Qwen3.6, Qwen3-Next) only. Use {"method": "ngram"} or a draft model'
         )
-    head = load_mtp_head(runner.model, runner.hf_config, resolve_model_path(name))
+    if runner.from_gguf:  # its blocks after the model's, quantized as the model's are
+        target_kernels = quantization.KernelTarget(runner.device, runner.dtype, onednn=runner.packed_weights)
+        head = load_mtp_head(runner.model, runner.hf_config, GGUFCheckpoint.open(resolve_gguf(name)), target_kernels)
+    else:
+        head = load_mtp_head(runner.model, runner.hf_config, resolve_model_path(name))
     head_config = replace(
         target.config,
         speculative_config=None,

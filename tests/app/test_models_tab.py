@@ -423,3 +423,19 @@ def test_a_model_that_ships_a_prediction_head_is_offered_mtp(page, monkeypatch, 
     source, settings = loads[-1]
     assert source == str(tmp_path)
     assert settings["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def test_ships_mtp_head_reads_safetensors_and_gguf_headers(tmp_path, tiny_llama):
+    from app.draft_choices import ships_mtp_head
+    from engine.loader.bundled import bundled_gguf_path
+    from tests.conftest import build_tokenizer
+    from tests.test_gguf_qwen3_5 import tiny_qwen3_5, write_qwen3_5_gguf
+    from tests.test_qwen3_5_mtp import checkpoint_with_mtp
+
+    (tmp_path / "folder").mkdir()
+    checkpoint_with_mtp(tmp_path / "folder", moe=False)
+    build_tokenizer(tmp_path)
+    with_head = write_qwen3_5_gguf(tmp_path / "head.gguf", tiny_qwen3_5(False), tmp_path, mtp=True)
+    without = write_qwen3_5_gguf(tmp_path / "plain.gguf", tiny_qwen3_5(False), tmp_path)
+    assert ships_mtp_head(tmp_path / "folder") and ships_mtp_head(with_head)
+    assert not any(ships_mtp_head(p) for p in (without, tiny_llama, bundled_gguf_path(), tmp_path / "gone"))
