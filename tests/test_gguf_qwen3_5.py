@@ -127,8 +127,9 @@ def mtp_block(tensors: dict[str, np.ndarray], config, head: dict[str, torch.Tens
     """A multi-token-prediction head as convert_hf_to_gguf appends it: one more block, a full-attention layer with
     its nextn tensors. `head`: its tensors (named as `mtp.*` without the prefix); else the last layer's tensors,
     perturbed, with ones for the rest."""
-    if head is not None:
-        return {mtp_gguf_name(n, config): as_converted(n, w.float().numpy(), config) for n, w in head.items()}
+    if head is not None:  # converted under their GGUF names, as llama.cpp renames them first: enorm and hnorm + 1
+        block = {mtp_gguf_name(n, config): w.float().numpy() for n, w in head.items()}
+        return {n: as_converted(n, w, config) for n, w in block.items()}
     last, block_id = config.num_hidden_layers - 1, config.num_hidden_layers
     block = {
         n.replace(f"blk.{last}.", f"blk.{block_id}."): w + 0.5

@@ -153,15 +153,53 @@ def bigram_checkpoint(folder) -> None:
     save_file({n: t.contiguous() for n, t in head.items()}, str(folder / "mtp.safetensors"))
 
 
-def test_a_head_that_predicts_as_the_model_does_gets_every_draft_accepted(make_llm, tmp_path, prompts):
-    bigram_checkpoint(tmp_path)
-    plain = make_llm(tmp_path).generate(prompts, greedy(), use_tqdm=False)
-    llm = make_llm(tmp_path, speculative_config=mtp())
+@pytest.fixture(scope="module")
+def bigram_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mtp-bigram")
+    bigram_checkpoint(folder)
+    return folder
+
+
+def test_a_head_that_predicts_as_the_model_does_gets_every_draft_accepted(make_llm, bigram_model, prompts):
+    """Every token but a reply's first (and its last, where no draft fits) comes from a step that checked drafts: a
+    request that lost its hidden states would decode plainly."""
+    plain = make_llm(bigram_model).generate(prompts, greedy(), use_tqdm=False)
+    llm = make_llm(bigram_model, speculative_config=mtp())
     out = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o["token_ids"] for o in out] == [p["token_ids"] for p in plain]
     stats = llm.stats()
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
     assert (stats.spec_accepted_tokens + stats.spec_steps) / stats.spec_steps >= 0.9 * (K + 1)
+    for o in out:
+        steps, _, accepted = o["speculation"]
+        assert steps + accepted >= len(o["token_ids"]) - 2
+
+
+def test_a_prompt_the_model_finds_cached_while_another_reads_it_still_drafts(make_llm, bigram_model):
+    """The second request arrives while the first still reads the same long prompt, in chunks: the model's prefix
+    cache serves it blocks the first one filled, and the head's cache must hold them too (it reads every step's new
+    tokens, not only those of requests that draft)."""
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 200, (100,), generator=g).tolist()
+    settings = dict(max_num_batched_tokens=16, state_snapshot_tokens=16)
+    plain = make_llm(bigram_model, **settings).generate([prompt], greedy(), use_tqdm=False)[0]
+    llm = make_llm(bigram_model, speculative_config=mtp(), **settings)
+    proposer = llm.speculator.proposer
+    first = llm.add_request(prompt, greedy())
+    for _ in range(4):  # 64 of its 100 prompt tokens
+        llm.step()
+    second = llm.add_request(prompt, greedy())
+    finished = {}
+    while llm.has_unfinished_requests():
+        finished |= {o.request_id: o for o in llm.step() if o.finished}
+        assert not proposer.blind
+        # rows wait one step at most, and those of the last partial block a bit longer: 16 + 16 rows at most
+        assert all(sum(len(rows) for _, rows in stash.pieces) <= 32 for stash in proposer.stashes.values())
+    assert llm.stats().prefix_cache_hits > 0
+    for request_id in (first, second):
+        assert finished[request_id].token_ids == plain["token_ids"]
+        steps, _, accepted = finished[request_id].speculation
+        assert steps + accepted >= len(plain["token_ids"]) - 2
 
 
 def test_a_model_without_a_head_is_refused_with_what_to_use(make_llm, tiny_llama, tmp_path):
@@ -189,7 +227,8 @@ def test_a_gguf_files_head_drafts_as_the_reference_does(tmp_path, tokenizer_fold
     for name, value in head.items():
         t = stored[mtp_gguf_name(name, model.config)]
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        as_stored[f"mtp.{name}"] = (w - 1 if name.endswith("norm.weight") else w).reshape(value.shape).contiguous()
+        w = w - 1 if t.name.endswith("norm.weight") else w  # every norm of the block, the nextn ones too
+        as_stored[f"mtp.{name}"] = w.reshape(value.shape).contiguous()
     save_file(as_stored, str(tmp_path / "mtp.safetensors"))
     reference = with_file_weights(tiny_qwen3_5(False), path)
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
+from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.models.qwen3_5_mtp import load_mtp_head
 from tests.conftest import build_tokenizer, qwen3_5_model, widen_weights
 from tests.test_parity import hf_greedy
@@ -60,6 +61,9 @@ def test_a_checkpoint_with_a_head_serves_the_model_and_loads_the_head(tmp_path, 
     else:
         assert torch.equal(layer.mlp.down_proj.weight, tensors["mtp.layers.0.mlp.down_proj.weight"])
     assert head.embed_tokens is runner.model.model.embed_tokens  # shared with the model, not a copy
+    # the model's rotary table serves the head's attention, outside the head's modules (which a GGUF load moves)
+    assert layer.self_attn.rotary is runner.model.model.layers[-1].self_attn.rotary
+    assert not any(isinstance(m, RotaryEmbedding) for m in head.modules())
     assert not any(name.startswith("embed") for name, _ in head.named_parameters())
 
 

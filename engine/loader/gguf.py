@@ -130,6 +130,9 @@ _MTP_NAMES = {
     "nextn.shared_head_norm": "norm",
 }
 _MTP_SHARED = ("nextn.embed_tokens", "nextn.shared_head_head")
+# The head's input norms: zero-centred, stored as 1 + weight under their nextn names (enorm, hnorm), which end in
+# "norm.weight" as the converter's rule wants, where the head's own names do not
+_MTP_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 # Not weights of the HF model: Llama 3's rope factors, folded into the config's rope parameters instead.
 # and Phi-3's LongRoPE factors
 _CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -381,7 +384,7 @@ def _as_converted_back(architecture: str, hf_name: str, value):
     their depthwise convolution stored without its middle dimension."""
     hybrid = architecture in ("qwen35", "qwen35moe", "qwen3next")
     zero_centred = architecture == "gemma3" or (hybrid and ".linear_attn.norm." not in hf_name)
-    if zero_centred and hf_name.endswith("norm.weight"):
+    if zero_centred and hf_name.endswith(("norm.weight", *_MTP_NORMS)):
         return value - 1
     if hybrid and hf_name.endswith(".A_log"):
         return torch.log(-value.float()).to(value.dtype)

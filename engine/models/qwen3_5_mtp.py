@@ -44,6 +44,9 @@ class MultiTokenPredictor(nn.Module):
             Qwen3_5DecoderLayer(config, first + i, rotary, kind="full_attention")
             for i in range(mtp_layer_count(config))
         )
+        for layer in self.layers:  # the model's rotary table is not the head's to build, move or quantize
+            del layer.self_attn.rotary
+            layer.self_attn.__dict__["rotary"] = rotary
         self.norm = GemmaRMSNorm(size, eps)
         self.packed_modules = model.packed_modules
         # The model's embedding and head serve the head too: plain attributes, not parameters of its own
@@ -107,10 +110,7 @@ def load_mtp_head(model: nn.Module, config, source, target=None) -> MultiTokenPr
         )
     if gguf is not None:
         quantization.quantize(head, None, target)
-        head.to_empty(device=device)  # the model's rotary table too, which it shares: computed again here
-        for module in head.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.init_caches(device)
+        head.to_empty(device=device)
     load_tensors(head, (t for part in ([first], found) for t in part), f"{source} (its multi-token-prediction head)")
     if gguf is not None:
         quantization.finalize(head)

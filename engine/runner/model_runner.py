@@ -408,7 +408,7 @@ class ModelRunner:
             if self.workers is None:
                 logits, prompt_logprobs = self.execute(step)
                 if self.keep_hidden:
-                    self.last_hidden, self._hidden = HiddenStates.of(batch, step, self._hidden), None
+                    self.last_hidden, self._hidden = HiddenStates.of(batch, self._hidden), None
             else:
                 with self.workers.guard():
                     self.workers.send_step(step)

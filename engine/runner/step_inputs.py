@@ -10,7 +10,7 @@ sampled tokens that holds it, tell the device where to fill it in from.
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import accumulate, chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -170,9 +170,11 @@ class HiddenStates:
     hidden: "torch.Tensor"
 
     @classmethod
-    def of(cls, batch: list[ScheduledSeq], step: StepInputs, hidden: "torch.Tensor") -> "HiddenStates":
-        rows = step.query_start_loc.tolist()
-        return cls([item.seq.seq_id for item in batch], [int(step.positions[r]) for r in rows[:-1]], rows, hidden)
+    def of(cls, batch: list[ScheduledSeq], hidden: "torch.Tensor") -> "HiddenStates":
+        """From the batch as it launches (before its requests' computed counts move on). A request checking drafts
+        has k + 1 rows in one run, though its attention sees them as k + 1 requests."""
+        rows = [0, *accumulate(item.num_new_tokens for item in batch)]
+        return cls([item.seq.seq_id for item in batch], [item.seq.num_computed_tokens for item in batch], rows, hidden)
 
 
 def prepare_step(

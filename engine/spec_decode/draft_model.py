@@ -49,7 +49,7 @@ class DraftModelProposer:
         # the last draft is sampled at position len + length - 1, from a row at len + length - 2
         requests = [(seq, min(length, self.max_model_len - len(seq))) for seq, length in requests]
         mirrors = [self._synced(seq) if length > 0 else None for seq, length in requests]
-        self._catch_up([m for m in mirrors if m is not None])
+        self._catch_up([m for m in mirrors if m is not None] + self._followers(requests))
         lengths = {id(m): length for m, (_, length) in zip(mirrors, requests, strict=True) if m is not None}
         while True:
             going = [m for m in mirrors if m is not None and 0 < len(m.drafts) < lengths[id(m)] and m.drafts[-1] >= 0]
@@ -92,6 +92,11 @@ class DraftModelProposer:
         seq.num_computed_tokens = min(seq.num_computed_tokens, shared)
         mirror.synced, mirror.drafts = len(tokens), []
         return mirror
+
+    def _followers(self, requests: list[tuple[Sequence, int]]) -> list[Mirror]:
+        """Mirrors of requests not drafting this step that the catch-up step computes too: none (a draft model
+        catches a request up when it next drafts)."""
+        return []
 
     def _tokens(self, target: Sequence) -> list[int]:
         """What the mirror of `target` reads: the target's tokens."""

@@ -76,11 +76,14 @@ class MtpProposer(DraftModelProposer):
         runner.keep_hidden = target_runner.keep_hidden = True
         self.stashes: dict[int, HiddenStash] = {}  # by the target sequence's seq_id
         self.blind: set[int] = set()  # running requests whose hidden states the model never computed
+        self.running: list[Sequence] = []  # those that may draft
 
     def retain(self, seqs: list[Sequence]) -> None:
         """Take the model's last step's hidden states; drop what is kept for requests no longer running."""
         live = {seq.seq_id for seq in seqs}
-        drafting = {seq.seq_id for seq in seqs if speculates(seq)}  # another's rows would wait here for ever
+        # the rows of a request that never drafts would wait here for ever
+        drafting = {seq.seq_id for seq in seqs if speculates(seq) and seq.seq_id not in self.blind}
+        self.running = [seq for seq in seqs if seq.seq_id in drafting]
         step, self.target_runner.last_hidden = self.target_runner.last_hidden, None
         if step is not None:
             for i, seq_id in enumerate(step.seq_ids):
@@ -96,8 +99,18 @@ class MtpProposer(DraftModelProposer):
         self.target_runner.keep_hidden, self.target_runner.last_hidden = False, None
         super().release()
 
+    def _followers(self, requests: list[tuple[Sequence, int]]) -> list[MtpMirror]:
+        """Every other request that may draft: the head reads each step's new tokens of all of them, so that its
+        prefix cache keeps up with the model's (a request whose prompt the model's cache held and the head's did not
+        could never draft) and hidden states wait here one step at most."""
+        asked = {seq.seq_id for seq, _ in requests}
+        synced = (self._synced(seq) for seq in self.running if seq.seq_id not in asked and seq.seq_id in self.stashes)
+        return [mirror for mirror in synced if mirror is not None]
+
     def _tokens(self, target: Sequence) -> list[int]:
-        return target.token_ids[1:]
+        """Shifted by one, up to the token after the model's last computed one: row p reads token p + 1 and the
+        model's hidden state at p (a request still reading its prompt has those of its computed part only)."""
+        return target.token_ids[1 : target.num_computed_tokens + 1]
 
     def _reusable(self, mirror: MtpMirror) -> int:
         return mirror.exact
@@ -114,6 +127,7 @@ class MtpProposer(DraftModelProposer):
         missing = len(seq) - seq.num_computed_tokens
         if missing and (stash is None or not stash.holds(seq.num_computed_tokens, missing)):
             self.blind.add(target.seq_id)
+            self.stashes.pop(target.seq_id, None)
             self._drop(mirror)
             return None
         return mirror

@@ -105,7 +105,7 @@ class Speculator:
             room = seq.max_len - len(seq) - 1
             if min(state.length, room) > 0:
                 wanted.append((seq, min(state.length, room)))
-        if not wanted or self.failed:
+        if self.failed:  # else even with none wanted: an MTP head reads every step's new tokens (spec_decode/mtp.py)
             return
         try:
             proposals = self.proposer.propose(wanted)
