@@ -49,7 +49,7 @@ class DraftModelProposer:
         # the last draft is sampled at position len + length - 1, from a row at len + length - 2
         requests = [(seq, min(length, self.max_model_len - len(seq))) for seq, length in requests]
         mirrors = [self._synced(seq) if length > 0 else None for seq, length in requests]
-        self._catch_up([m for m in mirrors if m is not None] + self._followers(requests))
+        self._catch_up([m for m in mirrors if m is not None], self._followers(requests))
         lengths = {id(m): length for m, (_, length) in zip(mirrors, requests, strict=True) if m is not None}
         while True:
             going = [m for m in mirrors if m is not None and 0 < len(m.drafts) < lengths[id(m)] and m.drafts[-1] >= 0]
@@ -106,11 +106,13 @@ class DraftModelProposer:
         """The mirror's leading positions whose KV holds while their tokens stay the target's: all it computed."""
         return mirror.seq.num_computed_tokens
 
-    def _catch_up(self, mirrors: list[Mirror]) -> None:
+    def _catch_up(self, mirrors: list[Mirror], followers: list[Mirror] = ()) -> None:
         """One step that computes each mirror's tokens the draft has not seen (a new request's whole prompt, in
-        chunks over later calls when it is long) and samples the first draft of those it reaches the end of."""
+        chunks over later calls when it is long) and samples the first draft of those it reaches the end of;
+        `followers`' tokens too, after theirs, sampling nothing."""
         bm, budget, batch = self.block_manager, self.budget, []
-        for mirror in mirrors:
+        following = {id(mirror) for mirror in followers}
+        for mirror in [*mirrors, *followers]:
             seq = mirror.seq
             n = min(len(seq) - seq.num_computed_tokens, budget)
             if n <= 0:
@@ -120,7 +122,9 @@ class DraftModelProposer:
                 self._drop(mirror)  # holding its blocks while behind would starve it: it starts again later
                 continue
             bm.allocate(seq, n)
-            batch.append((mirror, ScheduledSeq(seq, n)))
+            item = ScheduledSeq(seq, n)
+            item.samples = item.samples and id(mirror) not in following
+            batch.append((mirror, item))
             budget -= n
         tokens = self._run(batch)
         for mirror, item in batch:
