@@ -1,7 +1,7 @@
 """Speculative decoding on this CPU: decode speed with n-gram drafts against plain decoding, in the same run and the
 same engine (issue 32).
 
-    python -m bench.speculative [--model M] [--k 4,8] [--draft D] [--rounds 2] [--threads 2] [--eager]
+    python -m bench.speculative [--model M] [--k 4,8] [--draft D] [--mtp] [--rounds 2] [--threads 2] [--eager]
 
 Two workloads, one request at a time (a chat):
 - edit: the prompt holds a ~400-token code file and asks for it back with one change; the reply repeats the
@@ -11,7 +11,8 @@ Two workloads, one request at a time (a chat):
 One engine (default: the bundled SmolLM2 Q4_1 GGUF), its decode steps compiled as a user gets them (--eager: not),
 serves every variant: plain (no speculator), n-gram with each --k, then a draft model (--draft; default: the
 model as its own draft, which accepts every token and so shows what checking drafts costs) with the largest k.
-Decode speed excludes the prompt: each
+--mtp adds the model's own MTP head (a Qwen3.5 or Qwen3-Next model that ships one) with the smallest k, at the CPU's
+default threshold. Decode speed excludes the prompt: each
 prompt is answered once with 1 token and once in full (both hit the prefix cache for all but the prompt's last
 block), and the difference in time is divided by the difference in tokens. Each variant keeps its best round.
 Greedy replies must be the same in every variant: the script says so if they are not.
@@ -27,6 +28,7 @@ from bench.quantized import cpu_flags
 from engine import LLM, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_loader import load_draft_model
+from engine.spec_decode.mtp import load_mtp_proposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.speculator import DEFAULT_MIN_ACCEPTANCE, Speculator
 
@@ -73,7 +75,9 @@ def main() -> None:
     ap.add_argument("--draft", help="draft model for the draft variant (default: the model itself; 'none': skip it)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mtp", action="store_true", help="add the model's MTP head as a variant")
     ap.add_argument("--chat-tokens", type=int, default=160, help="reply length cap for the chat prompts")
+    ap.add_argument("--edit-tokens", type=int, default=600, help="reply length cap for the edit prompt")
     ap.add_argument("--eager", action="store_true", help="eager decode steps (default: compiled, which takes minutes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -92,7 +96,7 @@ def main() -> None:
         f"model {model}\nCPU flags: {cpu_flags()}; threads {args.threads}; decode {stats.decode}; dtype {stats.dtype}"
     )
     workloads = {
-        "edit": [(edit_prompt(llm), 600)],
+        "edit": [(edit_prompt(llm), args.edit_tokens)],
         "chat": [(llm.encode_chat([{"role": "user", "content": q}]), args.chat_tokens) for q in CHAT],
     }
     print(f"edit prompt: {len(workloads['edit'][0][0])} tokens")
@@ -107,6 +111,9 @@ def main() -> None:
         variants[f"draft k={max(ks)}"] = speculator = Speculator(config, load_draft_model(draft, llm))
         speculator.proposer.runner.wait_for_compiled_decode()
         print(f"draft {draft}: decode {speculator.proposer.runner.decode_kind}")
+    if args.mtp:
+        config = SpeculativeConfig("mtp", min(ks))
+        variants[f"mtp k={min(ks)}"] = Speculator(config, load_mtp_proposer(llm), least)
     best: dict[tuple[str, str], float] = {}
     replies: dict[tuple[str, str], list[list[int]]] = {}
     accepted: dict[tuple[str, str], tuple[int, int, int]] = {}

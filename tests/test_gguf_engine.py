@@ -316,7 +316,8 @@ def check_against_reference(llm, reference_folder, seed: int) -> None:
 
     diffs = diffs_of(llm)
     if {part.rsplit(" x", 1)[0] for part in llm.stats().matmul.split(", ")} <= {"DenseMatmul", "DequantMatmul"}:
-        assert max(diffs) <= 1e-4, max(diffs)  # float32 weights or the float32 kernel: only sum order differs
+        # float32 weights or the float32 kernel: only sum order differs (an AVX2-only CPU's: up to 1.07e-4)
+        assert max(diffs) <= 3e-4, max(diffs)
         return
     bf16 = diffs_of(make_llm(reference_folder, dtype="bfloat16"))
     # The K-quant kernel rounds activations to int8 per 256 columns, as llama.cpp's q8_K does, which moves these
