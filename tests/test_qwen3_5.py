@@ -134,3 +134,29 @@ def test_a_hybrid_config_with_a_layer_kind_the_engine_does_not_know_is_refused()
     config.layer_types = ["linear_attention", "mamba", "linear_attention", "full_attention"]
     with pytest.raises(ValueError, match=r"\['mamba'\].*linear_attention"):
         Qwen3_5ForCausalLM(config, 512)
+
+
+@pytest.mark.parametrize("fresh,keep", [(False, -1), (True, -1), (False, 5)], ids=["decode", "fresh", "snapshot"])
+def test_a_one_sequence_decode_updates_its_slot_in_place_exactly_as_the_batched_path(fresh, keep):
+    """On the CPU a step of one sequence updates its state slot where it lies (no gather and scatter of MBs): the
+    same output and states, bit for bit, as the batched path (forced here by a write-slot tensor of its own)."""
+    from engine.layers.gated_deltanet import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(qwen3_5_model(False).config)
+    with torch.no_grad():
+        for parameter in layer.parameters():  # some are made uninitialised
+            parameter.normal_()
+    states = {name: torch.randn(8, *shape) for name, (shape, _) in layer.state_shapes().items()}
+    h, dk, dv = layer.num_v_heads, layer.k_dim, layer.v_dim
+    inputs = (torch.randn(1, h, dk), torch.randn(1, h, dk), torch.randn(1, h, dv), -torch.rand(1, h), torch.rand(1, h))
+    qkv = torch.randn(1, layer.conv_size)
+    slots, fresh_rows, keep_rows = torch.tensor([2]), torch.tensor([fresh]), torch.tensor([keep])
+    results = []
+    for writes in (slots, slots.clone()):  # the same tensor: in place; another: the batched path
+        layer.conv_state, layer.recurrent_state = (states[n].clone() for n in ("conv_state", "recurrent_state"))
+        out = layer._delta_rule_rows(inputs, slots, fresh_rows, writes, keep_rows)
+        mixed = layer._convolve_rows(qkv, slots, fresh_rows, writes, keep_rows)
+        results.append((out, mixed, layer.recurrent_state[:7], layer.conv_state[:7]))  # 7: the scratch slot apart
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)

@@ -76,14 +76,23 @@ def chunked_delta_rule(
 
 
 def recurrent_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of S sequences: q, k [S, heads, dk], v [S, heads, dv], g and beta [S, heads], state
-    [S, heads, dk, dv], float32. Returns (output [S, heads, dv], new state)."""
-    state = state * g.exp()[..., None, None]
+    [S, heads, dk, dv], float32. Returns (output [S, heads, dv], new state). `in_place`: `state` is updated where
+    it lies (the same arithmetic, without a state's worth of new memory twice)."""
+    decay = g.exp()[..., None, None]
+    state = state.mul_(decay) if in_place else state * decay
     predicted = (state * k[..., None]).sum(dim=-2)
     delta = (v - predicted) * beta[..., None]
-    state = state + k[..., None] * delta[..., None, :]
+    update = k[..., None] * delta[..., None, :]
+    state = state.add_(update) if in_place else state + update
     return (state * q[..., None]).sum(dim=-2), state
 
 
@@ -201,7 +210,25 @@ class GatedDeltaNet(nn.Module):
             return self._in_waves(self._convolve_rows, meta, qkv, slots, fresh, keep)
         return self._convolve_rows(qkv, slots, fresh, slots, keep)
 
+    def _one_slot(self, slots: torch.Tensor, writes: torch.Tensor, keep: torch.Tensor | None) -> int | None:
+        """The slot of a step of one sequence on the CPU that writes the slot it reads: such a step reads and
+        updates its slot where it lies, instead of gathering and scattering a state of MBs, and skips the scratch
+        slot's write when it keeps no snapshot. None for any other step (a graph's replays read device tensors)."""
+        if slots.is_cuda or slots.numel() != 1 or writes is not slots or (keep is not None and keep.numel() != 1):
+            return None
+        return int(slots[0])
+
     def _convolve_rows(self, qkv, slots, fresh, writes, keep=None) -> torch.Tensor:
+        slot = self._one_slot(slots, writes, keep)
+        if slot is not None:
+            past = self.conv_state[slot : slot + 1]
+            if fresh[0]:
+                past.zero_()
+            inputs = torch.cat((past, qkv.to(past.dtype)[:, :, None]), dim=-1)
+            past.copy_(inputs[:, :, 1:])
+            if keep is not None and keep[0] >= 0:
+                self.conv_state[int(keep[0])].copy_(inputs[0, :, 1:])
+            return F.silu((inputs * self.conv1d_weight[:, 0]).sum(dim=-1)).to(qkv.dtype)
         past = self.conv_state[slots].masked_fill(fresh[:, None, None], 0)
         inputs = torch.cat((past, qkv.to(past.dtype)[:, :, None]), dim=-1)  # [sequences, channels, kernel]
         self.conv_state[writes] = inputs[:, :, 1:]
@@ -216,6 +243,15 @@ class GatedDeltaNet(nn.Module):
         return self._delta_rule_rows((q, k, v, g, beta), slots, fresh, slots, keep)
 
     def _delta_rule_rows(self, inputs, slots, fresh, writes, keep=None) -> torch.Tensor:
+        slot = self._one_slot(slots, writes, keep)
+        if slot is not None:
+            state = self.recurrent_state[slot : slot + 1]
+            if fresh[0]:
+                state.zero_()
+            out, state = recurrent_delta_rule(*inputs, state, in_place=True)
+            if keep is not None and keep[0] >= 0:
+                self.recurrent_state[int(keep[0])].copy_(state[0])
+            return out
         state = self.recurrent_state[slots].masked_fill(fresh[:, None, None, None], 0)
         out, state = recurrent_delta_rule(*inputs, state)
         self.recurrent_state[writes] = state
