@@ -50,17 +50,21 @@ class HiddenStash:
         self.pieces = [(s, t[: start - s]) for s, t in self.pieces if s < start] + [(start, rows)]
 
     def holds(self, start: int, n: int) -> bool:
-        return self.take(start, n) is not None
+        return self._parts(start, n) is not None
 
     def take(self, start: int, n: int) -> torch.Tensor | None:
         """The rows of positions start .. start + n - 1, or None if some are missing."""
+        parts = self._parts(start, n)
+        return None if parts is None else torch.cat(parts)
+
+    def _parts(self, start: int, n: int) -> list[torch.Tensor] | None:
         parts, position = [], start
         for s, rows in self.pieces:
             if s <= position < s + len(rows):
                 part = rows[position - s : start + n - s]
                 parts.append(part)
                 position += len(part)
-        return torch.cat(parts) if position == start + n else None
+        return parts if position == start + n else None
 
     def drop_before(self, position: int) -> None:
         self.pieces = [(max(s, position), t[max(0, position - s) :]) for s, t in self.pieces if s + len(t) > position]
