@@ -4,7 +4,15 @@ The public names load on first use (PEP 562), so `engine.config` imports with th
 alone: the launcher checks its command line with it before PyTorch is installed."""
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+# MKL (PyTorch's BLAS on x86 CPUs) otherwise picks its code paths by each buffer's memory alignment, and SDPA's
+# CPU kernel multiplies in per-thread buffers: with two threads a decode row's attention then changed in its last
+# bits with the rows beside it, and a greedy reply changed when speculative decoding checked drafts in one step.
+# AUTO keeps the CPU's fastest paths, chosen the same for every buffer. MKL reads it once, at its first call, so it
+# is set before anything of ours multiplies; a process that already ran MKL keeps what it had.
+os.environ.setdefault("MKL_CBWR", "AUTO")
 
 _HOMES = {
     "EngineFailed": "engine.front.engine_thread",

@@ -93,10 +93,23 @@ def test_matches_attention_written_out_per_sequence(case):
         assert (decodes[0].mask is None) == (decode_lens[0] % BLOCK == 0)  # whole blocks, masked to the length
 
 
-def test_a_decode_row_attends_the_same_alone_and_in_any_batch():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_row_attends_the_same_alone_and_in_any_batch(threads, monkeypatch):
     """Bit for bit: a row's output does not depend on the rows beside it or on how far past its length the batch
     reads (whole blocks, masked). Speculative decoding checks drafts as decode rows of one request at successive
-    lengths, and relies on this to give the tokens plain decoding gives."""
+    lengths, and relies on this to give the tokens plain decoding gives. With two threads this holds only with
+    MKL's code paths fixed (MKL_CBWR, set where the engine is imported): SDPA's CPU kernel multiplies in per-thread
+    buffers, and MKL chose its path by their alignment."""
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_ROWS", 64)  # one call for the whole batch
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_rows_alone_and_together()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def check_rows_alone_and_together():
     rng = torch.Generator().manual_seed(3)
     lens = torch.randint(1, 300, (6,), generator=rng).tolist()
     query, k_cache, v_cache, meta, tables = batch([1] * len(lens), lens)

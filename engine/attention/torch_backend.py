@@ -104,8 +104,9 @@ def _decode_plan(
     num_blocks = min(-(-max(lens) // block_size), meta.block_tables.shape[1])
     blocks = pick(meta.block_tables)[:, :num_blocks].clamp(min=0).long()
     # One length (always so at batch 1): no padding rows. Whole blocks still, masked: SDPA's CPU kernel then gives a
-    # row the same result in any batch (it rounds differently over an exact length), so the rows of a request
-    # checking drafts (speculative decoding) compute what its plain decode steps would, bit for bit.
+    # row the same result in any batch (it rounds differently over an exact length; and with more than one thread
+    # only with MKL_CBWR set, see engine/__init__.py), so the rows of a request checking drafts (speculative
+    # decoding) compute what its plain decode steps would, bit for bit.
     if meta.host_lens_exact and min(lens) == max(lens) > 0:
         return _Decode(
             token_idx, blocks, num_blocks * block_size, _length_mask(lens[0], num_blocks * block_size, dev), None
