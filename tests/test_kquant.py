@@ -47,7 +47,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
         blocks[:, 0] = rng.integers(118, 136, n)
         blocks[: min(n, 2), 0] = (0, 1)[: min(n, 2)]
         return blocks.reshape(rows, -1)
-    for at in {"Q6_K": (208,), "Q8_0": (0,)}.get(type_name, (0, 2)):
+    for at in {"Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,)}.get(type_name, (0, 2)):
         halves = (rng.uniform(1e-3, 1e-2, n) * rng.choice([-1, 1], n)).astype(np.float16)
         blocks[:, at : at + 2] = halves.view(np.uint8).reshape(n, 2)
     return blocks.reshape(rows, -1)
@@ -98,14 +98,15 @@ def test_kernel_equals_the_dequantized_product(type_name, n, k, m):
     assert (f32(x).double() - exact).abs().max().item() <= 1e-5 * scale
 
 
-# Q8_0 and MXFP4: K any multiple of 32 (MXFP4's decode takes blocks in pairs: an odd count leaves one), x rounded
-# per 32 columns; MXFP4 serves 8 rows of x a pass
+# Q8_0, MXFP4, Q4_0 and Q4_1: K any multiple of 32 (the unsigned kinds' rows take blocks in pairs: an odd count
+# leaves one), x rounded per 32 columns; the unsigned kinds serve 8 rows of x a pass
 Q8_0_SHAPES = [(7, 32, 1), (33, 96, 1), (33, 96, 3), (5, 576, 16), (17, 800, 20)]
+BLOCK32_TYPES = ["Q8_0", "MXFP4", "Q4_0", "Q4_1"]
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("n,k,m", Q8_0_SHAPES)
-@pytest.mark.parametrize("type_name", ["Q8_0", "MXFP4"])
+@pytest.mark.parametrize("type_name", BLOCK32_TYPES)
 def test_32_value_block_kernels_equal_the_dequantized_product(type_name, n, k, m, isa):
     if kquant.ops(isa) is None:
         pytest.skip(f"the {isa} build cannot be made here")
@@ -118,6 +119,19 @@ def test_32_value_block_kernels_equal_the_dequantized_product(type_name, n, k, m
     want = rounded_to_int8(x, 32).double() @ w.double().T
     assert (y - want).abs().max().item() <= 1e-5 * exact.abs().max().item()
     assert torch.equal(kernel.looked_up_rows(torch.tensor([n - 1, 0])), w[[n - 1, 0]])
+
+
+@pytest.mark.parametrize("type_name", [*TYPES, *BLOCK32_TYPES])
+def test_a_row_gets_the_same_product_alone_and_among_others(type_name):
+    """Bit for bit, at 1 to 19 rows (one pass, several, a part pass): speculative decoding checks drafts as rows of
+    one step and must get what plain decode steps, one row each, get."""
+    k = 512 if type_name in TYPES else 96
+    qw, _ = weight(type_name, 9, k, seed=5)
+    kernel = kquant.KQuantMatmul(qw, torch.float32)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([kernel(x[i : i + 1]) for i in range(len(x))])
+    for m in (2, 3, 8, 9, 19):
+        assert torch.equal(kernel(x[:m]), alone[:m]), m
 
 
 @pytest.mark.parametrize("type_name", TYPES)

@@ -150,7 +150,7 @@ _DECODERS = {
 
 
 DECODE_SLAB_BYTES = 1 << 20  # stored bytes decoded per step: the decoders' temporaries stay a few times this
-KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4")  # the types kquant.py reads as stored
+KEEP_BLOCKS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4", "Q4_0", "Q4_1")  # the types kquant.py reads as stored
 
 
 def decode(data: FileBytes, type_name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:

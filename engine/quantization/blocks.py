@@ -86,7 +86,9 @@ class BlockWeight(QuantizedWeight):
 
     @property
     def has_offset(self) -> bool:
-        return self.source in ("Q4_K", "Q5_K")  # a min per sub-block; Q6_K, Q8_0 and MXFP4 are codes times a scale
+        # Q4_K and Q5_K: a min per sub-block; Q4_0 and Q4_1: an offset per block (Q4_0's is -8 times its scale);
+        # Q6_K, Q8_0 and MXFP4 are codes times a scale
+        return self.source in ("Q4_K", "Q5_K", "Q4_0", "Q4_1")
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -15,8 +15,9 @@ back to scalar code 20-40x slower, so they run in bf16 and cast back.
 - GroupedInt8Matmul (native.py): Pagoda's own kernel (grouped_int8.cpp, compiled for this CPU on first use;
   opt-in with PAGODA_NATIVE_KERNELS=1, native.py says why): codes of any width in groups of 16 or 32 as bytes, times the
   row rounded to 16-bit integers per group, one exact integer dot product per group.
-- KQuantMatmul (kquant.py): GGUF's Q4_K, Q5_K, Q6_K and Q8_0 in the file's own blocks, Pagoda's C++ kernel (built on
-  first use where a compiler is), the row rounded to int8 per 256 columns as llama.cpp does.
+- KQuantMatmul (kquant.py): GGUF's Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, Q4_0 and Q4_1 in the file's own blocks, Pagoda's
+  C++ kernel (built on first use where a compiler is), the row rounded to int8 per 256 (or 32) columns as llama.cpp
+  does.
 - DequantMatmul: any layout; dequantizes a slab of rows at a time into the activations' dtype and
   multiplies it, so no whole weight is ever expanded. The fallback, and the reference's speed.
 - DenseMatmul: a full-precision weight (a GGUF F16 tensor, say), oneDNN-packed on the CPU.

@@ -44,7 +44,7 @@ inline void prefetch_line(const uint8_t* blk) {
 inline void prefetch_block(const uint8_t* blk, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) prefetch_line(blk + line);
 }
-enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ80 = 3, kMXFP4 = 4 };
+enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ80 = 3, kMXFP4 = 4, kQ40 = 5, kQ41 = 6 };
 constexpr int64_t QK8 = 32;  // Q8_0's block: an fp16 scale and 32 int8 codes; MXFP4's: an exponent and 16 bytes
 
 int64_t block_bytes(int64_t kind) {
@@ -54,6 +54,8 @@ int64_t block_bytes(int64_t kind) {
     case kQ6K: return 210;
     case kQ80: return 34;
     case kMXFP4: return 17;
+    case kQ40: return 18;
+    case kQ41: return 20;
   }
   TORCH_CHECK(false, "kquant: unknown block kind ", kind);
 }
@@ -507,10 +509,26 @@ void quantize_row_q80(const float* x, int64_t k, int8_t* q, float* dx) {
   }
 }
 
-// One 32-value block's int8 codes and scale: Q8_0's as stored, MXFP4's looked up.
+// Q4_0 and Q4_1: an fp16 scale d (Q4_1: and an fp16 min m), then 16 bytes of 4-bit codes, value i in byte i's low
+// nibble and value i + 16 in its high one. A value is d * code - 8 * d (Q4_0) or d * code + m (Q4_1).
+inline bool is_q4(int64_t kind) { return kind == kQ40 || kind == kQ41; }
+inline float q4_offset(const uint8_t* blk, int64_t kind) {
+  return kind == kQ41 ? half_at(blk + 2) : -8.f * half_at(blk);
+}
+
+// One 32-value block's int8 codes and scale: Q8_0's as stored, MXFP4's looked up, Q4_0's and Q4_1's 0..15 (their
+// offset is q4_offset's).
 inline float block32_codes(const uint8_t* blk, int64_t kind, int8_t* c) {
   if (kind == kQ80) {
     std::memcpy(c, blk + 2, QK8);
+    return half_at(blk);
+  }
+  if (is_q4(kind)) {
+    const uint8_t* packed = blk + (kind == kQ41 ? 4 : 2);
+    for (int i = 0; i < 16; ++i) {
+      c[i] = static_cast<int8_t>(packed[i] & 0x0F);
+      c[i + 16] = static_cast<int8_t>(packed[i] >> 4);
+    }
     return half_at(blk);
   }
   for (int i = 0; i < 16; ++i) {
@@ -518,6 +536,22 @@ inline float block32_codes(const uint8_t* blk, int64_t kind, int8_t* c) {
     c[i + 16] = kMxfp4Values[blk[1 + i] >> 4];
   }
   return mxfp4_scale(blk[0]);
+}
+
+// Any 32-value block kind, without vector instructions.
+float dot_block32_scalar(const uint8_t* w, int64_t kind, const int8_t* q, const float* dx, int64_t nb) {
+  const int64_t bytes = block_bytes(kind);
+  float total = 0.f;
+  int8_t c[QK8];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    const float d = block32_codes(blk, kind, c);
+    int32_t s = 0, xs = 0;
+    for (int i = 0; i < QK8; ++i) s += int32_t(c[i]) * int32_t(q[b * QK8 + i]), xs += q[b * QK8 + i];
+    total += d * dx[b] * float(s);
+    if (is_q4(kind)) total += q4_offset(blk, kind) * dx[b] * float(xs);
+  }
+  return total;
 }
 
 template <int64_t kKind>
@@ -536,15 +570,7 @@ float dot_block32(const uint8_t* w, const int8_t* q, const float* dx, int64_t nb
   }
   return hsum256(acc);
 #else
-  float total = 0.f;
-  int8_t c[QK8];
-  for (int64_t b = 0; b < nb; ++b) {
-    const float d = block32_codes(w + b * bytes, kKind, c);
-    int32_t s = 0;
-    for (int i = 0; i < QK8; ++i) s += int32_t(c[i]) * int32_t(q[b * QK8 + i]);
-    total += d * dx[b] * float(s);
-  }
-  return total;
+  return dot_block32_scalar(w, kKind, q, dx, nb);
 #endif
 }
 
@@ -562,60 +588,85 @@ inline __m256i mxfp4_shifted_codes(const uint8_t* blk, __m128i table) {
   return _mm256_set_m128i(hi, lo);  // values 0..15, then 16..31
 }
 
-// One weight row of MXFP4 blocks times `rows` (at most kRows) rows of x: each block's codes are looked up once
-// for all of them. xc[r * nb + b] = 12 * dx * the sum of x's block codes. One row (decode) takes two blocks a
-// step into two sums, so that consecutive blocks' multiply-adds do not wait on each other.
+// Q4_0's and Q4_1's codes 0..15 as they are: vpmaddubsw's unsigned side (pairs at most 2 * 15 * 127).
+inline __m256i q4_codes(const uint8_t* packed) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
+}
+
+// A block's unsigned codes, its scale d, and what to take off per unit of xc (x's block sum, as block32_mm makes
+// it): MXFP4's shift of 12 (xc already holds the 12), Q4_0's 8 (times d), Q4_1's min (added: taken off negated).
+template <int64_t kKind>
+struct UnsignedBlock {
+  static constexpr int64_t bytes = kKind == kMXFP4 ? 17 : (kKind == kQ41 ? 20 : 18);
+  static inline __m256i codes(const uint8_t* blk, __m128i table) {
+    if constexpr (kKind == kMXFP4) return mxfp4_shifted_codes(blk, table);
+    return q4_codes(blk + (kKind == kQ41 ? 4 : 2));
+  }
+  static inline float scale(const uint8_t* blk) {
+    if constexpr (kKind == kMXFP4) return mxfp4_scale(blk[0]);
+    return half_at(blk);
+  }
+  static inline float correction(const uint8_t* blk, float d) {
+    if constexpr (kKind == kMXFP4) return d;
+    return -q4_offset(blk, kKind);
+  }
+};
+
+// One weight row of MXFP4, Q4_0 or Q4_1 blocks times `rows` (at most kRows) rows of x: each block's codes are
+// unpacked once for all of them. xc[r * nb + b]: dx times the sum of x's block codes (MXFP4: times 12 too). Each
+// row sums even and odd blocks apart, so that consecutive blocks' multiply-adds do not wait on each other; one path
+// for any number of rows, so a row's result does not depend on the rows beside it (speculative decoding's checked
+// rows must compute what plain decode steps would).
 constexpr int64_t kRows = 8;
-void dot_mxfp4_rows(const uint8_t* w, const int8_t* q, const float* dx, const float* xc, int64_t k, int64_t rows,
-                    float* out) {
+template <int64_t kKind, int64_t kFixedRows>
+void dot_unsigned_rows_of(const uint8_t* w, const int8_t* q, const float* dx, const float* xc, int64_t k,
+                          int64_t any_rows, float* out) {
+  const int64_t rows = kFixedRows ? kFixedRows : any_rows;  // fixed at one row (decode): sums kept in registers
+  using B = UnsignedBlock<kKind>;
+  constexpr int64_t bytes = B::bytes;
   const int64_t nb = k / QK8;
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Shifted));
   const __m256i ones = _mm256_set1_epi16(1);
-  if (rows == 1) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float correction = 0.f;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-      const uint8_t* blk = w + b * 17;
-      prefetch_line(blk);
-      const __m256i c0 = mxfp4_shifted_codes(blk, table), c1 = mxfp4_shifted_codes(blk + 17, table);
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8 + QK8));
-      const float d0 = mxfp4_scale(blk[0]), d1 = mxfp4_scale(blk[17]);
-      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c0, x0), ones)),
-                             _mm256_set1_ps(d0 * dx[b]), acc0);
-      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c1, x1), ones)),
-                             _mm256_set1_ps(d1 * dx[b + 1]), acc1);
-      correction += d0 * xc[b] + d1 * xc[b + 1];
-    }
-    for (; b < nb; ++b) {
-      const uint8_t* blk = w + b * 17;
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
-      const float d = mxfp4_scale(blk[0]);
-      acc0 = _mm256_fmadd_ps(
-          _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(mxfp4_shifted_codes(blk, table), x), ones)),
-          _mm256_set1_ps(d * dx[b]), acc0);
-      correction += d * xc[b];
-    }
-    out[0] = hsum256(_mm256_add_ps(acc0, acc1)) - correction;
-    return;
-  }
-  __m256 acc[kRows];
+  __m256 even[kRows], odd[kRows];
   float correction[kRows];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps(), correction[r] = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 17;
+  for (int64_t r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps(), correction[r] = 0.f;
+  auto add = [&](__m256 acc, __m256i c, int64_t r, int64_t b, float d) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * QK8));
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[r * nb + b]), acc);
+  };
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    const uint8_t* blk = w + b * bytes;
     prefetch_line(blk);
-    const __m256i c = mxfp4_shifted_codes(blk, table);
-    const float d = mxfp4_scale(blk[0]);
+    const __m256i c0 = B::codes(blk, table), c1 = B::codes(blk + bytes, table);
+    const float d0 = B::scale(blk), d1 = B::scale(blk + bytes);
+    const float k0 = B::correction(blk, d0), k1 = B::correction(blk + bytes, d1);
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * QK8));
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[r * nb + b]), acc[r]);
-      correction[r] += d * xc[r * nb + b];
+      even[r] = add(even[r], c0, r, b, d0);
+      odd[r] = add(odd[r], c1, r, b + 1, d1);
+      correction[r] += k0 * xc[r * nb + b] + k1 * xc[r * nb + b + 1];
     }
   }
-  for (int64_t r = 0; r < rows; ++r) out[r] = hsum256(acc[r]) - correction[r];
+  for (; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    const __m256i c = B::codes(blk, table);
+    const float d = B::scale(blk), kc = B::correction(blk, d);
+    for (int64_t r = 0; r < rows; ++r) {
+      even[r] = add(even[r], c, r, b, d);
+      correction[r] += kc * xc[r * nb + b];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) out[r] = hsum256(_mm256_add_ps(even[r], odd[r])) - correction[r];
+}
+
+template <int64_t kKind>
+void dot_unsigned_rows(const uint8_t* w, const int8_t* q, const float* dx, const float* xc, int64_t k, int64_t rows,
+                       float* out) {
+  if (rows == 1) return dot_unsigned_rows_of<kKind, 1>(w, q, dx, xc, k, 1, out);
+  dot_unsigned_rows_of<kKind, 0>(w, q, dx, xc, k, rows, out);
 }
 #endif
 
@@ -631,27 +682,35 @@ at::Tensor block32_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
   float* op = out.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
 #if defined(__AVX2__)
-  if (kind == kMXFP4) {
+  if (kind != kQ80) {
     std::vector<float> xc(m * nb);
+    const float shift = kind == kMXFP4 ? float(kMxfp4Offset) : 1.f;
     for (int64_t i = 0; i < m * nb; ++i) {
       int32_t sum = 0;
       for (int j = 0; j < QK8; ++j) sum += q[i * QK8 + j];
-      xc[i] = kMxfp4Offset * dx[i] * float(sum);
+      xc[i] = shift * dx[i] * float(sum);
     }
+    const auto dot_rows = kind == kMXFP4 ? dot_unsigned_rows<kMXFP4>
+                          : kind == kQ40 ? dot_unsigned_rows<kQ40>
+                                         : dot_unsigned_rows<kQ41>;
     at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
       float y[kRows];
       for (int64_t j = begin; j < end; ++j) {
         for (int64_t r0 = 0; r0 < m; r0 += kRows) {
           const int64_t rows = std::min(kRows, m - r0);
-          dot_mxfp4_rows(wp + j * nb * bytes, q.data() + r0 * k, dx.data() + r0 * nb, xc.data() + r0 * nb, k, rows, y);
+          dot_rows(wp + j * nb * bytes, q.data() + r0 * k, dx.data() + r0 * nb, xc.data() + r0 * nb, k, rows, y);
           for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * n + j] = y[r];
         }
       }
     });
     return out;
   }
+  const auto dot = dot_block32<kQ80>;
+#else
+  const auto dot = [kind](const uint8_t* w, const int8_t* q, const float* dx, int64_t nb) {
+    return dot_block32_scalar(w, kind, q, dx, nb);
+  };
 #endif
-  const auto dot = kind == kQ80 ? dot_block32<kQ80> : dot_block32<kMXFP4>;
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t r = 0; r < m; ++r) op[r * n + j] = dot(wp + j * nb * bytes, q.data() + r * k, dx.data() + r * nb, nb);
@@ -666,7 +725,7 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blocks: contiguous uint8 [N, row bytes]");
-  if (kind == kQ80 || kind == kMXFP4) return block32_mm(x, blocks, kind);  // int8 activations whatever `act` says
+  if (kind == kQ80 || kind == kMXFP4 || is_q4(kind)) return block32_mm(x, blocks, kind);  // int8 activations whatever `act` says
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
   TORCH_CHECK(k % QK == 0 && blocks.size(1) == k / QK * block_bytes(kind), "blocks: ", k / QK, " blocks per row");
   const float* xp = x.data_ptr<float>();
@@ -831,7 +890,7 @@ at::Tensor kquant_dequant(const at::Tensor& blocks, int64_t kind) {
               "blocks: contiguous uint8 [N, row bytes]");
   const int64_t n = blocks.size(0), bytes = block_bytes(kind);
   TORCH_CHECK(blocks.size(1) % bytes == 0, "blocks: whole blocks per row");
-  if (kind == kQ80 || kind == kMXFP4) {
+  if (kind == kQ80 || kind == kMXFP4 || is_q4(kind)) {
     const int64_t nb = blocks.size(1) / bytes;
     at::Tensor out = at::empty({n, nb * QK8}, blocks.options().dtype(at::kFloat));
     float* op = out.data_ptr<float>();
@@ -840,7 +899,8 @@ at::Tensor kquant_dequant(const at::Tensor& blocks, int64_t kind) {
       int8_t c[QK8];
       for (int64_t b = begin; b < end; ++b) {
         const float d = block32_codes(wp + b * bytes, kind, c);
-        for (int i = 0; i < QK8; ++i) op[b * QK8 + i] = d * float(c[i]);
+        const float offset = is_q4(kind) ? q4_offset(wp + b * bytes, kind) : 0.f;
+        for (int i = 0; i < QK8; ++i) op[b * QK8 + i] = d * float(c[i]) + offset;
       }
     });
     return out;

@@ -1,6 +1,6 @@
 """Pagoda's K-quant CPU kernel (kquant.cpp): x W^T straight from GGUF's Q4_K, Q5_K and Q6_K blocks (and the 32-value
-blocks of Q8_0 and MXFP4, x then rounded per 32 columns) as the file stores them, so that a loaded model holds those
-weights at their file size (issue 38; MXFP4: gpt-oss's experts, issue 30).
+blocks of Q8_0, MXFP4, Q4_0 and Q4_1, x then rounded per 32 columns) as the file stores them, so that a loaded model
+holds those weights at their file size (issue 38; MXFP4: gpt-oss's experts, issue 30).
 
 PyTorch's int4 kernel reads Q6_K as four 4-bit terms (2.5 bytes a weight where the file has 0.82) and Q5_K as two
 (1.25 against 0.69): a Q4_K_M file's weights took about twice the file. This kernel keeps each row's blocks as
@@ -33,9 +33,9 @@ from engine.runner.tracing import tracing_decode_step
 log = logging.getLogger("engine")
 
 SOURCE = Path(__file__).with_name("kquant.cpp")
-KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q8_0": 3, "MXFP4": 4}  # kquant.cpp's block kinds
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34, "MXFP4": 17}
-BLOCK_VALUES = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q8_0": 32, "MXFP4": 32}
+KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q8_0": 3, "MXFP4": 4, "Q4_0": 5, "Q4_1": 6}  # kquant.cpp's block kinds
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34, "MXFP4": 17, "Q4_0": 18, "Q4_1": 20}
+BLOCK_VALUES = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q8_0": 32, "MXFP4": 32, "Q4_0": 32, "Q4_1": 32}
 ISAS = ("native", "avx2")
 ACTS = {"int8": 0, "f32": 1}
 # Prefill: from `dense_from_rows` rows of x up (chosen per shape by the chooser's `choose_prefill_rows`, as for
