@@ -554,26 +554,6 @@ float dot_block32_scalar(const uint8_t* w, int64_t kind, const int8_t* q, const 
   return total;
 }
 
-template <int64_t kKind>
-float dot_block32(const uint8_t* w, const int8_t* q, const float* dx, int64_t nb) {
-  constexpr int64_t bytes = kKind == kQ80 ? 34 : 17;
-#if defined(__AVX2__)
-  __m256 acc = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * bytes;
-    prefetch_line(blk);
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK8));
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c)), ones);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half_at(blk) * dx[b]), acc);
-  }
-  return hsum256(acc);
-#else
-  return dot_block32_scalar(w, kKind, q, dx, nb);
-#endif
-}
-
 #if defined(__AVX2__)
 // MXFP4's codes plus 12 (0..24, unsigned): vpmaddubsw's unsigned side, x's codes the signed one (pairs at most
 // 2 * 24 * 127, no saturation). The 12 comes back as 12 * d * dx * sum(x) per block, from x's block sums.
@@ -595,36 +575,43 @@ inline __m256i q4_codes(const uint8_t* packed) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
 }
 
-// A block's unsigned codes, its scale d, and what to take off per unit of xc (x's block sum, as block32_mm makes
-// it): MXFP4's shift of 12 (xc already holds the 12), Q4_0's 8 (times d), Q4_1's min (added: taken off negated).
+// A block's codes, its scale d, and what to take off per unit of xc (x's block sum, as block32_mm makes it):
+// MXFP4's shift of 12 (xc already holds the 12), Q4_0's 8 (times d), Q4_1's min (added: taken off negated). Q8_0's
+// codes are signed: vpmaddubsw takes their magnitudes, and each row of x takes their signs (vpsignb).
 template <int64_t kKind>
-struct UnsignedBlock {
-  static constexpr int64_t bytes = kKind == kMXFP4 ? 17 : (kKind == kQ41 ? 20 : 18);
+struct Block32 {
+  static constexpr int64_t bytes = kKind == kMXFP4 ? 17 : kKind == kQ41 ? 20 : kKind == kQ80 ? 34 : 18;
   static inline __m256i codes(const uint8_t* blk, __m128i table) {
+    if constexpr (kKind == kQ80) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     if constexpr (kKind == kMXFP4) return mxfp4_shifted_codes(blk, table);
     return q4_codes(blk + (kKind == kQ41 ? 4 : 2));
+  }
+  static inline __m256i magnitudes(__m256i c) {
+    if constexpr (kKind == kQ80) return _mm256_sign_epi8(c, c);
+    return c;
   }
   static inline float scale(const uint8_t* blk) {
     if constexpr (kKind == kMXFP4) return mxfp4_scale(blk[0]);
     return half_at(blk);
   }
   static inline float correction(const uint8_t* blk, float d) {
+    if constexpr (kKind == kQ80) return 0.f;
     if constexpr (kKind == kMXFP4) return d;
     return -q4_offset(blk, kKind);
   }
 };
 
-// One weight row of MXFP4, Q4_0 or Q4_1 blocks times `rows` (at most kRows) rows of x: each block's codes are
-// unpacked once for all of them. xc[r * nb + b]: dx times the sum of x's block codes (MXFP4: times 12 too). Each
+// One weight row of 32-value blocks (Q8_0, MXFP4, Q4_0, Q4_1) times `rows` (at most kRows) rows of x: each block's
+// codes are unpacked once for all of them. xc[r * nb + b]: dx times the sum of x's block codes (MXFP4: times 12 too). Each
 // row sums even and odd blocks apart, so that consecutive blocks' multiply-adds do not wait on each other; one path
 // for any number of rows, so a row's result does not depend on the rows beside it (speculative decoding's checked
 // rows must compute what plain decode steps would).
 constexpr int64_t kRows = 8;
 template <int64_t kKind, int64_t kFixedRows>
-void dot_unsigned_rows_of(const uint8_t* w, const int8_t* q, const float* dx, const float* xc, int64_t k,
+void dot_block32_rows_of(const uint8_t* w, const int8_t* q, const float* dx, const float* xc, int64_t k,
                           int64_t any_rows, float* out) {
   const int64_t rows = kFixedRows ? kFixedRows : any_rows;  // fixed at one row (decode): sums kept in registers
-  using B = UnsignedBlock<kKind>;
+  using B = Block32<kKind>;
   constexpr int64_t bytes = B::bytes;
   const int64_t nb = k / QK8;
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Shifted));
@@ -632,9 +619,10 @@ void dot_unsigned_rows_of(const uint8_t* w, const int8_t* q, const float* dx, co
   __m256 even[kRows], odd[kRows];
   float correction[kRows];
   for (int64_t r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps(), correction[r] = 0.f;
-  auto add = [&](__m256 acc, __m256i c, int64_t r, int64_t b, float d) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * QK8));
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
+  auto add = [&](__m256 acc, __m256i c, __m256i u, int64_t r, int64_t b, float d) {
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * QK8));
+    if constexpr (kKind == kQ80) x = _mm256_sign_epi8(x, c);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[r * nb + b]), acc);
   };
   int64_t b = 0;
@@ -642,31 +630,32 @@ void dot_unsigned_rows_of(const uint8_t* w, const int8_t* q, const float* dx, co
     const uint8_t* blk = w + b * bytes;
     prefetch_line(blk);
     const __m256i c0 = B::codes(blk, table), c1 = B::codes(blk + bytes, table);
+    const __m256i u0 = B::magnitudes(c0), u1 = B::magnitudes(c1);
     const float d0 = B::scale(blk), d1 = B::scale(blk + bytes);
     const float k0 = B::correction(blk, d0), k1 = B::correction(blk + bytes, d1);
     for (int64_t r = 0; r < rows; ++r) {
-      even[r] = add(even[r], c0, r, b, d0);
-      odd[r] = add(odd[r], c1, r, b + 1, d1);
-      correction[r] += k0 * xc[r * nb + b] + k1 * xc[r * nb + b + 1];
+      even[r] = add(even[r], c0, u0, r, b, d0);
+      odd[r] = add(odd[r], c1, u1, r, b + 1, d1);
+      if constexpr (kKind != kQ80) correction[r] += k0 * xc[r * nb + b] + k1 * xc[r * nb + b + 1];
     }
   }
   for (; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
-    const __m256i c = B::codes(blk, table);
+    const __m256i c = B::codes(blk, table), u = B::magnitudes(c);
     const float d = B::scale(blk), kc = B::correction(blk, d);
     for (int64_t r = 0; r < rows; ++r) {
-      even[r] = add(even[r], c, r, b, d);
-      correction[r] += kc * xc[r * nb + b];
+      even[r] = add(even[r], c, u, r, b, d);
+      if constexpr (kKind != kQ80) correction[r] += kc * xc[r * nb + b];
     }
   }
   for (int64_t r = 0; r < rows; ++r) out[r] = hsum256(_mm256_add_ps(even[r], odd[r])) - correction[r];
 }
 
 template <int64_t kKind>
-void dot_unsigned_rows(const uint8_t* w, const int8_t* q, const float* dx, const float* xc, int64_t k, int64_t rows,
-                       float* out) {
-  if (rows == 1) return dot_unsigned_rows_of<kKind, 1>(w, q, dx, xc, k, 1, out);
-  dot_unsigned_rows_of<kKind, 0>(w, q, dx, xc, k, rows, out);
+void dot_block32_rows(const uint8_t* w, const int8_t* q, const float* dx, const float* xc, int64_t k, int64_t rows,
+                      float* out) {
+  if (rows == 1) return dot_block32_rows_of<kKind, 1>(w, q, dx, xc, k, 1, out);
+  dot_block32_rows_of<kKind, 0>(w, q, dx, xc, k, rows, out);
 }
 #endif
 
@@ -682,17 +671,18 @@ at::Tensor block32_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
   float* op = out.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
 #if defined(__AVX2__)
-  if (kind != kQ80) {
-    std::vector<float> xc(m * nb);
-    const float shift = kind == kMXFP4 ? float(kMxfp4Offset) : 1.f;
+  {
+    std::vector<float> xc(m * nb);  // Q8_0 has no offset to take off: zeros
+    const float shift = kind == kMXFP4 ? float(kMxfp4Offset) : kind == kQ80 ? 0.f : 1.f;
     for (int64_t i = 0; i < m * nb; ++i) {
       int32_t sum = 0;
       for (int j = 0; j < QK8; ++j) sum += q[i * QK8 + j];
       xc[i] = shift * dx[i] * float(sum);
     }
-    const auto dot_rows = kind == kMXFP4 ? dot_unsigned_rows<kMXFP4>
-                          : kind == kQ40 ? dot_unsigned_rows<kQ40>
-                                         : dot_unsigned_rows<kQ41>;
+    const auto dot_rows = kind == kQ80     ? dot_block32_rows<kQ80>
+                          : kind == kMXFP4 ? dot_block32_rows<kMXFP4>
+                          : kind == kQ40   ? dot_block32_rows<kQ40>
+                                           : dot_block32_rows<kQ41>;
     at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
       float y[kRows];
       for (int64_t j = begin; j < end; ++j) {
@@ -705,18 +695,16 @@ at::Tensor block32_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
     });
     return out;
   }
-  const auto dot = dot_block32<kQ80>;
 #else
-  const auto dot = [kind](const uint8_t* w, const int8_t* q, const float* dx, int64_t nb) {
-    return dot_block32_scalar(w, kind, q, dx, nb);
-  };
-#endif
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      for (int64_t r = 0; r < m; ++r) op[r * n + j] = dot(wp + j * nb * bytes, q.data() + r * k, dx.data() + r * nb, nb);
+      for (int64_t r = 0; r < m; ++r) {
+        op[r * n + j] = dot_block32_scalar(wp + j * nb * bytes, kind, q.data() + r * k, dx.data() + r * nb, nb);
+      }
     }
   });
   return out;
+#endif
 }
 
 // x [M, K] float32 (K a multiple of 256); blocks [N, K / 256 * bytes] uint8; act 0: x rounded to int8 per block,
