@@ -199,10 +199,10 @@ def _decode_rows(read, type_name: str, rows: int, cols: int):
         stop = min(start + step, rows)
         blocks = read(start, stop).view(-1, block_bytes)
         part_codes, part_scale, part_offset = _DECODERS[type_name](blocks)
-        if codes is None:
-            codes = torch.empty(rows, cols, dtype=part_codes.dtype)
-            scale = torch.empty(rows, groups)
-            offset = None if part_offset is None else torch.empty(rows, groups)
+        if codes is None:  # where the blocks are: a GPU's blocks decode there
+            codes = torch.empty(rows, cols, dtype=part_codes.dtype, device=part_codes.device)
+            scale = torch.empty(rows, groups, device=part_codes.device)
+            offset = None if part_offset is None else torch.empty(rows, groups, device=part_codes.device)
         codes[start:stop] = part_codes.reshape(stop - start, cols)
         scale[start:stop] = part_scale.reshape(stop - start, groups)
         if offset is not None:

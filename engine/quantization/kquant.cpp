@@ -659,7 +659,7 @@ void dot_block32_rows(const uint8_t* w, const int8_t* q, const float* dx, const 
 }
 #endif
 
-// x W^T for W in 32-value blocks (Q8_0, MXFP4), with x rounded per block to int8.
+// x W^T for W in 32-value blocks (Q8_0, MXFP4, Q4_0, Q4_1), with x rounded per block to int8.
 at::Tensor block32_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / QK8, bytes = block_bytes(kind);
   TORCH_CHECK(k % QK8 == 0 && blocks.size(1) == nb * bytes, "blocks: ", nb, " blocks of ", bytes, " bytes per row");
@@ -813,6 +813,7 @@ at::Tensor kquant_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
   const int64_t inter = gate.size(0) / num_experts;
   TORCH_CHECK(tokens <= 16, "kquant_moe serves at most 16 tokens a call");
+  TORCH_CHECK(gate_kind <= kQ6K && up_kind <= kQ6K && down_kind <= kQ6K, "kquant_moe reads Q4_K, Q5_K and Q6_K only");
   TORCH_CHECK(hidden % QK == 0 && inter % QK == 0, "hidden and intermediate sizes must be multiples of 256");
   TORCH_CHECK(gate.size(0) == num_experts * inter && up.size(0) == gate.size(0) && down.size(0) == num_experts * hidden,
               "gate/up [experts * I, bytes] and down [experts * H, bytes]");

@@ -162,7 +162,8 @@ def block_rows(holder) -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 
 class KQuantMatmul(QuantizedMatmul):
-    """A Q4_K, Q5_K or Q6_K weight in its GGUF blocks (`QuantizedWeight.blocks`), multiplied by kquant.cpp."""
+    """A weight in its GGUF blocks (`QuantizedWeight.blocks`: Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, Q4_0, Q4_1), multiplied
+    by kquant.cpp."""
 
     @staticmethod
     def applies(qw: QuantizedWeight, device: torch.device) -> bool:

@@ -195,7 +195,7 @@ class QuantizedEmbedding(nn.Module):
         )
         if isinstance(w, QuantizedWeight):
             self.bits, self.group_size, self.source = w.bits, w.group_size, w.source
-            if kquant.block_rows(w) is not None:  # not expanded to codes
+            if self.target.device.type == "cpu" and kquant.block_rows(w) is not None:  # not expanded to codes
                 self.blocks = w.blocks
                 return
             self.table = pack_nibbles(w.q) if w.bits == 4 else w.q
